@@ -1,0 +1,1 @@
+"""nnxscan.adapters: edges to other libraries (nnx.Optimizer, orbax, data loaders, loggers)."""

@@ -1,0 +1,73 @@
+"""Edge to ``nnx.Optimizer``: read its optax state as a plain pytree, and build the State that
+writes a trained one back.
+
+``optimizer.opt_state`` wraps every optax leaf in an ``OptVariable``/``OptArray``, so its tree
+differs from ``tx.init(params)``'s. The two hold the same leaves in the same order (the
+optimizer built its state with ``tx.init``), so the conversion goes by leaves, never by
+structure. Nothing here mutates the optimizer: the shell applies the result with
+``nnx.update``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["optax_state_from_optimizer", "optimizer_state_update"]
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def optax_state_from_optimizer(optimizer: nnx.Optimizer, params: nnx.State) -> Any:
+    """Returns ``optimizer``'s optax state in the structure ``optimizer.tx.init(params)`` has.
+
+    The leaves are the optimizer's own arrays (no copy).
+
+    Raises:
+      ValueError: the optimizer's state has another number of leaves than ``tx.init(params)``
+        would (it was built for another model, or another ``wrt``).
+
+    Example:
+      >>> opt_state = optax_state_from_optimizer(optimizer, nnx.state(model, nnx.Param))
+    """
+    template = jax.eval_shape(optimizer.tx.init, params)
+    leaves = jax.tree.leaves(optimizer.opt_state)
+    expected = jax.tree.structure(template)
+    if len(leaves) != expected.num_leaves:
+        raise ValueError(
+            f"the nnx.Optimizer's state has {len(leaves)} leaves but its transform "
+            f"expects {expected.num_leaves} for this model's wrt={optimizer.wrt!r} "
+            f"variables. Was the optimizer built for another model?"
+        )
+    for path, want, got in zip(
+        (p for p, _ in jax.tree_util.tree_flatten_with_path(template)[0]),
+        jax.tree.leaves(template),
+        leaves,
+        strict=True,
+    ):
+        if tuple(want.shape) != tuple(jnp.shape(got)):
+            raise ValueError(
+                f"the nnx.Optimizer's state leaf {jax.tree_util.keystr(path)} has shape "
+                f"{tuple(jnp.shape(got))}, but this model needs {tuple(want.shape)}. Was the "
+                f"optimizer built for another model?"
+            )
+    return jax.tree.unflatten(expected, leaves)
+
+
+def optimizer_state_update(optimizer: nnx.Optimizer, opt_state: Any, step: Any) -> nnx.State:
+    """Builds the State that ``nnx.update(optimizer, ...)`` takes to hold ``opt_state``/``step``.
+
+    Example:
+      >>> nnx.update(optimizer, optimizer_state_update(optimizer, opt_state, step))
+    """
+    variables = jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable)
+    new_by_id = {
+        id(var): leaf for var, leaf in zip(variables, jax.tree.leaves(opt_state), strict=True)
+    }
+    new_by_id[id(optimizer.step)] = step
+    return jax.tree.map(lambda v: new_by_id[id(v)], nnx.state(optimizer), is_leaf=_is_variable)

@@ -1,0 +1,134 @@
+"""The pure training step: ``step(graphdef, state, opt_state, batch)``.
+
+``state`` is the whole ``nnx.split(model)`` state. Only the ``wrt`` part is differentiated and
+updated by the optax transform; every other variable the forward pass changes (batch
+statistics, RNG counts, user variables) is carried forward, so a scanned loop behaves exactly
+like the plain per-step NNX loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from nnxscan.pure.validation import check_transform
+
+__all__ = ["LossFn", "StepFn", "init_opt_state", "make_train_step", "split_wrt"]
+
+LossFn = Callable[[nnx.Module, Any], Any]
+StepFn = Callable[[nnx.GraphDef, nnx.State, Any, Any], tuple[nnx.State, Any, Any]]
+
+
+def split_wrt(state: nnx.State, wrt: nnx.filterlib.Filter) -> tuple[nnx.State, nnx.State]:
+    """Splits a whole module state into ``(params, rest)`` by the ``wrt`` filter.
+
+    Raises ValueError when ``wrt`` selects no variable at all: a step would then train
+    nothing, which is never what the caller meant.
+
+    Example:
+      >>> params, rest = split_wrt(nnx.state(model), nnx.Param)
+    """
+    params, rest = nnx.split_state(state, wrt, ...)
+    if not jax.tree.leaves(params):
+        raise ValueError(
+            f"wrt={wrt!r} selects no variable of the model, so there is nothing to train. "
+            f"Variable types present: {sorted(_variable_types(state))}."
+        )
+    return params, rest
+
+
+def _variable_types(state: nnx.State) -> set[str]:
+    leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return {type(v).__name__ for v in leaves}
+
+
+def init_opt_state(
+    tx: optax.GradientTransformation, state: nnx.State, wrt: nnx.filterlib.Filter = nnx.Param
+) -> Any:
+    """Initializes the optax state for the ``wrt`` part of a whole module state.
+
+    Example:
+      >>> graphdef, state = nnx.split(model)
+      >>> opt_state = init_opt_state(optax.adam(1e-3), state)
+    """
+    tx = check_transform(tx)
+    params, _ = split_wrt(state, wrt)
+    return tx.init(params)
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    *,
+    wrt: nnx.filterlib.Filter = nnx.Param,
+    has_aux: bool = False,
+) -> StepFn:
+    """Builds a pure training step for an NNX model.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or ``(loss, aux)`` with
+        ``has_aux=True``. ``model`` is a live NNX module merged inside the traced function.
+      tx: the optax transform that updates the ``wrt`` variables.
+      wrt: an NNX filter choosing the variables to differentiate and update.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+    Returns:
+      ``step(graphdef, state, opt_state, batch) -> (state, opt_state, loss)``, or with
+      ``has_aux=True`` ``-> (state, opt_state, (loss, aux))``. It is a pure function: jit,
+      scan, vmap (over stacked states) and fori_loop all apply.
+
+    Example:
+      >>> step = make_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), tx)
+      >>> graphdef, state = nnx.split(model)
+      >>> opt_state = init_opt_state(tx, state)
+      >>> state, opt_state, loss = jax.jit(step)(graphdef, state, opt_state, batch)
+    """
+    tx = check_transform(tx)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+
+    def step(graphdef, state, opt_state, batch):
+        params, rest = split_wrt(state, wrt)
+
+        def forward(params):
+            # copy=True: merging without a copy breaks Dropout under grad outside jit
+            # (flax#5050), and copying is free under jit.
+            model = nnx.merge(graphdef, params, rest, copy=True)
+            out = loss_fn(model, batch)
+            loss, aux = out if has_aux else (out, None)
+            _check_scalar_loss(loss, has_aux)
+            # The whole state after the forward pass carries the moved batch statistics
+            # and advanced RNG counts back out of the trace.
+            return loss, (aux, nnx.state(model))
+
+        (loss, (aux, new_state)), grads = jax.value_and_grad(forward, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        _, new_rest = nnx.split_state(new_state, wrt, ...)
+        state = nnx.merge_state(params, new_rest)
+        return state, opt_state, ((loss, aux) if has_aux else loss)
+
+    step.__doc__ = f"Pure training step of {getattr(loss_fn, '__name__', 'loss_fn')}."
+    return step
+
+
+def _check_scalar_loss(loss: Any, has_aux: bool) -> None:
+    if isinstance(loss, tuple) and not has_aux:
+        raise ValueError(
+            "loss_fn returned a tuple, but the loss must be a scalar. If it returns "
+            "(loss, aux), pass has_aux=True."
+        )
+    shape = jnp.shape(loss)
+    if shape != ():
+        raise ValueError(
+            f"loss_fn must return a scalar loss, got shape {shape}. Reduce it, e.g. with "
+            f"jnp.mean(...)."
+        )
+    if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+        raise ValueError(
+            f"loss_fn must return a floating-point scalar, got dtype {jnp.result_type(loss)}."
+        )

@@ -1,0 +1,103 @@
+"""Input checks shared by the core: they raise before anything is traced or compiled.
+
+Every check works on shapes only, so it runs the same eagerly and under a trace, and every
+message names the offending leaf path and the sizes involved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+__all__ = [
+    "check_batch_size",
+    "check_leading_size",
+    "check_transform",
+]
+
+
+def _path(path: tuple) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def _check_array_leaves(tree: Any, what: str) -> list[tuple[tuple, Any]]:
+    """Returns the (path, leaf) pairs of ``tree``; raises TypeError on a non-array leaf."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    for path, leaf in leaves:
+        if isinstance(leaf, jax.Array | np.ndarray | np.generic):
+            continue
+        if isinstance(leaf, jax.ShapeDtypeStruct) or hasattr(leaf, "aval"):
+            continue
+        raise TypeError(
+            f"{what} leaf {_path(path)} is a {type(leaf).__name__}, not an array. "
+            f"Every leaf of {what} must be a numpy or JAX array; convert it with "
+            f"np.asarray(...) or drop it from the pytree."
+        )
+    return leaves
+
+
+def check_leading_size(tree: Any, what: str = "data") -> int:
+    """Returns the leading-axis size shared by every leaf of ``tree``.
+
+    Raises:
+      ValueError: ``tree`` has no leaves, the leading size is 0 ("empty"), a leaf is a
+        scalar, or two leaves disagree on the leading size (both paths and sizes named).
+      TypeError: a leaf is not an array (strings, Python objects).
+
+    Example:
+      >>> check_leading_size({"x": np.zeros((8, 3)), "y": np.zeros(8)})
+      8
+    """
+    leaves = _check_array_leaves(tree, what)
+    if not leaves:
+        raise ValueError(f"{what} is empty: it has no array leaves.")
+    first_path, first = leaves[0]
+    for path, leaf in leaves:
+        if np.ndim(leaf) == 0:
+            raise ValueError(
+                f"{what} leaf {_path(path)} is a scalar (shape ()); every leaf needs a "
+                f"leading axis to batch over."
+            )
+        if leaf.shape[0] != first.shape[0]:
+            raise ValueError(
+                f"{what} leaves disagree on the leading size: {_path(first_path)} has "
+                f"{first.shape[0]} (shape {tuple(first.shape)}) but {_path(path)} has "
+                f"{leaf.shape[0]} (shape {tuple(leaf.shape)}). Every leaf must have the "
+                f"same number of rows."
+            )
+    n = int(first.shape[0])
+    if n == 0:
+        raise ValueError(f"{what} is empty: its leading size is 0 (leaf {_path(first_path)}).")
+    return n
+
+
+def check_batch_size(batch_size: Any, num_examples: int, *, drop_remainder: bool) -> int:
+    """Validates ``batch_size`` against the number of examples and returns it as an int."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer):
+        raise TypeError(f"batch_size must be an int, got {type(batch_size).__name__}.")
+    batch_size = int(batch_size)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+    if drop_remainder and batch_size > num_examples:
+        raise ValueError(
+            f"batch_size {batch_size} is larger than the number of examples {num_examples}, "
+            f"so dropping the remainder would leave no batch. Use batch_size <= "
+            f"{num_examples}, or drop_remainder=False to train on one short batch."
+        )
+    return batch_size
+
+
+def check_transform(tx: Any) -> optax.GradientTransformation:
+    """Raises TypeError unless ``tx`` is an optax GradientTransformation."""
+    if isinstance(tx, optax.GradientTransformation):
+        return tx
+    hint = ""
+    if type(tx).__name__ == "Optimizer":
+        hint = " To train with an nnx.Optimizer, pass it to Trainer or scan_train."
+    raise TypeError(
+        f"tx must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), got "
+        f"{type(tx).__name__}.{hint}"
+    )

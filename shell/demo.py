@@ -1,0 +1,104 @@
+"""``nnxscan demo``: an MLP on scikit-learn's bundled digits, trained with scanned epochs."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from nnxscan.shell.trainer import Trainer
+
+__all__ = ["require_extra", "run_digits_demo", "save_line_plot"]
+
+
+def require_extra(module: str, extra: str = "demo") -> Any:
+    """Imports an optional dependency, or raises ImportError naming the extra to install."""
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError as err:
+        raise ImportError(
+            f"{module} is needed here; install it with: pip install 'nnxscan[{extra}]'"
+        ) from err
+
+
+class DigitsMLP(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.hidden1 = nnx.Linear(64, 128, rngs=rngs)
+        self.hidden2 = nnx.Linear(128, 128, rngs=rngs)
+        self.out = nnx.Linear(128, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden2(nnx.relu(self.hidden1(x)))))
+
+
+def cross_entropy(model: nnx.Module, batch: dict) -> jnp.ndarray:
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def accuracy(model: nnx.Module, batch: dict) -> jnp.ndarray:
+    return jnp.mean(model(batch["x"]).argmax(-1) == batch["y"])
+
+
+def digits_split(seed: int = 0, test_fraction: float = 0.2) -> tuple[dict, dict]:
+    """scikit-learn's 1,797 8x8 digits, scaled to [0, 1], split into train and test."""
+    datasets = require_extra("sklearn.datasets")
+    x, y = datasets.load_digits(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(x))
+    x, y = (x[order] / 16.0).astype(np.float32), y[order].astype(np.int32)
+    n_test = int(len(x) * test_fraction)
+    return {"x": x[n_test:], "y": y[n_test:]}, {"x": x[:n_test], "y": y[:n_test]}
+
+
+def save_line_plot(path: pathlib.Path, ys: np.ndarray, *, title: str, ylabel: str) -> None:
+    """Writes a PNG line plot without touching pyplot's global state."""
+    figure_mod = require_extra("matplotlib.figure")
+    agg = require_extra("matplotlib.backends.backend_agg")
+    fig = figure_mod.Figure(figsize=(6, 3.5), dpi=100)
+    agg.FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(np.arange(len(ys)), ys, lw=0.8)
+    ax.set(title=title, xlabel="step", ylabel=ylabel, yscale="log")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def run_digits_demo(
+    out_dir: str | pathlib.Path = ".", *, epochs: int = 30, seed: int = 0, progress: bool = True
+) -> dict[str, Any]:
+    """Trains an MLP on the digits, prints held-out accuracy and speed, writes a loss curve.
+
+    Returns a dict with ``accuracy``, ``steps_per_sec`` (median over epochs after the
+    first, which compiles) and ``plot`` (the PNG's path).
+
+    Example:
+      >>> run_digits_demo("/tmp", epochs=30)["accuracy"] >= 0.95
+      True
+    """
+    train, test = digits_split(seed)
+    model = DigitsMLP(rngs=nnx.Rngs(seed))
+    trainer = Trainer(model, optax.adam(1e-3), cross_entropy)
+    history = trainer.fit(train, epochs=epochs, batch_size=32, seed=seed, progress=progress)
+    acc = trainer.evaluate(test, accuracy, batch_size=128)["accuracy"]
+    speeds = [e["steps_per_sec"] for e in history.epochs[1:]] or [0.0]
+    plot = pathlib.Path(out_dir).resolve() / "nnxscan_digits_loss.png"
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    save_line_plot(plot, history.losses, title="digits MLP, scanned epochs", ylabel="loss")
+    result = {
+        "accuracy": acc,
+        "steps_per_sec": float(np.median(speeds)),
+        "steps": len(history.losses),
+        "plan": trainer.plan_for(train, 32).kind,
+        "plot": str(plot),
+    }
+    print(
+        f"digits MLP: held-out accuracy {acc:.2%} after {epochs} epochs "
+        f"({result['steps']} steps, plan '{result['plan']}', "
+        f"{result['steps_per_sec']:,.0f} steps/s); loss curve: {plot}"
+    )
+    return result

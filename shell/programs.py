@@ -1,0 +1,106 @@
+"""Compiled training and evaluation programs, cached by what they close over.
+
+A compiled function rebuilt from a fresh closure on every call recompiles every time, which
+throws the speed of scanning away. So the shell builds one program per
+``(loss_fn, tx, wrt, has_aux)`` and one evaluator per ``(metric_fn, batch_size)``, keeps the
+most recent ones, and lets ``jax.jit``'s own cache handle shapes and graphdefs: a second
+``fit`` or ``scan_train`` with the same objects and shapes compiles nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from nnxscan.pure import batch_indices, make_evaluate, make_train_step, scan_indexed_steps
+from nnxscan.shell.plans import Plan, plan_for_step
+
+__all__ = ["TrainProgram", "evaluator", "train_program"]
+
+_MAX_CACHED = 32
+_TRAIN: OrderedDict[Hashable, TrainProgram] = OrderedDict()
+_EVAL: OrderedDict[Hashable, Callable] = OrderedDict()
+
+
+def _identity_key(obj: Any) -> Hashable:
+    try:
+        hash(obj)
+        return obj
+    except TypeError:
+        return ("id", id(obj))
+
+
+def _lookup(cache: OrderedDict, key: Hashable, build: Callable[[], Any]) -> Any:
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = cache[key] = build()
+    if len(cache) > _MAX_CACHED:
+        cache.popitem(last=False)
+    return value
+
+
+class TrainProgram:
+    """The compiled pieces of training for one ``(loss_fn, tx, wrt, has_aux)``.
+
+    ``run_chunk(graphdef, state, opt_state, data, indices, start, length=, unroll=)`` trains
+    ``length`` steps on the batches ``indices[start:start+length]`` gathered from ``data``; it
+    donates ``state`` and ``opt_state``. ``epoch_indices(seed, epoch, num_examples=,
+    batch_size=, shuffle=)`` returns one epoch's ``(steps, batch)`` indices.
+    """
+
+    def __init__(self, loss_fn: Callable, tx: Any, wrt: Any, has_aux: bool):
+        self.step = make_train_step(loss_fn, tx, wrt=wrt, has_aux=has_aux)
+        self.has_aux = has_aux
+        self._plans: dict[Hashable, Plan] = {}
+        step = self.step
+
+        def run_chunk(graphdef, state, opt_state, data, indices, start, length, unroll):
+            idx = jax.lax.dynamic_slice_in_dim(indices, start, length)
+            return scan_indexed_steps(step, graphdef, state, opt_state, data, idx, unroll=unroll)
+
+        def epoch_indices(seed, epoch, num_examples, batch_size, shuffle):
+            key = jax.random.fold_in(jax.random.key(seed), epoch) if shuffle else None
+            full, _ = batch_indices(key, num_examples, batch_size, drop_remainder=True)
+            return full
+
+        self.run_chunk = jax.jit(
+            run_chunk, static_argnames=("length", "unroll"), donate_argnums=(1, 2)
+        )
+        self.epoch_indices = jax.jit(
+            epoch_indices, static_argnames=("num_examples", "batch_size", "shuffle")
+        )
+
+    def auto_plan(self, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> Plan:
+        """The ``"auto"`` plan for these shapes, traced once and remembered."""
+        key = (graphdef, jax.tree.map(lambda x: (x.shape, str(x.dtype)), batch))
+        key = (key[0], tuple(jax.tree.leaves(key[1])), jax.tree.structure(batch))
+        if key not in self._plans:
+            self._plans[key] = plan_for_step(self.step, graphdef, state, opt_state, batch)
+        return self._plans[key]
+
+
+def train_program(loss_fn: Callable, tx: Any, wrt: Any, has_aux: bool) -> TrainProgram:
+    """The cached :class:`TrainProgram` for these objects (built on first use)."""
+    key = (_identity_key(loss_fn), _identity_key(tx), _identity_key(wrt), bool(has_aux))
+    return _lookup(_TRAIN, key, lambda: TrainProgram(loss_fn, tx, wrt, has_aux))
+
+
+def evaluator(metric_fn: Callable, batch_size: int, eval_mode: bool = True) -> Callable:
+    """The cached, jitted ``evaluate(graphdef, state, data) -> dict`` for ``metric_fn``."""
+    key = (_identity_key(metric_fn), batch_size, eval_mode)
+    return _lookup(
+        _EVAL,
+        key,
+        lambda: jax.jit(make_evaluate(metric_fn, batch_size=batch_size, eval_mode=eval_mode)),
+    )
+
+
+def first_batch(data: Any, batch_size: int) -> Any:
+    """Abstract shapes of one batch of ``data`` (for tracing the plan rule)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((batch_size, *x.shape[1:]), jnp.result_type(x)), data
+    )

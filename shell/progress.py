@@ -1,0 +1,44 @@
+"""A progress bar that advances once per compiled call and never forces a device sync."""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+__all__ = ["EpochProgress"]
+
+
+class EpochProgress:
+    """``with EpochProgress(epochs, calls_per_epoch, enabled) as bar: bar.advance()``."""
+
+    def __init__(self, epochs: int, calls_per_epoch: int, enabled: bool):
+        self._calls = calls_per_epoch
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            disable=not enabled,
+        )
+        self._task = self._progress.add_task("epoch", total=epochs * calls_per_epoch, status="")
+
+    def __enter__(self) -> EpochProgress:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._progress.__exit__(exc_type, exc, tb)
+
+    def advance(self) -> None:
+        self._progress.advance(self._task)
+
+    def epoch_done(self, epoch: int, logs: dict) -> None:
+        status = f"epoch {epoch}  loss {logs['loss']:.4g}  {logs['steps_per_sec']:,.0f} steps/s"
+        self._progress.update(self._task, status=status)

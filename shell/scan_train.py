@@ -1,0 +1,73 @@
+"""``scan_train``: one compiled scan over many batches, on the user's model and optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from nnxscan.adapters.nnx_optimizer import optax_state_from_optimizer, optimizer_state_update
+from nnxscan.pure import check_leading_size, split_wrt
+from nnxscan.shell.loop import LiveState, run_plan
+from nnxscan.shell.plans import Plan, resolve_plan
+from nnxscan.shell.programs import train_program
+
+__all__ = ["scan_train"]
+
+
+def scan_train(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    loss_fn: Callable[[nnx.Module, Any], Any],
+    batches: Any,
+    *,
+    execution: str | Plan = "auto",
+) -> jax.Array:
+    """Trains one step per entry of the leading axis of ``batches``, compiled as one scan.
+
+    ``model`` and ``optimizer`` (its optax state and ``step`` counter) are updated in place,
+    exactly as ``optimizer.update(model, grads)`` in a per-step loop would. A second call with
+    the same ``loss_fn``, optimizer and shapes compiles nothing.
+
+    Args:
+      model: the ``nnx.Module`` to train.
+      optimizer: an ``nnx.Optimizer`` built on ``model`` (its ``tx`` and ``wrt`` are used).
+      loss_fn: ``loss_fn(model, batch)`` returning a scalar.
+      batches: a pytree whose leaves share a leading steps axis: ``(steps, batch, ...)``.
+      execution: the plan, as for :class:`Trainer` (``"auto"`` by default).
+
+    Returns:
+      The per-step losses, a ``(steps,)`` device array (not synced to the host).
+
+    Example:
+      >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+      >>> losses = scan_train(model, optimizer, loss_fn, {"x": xs, "y": ys})  # (steps, B, ..)
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}. For a plain "
+            f"optax transform use Trainer or nnxscan.pure.scan_steps."
+        )
+    num_steps = check_leading_size(batches, "batches")
+    explicit = resolve_plan(execution)
+    graphdef, state = nnx.split(model)
+    params, _ = split_wrt(state, optimizer.wrt)
+    opt_state = optax_state_from_optimizer(optimizer, params)
+    program = train_program(loss_fn, optimizer.tx, optimizer.wrt, False)
+    batches = jax.device_put(batches)
+    one_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batches)
+    plan = explicit or program.auto_plan(graphdef, state, opt_state, one_batch)
+
+    def write(state: nnx.State, opt_state: Any, steps: int) -> None:
+        nnx.update(model, state)
+        new_step = optimizer.step[...] + jnp.asarray(steps, jnp.uint32)
+        nnx.update(optimizer, optimizer_state_update(optimizer, opt_state, new_step))
+
+    live = LiveState(state, opt_state, write)
+    indices = jnp.arange(num_steps, dtype=jnp.int32)
+    outs = run_plan(program, plan, graphdef, live, batches, indices, num_steps)
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs)

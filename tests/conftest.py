@@ -1,0 +1,146 @@
+"""Shared small models, data and the independent reference: the plain per-step NNX loop."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+# -- compile counting -------------------------------------------------------------------------
+
+_COMPILES = {"n": 0}
+
+
+def _on_event(event: str, *args, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES["n"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+@pytest.fixture
+def compile_count():
+    """``compile_count()`` returns the number of XLA compilations since the test started."""
+    start = _COMPILES["n"]
+    return lambda: _COMPILES["n"] - start
+
+
+# -- models -------------------------------------------------------------------------------------
+
+
+class MLP(nnx.Module):
+    def __init__(self, din: int = 4, hidden: int = 8, dout: int = 3, *, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(din, hidden, rngs=rngs)
+        self.l2 = nnx.Linear(hidden, dout, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+class BNDropout(nnx.Module):
+    """Forward pass mutates batch statistics and RNG counts."""
+
+    def __init__(self, din: int = 4, hidden: int = 8, dout: int = 3, *, rngs: nnx.Rngs):
+        # No bias before BatchNorm: its gradient is pure rounding noise, which Adam would
+        # amplify into lr-sized steps and make equal-up-to-rounding runs diverge.
+        self.l1 = nnx.Linear(din, hidden, use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(hidden, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.l2 = nnx.Linear(hidden, dout, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+
+class SmallCNN(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), rngs=rngs)
+        self.out = nnx.Linear(4 * 8 * 8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.conv(x))
+        return self.out(h.reshape(h.shape[0], -1))
+
+
+def xent(model, batch):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def xent_aux(model, batch):
+    logits = model(batch["x"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, {"acc": jnp.mean(logits.argmax(-1) == batch["y"])}
+
+
+def accuracy(model, batch):
+    return jnp.mean(model(batch["x"]).argmax(-1) == batch["y"])
+
+
+def make_data(n: int = 64, din: int = 4, classes: int = 3, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, din)).astype(np.float32)
+    w = rng.normal(size=(din, classes))
+    return {"x": x, "y": np.argmax(x @ w, axis=-1).astype(np.int32)}
+
+
+@pytest.fixture(scope="session")
+def data():
+    return make_data()
+
+
+# -- the independent reference ------------------------------------------------------------------
+
+
+def reference_loop(model, optimizer, loss_fn, batches: list, has_aux: bool = False):
+    """The plain per-step NNX loop: ``nnx.jit`` + ``nnx.value_and_grad`` + ``optimizer.update``."""
+    wrt = optimizer.wrt
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        diff = nnx.DiffState(0, wrt)
+        out, grads = nnx.value_and_grad(loss_fn, argnums=diff, has_aux=has_aux)(model, batch)
+        optimizer.update(model, grads)
+        return out
+
+    return [train_step(model, optimizer, b) for b in batches]
+
+
+def epoch_batches(data: dict, batch_size: int, seed: int, epoch: int, shuffle: bool = True):
+    """The documented shuffle rule: permute with fold_in(key(seed), epoch), drop the rest."""
+    n = len(data["x"])
+    if shuffle:
+        order = np.asarray(
+            jax.random.permutation(jax.random.fold_in(jax.random.key(seed), epoch), n)
+        )
+    else:
+        order = np.arange(n)
+    nb = n // batch_size
+    return [
+        {k: v[order[i * batch_size : (i + 1) * batch_size]] for k, v in data.items()}
+        for i in range(nb)
+    ]
+
+
+def state_arrays(node) -> list[np.ndarray]:
+    """Host copies of every array in a module or state (RNG keys as their raw data)."""
+    out = []
+    for leaf in jax.tree.leaves(nnx.state(node) if isinstance(node, nnx.Pytree) else node):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        out.append(np.array(leaf))
+    return out
+
+
+def assert_trees_close(a, b, *, rtol=1e-5, atol=1e-6, exact=False):
+    la, lb = state_arrays(a), state_arrays(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        if exact:
+            np.testing.assert_array_equal(x, y)
+        else:
+            np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
