@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
 from nnxscan.pure.train_step import StepFn
 from nnxscan.pure.validation import check_batch_size, check_leading_size
 

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
 from nnxscan.pure.epoch import batch_indices, take_batch
 from nnxscan.pure.validation import check_batch_size, check_leading_size
 

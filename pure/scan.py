@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+
 from nnxscan.pure.train_step import StepFn
 from nnxscan.pure.validation import check_leading_size
 

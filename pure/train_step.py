@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
 from nnxscan.pure.validation import check_transform
 
 __all__ = ["LossFn", "StepFn", "init_opt_state", "make_train_step", "split_wrt"]

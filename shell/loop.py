@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flax import nnx
+
 from nnxscan.shell.plans import Plan
 from nnxscan.shell.programs import TrainProgram
 

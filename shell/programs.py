@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
 from nnxscan.pure import batch_indices, make_evaluate, make_train_step, scan_indexed_steps
 from nnxscan.shell.plans import Plan, plan_for_step
 

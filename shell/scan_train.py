@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
 from nnxscan.adapters.nnx_optimizer import optax_state_from_optimizer, optimizer_state_update
 from nnxscan.pure import check_leading_size, split_wrt
 from nnxscan.shell.loop import LiveState, run_plan

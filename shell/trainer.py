@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+
 from nnxscan.adapters.nnx_optimizer import optax_state_from_optimizer, optimizer_state_update
 from nnxscan.pure import (
     check_batch_size,

@@ -7,6 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
+
+from nnxscan.pure import (
+    init_opt_state,
+    make_epoch,
+    make_eval_step,
+    make_evaluate,
+    make_train_step,
+    scan_steps,
+)
+
 from conftest import (
     MLP,
     BNDropout,
@@ -16,15 +27,6 @@ from conftest import (
     state_arrays,
     xent,
     xent_aux,
-)
-from flax import nnx
-from nnxscan.pure import (
-    init_opt_state,
-    make_epoch,
-    make_eval_step,
-    make_evaluate,
-    make_train_step,
-    scan_steps,
 )
 
 TX = optax.adam(1e-2)

@@ -7,6 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
+
+from nnxscan.shell import Plan, Trainer, scan_train
+from nnxscan.shell import programs as programs_module
+
 from conftest import (
     MLP,
     BNDropout,
@@ -20,9 +25,6 @@ from conftest import (
     xent,
     xent_aux,
 )
-from flax import nnx
-from nnxscan.shell import Plan, Trainer, scan_train
-from nnxscan.shell import programs as programs_module
 
 TX = optax.adam(1e-2)
 BS = 8
