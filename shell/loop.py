@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from flax import nnx
 
 from nnxscan.shell.plans import Plan
@@ -21,7 +22,7 @@ __all__ = ["LiveState", "run_plan"]
 
 
 class LiveState:
-    """The newest ``(state, opt_state)`` and how to write it into the user's objects.
+    """The newest ``(state, opt_state)``, kept as flat leaves, and how to write it back.
 
     ``write(state, opt_state, steps)`` receives the number of steps trained since the last
     write (to advance step counters).
@@ -30,19 +31,19 @@ class LiveState:
     def __init__(
         self, state: nnx.State, opt_state: Any, write: Callable[[nnx.State, Any, int], None]
     ):
-        self.state = state
-        self.opt_state = opt_state
+        self.leaves, self.treedef = jax.tree.flatten((state, opt_state))
         self._write = write
         self.unwritten_steps = 0
 
-    def advance(self, state: nnx.State, opt_state: Any, steps: int) -> None:
-        self.state, self.opt_state = state, opt_state
+    def advance(self, leaves: list, steps: int) -> None:
+        self.leaves = leaves
         self.unwritten_steps += steps
 
     def flush(self) -> None:
         if self.unwritten_steps:
             steps, self.unwritten_steps = self.unwritten_steps, 0
-            self._write(self.state, self.opt_state, steps)
+            state, opt_state = jax.tree.unflatten(self.treedef, self.leaves)
+            self._write(state, opt_state, steps)
 
 
 def run_plan(
@@ -61,20 +62,12 @@ def run_plan(
     state when this returns, and the last completed state when it raises.
     """
     write_each_call = plan.kind != "step"
+    run = program.runner(graphdef, live.treedef)
     outs = []
     try:
         for start, length in plan.chunks(num_steps):
-            state, opt_state, out = program.run_chunk(
-                graphdef,
-                live.state,
-                live.opt_state,
-                data,
-                indices,
-                start,
-                length=length,
-                unroll=plan.unroll,
-            )
-            live.advance(state, opt_state, length)
+            leaves, out = run(live.leaves, data, indices, start, length=length, unroll=plan.unroll)
+            live.advance(leaves, length)
             outs.append(out)
             if write_each_call:
                 live.flush()

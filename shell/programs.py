@@ -34,10 +34,28 @@ def _identity_key(obj: Any) -> Hashable:
         return ("id", id(obj))
 
 
+class _HashOnce:
+    """A cache key that hashes once: hashing a GraphDef walks the whole graph."""
+
+    __slots__ = ("hash", "key")
+
+    def __init__(self, key: Hashable):
+        self.key = key
+        self.hash = hash(key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _HashOnce) and self.hash == other.hash and self.key == other.key
+
+
 def _lookup(cache: OrderedDict, key: Hashable, build: Callable[[], Any]) -> Any:
-    if key in cache:
+    key = _HashOnce(key)
+    value = cache.get(key)
+    if value is not None:
         cache.move_to_end(key)
-        return cache[key]
+        return value
     value = cache[key] = build()
     if len(cache) > _MAX_CACHED:
         cache.popitem(last=False)
@@ -47,41 +65,59 @@ def _lookup(cache: OrderedDict, key: Hashable, build: Callable[[], Any]) -> Any:
 class TrainProgram:
     """The compiled pieces of training for one ``(loss_fn, tx, wrt, has_aux)``.
 
-    ``run_chunk(graphdef, state, opt_state, data, indices, start, length=, unroll=)`` trains
-    ``length`` steps on the batches ``indices[start:start+length]`` gathered from ``data``; it
-    donates ``state`` and ``opt_state``. ``epoch_indices(seed, epoch, num_examples=,
-    batch_size=, shuffle=)`` returns one epoch's ``(steps, batch)`` indices.
+    ``runner(graphdef, carry_def)`` is the jitted ``run(leaves, data, indices, start,
+    length=, unroll=)`` that trains ``length`` steps on the batches
+    ``indices[start:start+length]`` gathered from ``data``, donating the carry's leaves.
+    The graphdef is closed over rather than passed: a graphdef argument is hashed on every
+    call, which costs more than a small model's step.
+    ``epoch_indices(seed, epoch, num_examples=, batch_size=, shuffle=)`` returns one epoch's
+    ``(steps, batch)`` indices.
     """
 
     def __init__(self, loss_fn: Callable, tx: Any, wrt: Any, has_aux: bool):
         self.step = make_train_step(loss_fn, tx, wrt=wrt, has_aux=has_aux)
         self.has_aux = has_aux
-        self._plans: dict[Hashable, Plan] = {}
-        step = self.step
-
-        def run_chunk(graphdef, state, opt_state, data, indices, start, length, unroll):
-            idx = jax.lax.dynamic_slice_in_dim(indices, start, length)
-            return scan_indexed_steps(step, graphdef, state, opt_state, data, idx, unroll=unroll)
+        self._plans: OrderedDict[Hashable, Plan] = OrderedDict()
+        self._runners: OrderedDict[Hashable, Callable] = OrderedDict()
 
         def epoch_indices(seed, epoch, num_examples, batch_size, shuffle):
             key = jax.random.fold_in(jax.random.key(seed), epoch) if shuffle else None
             full, _ = batch_indices(key, num_examples, batch_size, drop_remainder=True)
             return full
 
-        self.run_chunk = jax.jit(
-            run_chunk, static_argnames=("length", "unroll"), donate_argnums=(1, 2)
-        )
         self.epoch_indices = jax.jit(
             epoch_indices, static_argnames=("num_examples", "batch_size", "shuffle")
         )
 
+    def runner(self, graphdef: Any, carry_def: Any) -> Callable:
+        """The jitted, donating chunk runner for this graphdef and carry structure.
+
+        The carry ``(state, opt_state)`` crosses the call as a flat list of arrays:
+        flattening an ``nnx.State`` of Variables costs a sort per node on every call, more
+        than a small model's step, while a list flattens in C++.
+        """
+        step = self.step
+
+        def build():
+            def run(leaves, data, indices, start, length, unroll):
+                state, opt_state = jax.tree.unflatten(carry_def, leaves)
+                idx = jax.lax.dynamic_slice_in_dim(indices, start, length)
+                state, opt_state, outs = scan_indexed_steps(
+                    step, graphdef, state, opt_state, data, idx, unroll=unroll
+                )
+                return jax.tree.leaves((state, opt_state)), outs
+
+            return jax.jit(run, static_argnames=("length", "unroll"), donate_argnums=0)
+
+        return _lookup(self._runners, (graphdef, carry_def), build)
+
     def auto_plan(self, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> Plan:
         """The ``"auto"`` plan for these shapes, traced once and remembered."""
-        key = (graphdef, jax.tree.map(lambda x: (x.shape, str(x.dtype)), batch))
-        key = (key[0], tuple(jax.tree.leaves(key[1])), jax.tree.structure(batch))
-        if key not in self._plans:
-            self._plans[key] = plan_for_step(self.step, graphdef, state, opt_state, batch)
-        return self._plans[key]
+        shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch))
+        key = (graphdef, shapes, jax.tree.structure(batch))
+        return _lookup(
+            self._plans, key, lambda: plan_for_step(self.step, graphdef, state, opt_state, batch)
+        )
 
 
 def train_program(loss_fn: Callable, tx: Any, wrt: Any, has_aux: bool) -> TrainProgram:

@@ -134,12 +134,14 @@ class Trainer:
 
     def plan_for(self, data: Any, batch_size: int) -> Plan:
         """The execution plan ``fit`` uses for this data and batch size (traces, no compile)."""
+        graphdef, state = nnx.split(self.model)
+        return self._plan(graphdef, state, self.opt_state, data, batch_size)
+
+    def _plan(self, graphdef, state, opt_state, data, batch_size: int) -> Plan:
         if self._explicit_plan is not None:
             return self._explicit_plan
-        graphdef, state = nnx.split(self.model)
-        return self._program.auto_plan(
-            graphdef, state, self.opt_state, first_batch(data, batch_size)
-        )
+        batch = first_batch(data, batch_size)
+        return self._program.auto_plan(graphdef, state, opt_state, batch)
 
     # -- training -------------------------------------------------------------------------
 
@@ -183,13 +185,14 @@ class Trainer:
         batch_size = check_batch_size(batch_size, n, drop_remainder=True)
         callbacks = tuple(callbacks)
         data = jax.device_put(data)
-        plan = self.plan_for(data, batch_size)
+        graphdef, state = nnx.split(self.model)
+        opt_state = self.opt_state
+        plan = self._plan(graphdef, state, opt_state, data, batch_size)
         num_steps = n // batch_size
         history = History()
         if epochs == 0:
             return history
-        graphdef, state = nnx.split(self.model)
-        live = LiveState(state, self.opt_state, self._write)
+        live = LiveState(state, opt_state, self._write)
         self.stop_training = False
         with EpochProgress(epochs, len(plan.chunks(num_steps)), progress) as bar:
             for _ in range(epochs):

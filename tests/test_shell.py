@@ -140,16 +140,21 @@ def test_failure_mid_epoch_with_step_plan_keeps_the_last_completed_step(data, mo
     optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
     trainer = Trainer(model, optimizer, xent, execution="step")
     program = trainer._program
-    real = program.run_chunk
+    real_runner = program.runner
     calls = {"n": 0}
 
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
+    def flaky_runner(*args):
+        real = real_runner(*args)
 
-    monkeypatch.setattr(program, "run_chunk", flaky)
+        def flaky(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        return flaky
+
+    monkeypatch.setattr(program, "runner", flaky_runner)
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(data, epochs=1, batch_size=BS, progress=False)
     ref = MLP(rngs=nnx.Rngs(0))
