@@ -1,7 +1,7 @@
 """Training speed: per-step NNX loops vs a hand-written pure-JAX scan vs nnxscan.
 
-Runs, in one process and interleaved (A, B, C, D..., A, B, C, D..., ...), one epoch of the
-same batches with:
+Runs, in one process and interleaved (every method once per round, in a shuffled order
+each round), one epoch of the same batches with:
 
   A  per-step ``nnx.jit`` loop with ``nnx.Optimizer`` (the NNX tutorial loop)
   B  ``nnx.split``/``nnx.merge`` + ``jax.jit`` per step, state donated
@@ -19,8 +19,10 @@ comparison is about the loop, not the data path.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -38,9 +40,7 @@ from nnxscan.shell import Trainer
 
 class MLP(nnx.Module):
     def __init__(self, sizes: list[int], *, rngs: nnx.Rngs):
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
-        )
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
 
     def __call__(self, x):
         for layer in self.layers[:-1]:
@@ -231,9 +231,14 @@ def bench(name: str, steps: int, reps: int) -> dict[str, float]:
         run()
         run()
     times: dict[str, list[float]] = {k: [] for k in runs}
+    order = list(runs)
+    shuffler = random.Random(0)
     for _ in range(reps):
-        for label, run in runs.items():
-            times[label].append(run() / steps * 1e6)
+        # Every method once per round, in a new order each round, so no method always
+        # follows the same neighbour (cache and frequency effects).
+        shuffler.shuffle(order)
+        for label in order:
+            times[label].append(runs[label]() / steps * 1e6)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -265,9 +270,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the medians to this file")
     args = parser.parse_args()
     cases = list(CASES) if args.case == "all" else [args.case]
-    print(
-        f"jax {jax.__version__}, backend {jax.default_backend()}, {platform.processor() or platform.machine()}"
-    )
+    cpu = platform.processor() or platform.machine()
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {cpu}")
     results = {}
     for name in cases:
         results[name] = bench(name, CASES[name][1], args.reps)

@@ -6,7 +6,7 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
 
 from nnxscan.pure.epoch import batch_indices, make_epoch, scan_indexed_steps, take_batch
 from nnxscan.pure.evaluation import make_eval_step, make_evaluate
-from nnxscan.pure.scan import scan_steps
+from nnxscan.pure.scan import scan_loop, scan_steps
 from nnxscan.pure.train_step import init_opt_state, make_train_step, split_wrt
 from nnxscan.pure.validation import check_batch_size, check_leading_size, check_transform
 
@@ -21,6 +21,7 @@ __all__ = [
     "make_evaluate",
     "make_train_step",
     "scan_indexed_steps",
+    "scan_loop",
     "scan_steps",
     "split_wrt",
     "take_batch",

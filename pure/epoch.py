@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnxscan.pure.scan import scan_loop
 from nnxscan.pure.train_step import StepFn
 from nnxscan.pure.validation import check_batch_size, check_leading_size
 
@@ -86,7 +87,7 @@ def scan_indexed_steps(
         state, opt_state, out = step(graphdef, state, opt_state, take_batch(data, idx))
         return (state, opt_state), out
 
-    (state, opt_state), outs = jax.lax.scan(body, (state, opt_state), indices, unroll=unroll)
+    (state, opt_state), outs = scan_loop(body, (state, opt_state), indices, unroll=unroll)
     return state, opt_state, outs
 
 

@@ -10,7 +10,23 @@ from flax import nnx
 from nnxscan.pure.train_step import StepFn
 from nnxscan.pure.validation import check_leading_size
 
-__all__ = ["scan_steps"]
+__all__ = ["scan_loop", "scan_steps"]
+
+
+def scan_loop(body: Any, carry: Any, xs: Any, *, unroll: int | bool = 1) -> tuple[Any, Any]:
+    """``lax.scan(body, carry, xs, unroll=unroll)``, except that a fully unrolled scan of
+    length 1 really has no loop.
+
+    jax 0.10 lowers ``lax.scan(..., unroll=True)`` of length 1 to a ``while`` loop, and on
+    the CPU a loop body runs convolution gradients ~5x slower (jax#12868): a one-step call
+    must not pay that.
+    """
+    length = jax.tree.leaves(xs)[0].shape[0]
+    full = unroll is True or (not isinstance(unroll, bool) and unroll >= length)
+    if length == 1 and full:
+        carry, out = body(carry, jax.tree.map(lambda x: x[0], xs))
+        return carry, jax.tree.map(lambda y: y[None], out)
+    return jax.lax.scan(body, carry, xs, unroll=unroll)
 
 
 def scan_steps(
@@ -47,5 +63,5 @@ def scan_steps(
         state, opt_state, out = step(graphdef, state, opt_state, batch)
         return (state, opt_state), out
 
-    (state, opt_state), outs = jax.lax.scan(body, (state, opt_state), batches, unroll=unroll)
+    (state, opt_state), outs = scan_loop(body, (state, opt_state), batches, unroll=unroll)
     return state, opt_state, outs

@@ -166,6 +166,20 @@ def test_step_under_user_scan_with_grad_of_final_loss(data):
     np.testing.assert_allclose(jnp.vdot(g, d), fd, rtol=2e-2, atol=1e-4)
 
 
+@pytest.mark.parametrize("length", [1, 3])
+def test_fully_unrolled_scan_steps_leave_no_loop(data, length):
+    """jax lowers a length-1 unroll=True scan to a while loop; ours must not (jax#12868)."""
+    graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
+    step = make_train_step(xent, TX)
+    opt = init_opt_state(TX, state)
+    batches = stacked(data, steps=length)
+    run = jax.jit(lambda s, o, b: scan_steps(step, graphdef, s, o, b, unroll=True))
+    assert "while" not in run.lower(state, opt, batches).as_text()
+    _, _, unrolled = run(state, opt, batches)
+    _, _, looped = scan_jit(step, graphdef, state, opt, batches)
+    np.testing.assert_allclose(unrolled, looped, rtol=1e-6)
+
+
 @pytest.mark.parametrize("drop_remainder", [True, False])
 def test_make_epoch_equals_per_step_loop_on_the_same_permutation(data, drop_remainder):
     n, bs = 37, 8  # 4 full batches and a tail of 5
