@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         from nnxscan.shell.demo_hypernet import run_hypernet_demo
 
-        run_hypernet_demo(args.out, seed=args.seed)
+        run_hypernet_demo(args.out, seed=args.seed, progress=not args.no_progress)
     return 0
 
 

@@ -1,0 +1,32 @@
+"""Hypernetworks: run a target network with generated, differentiable parameters.
+
+Example:
+  >>> from nnxscan.pure import hyper
+  >>> spec = hyper.ParamSpec.from_module(target, wrt=nnx.Param)
+  >>> heads = hyper.HyperHeads(spec, 32, rngs=nnx.Rngs(0))
+  >>> ys = jax.vmap(lambda h: hyper.call(spec, heads(h), x))(features)  # (n, ...) outputs
+
+- :class:`ParamSpec` (``spec.py``): what is generated, the target's other state, and
+  :func:`ravel` / :meth:`ParamSpec.unravel` between params and one flat vector.
+- :func:`call` / :func:`call_with_state` (``call.py``): run the target with given params.
+- :class:`HyperHeads` (``heads.py``): one linear head per generated tensor, hyperfan-in init.
+- :class:`Hypernetwork` (``hypernetwork.py``): trunk + heads + target as one NNX module.
+"""
+
+from nnxscan.pure.hyper.call import call, call_with_state
+from nnxscan.pure.hyper.heads import HyperHeads, head_init_scale
+from nnxscan.pure.hyper.hypernetwork import GeneratedSlot, Hypernetwork
+from nnxscan.pure.hyper.spec import LeafSpec, ParamSpec, check_params, ravel
+
+__all__ = [
+    "GeneratedSlot",
+    "HyperHeads",
+    "Hypernetwork",
+    "LeafSpec",
+    "ParamSpec",
+    "call",
+    "call_with_state",
+    "check_params",
+    "head_init_scale",
+    "ravel",
+]

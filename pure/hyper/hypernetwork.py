@@ -1,0 +1,138 @@
+"""Hypernetwork: an ordinary NNX module = trunk + HyperHeads + the target it generates for.
+
+Where the generated slots live. ``hnet.target`` is the hypernetwork's own copy of the
+target in which every generated variable has been re-wrapped as a :class:`GeneratedSlot`
+(holding the target's initial value, which ``hnet.spec`` measures for the head init). A
+``GeneratedSlot`` is not an ``nnx.Param``, so training ``hnet`` with ``wrt=nnx.Param``
+(the default everywhere in nnxscan) differentiates and optimizes the trunk, the heads and
+the target's *non-generated* Params, and neither differentiates the generated slots nor
+carries them in the optimizer state. With a broader filter such as ``nnx.Variable``, exclude
+them explicitly: ``nnx.All(nnx.Variable, nnx.Not(hyper.GeneratedSlot))``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnxscan.pure.hyper.call import call_with_state
+from nnxscan.pure.hyper.heads import HyperHeads
+from nnxscan.pure.hyper.spec import ParamSpec, spec_from_split
+
+__all__ = ["GeneratedSlot", "Hypernetwork"]
+
+
+class GeneratedSlot(nnx.Variable):
+    """A target variable whose value a :class:`Hypernetwork` generates; not a Param.
+
+    Holds the target's own initial value, which is never used by ``hnet(z, ...)``.
+    """
+
+
+class Hypernetwork(nnx.Module):
+    """A trunk, one :class:`HyperHeads`, and the target network they generate weights for.
+
+    Args:
+      target: the network to generate variables for. It is copied (arrays included) and
+        never modified; ``hnet.target`` is the copy, with generated slots re-wrapped as
+        :class:`GeneratedSlot`.
+      trunk: any NNX module (or callable) mapping an embedding ``z`` to features of size
+        ``trunk_features``; it is stored as is and trained with the hypernetwork.
+      trunk_features: the size of the trunk's output.
+      wrt: the filter selecting the target's generated variables (default: all Params).
+      input_variance: the variance of the trunk's output features the head init assumes.
+      rngs: draws the head weights.
+
+    ``hnet.generate(z)`` returns the generated params for one embedding ``z``;
+    ``hnet(z, *args, **kwargs)`` runs the target on ``args`` with them. Changes the target's
+    forward makes to its own state (batch statistics, RNG counts) are written back to
+    ``hnet.target``. For many networks at once, ``jax.vmap(lambda z: hnet(z, x))(zs)``.
+
+    Example:
+      >>> target = MLP(1, 8, 1, rngs=nnx.Rngs(0))
+      >>> trunk = nnx.Sequential(nnx.Linear(3, 32, rngs=rngs), nnx.tanh)
+      >>> hnet = hyper.Hypernetwork(target, trunk, 32, rngs=nnx.Rngs(1))
+      >>> y = hnet(jnp.array([1.0, 0.5, 0.0]), x)        # target(x) with generated weights
+      >>> trainer = Trainer(hnet, optax.adam(1e-3), loss_fn)   # trains trunk and heads
+    """
+
+    def __init__(
+        self,
+        target: nnx.Module,
+        trunk: Any,
+        trunk_features: int,
+        *,
+        wrt: nnx.filterlib.Filter = nnx.Param,
+        input_variance: float = 1.0,
+        rngs: nnx.Rngs,
+    ):
+        if not callable(trunk):
+            raise TypeError(f"trunk must be callable (an NNX module), got {type(trunk).__name__}.")
+        spec = ParamSpec.from_module(target, wrt=wrt)  # copies the non-generated state
+        graphdef, own = nnx.split(target, wrt, ...)[:2]
+        slots = jax.tree.map(
+            lambda v: GeneratedSlot(jnp.array(v.get_value(), copy=True)),
+            own,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+        self.trunk = trunk
+        self.heads = HyperHeads(spec, trunk_features, input_variance=input_variance, rngs=rngs)
+        self.target = nnx.merge(graphdef, slots, spec.rest, copy=True)
+        # The original graphdef (slots typed as wrt selected them) and leaf layout, static.
+        self._target_graphdef = spec.graphdef
+        self._generated_treedef = spec.treedef
+        self._generated_leaves = spec.leaves
+
+    @property
+    def spec(self) -> ParamSpec:
+        """The target's :class:`ParamSpec`, with ``hnet.target``'s current own state.
+
+        Example:
+          >>> y = hyper.call(hnet.spec, hnet.generate(z), x)   # == hnet(z, x)
+        """
+        _, slots, rest = nnx.split(self.target, GeneratedSlot, ...)
+        # Re-type the slots as the target had them, so spec.unravel builds Params again.
+        own = jax.tree.unflatten(self._generated_treedef, jax.tree.leaves(slots))
+        return spec_from_split(self._target_graphdef, own, rest)
+
+    def generate(self, z: jax.Array) -> nnx.State:
+        """The generated params for embedding ``z``: ``heads(trunk(z))``.
+
+        Example:
+          >>> params = hnet.generate(z)
+          >>> flat = hyper.ravel(params)
+        """
+        return self.heads(self.trunk(z))
+
+    def __call__(self, z: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        """Runs the target on ``*args, **kwargs`` with the params generated from ``z``.
+
+        Example:
+          >>> y = hnet(z, x)                               # one network
+          >>> ys = jax.vmap(hnet, in_axes=(0, None))(zs, x)  # one network per embedding
+        """
+        # The spec without the init statistics (only HyperHeads' init reads them).
+        rest = nnx.state(self.target, nnx.Not(GeneratedSlot))
+        n = len(self._generated_leaves)
+        spec = ParamSpec(
+            self._target_graphdef,
+            self._generated_treedef,
+            self._generated_leaves,
+            rest,
+            jnp.zeros(n, jnp.float32),
+            jnp.zeros(n, jnp.float32),
+        )
+        out, new_spec = call_with_state(spec, self.generate(z), *args, **kwargs)
+        _write_back_changes(self.target, spec.rest, new_spec.rest)
+        return out
+
+
+def _write_back_changes(target: nnx.Module, old: nnx.State, new: nnx.State) -> None:
+    # Only arrays the forward pass replaced are written, so a target with nothing to update
+    # (a plain MLP) leaves hnet untouched, and hnet(z, x) works inside a jax.vmap closure.
+    changed = [a is not b for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True)]
+    if any(changed):
+        nnx.update(target, new)
