@@ -100,6 +100,11 @@ def make_train_step(
             # (flax#5050), and copying is free under jit.
             model = nnx.merge(graphdef, params, rest, copy=True)
             out = loss_fn(model, batch)
+            if has_aux and not (isinstance(out, tuple | list) and len(out) == 2):
+                raise ValueError(
+                    f"has_aux=True, so loss_fn must return (loss, aux); it returned a "
+                    f"{type(out).__name__}. Pass has_aux=False for a plain scalar loss."
+                )
             loss, aux = out if has_aux else (out, None)
             _check_scalar_loss(loss, has_aux)
             # The whole state after the forward pass carries the moved batch statistics
@@ -110,11 +115,35 @@ def make_train_step(
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         _, new_rest = nnx.split_state(new_state, wrt, ...)
+        _check_same_layout(rest, new_rest)
         state = nnx.merge_state(params, new_rest)
         return state, opt_state, ((loss, aux) if has_aux else loss)
 
     step.__doc__ = f"Pure training step of {getattr(loss_fn, '__name__', 'loss_fn')}."
     return step
+
+
+def _check_same_layout(before: nnx.State, after: nnx.State) -> None:
+    """The state a step returns must have the layout it received: a scan carries it."""
+    old = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(before)}
+    new = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(after)}
+    added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+    if added or removed:
+        raise ValueError(
+            f"the forward pass changed the model's variables (added: {added or 'none'}, "
+            f"removed: {removed or 'none'}), so its state can't be carried from step to step. "
+            f"Variables created in __call__ (e.g. self.sow(nnx.Intermediate, ...)) must be "
+            f"removed in loss_fn, e.g. with nnx.pop(model, nnx.Intermediate), and returned "
+            f"as aux if you need them."
+        )
+    for key, x in old.items():
+        y = new[key]
+        if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
+            raise ValueError(
+                f"the forward pass changed variable {key} from {jnp.shape(x)} "
+                f"{jnp.result_type(x)} to {jnp.shape(y)} {jnp.result_type(y)}; a scanned "
+                f"state must keep its shapes and dtypes."
+            )
 
 
 def _check_scalar_loss(loss: Any, has_aux: bool) -> None:

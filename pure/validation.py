@@ -27,9 +27,15 @@ def _check_array_leaves(tree: Any, what: str) -> list[tuple[tuple, Any]]:
     """Returns the (path, leaf) pairs of ``tree``; raises TypeError on a non-array leaf."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     for path, leaf in leaves:
-        if isinstance(leaf, jax.Array | np.ndarray | np.generic):
-            continue
-        if isinstance(leaf, jax.ShapeDtypeStruct) or hasattr(leaf, "aval"):
+        is_array = isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+        if is_array or hasattr(leaf, "aval"):
+            dtype = np.dtype(leaf.dtype) if not hasattr(leaf, "aval") else leaf.aval.dtype
+            if not (jax.dtypes.issubdtype(dtype, np.number) or dtype == np.bool_):
+                raise TypeError(
+                    f"{what} leaf {_path(path)} has dtype {dtype} (shape {tuple(leaf.shape)}); "
+                    f"JAX needs numeric or bool arrays. Encode it (e.g. as integer ids) or "
+                    f"drop it from the pytree."
+                )
             continue
         raise TypeError(
             f"{what} leaf {_path(path)} is a {type(leaf).__name__}, not an array. "
@@ -91,9 +97,15 @@ def check_batch_size(batch_size: Any, num_examples: int, *, drop_remainder: bool
 
 
 def check_transform(tx: Any) -> optax.GradientTransformation:
-    """Raises TypeError unless ``tx`` is an optax GradientTransformation."""
+    """Returns ``tx`` as an optax GradientTransformation, or raises TypeError.
+
+    ``optax.MultiSteps`` (not itself a GradientTransformation) is accepted through its
+    ``gradient_transformation()``, whose state is the one ``MultiSteps.init`` builds.
+    """
     if isinstance(tx, optax.GradientTransformation):
         return tx
+    if isinstance(tx, optax.MultiSteps):
+        return tx.gradient_transformation()
     hint = ""
     if type(tx).__name__ == "Optimizer":
         hint = " To train with an nnx.Optimizer, pass it to Trainer or scan_train."

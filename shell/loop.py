@@ -2,23 +2,63 @@
 
 State buffers are donated to every compiled call, so the arrays the user's module held
 before the call are deleted when it runs. The module is therefore written back with the
-newest state after each call (the per-step plan: after the stretch of calls, to spare
-per-step Python) and, whatever stops the loop (an exception, a KeyboardInterrupt), before the
-exception leaves: no user object ever keeps a donated buffer.
+newest state after each call (the per-step plan: at the end of the stretch of calls, to
+spare per-step Python) and, whatever stops the loop, before the exception leaves:
+
+- Ctrl-C is held while a call is in flight and raised right after its result is kept (a
+  SIGINT landing between the donation and the bookkeeping would otherwise lose the state);
+- a step with host callbacks (which can fail inside the call) is run without donation and
+  waited for, so a failure leaves the last completed state;
+- two leaves holding one buffer (tied variables, an optax state that keeps a reference to
+  the params) are copied apart first: a buffer can be donated only once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.shell.plans import Plan
+from nnxscan.shell.plans import Plan, choose_plan
 from nnxscan.shell.programs import TrainProgram
 
-__all__ = ["LiveState", "run_plan"]
+__all__ = ["Execution", "LiveState", "on_device_of", "prepare_execution", "run_plan"]
+
+
+def on_device_of(tree: Any, like: Any) -> Any:
+    """``tree`` committed to the device that holds ``like``'s first leaf.
+
+    Numpy, uncommitted and committed arrays reach a compiled call with different
+    shardings, and each combination compiles again; committing data and carry to one
+    device makes a second ``fit`` with the same shapes compile nothing, whatever form
+    the data comes in.
+    """
+    first = jax.tree.leaves(like)[0]
+    devices = first.devices() if hasattr(first, "devices") else set()
+    target = next(iter(devices)) if len(devices) == 1 else jax.devices()[0]
+    return jax.device_put(tree, target)
+
+
+class Execution(NamedTuple):
+    """How ``run_plan`` executes: the plan, and whether the state is donated."""
+
+    plan: Plan
+    donate: bool
+
+
+def prepare_execution(
+    program: TrainProgram, explicit: Plan | None, graphdef: Any, state: Any, opt_state: Any, batch
+) -> Execution:
+    """Traces the step once (no compile) to pick the plan (unless given) and donation."""
+    traits = program.traits(graphdef, state, opt_state, batch)
+    plan = explicit or choose_plan(traits, jax.default_backend())
+    return Execution(plan, donate=not traits.has_callback)
 
 
 class LiveState:
@@ -31,7 +71,8 @@ class LiveState:
     def __init__(
         self, state: nnx.State, opt_state: Any, write: Callable[[nnx.State, Any, int], None]
     ):
-        self.leaves, self.treedef = jax.tree.flatten((state, opt_state))
+        leaves, self.treedef = jax.tree.flatten((state, opt_state))
+        self.leaves = _unaliased(on_device_of(leaves, leaves), key=_buffer_key)
         self._write = write
         self.unwritten_steps = 0
 
@@ -46,9 +87,55 @@ class LiveState:
             self._write(state, opt_state, steps)
 
 
+@contextlib.contextmanager
+def held_interrupts() -> Iterator[Callable[[], bool]]:
+    """Holds SIGINT inside the block; yields ``received()`` to ask whether one came.
+
+    Only in the main thread, and only when Python's default handler is installed: a host
+    program's own SIGINT handler is left alone.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield lambda: False
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield lambda: bool(received)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _buffer_key(leaf: Any) -> Any:
+    """Identifies the buffer behind a leaf: two Array objects can share one."""
+    try:
+        return leaf.unsafe_buffer_pointer()
+    except Exception:  # sharded or non-array leaves: fall back to the object
+        return id(leaf)
+
+
+def _unaliased(leaves: list, key: Callable[[Any], Any] = id) -> list:
+    """``leaves`` with every repeated buffer replaced by a copy (donation needs distinct).
+
+    Per call the cheap ``id`` check suffices: a compiled call's outputs are fresh buffers.
+    On entry, ``_buffer_key`` also catches distinct Array objects over one buffer.
+    """
+    seen: set[Any] = set()
+    out = None
+    for i, leaf in enumerate(leaves):
+        k = key(leaf)
+        if k in seen:
+            out = list(leaves) if out is None else out
+            out[i] = jnp.copy(leaf)
+        seen.add(k)
+    return leaves if out is None else out
+
+
 def run_plan(
     program: TrainProgram,
-    plan: Plan,
+    execution: Execution,
     graphdef: nnx.GraphDef,
     live: LiveState,
     data: Any,
@@ -61,18 +148,25 @@ def run_plan(
     Batches are ``data`` gathered by ``indices[step]``. The user's objects hold the final
     state when this returns, and the last completed state when it raises.
     """
+    plan, donate = execution
     write_each_call = plan.kind != "step"
-    run = program.runner(graphdef, live.treedef)
+    run = program.runner(graphdef, live.treedef, donate)
     outs = []
     try:
-        for start, length in plan.chunks(num_steps):
-            leaves, out = run(live.leaves, data, indices, start, length=length, unroll=plan.unroll)
-            live.advance(leaves, length)
-            outs.append(out)
-            if write_each_call:
-                live.flush()
-            if on_call is not None:
-                on_call()
+        with held_interrupts() as interrupted:
+            for start, length in plan.chunks(num_steps):
+                leaves = _unaliased(live.leaves) if donate else live.leaves
+                leaves, out = run(leaves, data, indices, start, length=length, unroll=plan.unroll)
+                if not donate:
+                    jax.block_until_ready(leaves)  # a callback's failure surfaces here
+                live.advance(leaves, length)
+                outs.append(out)
+                if write_each_call:
+                    live.flush()
+                if interrupted():
+                    raise KeyboardInterrupt
+                if on_call is not None:
+                    on_call()
     finally:
         live.flush()
     return outs

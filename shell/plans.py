@@ -20,12 +20,24 @@ from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["UNROLLED_STEPS_PER_CALL", "Plan", "choose_plan", "has_convolution", "resolve_plan"]
+__all__ = [
+    "CALLBACK_PRIMITIVES",
+    "UNROLLED_STEPS_PER_CALL",
+    "Plan",
+    "StepTraits",
+    "choose_plan",
+    "has_convolution",
+    "primitive_names",
+    "resolve_plan",
+    "step_traits",
+]
 
 # Chunks of 4 unrolled steps measured best for the NNX MNIST tutorial CNN on this CPU
 # (1.07 ms/step vs 1.48 for 8 and 1.65 for one step per call).
 UNROLLED_STEPS_PER_CALL = 4
 _KINDS = ("scan", "unrolled", "step")
+# Host callbacks can fail inside a compiled call, after its inputs were donated.
+CALLBACK_PRIMITIVES = frozenset({"debug_callback", "io_callback", "pure_callback"})
 
 
 class Plan(NamedTuple):
@@ -85,34 +97,48 @@ def resolve_plan(execution: str | Plan) -> Plan | None:
     return plan
 
 
-def has_convolution(jaxpr: Any) -> bool:
-    """Whether a (closed) jaxpr or any jaxpr nested in it contains a convolution."""
+class StepTraits(NamedTuple):
+    """What the shell needs to know about a traced step: the plan rule and donation."""
+
+    has_convolution: bool
+    has_callback: bool
+
+
+def primitive_names(jaxpr: Any) -> set[str]:
+    """Names of every primitive in a (closed) jaxpr and the jaxprs nested in it."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    names = set()
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "conv_general_dilated":
-            return True
+        names.add(eqn.primitive.name)
         for param in eqn.params.values():
             for sub in param if isinstance(param, tuple | list) else (param,):
-                is_jaxpr = hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns")
-                if is_jaxpr and has_convolution(sub):
-                    return True
-    return False
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    names |= primitive_names(sub)
+    return names
 
 
-def choose_plan(step_jaxpr: Any, backend: str) -> Plan:
+def has_convolution(jaxpr: Any) -> bool:
+    """Whether a (closed) jaxpr or any jaxpr nested in it contains a convolution."""
+    return "conv_general_dilated" in primitive_names(jaxpr)
+
+
+def choose_plan(traits: StepTraits, backend: str) -> Plan:
     """The ``"auto"`` rule: unrolled chunks for convolutions on the CPU, else one scan.
 
     Example:
-      >>> choose_plan(jax.make_jaxpr(step)(graphdef, state, opt_state, batch), "cpu")
+      >>> choose_plan(step_traits(step, graphdef, state, opt_state, batch), "cpu")
       Plan(kind='scan', steps_per_call=None)
     """
-    if backend == "cpu" and has_convolution(step_jaxpr):
+    if backend == "cpu" and traits.has_convolution:
         return Plan("unrolled", UNROLLED_STEPS_PER_CALL)
     return Plan("scan")
 
 
-def plan_for_step(step: Any, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> Plan:
-    """Applies :func:`choose_plan` to ``step`` traced (not compiled) on these inputs."""
+def step_traits(step: Any, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> StepTraits:
+    """Traces (does not compile) ``step`` on these inputs and reports its traits."""
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    jaxpr = jax.make_jaxpr(step)(graphdef, state, opt_state, abstract)
-    return choose_plan(jaxpr, jax.default_backend())
+    names = primitive_names(jax.make_jaxpr(step)(graphdef, state, opt_state, abstract))
+    return StepTraits(
+        has_convolution="conv_general_dilated" in names,
+        has_callback=bool(names & CALLBACK_PRIMITIVES),
+    )

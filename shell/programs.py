@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from nnxscan.pure import batch_indices, make_evaluate, make_train_step, scan_indexed_steps
-from nnxscan.shell.plans import Plan, plan_for_step
+from nnxscan.shell.plans import StepTraits, step_traits
 
 __all__ = ["TrainProgram", "evaluator", "train_program"]
 
@@ -40,8 +40,14 @@ class _HashOnce:
     __slots__ = ("hash", "key")
 
     def __init__(self, key: Hashable):
+        try:
+            self.hash = hash(key)
+        except TypeError:
+            # A Variable with dict metadata (nnx.Param(x, info={...})) makes a treedef or
+            # graphdef unhashable; its repr is deterministic and says the same.
+            key = ("repr", repr(key))
+            self.hash = hash(key)
         self.key = key
-        self.hash = hash(key)
 
     def __hash__(self) -> int:
         return self.hash
@@ -77,7 +83,7 @@ class TrainProgram:
     def __init__(self, loss_fn: Callable, tx: Any, wrt: Any, has_aux: bool):
         self.step = make_train_step(loss_fn, tx, wrt=wrt, has_aux=has_aux)
         self.has_aux = has_aux
-        self._plans: OrderedDict[Hashable, Plan] = OrderedDict()
+        self._traits: OrderedDict[Hashable, StepTraits] = OrderedDict()
         self._runners: OrderedDict[Hashable, Callable] = OrderedDict()
 
         def epoch_indices(seed, epoch, num_examples, batch_size, shuffle):
@@ -89,8 +95,12 @@ class TrainProgram:
             epoch_indices, static_argnames=("num_examples", "batch_size", "shuffle")
         )
 
-    def runner(self, graphdef: Any, carry_def: Any) -> Callable:
-        """The jitted, donating chunk runner for this graphdef and carry structure.
+    def runner(self, graphdef: Any, carry_def: Any, donate: bool = True) -> Callable:
+        """The jitted chunk runner for this graphdef and carry structure.
+
+        With ``donate`` the carry's buffers are donated to the call (the default: training
+        then holds one copy of the state). A step with host callbacks is run without
+        donation, since a callback can fail after the inputs were consumed.
 
         The carry ``(state, opt_state)`` crosses the call as a flat list of arrays:
         flattening an ``nnx.State`` of Variables costs a sort per node on every call, more
@@ -107,16 +117,17 @@ class TrainProgram:
                 )
                 return jax.tree.leaves((state, opt_state)), outs
 
-            return jax.jit(run, static_argnames=("length", "unroll"), donate_argnums=0)
+            donated = (0,) if donate else ()
+            return jax.jit(run, static_argnames=("length", "unroll"), donate_argnums=donated)
 
-        return _lookup(self._runners, (graphdef, carry_def), build)
+        return _lookup(self._runners, (graphdef, carry_def, donate), build)
 
-    def auto_plan(self, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> Plan:
-        """The ``"auto"`` plan for these shapes, traced once and remembered."""
+    def traits(self, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> StepTraits:
+        """The step's traits for these shapes, traced once (no compile) and remembered."""
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch))
         key = (graphdef, shapes, jax.tree.structure(batch))
         return _lookup(
-            self._plans, key, lambda: plan_for_step(self.step, graphdef, state, opt_state, batch)
+            self._traits, key, lambda: step_traits(self.step, graphdef, state, opt_state, batch)
         )
 
 

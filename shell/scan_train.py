@@ -11,7 +11,7 @@ from flax import nnx
 
 from nnxscan.adapters.nnx_optimizer import optax_state_from_optimizer, optimizer_state_update
 from nnxscan.pure import check_leading_size, split_wrt
-from nnxscan.shell.loop import LiveState, run_plan
+from nnxscan.shell.loop import LiveState, on_device_of, prepare_execution, run_plan
 from nnxscan.shell.plans import Plan, resolve_plan
 from nnxscan.shell.programs import train_program
 
@@ -59,9 +59,9 @@ def scan_train(
     params, _ = split_wrt(state, optimizer.wrt)
     opt_state = optax_state_from_optimizer(optimizer, params)
     program = train_program(loss_fn, optimizer.tx, optimizer.wrt, False)
-    batches = jax.device_put(batches)
+    batches = on_device_of(batches, state)
     one_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batches)
-    plan = explicit or program.auto_plan(graphdef, state, opt_state, one_batch)
+    execution = prepare_execution(program, explicit, graphdef, state, opt_state, one_batch)
 
     def write(state: nnx.State, opt_state: Any, steps: int) -> None:
         nnx.update(model, state)
@@ -70,5 +70,5 @@ def scan_train(
 
     live = LiveState(state, opt_state, write)
     indices = jnp.arange(num_steps, dtype=jnp.int32)
-    outs = run_plan(program, plan, graphdef, live, batches, indices, num_steps)
+    outs = run_plan(program, execution, graphdef, live, batches, indices, num_steps)
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs)

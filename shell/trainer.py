@@ -21,7 +21,7 @@ from nnxscan.pure import (
     split_wrt,
 )
 from nnxscan.shell.history import History
-from nnxscan.shell.loop import LiveState, run_plan
+from nnxscan.shell.loop import Execution, LiveState, on_device_of, prepare_execution, run_plan
 from nnxscan.shell.plans import Plan, resolve_plan
 from nnxscan.shell.programs import evaluator, first_batch, train_program
 from nnxscan.shell.progress import EpochProgress
@@ -29,21 +29,30 @@ from nnxscan.shell.progress import EpochProgress
 __all__ = ["Trainer"]
 
 
-def _check_count(value: Any, name: str, minimum: int) -> int:
+_MAX_SEED = 2**31 - 1  # the seed enters the compiled call as an int32
+_RESERVED_LOGS = frozenset({"epoch", "loss", "steps", "steps_per_sec", "wall_time"})
+
+
+def _check_count(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}.")
     return int(value)
 
 
 def _scalar_means(tree: Any) -> dict[str, float]:
-    """Means over steps of every leaf that is a scalar per step, keyed by its path."""
+    """Means over steps of every aux leaf that is a scalar per step, keyed by its path.
+
+    A key that would shadow one of fit's own logs (``loss``, ``steps``...) gets ``aux/``.
+    """
     logs = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if np.ndim(leaf) == 1:
             key = jax.tree_util.keystr(path, simple=True, separator="/") or "aux"
-            logs[key] = float(np.mean(leaf))
+            logs[f"aux/{key}" if key in _RESERVED_LOGS else key] = float(np.mean(leaf))
     return logs
 
 
@@ -93,7 +102,7 @@ class Trainer:
                     f"{tx_or_optimizer.wrt!r}; leave wrt out when passing an optimizer."
                 )
             wrt = tx_or_optimizer.wrt
-            tx = tx_or_optimizer.tx
+            tx = check_transform(tx_or_optimizer.tx)
         else:
             tx = check_transform(tx_or_optimizer)
         self._explicit_plan = resolve_plan(execution)
@@ -135,13 +144,13 @@ class Trainer:
     def plan_for(self, data: Any, batch_size: int) -> Plan:
         """The execution plan ``fit`` uses for this data and batch size (traces, no compile)."""
         graphdef, state = nnx.split(self.model)
-        return self._plan(graphdef, state, self.opt_state, data, batch_size)
+        return self._execution(graphdef, state, self.opt_state, data, batch_size).plan
 
-    def _plan(self, graphdef, state, opt_state, data, batch_size: int) -> Plan:
-        if self._explicit_plan is not None:
-            return self._explicit_plan
+    def _execution(self, graphdef, state, opt_state, data, batch_size: int) -> Execution:
         batch = first_batch(data, batch_size)
-        return self._program.auto_plan(graphdef, state, opt_state, batch)
+        return prepare_execution(
+            self._program, self._explicit_plan, graphdef, state, opt_state, batch
+        )
 
     # -- training -------------------------------------------------------------------------
 
@@ -180,14 +189,15 @@ class Trainer:
           >>> history.epochs[-1]["loss"]
         """
         epochs = _check_count(epochs, "epochs", 0)
-        seed = _check_count(seed, "seed", 0)
+        seed = _check_count(seed, "seed", 0, _MAX_SEED)
         n = check_leading_size(data, "data")
         batch_size = check_batch_size(batch_size, n, drop_remainder=True)
         callbacks = tuple(callbacks)
-        data = jax.device_put(data)
         graphdef, state = nnx.split(self.model)
+        data = on_device_of(data, state)
         opt_state = self.opt_state
-        plan = self._plan(graphdef, state, opt_state, data, batch_size)
+        execution = self._execution(graphdef, state, opt_state, data, batch_size)
+        plan = execution.plan
         num_steps = n // batch_size
         history = History()
         if epochs == 0:
@@ -201,11 +211,24 @@ class Trainer:
                 indices = self._program.epoch_indices(
                     seed, epoch, num_examples=n, batch_size=batch_size, shuffle=shuffle
                 )
-                outs = run_plan(
-                    self._program, plan, graphdef, live, data, indices, num_steps, bar.advance
-                )
+                first_step = self.step
+                try:
+                    outs = run_plan(
+                        self._program,
+                        execution,
+                        graphdef,
+                        live,
+                        data,
+                        indices,
+                        num_steps,
+                        bar.advance,
+                    )
+                finally:
+                    # The epoch counts as soon as all its steps are in the model, even if
+                    # an interrupt lands later (in the progress bar or the host sync).
+                    if self.step == first_step + num_steps:
+                        self.epoch = epoch + 1
                 logs = self._epoch_logs(epoch, outs, start)
-                self.epoch += 1
                 history._append(logs.pop("_losses"), logs)
                 bar.epoch_done(epoch, logs)
                 for callback in callbacks:
@@ -262,5 +285,6 @@ class Trainer:
         if not callable(metric_fn):
             raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
         graphdef, state = nnx.split(self.model)
-        metrics = evaluator(metric_fn, batch_size, eval_mode)(graphdef, state, jax.device_put(data))
+        data = on_device_of(data, state)
+        metrics = evaluator(metric_fn, batch_size, eval_mode)(graphdef, state, data)
         return {k: float(v) for k, v in metrics.items()}

@@ -234,7 +234,9 @@ def test_progress_bar_prints_only_when_asked(data, capsys):
     trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
     trainer.fit(data, epochs=1, batch_size=BS, progress=False)
     assert capsys.readouterr().out == ""
-    trainer.fit(data, epochs=1, batch_size=BS, progress=True)
+    trainer.fit(data, epochs=2, batch_size=BS, progress=True)
+    shown = capsys.readouterr().out
+    assert "2/2" in shown and "epoch 2  loss" in shown and "steps/s" in shown
 
 
 # -- bad input: a clear error, nothing compiled, nothing mutated -------------------------------

@@ -131,8 +131,14 @@ class Hypernetwork(nnx.Module):
 
 
 def _write_back_changes(target: nnx.Module, old: nnx.State, new: nnx.State) -> None:
-    # Only arrays the forward pass replaced are written, so a target with nothing to update
-    # (a plain MLP) leaves hnet untouched, and hnet(z, x) works inside a jax.vmap closure.
-    changed = [a is not b for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True)]
-    if any(changed):
-        nnx.update(target, new)
+    # The module updates its own variables in place, as any NNX layer does (BatchNorm's
+    # running mean); nnx.update is left to the shell. Only arrays the forward pass replaced
+    # are written, so a target with nothing to update (a plain MLP) leaves hnet untouched,
+    # and hnet(z, x) works inside a jax.vmap closure.
+    variables = jax.tree.leaves(
+        nnx.state(target, nnx.Not(GeneratedSlot)), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    pairs = zip(variables, jax.tree.leaves(old), jax.tree.leaves(new), strict=True)
+    for variable, before, after in pairs:
+        if after is not before:
+            variable[...] = after
