@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -28,7 +28,23 @@ from flax import nnx
 from nnxscan.shell.plans import Plan, choose_plan
 from nnxscan.shell.programs import TrainProgram
 
-__all__ = ["Execution", "LiveState", "on_device_of", "prepare_execution", "run_plan"]
+__all__ = [
+    "Call",
+    "Execution",
+    "LiveState",
+    "device_of",
+    "on_device_of",
+    "plan_calls",
+    "prepare_execution",
+    "run_calls",
+]
+
+
+def device_of(like: Any) -> Any:
+    """The device holding ``like``'s first leaf (the default device if it is sharded)."""
+    first = jax.tree.leaves(like)[0]
+    devices = first.devices() if hasattr(first, "devices") else set()
+    return next(iter(devices)) if len(devices) == 1 else jax.devices()[0]
 
 
 def on_device_of(tree: Any, like: Any) -> Any:
@@ -39,10 +55,7 @@ def on_device_of(tree: Any, like: Any) -> Any:
     device makes a second ``fit`` with the same shapes compile nothing, whatever form
     the data comes in.
     """
-    first = jax.tree.leaves(like)[0]
-    devices = first.devices() if hasattr(first, "devices") else set()
-    target = next(iter(devices)) if len(devices) == 1 else jax.devices()[0]
-    return jax.device_put(tree, target)
+    return jax.device_put(tree, device_of(like))
 
 
 class Execution(NamedTuple):
@@ -133,28 +146,44 @@ def _unaliased(leaves: list, key: Callable[[Any], Any] = id) -> list:
     return leaves if out is None else out
 
 
-def run_plan(
+class Call(NamedTuple):
+    """One compiled call: train ``length`` steps on ``data`` gathered by
+    ``indices[start:start+length]``."""
+
+    data: Any
+    indices: Any
+    start: int
+    length: int
+
+
+def plan_calls(plan: Plan, data: Any, indices: Any, num_steps: int) -> Iterator[Call]:
+    """The calls that train ``num_steps`` steps of ``indices`` in the plan's chunks."""
+    for start, length in plan.chunks(num_steps):
+        yield Call(data, indices, start, length)
+
+
+def run_calls(
     program: TrainProgram,
     execution: Execution,
     graphdef: nnx.GraphDef,
     live: LiveState,
-    data: Any,
-    indices: Any,
-    num_steps: int,
+    calls: Iterable[Call],
     on_call: Callable[[], None] | None = None,
 ) -> list[Any]:
-    """Trains ``num_steps`` steps in the plan's chunks; returns each call's stacked outputs.
+    """Runs the compiled calls in order; returns each call's stacked outputs.
 
-    Batches are ``data`` gathered by ``indices[step]``. The user's objects hold the final
-    state when this returns, and the last completed state when it raises.
+    The user's objects hold the final state when this returns, and the last completed
+    state when it raises (whether the call, the data source or an interrupt raised).
     """
     plan, donate = execution
     write_each_call = plan.kind != "step"
     run = program.runner(graphdef, live.treedef, donate)
     outs = []
     try:
-        with held_interrupts() as interrupted:
-            for start, length in plan.chunks(num_steps):
+        for data, indices, start, length in calls:
+            # Ctrl-C is held only around the call and its bookkeeping, not while waiting
+            # for the next batch: a stalled loader can still be interrupted.
+            with held_interrupts() as interrupted:
                 leaves = _unaliased(live.leaves) if donate else live.leaves
                 leaves, out = run(leaves, data, indices, start, length=length, unroll=plan.unroll)
                 if not donate:
@@ -163,10 +192,10 @@ def run_plan(
                 outs.append(out)
                 if write_each_call:
                     live.flush()
-                if interrupted():
-                    raise KeyboardInterrupt
-                if on_call is not None:
-                    on_call()
+            if interrupted():
+                raise KeyboardInterrupt
+            if on_call is not None:
+                on_call()
     finally:
         live.flush()
     return outs

@@ -76,8 +76,9 @@ class TrainProgram:
     ``indices[start:start+length]`` gathered from ``data``, donating the carry's leaves.
     The graphdef is closed over rather than passed: a graphdef argument is hashed on every
     call, which costs more than a small model's step.
-    ``epoch_indices(seed, epoch, num_examples=, batch_size=, shuffle=)`` returns one epoch's
-    ``(steps, batch)`` indices.
+    ``epoch_indices(seed, epoch, num_examples=, batch_size=, shuffle=, keep_tail=)`` returns
+    one epoch's ``(steps, batch)`` indices and, with ``keep_tail``, the ``(1, rest)`` indices
+    of the short final batch (else ``None``).
     """
 
     def __init__(self, loss_fn: Callable, tx: Any, wrt: Any, has_aux: bool):
@@ -86,13 +87,14 @@ class TrainProgram:
         self._traits: OrderedDict[Hashable, StepTraits] = OrderedDict()
         self._runners: OrderedDict[Hashable, Callable] = OrderedDict()
 
-        def epoch_indices(seed, epoch, num_examples, batch_size, shuffle):
+        def epoch_indices(seed, epoch, num_examples, batch_size, shuffle, keep_tail):
             key = jax.random.fold_in(jax.random.key(seed), epoch) if shuffle else None
-            full, _ = batch_indices(key, num_examples, batch_size, drop_remainder=True)
-            return full
+            full, tail = batch_indices(key, num_examples, batch_size, drop_remainder=not keep_tail)
+            return full, (None if tail is None else tail[None])
 
         self.epoch_indices = jax.jit(
-            epoch_indices, static_argnames=("num_examples", "batch_size", "shuffle")
+            epoch_indices,
+            static_argnames=("num_examples", "batch_size", "shuffle", "keep_tail"),
         )
 
     def runner(self, graphdef: Any, carry_def: Any, donate: bool = True) -> Callable:

@@ -10,9 +10,12 @@ __all__ = ["EpochProgress"]
 
 
 class EpochProgress:
-    """``with EpochProgress(epochs, calls_per_epoch, enabled) as bar: bar.advance()``."""
+    """``with EpochProgress(epochs, calls_per_epoch, enabled) as bar: bar.advance()``.
 
-    def __init__(self, epochs: int, calls_per_epoch: int, enabled: bool):
+    ``calls_per_epoch=None`` (a stream of unknown length) shows a running count.
+    """
+
+    def __init__(self, epochs: int, calls_per_epoch: int | None, enabled: bool):
         self._calls = calls_per_epoch
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
@@ -22,7 +25,8 @@ class EpochProgress:
             TimeElapsedColumn(),
             disable=not enabled,
         )
-        self._task = self._progress.add_task("epoch", total=epochs * calls_per_epoch, status="")
+        total = None if calls_per_epoch is None else epochs * calls_per_epoch
+        self._task = self._progress.add_task("epoch", total=total, status="")
 
     def __enter__(self) -> EpochProgress:
         self._progress.__enter__()

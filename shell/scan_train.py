@@ -11,7 +11,7 @@ from flax import nnx
 
 from nnxscan.adapters.nnx_optimizer import optax_state_from_optimizer, optimizer_state_update
 from nnxscan.pure import check_leading_size, split_wrt
-from nnxscan.shell.loop import LiveState, on_device_of, prepare_execution, run_plan
+from nnxscan.shell.loop import LiveState, on_device_of, plan_calls, prepare_execution, run_calls
 from nnxscan.shell.plans import Plan, resolve_plan
 from nnxscan.shell.programs import train_program
 
@@ -70,5 +70,6 @@ def scan_train(
 
     live = LiveState(state, opt_state, write)
     indices = jnp.arange(num_steps, dtype=jnp.int32)
-    outs = run_plan(program, execution, graphdef, live, batches, indices, num_steps)
+    calls = plan_calls(execution.plan, batches, indices, num_steps)
+    outs = run_calls(program, execution, graphdef, live, calls)
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,17 +21,33 @@ from nnxscan.pure import (
     init_opt_state,
     split_wrt,
 )
+from nnxscan.shell.epochs import (
+    EpochCalls,
+    EpochStats,
+    array_epochs,
+    epoch_logs,
+    peek_stream,
+    stream_epochs,
+    with_steps_per_call,
+)
 from nnxscan.shell.history import History
-from nnxscan.shell.loop import Execution, LiveState, on_device_of, prepare_execution, run_plan
+from nnxscan.shell.loop import (
+    Execution,
+    LiveState,
+    device_of,
+    on_device_of,
+    prepare_execution,
+    run_calls,
+)
 from nnxscan.shell.plans import Plan, resolve_plan
 from nnxscan.shell.programs import evaluator, first_batch, train_program
 from nnxscan.shell.progress import EpochProgress
+from nnxscan.shell.streaming import EpochSource, is_stream
 
 __all__ = ["Trainer"]
 
 
 _MAX_SEED = 2**31 - 1  # the seed enters the compiled call as an int32
-_RESERVED_LOGS = frozenset({"epoch", "loss", "steps", "steps_per_sec", "wall_time"})
 
 
 def _check_count(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
@@ -41,19 +58,6 @@ def _check_count(value: Any, name: str, minimum: int, maximum: int | None = None
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be at most {maximum}, got {value}.")
     return int(value)
-
-
-def _scalar_means(tree: Any) -> dict[str, float]:
-    """Means over steps of every aux leaf that is a scalar per step, keyed by its path.
-
-    A key that would shadow one of fit's own logs (``loss``, ``steps``...) gets ``aux/``.
-    """
-    logs = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if np.ndim(leaf) == 1:
-            key = jax.tree_util.keystr(path, simple=True, separator="/") or "aux"
-            logs[f"aux/{key}" if key in _RESERVED_LOGS else key] = float(np.mean(leaf))
-    return logs
 
 
 class Trainer:
@@ -159,77 +163,171 @@ class Trainer:
         data: Any,
         *,
         epochs: int,
-        batch_size: int,
+        batch_size: int | None = None,
         seed: int = 0,
         shuffle: bool = True,
         callbacks: Sequence[Any] = (),
         progress: bool = True,
+        steps_per_call: int | None = None,
+        drop_remainder: bool = True,
+        prefetch: bool = True,
     ) -> History:
         """Trains ``epochs`` MORE epochs on ``data`` and returns their :class:`History`.
 
-        Each epoch permutes the examples with a key derived from ``(seed, global epoch
-        index)``, so ``fit(epochs=2)`` twice gives bitwise the model ``fit(epochs=4)`` gives.
-        The last ``num_examples % batch_size`` examples of each permutation are dropped (a
-        fresh permutation each epoch, so every example is used in expectation).
+        ``data`` is either the whole data set or a stream of batches:
+
+        - a pytree of arrays (dict, tuple, NamedTuple, array) sharing a leading examples
+          axis, numpy or JAX, moved to the device once per call. Each epoch permutes the
+          examples with a key derived from ``(seed, global epoch index)``, so
+          ``fit(epochs=2)`` twice gives bitwise the model ``fit(epochs=4)`` gives.
+        - a stream: a ``list`` of batches, any re-iterable (a DataLoader), or a
+          zero-argument callable returning a fresh iterator per epoch (a single-use
+          iterator only for ``epochs=1``). Each batch is a pytree of arrays (numpy, JAX,
+          PyTorch CPU tensors, lists; see :func:`nnxscan.adapters.data.to_numpy`) with a
+          leading batch axis. Batches are used in the order the stream yields them
+          (``shuffle`` and ``seed`` are the loader's business); ``steps_per_call`` of them
+          are stacked into one chunk and trained in one compiled call while a background
+          thread prepares the next (``prefetch``), never pulling more than two chunks
+          beyond the last finished call.
 
         Args:
-          data: a pytree of arrays sharing a leading examples axis (numpy or JAX; moved to
-            the device once per call, never back).
+          data: the data set or the stream, as above.
           epochs: number of epochs to train (0 trains nothing).
-          batch_size: examples per step, at most the number of examples.
-          seed: the shuffle seed.
-          shuffle: permute the examples each epoch; False keeps their order.
-          callbacks: objects with an optional ``on_epoch_end(trainer, epoch, logs)`` method,
-            called after the model holds the epoch's state. Setting
-            ``trainer.stop_training = True`` in one ends ``fit`` after that epoch.
+          batch_size: examples per step. Required for a data set; for a stream it may be
+            left out (the batches carry their size), and when given every batch must
+            have it.
+          seed: the shuffle seed of a data set.
+          shuffle: permute a data set's examples each epoch; False keeps their order.
+          callbacks: objects with optional methods ``on_call_end(trainer, step)`` (after
+            each compiled call; it must not read arrays if it wants to keep the device
+            busy) and ``on_epoch_end(trainer, epoch, logs)`` (after the model holds the
+            epoch's state). Setting ``trainer.stop_training = True`` in one ends ``fit``
+            after that epoch.
           progress: show a progress bar that advances once per compiled call.
+          steps_per_call: steps per compiled call. Default: the whole epoch for a data set
+            (chunks of 4 for the ``"unrolled"`` plan), 100 for a stream. A shorter final
+            chunk compiles once, then is reused every epoch.
+          drop_remainder: drop the final short batch: for a data set the
+            ``num_examples % batch_size`` examples each permutation leaves over (a new
+            permutation each epoch, so none is left out for good); for a stream its short
+            last batch, with a one-line warning giving the count. ``False`` trains on it
+            as one more step of its own size (one extra compile, cached).
+          prefetch: prepare a stream's next chunk in a background thread.
 
         Example:
           >>> history = trainer.fit({"x": x, "y": y}, epochs=5, batch_size=64)
-          >>> history.epochs[-1]["loss"]
+          >>> history = trainer.fit(lambda: loader_batches(), epochs=5, steps_per_call=50)
         """
         epochs = _check_count(epochs, "epochs", 0)
         seed = _check_count(seed, "seed", 0, _MAX_SEED)
+        if steps_per_call is not None:
+            steps_per_call = _check_count(steps_per_call, "steps_per_call", 1)
+        options = dict(callbacks=tuple(callbacks), progress=progress)
+        if is_stream(data):
+            if batch_size is not None:
+                batch_size = _check_count(batch_size, "batch_size", 1)
+            return self._fit_stream(
+                data, epochs, batch_size, steps_per_call, drop_remainder, prefetch, **options
+            )
+        if batch_size is None:
+            raise ValueError("batch_size is required when data is a data set of arrays.")
+        return self._fit_arrays(
+            data, epochs, batch_size, seed, shuffle, steps_per_call, drop_remainder, **options
+        )
+
+    def _fit_arrays(
+        self, data, epochs, batch_size, seed, shuffle, steps_per_call, drop_remainder, **options
+    ) -> History:
         n = check_leading_size(data, "data")
         batch_size = check_batch_size(batch_size, n, drop_remainder=True)
-        callbacks = tuple(callbacks)
         graphdef, state = nnx.split(self.model)
         data = on_device_of(data, state)
         opt_state = self.opt_state
         execution = self._execution(graphdef, state, opt_state, data, batch_size)
-        plan = execution.plan
-        num_steps = n // batch_size
+        plan = with_steps_per_call(execution.plan, steps_per_call, stream=False)
+        epoch_calls, calls_per_epoch = array_epochs(
+            self._program, plan, data, num_examples=n, batch_size=batch_size, seed=seed,
+            shuffle=shuffle, keep_tail=not drop_remainder and n % batch_size > 0,
+        )  # fmt: skip
+        return self._train_epochs(
+            epochs, execution._replace(plan=plan), graphdef, state, opt_state, epoch_calls,
+            calls_per_epoch=calls_per_epoch, **options,
+        )  # fmt: skip
+
+    def _fit_stream(
+        self, data, epochs, batch_size, steps_per_call, drop_remainder, prefetch, **options
+    ) -> History:
+        source = EpochSource(data, epochs)
+        if epochs == 0:
+            return History()
+        graphdef, state = nnx.split(self.model)
+        opt_state = self.opt_state
+        first, first_epoch = peek_stream(source)
+        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), first)
+        execution = prepare_execution(
+            self._program, self._explicit_plan, graphdef, state, opt_state, one
+        )
+        plan = with_steps_per_call(execution.plan, steps_per_call, stream=True)
+        epoch_calls = stream_epochs(
+            source, first_epoch, plan, device=device_of(state), batch_size=batch_size,
+            drop_remainder=drop_remainder, prefetch=prefetch,
+        )  # fmt: skip
+        return self._train_epochs(
+            epochs, execution._replace(plan=plan), graphdef, state, opt_state, epoch_calls,
+            calls_per_epoch=None, **options,
+        )  # fmt: skip
+
+    def _train_epochs(
+        self,
+        epochs: int,
+        execution: Execution,
+        graphdef: nnx.GraphDef,
+        state: nnx.State,
+        opt_state: Any,
+        epoch_calls: EpochCalls,
+        *,
+        calls_per_epoch: int | None,
+        callbacks: tuple,
+        progress: bool,
+    ) -> History:
         history = History()
         if epochs == 0:
             return history
         live = LiveState(state, opt_state, self._write)
         self.stop_training = False
-        with EpochProgress(epochs, len(plan.chunks(num_steps)), progress) as bar:
+        call_hooks = [cb.on_call_end for cb in callbacks if hasattr(cb, "on_call_end")]
+        warned = False
+        with EpochProgress(epochs, calls_per_epoch, progress) as bar:
+
+            def on_call() -> None:
+                bar.advance()
+                for hook in call_hooks:
+                    hook(self, self.step)
+
             for _ in range(epochs):
                 start = time.perf_counter()
-                epoch = self.epoch
-                indices = self._program.epoch_indices(
-                    seed, epoch, num_examples=n, batch_size=batch_size, shuffle=shuffle
-                )
-                first_step = self.step
+                epoch, first_step, stats = self.epoch, self.step, EpochStats()
                 try:
-                    outs = run_plan(
-                        self._program,
-                        execution,
-                        graphdef,
-                        live,
-                        data,
-                        indices,
-                        num_steps,
-                        bar.advance,
-                    )
+                    outs = run_calls(
+                        self._program, execution, graphdef, live,
+                        epoch_calls(epoch, stats), on_call,
+                    )  # fmt: skip
                 finally:
                     # The epoch counts as soon as all its steps are in the model, even if
                     # an interrupt lands later (in the progress bar or the host sync).
-                    if self.step == first_step + num_steps:
+                    if stats.complete(self.step - first_step):
                         self.epoch = epoch + 1
-                logs = self._epoch_logs(epoch, outs, start)
-                history._append(logs.pop("_losses"), logs)
+                logs, losses = epoch_logs(epoch, outs, start, self.has_aux, stats)
+                if stats.dropped and not warned:
+                    warned = True
+                    warnings.warn(
+                        f"nnxscan: dropped the final short batch of {stats.dropped} examples "
+                        f"in epoch {epoch} (and will in every epoch that has one; see "
+                        f"History.epochs[i]['dropped_examples']); pass drop_remainder=False "
+                        f"to train on it.",
+                        stacklevel=4,
+                    )
+                history._append(losses, logs)
                 bar.epoch_done(epoch, logs)
                 for callback in callbacks:
                     hook = getattr(callback, "on_epoch_end", None)
@@ -238,24 +336,6 @@ class Trainer:
                 if self.stop_training:
                     break
         return history
-
-    def _epoch_logs(self, epoch: int, outs: list[Any], start: float) -> dict[str, Any]:
-        # One host transfer per epoch: the only sync fit makes. The clock stops after it,
-        # so steps/s counts the work, not just its asynchronous dispatch.
-        outs = jax.device_get(outs)
-        wall_time = time.perf_counter() - start
-        stacked = jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
-        losses, aux = stacked if self.has_aux else (stacked, None)
-        logs: dict[str, Any] = {"epoch": epoch, "loss": float(np.mean(losses))}
-        if aux is not None:
-            logs.update(_scalar_means(aux))
-        logs.update(
-            steps=int(losses.shape[0]),
-            steps_per_sec=losses.shape[0] / wall_time,
-            wall_time=wall_time,
-            _losses=losses,
-        )
-        return logs
 
     # -- evaluation -----------------------------------------------------------------------
 

@@ -1,0 +1,183 @@
+"""One epoch as a sequence of compiled calls, for a data set of arrays or a stream.
+
+``Trainer.fit`` runs every epoch the same way (``run_calls`` over an epoch's calls, one host
+sync for the logs); this module builds those calls and reads the results.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nnxscan.adapters.data import to_numpy
+from nnxscan.shell.loop import Call, plan_calls
+from nnxscan.shell.plans import Plan
+from nnxscan.shell.programs import TrainProgram
+from nnxscan.shell.streaming import STREAM_STEPS_PER_CALL, EpochSource, stream_chunks
+
+__all__ = [
+    "EpochCalls",
+    "EpochStats",
+    "array_epochs",
+    "epoch_logs",
+    "peek_stream",
+    "stream_epochs",
+    "with_steps_per_call",
+]
+
+_RESERVED_LOGS = frozenset(
+    {"epoch", "loss", "steps", "steps_per_sec", "wall_time", "dropped_examples"}
+)
+
+
+class EpochStats:
+    """What one epoch's calls report back: completeness and dropped examples."""
+
+    def __init__(self) -> None:
+        self.expected_steps: int | None = None  # known for a data set
+        self.exhausted = False  # a stream ran to its end
+        self.dropped = 0
+
+    def drop(self, count: int) -> None:
+        self.dropped += count
+
+    def complete(self, steps_done: int) -> bool:
+        if self.expected_steps is not None:
+            return steps_done == self.expected_steps
+        return self.exhausted
+
+
+EpochCalls = Callable[[int, EpochStats], Iterator[Call]]
+
+
+def with_steps_per_call(plan: Plan, steps_per_call: int | None, *, stream: bool) -> Plan:
+    """The plan with the user's ``steps_per_call``, or a stream's default chunk size."""
+    if steps_per_call is not None:
+        if plan.kind == "step" and steps_per_call != 1:
+            raise ValueError(
+                f"the 'step' plan runs one step per call; steps_per_call={steps_per_call} "
+                f"needs Plan('unrolled', {steps_per_call}) or 'scan'."
+            )
+        return plan._replace(steps_per_call=steps_per_call)
+    if stream and plan.steps_per_call is None:
+        return plan._replace(steps_per_call=STREAM_STEPS_PER_CALL)
+    return plan
+
+
+@functools.cache
+def _arange(length: int) -> jax.Array:
+    # One index vector per chunk length, made once: a stream's chunk is indexed 0..K-1.
+    return jnp.arange(length, dtype=jnp.int32)
+
+
+def array_epochs(
+    program: TrainProgram,
+    plan: Plan,
+    data: Any,
+    *,
+    num_examples: int,
+    batch_size: int,
+    seed: int,
+    shuffle: bool,
+    keep_tail: bool,
+) -> tuple[EpochCalls, int]:
+    """An epoch's calls over a device-resident data set, and the number of calls."""
+    num_steps = num_examples // batch_size
+
+    def epoch_calls(epoch: int, stats: EpochStats) -> Iterator[Call]:
+        full, tail = program.epoch_indices(
+            seed, epoch, num_examples=num_examples, batch_size=batch_size, shuffle=shuffle,
+            keep_tail=keep_tail,
+        )  # fmt: skip
+        stats.expected_steps = num_steps + keep_tail
+        yield from plan_calls(plan, data, full, num_steps)
+        if keep_tail:
+            yield Call(data, tail, 0, 1)
+
+    return epoch_calls, len(plan.chunks(num_steps)) + keep_tail
+
+
+def peek_stream(source: EpochSource) -> tuple[Any, Iterator]:
+    """The first epoch's first batch (as numpy), and that epoch's iterator with it put back.
+
+    The plan, and so the chunk size, depends on the step's jaxpr, which needs a batch.
+    """
+    first_epoch = source.epoch()
+    first = next(first_epoch, None)
+    if first is None:
+        raise ValueError("data is empty: the iterator yielded no batch.")
+    return to_numpy(first, index=0), itertools.chain([first], first_epoch)
+
+
+def stream_epochs(
+    source: EpochSource,
+    first_epoch: Iterator,
+    plan: Plan,
+    *,
+    device: Any,
+    batch_size: int | None,
+    drop_remainder: bool,
+    prefetch: bool,
+) -> EpochCalls:
+    """An epoch's calls over a stream: one per chunk of ``plan.steps_per_call`` batches."""
+    pending = [first_epoch]
+
+    def epoch_calls(epoch: int, stats: EpochStats) -> Iterator[Call]:
+        chunks = stream_chunks(
+            pending.pop() if pending else source.epoch(),
+            steps_per_call=plan.steps_per_call,
+            batch_size=batch_size,
+            keep_tail=not drop_remainder,
+            device=device,
+            prefetch=prefetch,
+            on_dropped=stats.drop,
+        )
+        try:
+            for chunk in chunks:
+                yield Call(chunk.data, _arange(chunk.steps), 0, chunk.steps)
+            stats.exhausted = True
+        finally:
+            chunks.close()
+
+    return epoch_calls
+
+
+def _scalar_means(tree: Any) -> dict[str, float]:
+    """Means over steps of every aux leaf that is a scalar per step, keyed by its path.
+
+    A key that would shadow one of fit's own logs (``loss``, ``steps``...) gets ``aux/``.
+    """
+    logs = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if np.ndim(leaf) == 1:
+            key = jax.tree_util.keystr(path, simple=True, separator="/") or "aux"
+            logs[f"aux/{key}" if key in _RESERVED_LOGS else key] = float(np.mean(leaf))
+    return logs
+
+
+def epoch_logs(
+    epoch: int, outs: list[Any], start: float, has_aux: bool, stats: EpochStats
+) -> tuple[dict[str, Any], np.ndarray]:
+    """The epoch's logs and its per-step losses, from the calls' stacked outputs."""
+    # One host transfer per epoch: the only sync fit makes. The clock stops after it, so
+    # steps/s counts the work, not just its asynchronous dispatch.
+    outs = jax.device_get(outs)
+    wall_time = time.perf_counter() - start
+    stacked = jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
+    losses, aux = stacked if has_aux else (stacked, None)
+    logs: dict[str, Any] = {"epoch": epoch, "loss": float(np.mean(losses))}
+    if aux is not None:
+        logs.update(_scalar_means(aux))
+    logs.update(
+        steps=int(losses.shape[0]), steps_per_sec=losses.shape[0] / wall_time, wall_time=wall_time
+    )
+    if stats.dropped:
+        logs["dropped_examples"] = stats.dropped
+    return logs, losses
