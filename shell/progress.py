@@ -16,7 +16,9 @@ class EpochProgress:
     """
 
     def __init__(self, epochs: int, calls_per_epoch: int | None, enabled: bool):
-        self._calls = calls_per_epoch
+        self._progress = None
+        if not enabled:  # no bar at all: a disabled rich Progress still costs per call
+            return
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -29,7 +31,8 @@ class EpochProgress:
         self._task = self._progress.add_task("epoch", total=total, status="")
 
     def __enter__(self) -> EpochProgress:
-        self._progress.__enter__()
+        if self._progress is not None:
+            self._progress.__enter__()
         return self
 
     def __exit__(
@@ -38,11 +41,15 @@ class EpochProgress:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._progress.__exit__(exc_type, exc, tb)
+        if self._progress is not None:
+            self._progress.__exit__(exc_type, exc, tb)
 
     def advance(self) -> None:
-        self._progress.advance(self._task)
+        if self._progress is not None:
+            self._progress.advance(self._task)
 
     def epoch_done(self, epoch: int, logs: dict) -> None:
+        if self._progress is None:
+            return
         status = f"epoch {epoch}  loss {logs['loss']:.4g}  {logs['steps_per_sec']:,.0f} steps/s"
         self._progress.update(self._task, status=status)

@@ -291,3 +291,11 @@ def test_grain_source_end_to_end():
     )
     np.testing.assert_allclose(history.losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_trees_close(model, ref)
+
+
+def test_a_streams_short_last_chunk_compiles_once(batches, compile_count):
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
+    trainer.fit(batches, epochs=1, steps_per_call=4, progress=False)  # chunks 4, 4, 4, 3
+    compiled = compile_count()
+    trainer.fit(batches, epochs=2, steps_per_call=4, progress=False)
+    assert compile_count() == compiled
