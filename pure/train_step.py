@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nnxscan.pure.nonfinite import all_finite, tree_select
 from nnxscan.pure.validation import check_transform
 
 __all__ = ["LossFn", "StepFn", "init_opt_state", "make_train_step", "split_wrt"]
@@ -67,6 +68,8 @@ def make_train_step(
     *,
     wrt: nnx.filterlib.Filter = nnx.Param,
     has_aux: bool = False,
+    skip_nonfinite: bool = False,
+    accumulate: int = 1,
 ) -> StepFn:
     """Builds a pure training step for an NNX model.
 
@@ -76,6 +79,18 @@ def make_train_step(
       tx: the optax transform that updates the ``wrt`` variables.
       wrt: an NNX filter choosing the variables to differentiate and update.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      skip_nonfinite: when the loss or a gradient is not finite, leave the params, the
+        optax state and the other variables (batch statistics...) as they were, advance
+        only the RNG state, and report the step's loss as NaN. A ``jnp.where`` select:
+        no host sync.
+      accumulate: split each batch into this many micro-batches (the leading size must
+        divide), scan over them and apply their averaged gradient once: the memory of one
+        micro-batch. Non-``wrt`` variables (batch statistics, RNG counts) advance once per
+        micro-batch, and aux leaves are averaged over micro-batches. With
+        ``skip_nonfinite``, a non-finite micro-batch is dropped from the average (the step
+        is skipped only when all are), so one bad micro-batch never poisons later steps
+        (unlike ``optax.MultiSteps(optax.apply_if_finite(...))``, whose accumulator keeps
+        the NaN).
 
     Returns:
       ``step(graphdef, state, opt_state, batch) -> (state, opt_state, loss)``, or with
@@ -91,10 +106,10 @@ def make_train_step(
     tx = check_transform(tx)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
 
-    def step(graphdef, state, opt_state, batch):
-        params, rest = split_wrt(state, wrt)
-
+    def value_and_grad(graphdef, params, rest, batch):
         def forward(params):
             # copy=True: merging without a copy breaks Dropout under grad outside jit
             # (flax#5050), and copying is free under jit.
@@ -112,15 +127,78 @@ def make_train_step(
             return loss, (aux, nnx.state(model))
 
         (loss, (aux, new_state)), grads = jax.value_and_grad(forward, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
         _, new_rest = nnx.split_state(new_state, wrt, ...)
         _check_same_layout(rest, new_rest)
-        state = nnx.merge_state(params, new_rest)
-        return state, opt_state, ((loss, aux) if has_aux else loss)
+        return loss, aux, grads, new_rest
+
+    def accumulated(graphdef, params, rest, batch):
+        micro = _micro_batches(batch, accumulate)
+
+        def body(carry, mb):
+            rest, grad_sum, loss_sum, kept = carry
+            loss, aux, grads, new_rest = value_and_grad(graphdef, params, rest, mb)
+            ok = all_finite(loss, grads) if skip_nonfinite else jnp.bool_(True)
+            zero = jax.tree.map(jnp.zeros_like, grads)
+            grad_sum = jax.tree.map(jnp.add, grad_sum, tree_select(ok, grads, zero))
+            loss_sum = loss_sum + jnp.where(ok, loss, 0.0)
+            new_rest = _keep_unless(ok, rest, new_rest) if skip_nonfinite else new_rest
+            return (new_rest, grad_sum, loss_sum, kept + ok), aux
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        start = (rest, zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        (new_rest, grad_sum, loss_sum, kept), auxs = jax.lax.scan(body, start, micro)
+        denominator = jnp.maximum(kept, 1).astype(jnp.float32)
+        grads = jax.tree.map(lambda g: (g / denominator).astype(g.dtype), grad_sum)
+        loss = jnp.where(kept > 0, loss_sum / denominator, jnp.nan)
+        aux = None if auxs is None else jax.tree.map(_mean_over_micro_batches, auxs)
+        return loss, aux, grads, new_rest
+
+    def step(graphdef, state, opt_state, batch):
+        params, rest = split_wrt(state, wrt)
+        if accumulate == 1:
+            loss, aux, grads, new_rest = value_and_grad(graphdef, params, rest, batch)
+        else:
+            loss, aux, grads, new_rest = accumulated(graphdef, params, rest, batch)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if skip_nonfinite:
+            ok = all_finite(loss, grads)
+            new_params = tree_select(ok, new_params, params)
+            new_opt_state = tree_select(ok, new_opt_state, opt_state)
+            new_rest = _keep_unless(ok, rest, new_rest)
+            loss = jnp.where(ok, loss, jnp.nan)
+        state = nnx.merge_state(new_params, new_rest)
+        return state, new_opt_state, ((loss, aux) if has_aux else loss)
 
     step.__doc__ = f"Pure training step of {getattr(loss_fn, '__name__', 'loss_fn')}."
     return step
+
+
+def _keep_unless(ok: jax.Array, old: nnx.State, new: nnx.State) -> nnx.State:
+    """``new`` where ``ok``, else ``old``; RNG state always advances (new masks next step)."""
+    _, old_other = nnx.split_state(old, nnx.RngState, ...)
+    new_rng, new_other = nnx.split_state(new, nnx.RngState, ...)
+    return nnx.merge_state(new_rng, tree_select(ok, new_other, old_other))
+
+
+def _micro_batches(batch: Any, n: int) -> Any:
+    def cut(path, x):
+        size = jnp.shape(x)[0] if jnp.ndim(x) else None
+        if size is None or size % n:
+            raise ValueError(
+                f"accumulate={n} needs every batch leaf's leading size to divide by {n}, "
+                f"but {jax.tree_util.keystr(path)} has shape {jnp.shape(x)}. Use a batch "
+                f"size that is a multiple of {n}."
+            )
+        return x.reshape(n, size // n, *x.shape[1:])
+
+    return jax.tree_util.tree_map_with_path(cut, batch)
+
+
+def _mean_over_micro_batches(x: jax.Array) -> jax.Array:
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.mean(x, axis=0)
+    return x[-1]
 
 
 def _check_same_layout(before: nnx.State, after: nnx.State) -> None:

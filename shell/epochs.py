@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 _RESERVED_LOGS = frozenset(
-    {"epoch", "loss", "steps", "steps_per_sec", "wall_time", "dropped_examples"}
+    {"epoch", "loss", "steps", "steps_per_sec", "wall_time", "dropped_examples", "skipped_steps"}
 )
 
 
@@ -163,7 +163,12 @@ def _scalar_means(tree: Any) -> dict[str, float]:
 
 
 def epoch_logs(
-    epoch: int, outs: list[Any], start: float, has_aux: bool, stats: EpochStats
+    epoch: int,
+    outs: list[Any],
+    start: float,
+    has_aux: bool,
+    stats: EpochStats,
+    skipping: bool = False,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """The epoch's logs and its per-step losses, from the calls' stacked outputs."""
     # One host transfer per epoch: the only sync fit makes. The clock stops after it, so
@@ -173,6 +178,11 @@ def epoch_logs(
     stacked = jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
     losses, aux = stacked if has_aux else (stacked, None)
     logs: dict[str, Any] = {"epoch": epoch, "loss": float(np.mean(losses))}
+    if skipping:
+        # A skipped step reports NaN: the loss is the mean over the steps that trained.
+        finite = np.isfinite(losses)
+        logs["loss"] = float(np.mean(losses[finite])) if finite.any() else float("nan")
+        logs["skipped_steps"] = int(np.sum(~finite))
     if aux is not None:
         logs.update(_scalar_means(aux))
     logs.update(

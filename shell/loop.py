@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nnxscan.shell.plans import Plan, choose_plan
@@ -32,6 +33,7 @@ __all__ = [
     "Call",
     "Execution",
     "LiveState",
+    "NonFiniteStop",
     "device_of",
     "on_device_of",
     "plan_calls",
@@ -156,6 +158,23 @@ def _unaliased(leaves: list, key: Callable[[Any], Any] = id) -> list:
     return leaves if out is None else out
 
 
+class NonFiniteStop(Exception):
+    """A call halted at a non-finite loss (``on_nonfinite="stop"``); the model is written.
+
+    ``steps_in_call`` steps of that call were trained before it; ``outs`` holds the
+    epoch's outputs so far.
+    """
+
+    def __init__(self, steps_in_call: int, outs: list):
+        super().__init__(steps_in_call)
+        self.steps_in_call = steps_in_call
+        self.outs = outs
+
+
+def _losses(out: Any, program: TrainProgram) -> Any:
+    return out[0] if program.has_aux else out
+
+
 class Call(NamedTuple):
     """One compiled call: train ``length`` steps on ``data`` gathered by
     ``indices[start:start+length]``."""
@@ -195,13 +214,20 @@ def run_calls(
             # for the next batch: a stalled loader can still be interrupted.
             with held_interrupts() as interrupted:
                 leaves = _unaliased(live.leaves) if donate else live.leaves
-                leaves, out = run(leaves, data, indices, start, length=length, unroll=plan.unroll)
+                leaves, out, halted = run(
+                    leaves, data, indices, start, length=length, unroll=plan.unroll
+                )
                 if not donate:
                     jax.block_until_ready(leaves)  # a callback's failure surfaces here
-                live.advance(leaves, length)
+                trained = length
+                if program.halts and bool(halted):  # one host sync per call, "stop" only
+                    trained = int(np.argmax(np.isnan(np.asarray(_losses(out, program)))))
+                live.advance(leaves, trained)
                 outs.append(out)
-                if write_each_call:
+                if write_each_call or trained < length:
                     live.flush()
+                if trained < length:
+                    raise NonFiniteStop(trained, outs)
             if interrupted():
                 raise KeyboardInterrupt
             if on_call is not None:

@@ -16,7 +16,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from nnxscan.pure import batch_indices, make_evaluate, make_train_step, scan_indexed_steps
+from nnxscan.pure import (
+    batch_indices,
+    halt_after_nonfinite,
+    make_evaluate,
+    make_train_step,
+    scan_indexed_steps,
+)
 from nnxscan.shell.plans import StepTraits, step_traits
 
 __all__ = ["TrainProgram", "evaluator", "train_program"]
@@ -81,9 +87,26 @@ class TrainProgram:
     of the short final batch (else ``None``).
     """
 
-    def __init__(self, loss_fn: Callable, tx: Any, wrt: Any, has_aux: bool):
-        self.step = make_train_step(loss_fn, tx, wrt=wrt, has_aux=has_aux)
+    def __init__(
+        self,
+        loss_fn: Callable,
+        tx: Any,
+        wrt: Any,
+        has_aux: bool,
+        on_nonfinite: str = "ignore",
+        accumulate: int = 1,
+    ):
+        self.step = make_train_step(
+            loss_fn,
+            tx,
+            wrt=wrt,
+            has_aux=has_aux,
+            skip_nonfinite=on_nonfinite != "ignore",
+            accumulate=accumulate,
+        )
         self.has_aux = has_aux
+        # "stop": every call halts at its first non-finite step and reports whether it did.
+        self.halts = on_nonfinite == "stop"
         self._traits: OrderedDict[Hashable, StepTraits] = OrderedDict()
         self._runners: OrderedDict[Hashable, Callable] = OrderedDict()
 
@@ -108,16 +131,20 @@ class TrainProgram:
         flattening an ``nnx.State`` of Variables costs a sort per node on every call, more
         than a small model's step, while a list flattens in C++.
         """
-        step = self.step
+        step, halts = self.step, self.halts
+        if halts:
+            step = halt_after_nonfinite(step, has_aux=self.has_aux)
 
         def build():
             def run(leaves, data, indices, start, length, unroll):
                 state, opt_state = jax.tree.unflatten(carry_def, leaves)
                 idx = jax.lax.dynamic_slice_in_dim(indices, start, length)
-                state, opt_state, outs = scan_indexed_steps(
-                    step, graphdef, state, opt_state, data, idx, unroll=unroll
+                carry = (opt_state, jnp.bool_(False)) if halts else opt_state
+                state, carry, outs = scan_indexed_steps(
+                    step, graphdef, state, carry, data, idx, unroll=unroll
                 )
-                return jax.tree.leaves((state, opt_state)), outs
+                opt_state, halted = carry if halts else (carry, jnp.bool_(False))
+                return jax.tree.leaves((state, opt_state)), outs, halted
 
             donated = (0,) if donate else ()
             return jax.jit(run, static_argnames=("length", "unroll"), donate_argnums=donated)
@@ -133,10 +160,26 @@ class TrainProgram:
         )
 
 
-def train_program(loss_fn: Callable, tx: Any, wrt: Any, has_aux: bool) -> TrainProgram:
+def train_program(
+    loss_fn: Callable,
+    tx: Any,
+    wrt: Any,
+    has_aux: bool,
+    on_nonfinite: str = "ignore",
+    accumulate: int = 1,
+) -> TrainProgram:
     """The cached :class:`TrainProgram` for these objects (built on first use)."""
-    key = (_identity_key(loss_fn), _identity_key(tx), _identity_key(wrt), bool(has_aux))
-    return _lookup(_TRAIN, key, lambda: TrainProgram(loss_fn, tx, wrt, has_aux))
+    key = (
+        _identity_key(loss_fn),
+        _identity_key(tx),
+        _identity_key(wrt),
+        bool(has_aux),
+        on_nonfinite,
+        accumulate,
+    )
+    return _lookup(
+        _TRAIN, key, lambda: TrainProgram(loss_fn, tx, wrt, has_aux, on_nonfinite, accumulate)
+    )
 
 
 def evaluator(metric_fn: Callable, batch_size: int, eval_mode: bool = True) -> Callable:

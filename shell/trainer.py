@@ -34,6 +34,7 @@ from nnxscan.shell.history import History
 from nnxscan.shell.loop import (
     Execution,
     LiveState,
+    NonFiniteStop,
     device_of,
     on_device_of,
     prepare_execution,
@@ -48,6 +49,7 @@ __all__ = ["Trainer"]
 
 
 _MAX_SEED = 2**31 - 1  # the seed enters the compiled call as an int32
+_NONFINITE_POLICIES = ("ignore", "skip", "stop")
 
 
 def _check_count(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
@@ -75,6 +77,14 @@ class Trainer:
         into the epoch logs.
       execution: ``"auto"``, ``"scan"``, ``"unrolled"``, ``"step"`` or a ``Plan`` (see
         :mod:`nnxscan.shell.plans` for the rule ``"auto"`` follows).
+      on_nonfinite: what a step with a non-finite loss or gradient does. ``"ignore"`` (the
+        default, the plain loop's behaviour): it is applied. ``"skip"``: it leaves the
+        model and optax state unchanged (inside the compiled loop, no host sync), reports
+        a NaN loss, and each epoch's logs count ``skipped_steps``. ``"stop"``: training
+        halts right before it and ``fit`` raises ``FloatingPointError`` naming the epoch
+        and step, with the model at the state before that step (one host sync per call).
+      accumulate: split each batch into this many micro-batches and apply their averaged
+        gradient once (see :func:`nnxscan.pure.make_train_step`).
 
     Example:
       >>> trainer = Trainer(model, optax.adam(1e-3), loss_fn)
@@ -92,6 +102,8 @@ class Trainer:
         wrt: nnx.filterlib.Filter = nnx.Param,
         has_aux: bool = False,
         execution: str | Plan = "auto",
+        on_nonfinite: str = "ignore",
+        accumulate: int = 1,
     ):
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
@@ -110,6 +122,11 @@ class Trainer:
         else:
             tx = check_transform(tx_or_optimizer)
         self._explicit_plan = resolve_plan(execution)
+        if on_nonfinite not in _NONFINITE_POLICIES:
+            raise ValueError(
+                f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(_NONFINITE_POLICIES)}."
+            )
+        self.on_nonfinite = on_nonfinite
         self.model = model
         self.tx = tx
         self.loss_fn = loss_fn
@@ -124,7 +141,9 @@ class Trainer:
         self.epoch = 0
         self.step = 0
         self.stop_training = False
-        self._program = train_program(loss_fn, tx, wrt, self.has_aux)
+        self._program = train_program(
+            loss_fn, tx, wrt, self.has_aux, on_nonfinite, _check_count(accumulate, "accumulate", 1)
+        )
 
     # -- state crossing -------------------------------------------------------------------
 
@@ -297,6 +316,7 @@ class Trainer:
         self.stop_training = False
         call_hooks = [cb.on_call_end for cb in callbacks if hasattr(cb, "on_call_end")]
         warned = False
+        skipping = self.on_nonfinite == "skip"
         with EpochProgress(epochs, calls_per_epoch, progress) as bar:
 
             def on_call() -> None:
@@ -312,12 +332,22 @@ class Trainer:
                         self._program, execution, graphdef, live,
                         epoch_calls(epoch, stats), on_call,
                     )  # fmt: skip
+                except NonFiniteStop as stop:
+                    logs, losses = epoch_logs(epoch, stop.outs, start, self.has_aux, stats, True)
+                    history._append(losses, logs)
+                    error = FloatingPointError(
+                        f"non-finite loss at epoch {epoch}, global step {self.step} (step "
+                        f"{self.step - first_step} of the epoch); on_nonfinite='stop' ended "
+                        f"fit with the model at the state before that step."
+                    )
+                    error.history = history
+                    raise error from None
                 finally:
                     # The epoch counts as soon as all its steps are in the model, even if
                     # an interrupt lands later (in the progress bar or the host sync).
                     if stats.complete(self.step - first_step):
                         self.epoch = epoch + 1
-                logs, losses = epoch_logs(epoch, outs, start, self.has_aux, stats)
+                logs, losses = epoch_logs(epoch, outs, start, self.has_aux, stats, skipping)
                 if stats.dropped and not warned:
                     warned = True
                     warnings.warn(
