@@ -20,7 +20,7 @@ from nnxscan.adapters.data import to_numpy
 from nnxscan.shell.loop import Call, plan_calls
 from nnxscan.shell.plans import Plan
 from nnxscan.shell.programs import TrainProgram
-from nnxscan.shell.streaming import STREAM_STEPS_PER_CALL, EpochSource, stream_chunks
+from nnxscan.shell.streaming import BatchChecker, ChunkStream, EpochSource
 
 __all__ = [
     "EpochCalls",
@@ -43,6 +43,7 @@ class EpochStats:
     def __init__(self) -> None:
         self.expected_steps: int | None = None  # known for a data set
         self.exhausted = False  # a stream ran to its end
+        self.at_end: Callable[[], bool] = lambda: False  # every chunk handed out
         self.dropped = 0
 
     def drop(self, count: int) -> None:
@@ -51,24 +52,21 @@ class EpochStats:
     def complete(self, steps_done: int) -> bool:
         if self.expected_steps is not None:
             return steps_done == self.expected_steps
-        return self.exhausted
+        return self.exhausted or self.at_end()
 
 
 EpochCalls = Callable[[int, EpochStats], Iterator[Call]]
 
 
-def with_steps_per_call(plan: Plan, steps_per_call: int | None, *, stream: bool) -> Plan:
-    """The plan with the user's ``steps_per_call``, or a stream's default chunk size."""
-    if steps_per_call is not None:
-        if plan.kind == "step" and steps_per_call != 1:
-            raise ValueError(
-                f"the 'step' plan runs one step per call; steps_per_call={steps_per_call} "
-                f"needs Plan('unrolled', {steps_per_call}) or 'scan'."
-            )
-        return plan._replace(steps_per_call=steps_per_call)
-    if stream and plan.steps_per_call is None:
-        return plan._replace(steps_per_call=STREAM_STEPS_PER_CALL)
-    return plan
+def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
+    """The ``"scan"`` plan with calls of ``steps_per_call`` steps (a data set's epoch).
+
+    The ``"unrolled"`` and ``"step"`` plans keep their own call size: unrolling 100 steps
+    would take minutes to compile. ``Plan("unrolled", k)`` sets it.
+    """
+    if steps_per_call is None or plan.kind != "scan":
+        return plan
+    return plan._replace(steps_per_call=steps_per_call)
 
 
 @functools.cache
@@ -107,7 +105,8 @@ def array_epochs(
 def peek_stream(source: EpochSource) -> tuple[Any, Iterator]:
     """The first epoch's first batch (as numpy), and that epoch's iterator with it put back.
 
-    The plan, and so the chunk size, depends on the step's jaxpr, which needs a batch.
+    The plan depends on the step's jaxpr, and the chunk size on the batch's bytes: both
+    need a batch before the stream starts.
     """
     first_epoch = source.epoch()
     first = next(first_epoch, None)
@@ -121,30 +120,47 @@ def stream_epochs(
     first_epoch: Iterator,
     plan: Plan,
     *,
+    chunk_size: int,
     device: Any,
     batch_size: int | None,
     drop_remainder: bool,
     prefetch: bool,
 ) -> EpochCalls:
-    """An epoch's calls over a stream: one per chunk of ``plan.steps_per_call`` batches."""
+    """An epoch's calls over a stream: chunks of ``chunk_size`` batches, each trained in
+    the plan's calls (one scan for ``"scan"``; calls of 4 unrolled steps for ``"unrolled"``).
+
+    After dispatching chunk ``i``'s calls it waits for chunk ``i - 1``'s to finish before
+    asking for chunk ``i + 1``: one call runs, the next waits in the device queue, and the
+    iterator is never more than two chunks ahead of the last finished call.
+    """
     pending = [first_epoch]
+    checker = BatchChecker(batch_size)  # one for the whole fit: the step was traced once
 
     def epoch_calls(epoch: int, stats: EpochStats) -> Iterator[Call]:
-        chunks = stream_chunks(
+        stream = ChunkStream(
             pending.pop() if pending else source.epoch(),
-            steps_per_call=plan.steps_per_call,
-            batch_size=batch_size,
+            prefetch=prefetch,
+            chunk_size=chunk_size,
+            checker=checker,
+            epoch=epoch,
             keep_tail=not drop_remainder,
             device=device,
-            prefetch=prefetch,
             on_dropped=stats.drop,
         )
+        stats.at_end = stream.at_end
+        previous: list | None = None
         try:
-            for chunk in chunks:
-                yield Call(chunk.data, _arange(chunk.steps), 0, chunk.steps)
+            for chunk in stream:
+                sink: list = []
+                for start, length in plan.chunks(chunk.steps):
+                    yield Call(chunk.data, _arange(chunk.steps), start, length, sink)
+                if previous is not None:
+                    jax.block_until_ready(previous)
+                    stream.finished()
+                previous = sink
             stats.exhausted = True
         finally:
-            chunks.close()
+            stream.close()
 
     return epoch_calls
 

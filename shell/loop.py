@@ -177,12 +177,14 @@ def _losses(out: Any, program: TrainProgram) -> Any:
 
 class Call(NamedTuple):
     """One compiled call: train ``length`` steps on ``data`` gathered by
-    ``indices[start:start+length]``."""
+    ``indices[start:start+length]``. When ``sink`` is a list, the call's outputs (losses)
+    are appended to it, so the caller can wait for the call to finish."""
 
     data: Any
     indices: Any
     start: int
     length: int
+    sink: list | None = None
 
 
 def plan_calls(plan: Plan, data: Any, indices: Any, num_steps: int) -> Iterator[Call]:
@@ -209,7 +211,7 @@ def run_calls(
     run = program.runner(graphdef, live.treedef, donate)
     outs = []
     try:
-        for data, indices, start, length in calls:
+        for data, indices, start, length, sink in calls:
             # Ctrl-C is held only around the call and its bookkeeping, not while waiting
             # for the next batch: a stalled loader can still be interrupted.
             with held_interrupts() as interrupted:
@@ -224,6 +226,8 @@ def run_calls(
                     trained = int(np.argmax(np.isnan(np.asarray(_losses(out, program)))))
                 live.advance(leaves, trained)
                 outs.append(out)
+                if sink is not None:
+                    sink.append(out)  # the losses: never donated, ready when the call is
                 if write_each_call or trained < length:
                     live.flush()
                 if trained < length:
@@ -234,4 +238,9 @@ def run_calls(
                 on_call()
     finally:
         live.flush()
+        # A stream's generator owns a prefetch thread: stop it now, not when a kept
+        # traceback lets the generator be collected.
+        close = getattr(calls, "close", None)
+        if close is not None:
+            close()
     return outs

@@ -6,9 +6,10 @@ thread pulls, checks, converts and stacks the next chunk, and starts its transfe
 device, while the current chunk trains.
 
 Memory stays bounded whatever the data set's size: the producer takes a slot before it
-pulls a chunk and the trainer frees one when a call has finished, with two slots in all,
-so the iterator is never more than two chunks (2·K batches) ahead of the last finished
-call.
+pulls a chunk and the trainer frees one when a chunk's call has FINISHED on the device
+(not merely been dispatched), with two slots in all, so the iterator is never more than two
+chunks (2·K batches) ahead of the last finished call. Meanwhile one call runs and the next
+waits in the device queue, so the device never idles for the host.
 """
 
 from __future__ import annotations
@@ -25,18 +26,28 @@ import numpy as np
 from nnxscan.adapters.data import to_numpy
 
 __all__ = [
+    "CHUNK_BYTES",
     "STREAM_STEPS_PER_CALL",
+    "BatchChecker",
     "Chunk",
+    "ChunkStream",
     "EpochSource",
+    "default_chunk_size",
     "is_stream",
-    "stream_chunks",
 ]
 
-# Steps per compiled call for a stream under the "scan" plan: long enough that the call's
-# fixed cost (~0.1 ms) vanishes next to 100 steps, short enough that a chunk of 100
-# batches is small in host memory and the progress bar moves.
+# Batches per chunk for a stream: long enough that a call's fixed cost (~0.1 ms) vanishes
+# next to 100 steps, short enough that the progress bar moves (and see CHUNK_BYTES).
 STREAM_STEPS_PER_CALL = 100
 _SLOTS = 2  # chunks the producer may hold beyond the last finished call
+# A chunk of big batches must stay small in memory: K shrinks to fit this many bytes.
+CHUNK_BYTES = 256 * 2**20
+
+
+def default_chunk_size(first_batch: Any) -> int:
+    """Batches per chunk for a stream: 100, fewer when that would pass ``CHUNK_BYTES``."""
+    nbytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(first_batch))
+    return int(max(1, min(STREAM_STEPS_PER_CALL, CHUNK_BYTES // max(nbytes, 1))))
 
 
 class Chunk(NamedTuple):
@@ -99,80 +110,102 @@ class EpochSource:
         return it
 
 
-def _describe(tree: Any) -> dict[str, tuple]:
+def _describe(tree: Any) -> dict[str, tuple[tuple, str]]:
+    """Path -> (shape, dtype as JAX will see it) for every leaf of a batch."""
     return {
-        jax.tree_util.keystr(p): tuple(np.shape(x))
+        jax.tree_util.keystr(p): (
+            tuple(np.shape(x)),
+            str(jax.dtypes.canonicalize_dtype(np.result_type(x))),
+        )
         for p, x in jax.tree_util.tree_leaves_with_path(tree)
     }
 
 
-class _BatchChecker:
-    """Every batch of an epoch must look like the first (a short FINAL batch aside)."""
+class BatchChecker:
+    """Every batch must look like the first of the fit (a short FINAL batch aside).
+
+    One checker serves all epochs of a ``fit``: the step was traced on the first batch, so
+    a later epoch with other shapes or dtypes is as wrong as a later batch.
+    """
 
     def __init__(self, batch_size: int | None):
         self.batch_size = batch_size
-        self.shapes: dict[str, tuple] | None = None
+        self.leaves: dict[str, tuple[tuple, str]] | None = None
         self.treedef = None
 
-    def leading_size(self, index: int, batch: Any) -> int:
-        shapes = _describe(batch)
+    def leading_size(self, index: int, batch: Any, epoch: int = 0) -> int:
+        where = f"batch {index}" + (f" of epoch {epoch}" if epoch else "")
+        leaves = _describe(batch)
         treedef = jax.tree.structure(batch)
-        sizes = {s[0] for s in shapes.values()}
+        sizes = {shape[0] for shape, _ in leaves.values()}
         if len(sizes) != 1:
             raise ValueError(
-                f"batch {index}: leaves disagree on the batch size: {shapes}. Every leaf "
-                f"of a batch needs the same leading size."
+                f"{where}: leaves disagree on the batch size: "
+                f"{ {p: shape for p, (shape, _) in leaves.items()} }. Every leaf of a batch "
+                f"needs the same leading size."
             )
         size = sizes.pop()
-        if self.shapes is None:
+        if self.leaves is None:
             if self.batch_size is not None and size != self.batch_size:
                 raise ValueError(
-                    f"batch {index} has {size} examples but batch_size={self.batch_size}; "
+                    f"{where} has {size} examples but batch_size={self.batch_size}; "
                     f"leave batch_size out to take the loader's own batch size."
                 )
-            self.shapes, self.treedef = shapes, treedef
+            self.leaves, self.treedef = leaves, treedef
             return size
         if treedef != self.treedef:
             raise ValueError(
-                f"batch {index} has another structure than batch 0: {sorted(shapes)} vs "
-                f"{sorted(self.shapes)}."
+                f"{where} has another structure than batch 0: "
+                f"{ {p: shape for p, (shape, _) in leaves.items()} } vs "
+                f"{ {p: shape for p, (shape, _) in self.leaves.items()} }. (A list is read "
+                f"as a list of batches: pass a tuple (x, y) for a data set of arrays.)"
             )
-        for path, shape in shapes.items():
-            want = self.shapes[path]
-            if shape[1:] != want[1:] or shape[0] > want[0]:
+        for path, (shape, dtype) in leaves.items():
+            want_shape, want_dtype = self.leaves[path]
+            if shape[1:] != want_shape[1:] or shape[0] > want_shape[0] or dtype != want_dtype:
                 raise ValueError(
-                    f"batch {index}, leaf {path}: shape {shape} differs from batch 0's "
-                    f"{want}. Every batch of an epoch must have the same shapes (only the "
-                    f"final batch may be shorter)."
+                    f"{where}, leaf {path}: shape {shape} {dtype} differs from batch 0's "
+                    f"{want_shape} {want_dtype}. Every batch must have the same shapes and "
+                    f"dtypes (only the final batch of an epoch may be shorter). (A list is "
+                    f"read as a list of batches: pass a tuple (x, y) for a data set.)"
                 )
         return size
 
     @property
     def full_size(self) -> int:
-        assert self.shapes is not None
-        return next(iter(self.shapes.values()))[0]
+        assert self.leaves is not None
+        return next(iter(self.leaves.values()))[0][0]
+
+
+class _Stopped(Exception):
+    pass
 
 
 def _chunks(
     iterator: Iterator,
     *,
-    steps_per_call: int,
-    batch_size: int | None,
+    chunk_size: int,
+    checker: BatchChecker,
+    epoch: int,
     keep_tail: bool,
     device: Any,
     acquire: Callable[[], None],
+    check_stop: Callable[[], None],
     on_dropped: Callable[[int], None],
 ) -> Iterator[Chunk]:
-    """Pulls, checks, stacks and transfers chunks of ``steps_per_call`` batches."""
-    checker = _BatchChecker(batch_size)
+    """Pulls, checks, stacks and transfers chunks of ``chunk_size`` batches."""
     index, pending = 0, []
+
+    def pull() -> Any:
+        check_stop()  # a stopped fit takes nothing more from the user's iterator
+        return next(iterator, _END)
+
     acquire()
-    for raw in iterator:
+    while (raw := pull()) is not _END:
         batch = to_numpy(raw, index=index)
-        size = checker.leading_size(index, batch)
+        size = checker.leading_size(index, batch, epoch)
         if size < checker.full_size:
-            extra = next(iterator, _END)
-            if extra is not _END:
+            if pull() is not _END:
                 raise ValueError(
                     f"batch {index} has {size} examples but earlier batches have "
                     f"{checker.full_size}; only the final batch of an epoch may be shorter."
@@ -187,12 +220,18 @@ def _chunks(
             return
         pending.append(batch)
         index += 1
-        if len(pending) == steps_per_call:
+        if len(pending) == chunk_size:
             yield Chunk(jax.device_put(_stack(pending), device), len(pending))
             pending = []
             acquire()
-    if index == 0 and checker.shapes is None:
-        raise ValueError("data is empty: the iterator yielded no batch this epoch.")
+    if index == 0:
+        hint = (
+            " A re-iterable must give a fresh pass every epoch; pass a zero-argument "
+            "callable that returns a new iterator."
+            if epoch
+            else ""
+        )
+        raise ValueError(f"data is empty: the iterator yielded no batch in epoch {epoch}.{hint}")
     if pending:
         yield Chunk(jax.device_put(_stack(pending), device), len(pending))
 
@@ -201,66 +240,82 @@ def _stack(batches: list) -> Any:
     return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
-class _Stopped(Exception):
-    pass
+class ChunkStream:
+    """One epoch's chunks, produced ahead by a thread (or inline without ``prefetch``).
 
-
-def stream_chunks(
-    iterator: Iterator,
-    *,
-    steps_per_call: int,
-    batch_size: int | None,
-    keep_tail: bool,
-    device: Any,
-    prefetch: bool,
-    on_dropped: Callable[[int], None],
-) -> Iterator[Chunk]:
-    """Yields the epoch's chunks; with ``prefetch`` a thread prepares them ahead.
-
-    Resuming the generator means the previous chunk's call has finished, which frees its
-    slot. Closing it (or an exception in the consumer) stops the thread.
+    Iterate it for the chunks. Call ``finished(i)`` when the call of chunk ``i`` has
+    finished on the device: that frees the slot the producer needs for the chunk two
+    ahead. ``close()`` stops the producer (it takes no more batches from the iterator).
+    ``at_end()`` tells whether every chunk of the epoch has been handed out.
     """
-    options = dict(
-        steps_per_call=steps_per_call,
-        batch_size=batch_size,
-        keep_tail=keep_tail,
-        device=device,
-        on_dropped=on_dropped,
-    )
-    if not prefetch:
-        yield from _chunks(iterator, acquire=lambda: None, **options)
-        return
 
-    slots = threading.Semaphore(_SLOTS)
-    stop = threading.Event()
-    items: queue.Queue = queue.Queue()
+    def __init__(self, iterator: Iterator, *, prefetch: bool, **options: Any):
+        self._stop = threading.Event()
+        self._slots = threading.Semaphore(_SLOTS)
+        self._produced = 0
+        self._handed = 0
+        self._producer_done = False
+        self._thread = None
 
-    def acquire() -> None:
-        while not slots.acquire(timeout=0.05):
-            if stop.is_set():
+        def acquire() -> None:
+            if not prefetch:
+                return
+            while not self._slots.acquire(timeout=0.05):
+                if self._stop.is_set():
+                    raise _Stopped
+
+        def check_stop() -> None:
+            if self._stop.is_set():
                 raise _Stopped
 
-    def produce() -> None:
+        self._chunks = _chunks(iterator, acquire=acquire, check_stop=check_stop, **options)
+        if prefetch:
+            self._items: queue.Queue = queue.Queue()
+            self._thread = threading.Thread(
+                target=self._produce, name="nnxscan-prefetch", daemon=True
+            )
+            self._thread.start()
+
+    def _produce(self) -> None:
         try:
-            for chunk in _chunks(iterator, acquire=acquire, **options):
-                items.put(chunk)
-            items.put(_END)
+            for chunk in self._chunks:
+                self._produced += 1
+                self._items.put(chunk)
+            self._producer_done = True
+            self._items.put(_END)
         except _Stopped:
             pass
         except BaseException as error:  # the iterator's own error goes to the trainer
-            items.put(_Failure(error))
+            self._items.put(_Failure(error))
 
-    thread = threading.Thread(target=produce, name="nnxscan-prefetch", daemon=True)
-    thread.start()
-    try:
+    def __iter__(self) -> Iterator[Chunk]:
+        if self._thread is None:
+            for chunk in self._chunks:
+                self._handed += 1
+                yield chunk
+            self._producer_done = True
+            return
         while True:
-            item = items.get()
+            item = self._items.get()
             if item is _END:
                 return
             if isinstance(item, _Failure):
                 raise item.error
+            self._handed += 1
             yield item
-            slots.release()
-    finally:
-        stop.set()
-        thread.join(timeout=5.0)
+
+    def finished(self, count: int = 1) -> None:
+        for _ in range(count):
+            self._slots.release()
+
+    def at_end(self) -> bool:
+        return self._producer_done and self._handed == self._produced
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is None:
+            self._chunks.close()
+        else:
+            # The producer checks the stop flag before every pull; only a user iterator
+            # blocked inside next() can outlive this wait (the thread is a daemon).
+            self._thread.join(timeout=2.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,6 +23,7 @@ from nnxscan.pure import (
     init_opt_state,
     split_wrt,
 )
+from nnxscan.shell.checkpointing import EpochCheckpointer, restore_trainer, save_trainer
 from nnxscan.shell.epochs import (
     EpochCalls,
     EpochStats,
@@ -43,7 +46,7 @@ from nnxscan.shell.loop import (
 from nnxscan.shell.plans import Plan, resolve_plan
 from nnxscan.shell.programs import evaluator, first_batch, train_program
 from nnxscan.shell.progress import EpochProgress
-from nnxscan.shell.streaming import EpochSource, is_stream
+from nnxscan.shell.streaming import EpochSource, default_chunk_size, is_stream
 
 __all__ = ["Trainer"]
 
@@ -140,6 +143,7 @@ class Trainer:
             self._opt_state = None
         self.epoch = 0
         self.step = 0
+        self.seed = 0
         self.stop_training = False
         self._program = train_program(
             loss_fn, tx, wrt, self.has_aux, on_nonfinite, _check_count(accumulate, "accumulate", 1)
@@ -183,13 +187,15 @@ class Trainer:
         *,
         epochs: int,
         batch_size: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         shuffle: bool = True,
         callbacks: Sequence[Any] = (),
         progress: bool = True,
         steps_per_call: int | None = None,
         drop_remainder: bool = True,
         prefetch: bool = True,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 1,
     ) -> History:
         """Trains ``epochs`` MORE epochs on ``data`` and returns their :class:`History`.
 
@@ -215,7 +221,9 @@ class Trainer:
           batch_size: examples per step. Required for a data set; for a stream it may be
             left out (the batches carry their size), and when given every batch must
             have it.
-          seed: the shuffle seed of a data set.
+          seed: the shuffle seed of a data set; ``None`` keeps the trainer's seed (0, or
+            the one a restored checkpoint recorded, so a resumed run shuffles as the
+            original did).
           shuffle: permute a data set's examples each epoch; False keeps their order.
           callbacks: objects with optional methods ``on_call_end(trainer, step)`` (after
             each compiled call; it must not read arrays if it wants to keep the device
@@ -232,13 +240,19 @@ class Trainer:
             last batch, with a one-line warning giving the count. ``False`` trains on it
             as one more step of its own size (one extra compile, cached).
           prefetch: prepare a stream's next chunk in a background thread.
+          checkpoint_dir: save a checkpoint (:meth:`save`) here every ``checkpoint_every``
+            epochs, counted by the global epoch index.
 
         Example:
           >>> history = trainer.fit({"x": x, "y": y}, epochs=5, batch_size=64)
           >>> history = trainer.fit(lambda: loader_batches(), epochs=5, steps_per_call=50)
         """
         epochs = _check_count(epochs, "epochs", 0)
-        seed = _check_count(seed, "seed", 0, _MAX_SEED)
+        seed = self.seed if seed is None else _check_count(seed, "seed", 0, _MAX_SEED)
+        checkpoint_every = _check_count(checkpoint_every, "checkpoint_every", 1)
+        if checkpoint_dir is not None:
+            callbacks = (*callbacks, EpochCheckpointer(checkpoint_dir, checkpoint_every))
+        self.seed = seed
         if steps_per_call is not None:
             steps_per_call = _check_count(steps_per_call, "steps_per_call", 1)
         options = dict(callbacks=tuple(callbacks), progress=progress)
@@ -263,7 +277,7 @@ class Trainer:
         data = on_device_of(data, state)
         opt_state = self.opt_state
         execution = self._execution(graphdef, state, opt_state, data, batch_size)
-        plan = with_steps_per_call(execution.plan, steps_per_call, stream=False)
+        plan = with_steps_per_call(execution.plan, steps_per_call)
         epoch_calls, calls_per_epoch = array_epochs(
             self._program, plan, data, num_examples=n, batch_size=batch_size, seed=seed,
             shuffle=shuffle, keep_tail=not drop_remainder and n % batch_size > 0,
@@ -286,10 +300,11 @@ class Trainer:
         execution = prepare_execution(
             self._program, self._explicit_plan, graphdef, state, opt_state, one
         )
-        plan = with_steps_per_call(execution.plan, steps_per_call, stream=True)
+        plan = execution.plan
         epoch_calls = stream_epochs(
-            source, first_epoch, plan, device=device_of(state), batch_size=batch_size,
-            drop_remainder=drop_remainder, prefetch=prefetch,
+            source, first_epoch, plan, chunk_size=steps_per_call or default_chunk_size(first),
+            device=device_of(state), batch_size=batch_size, drop_remainder=drop_remainder,
+            prefetch=prefetch,
         )  # fmt: skip
         return self._train_epochs(
             epochs, execution._replace(plan=plan), graphdef, state, opt_state, epoch_calls,
@@ -366,6 +381,38 @@ class Trainer:
                 if self.stop_training:
                     break
         return history
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike[str], *, max_to_keep: int = 3) -> pathlib.Path:
+        """Writes a checkpoint of everything a resume needs, numbered by the global step.
+
+        The module state (parameters, batch statistics, RNG keys and counts), the optax
+        state, the epoch and step counters and the seed; the last ``max_to_keep``
+        checkpoints are kept. Atomic: a crash mid-save leaves the earlier ones restorable.
+        Saving again at a step that already has a checkpoint keeps that one.
+
+        Example:
+          >>> trainer.fit(data, epochs=2, batch_size=32)
+          >>> trainer.save("/tmp/run")
+          PosixPath('/tmp/run/16')
+        """
+        return save_trainer(self, directory, max_to_keep=max_to_keep)
+
+    def restore(self, directory: str | os.PathLike[str], step: int | None = None) -> int:
+        """Loads the latest (or the given) checkpoint into the model, optimizer and counters.
+
+        Returns the epoch reached. A later ``fit`` continues exactly where the saved run
+        stopped (bitwise, seed included). A checkpoint whose structure or shapes differ from
+        the model raises ``ValueError`` naming the first mismatching path and both shapes,
+        and changes nothing; a missing directory or checkpoint raises ``FileNotFoundError``.
+
+        Example:
+          >>> trainer = Trainer(Model(nnx.Rngs(0)), optax.adam(1e-3), loss_fn)
+          >>> trainer.restore("/tmp/run")
+          2
+        """
+        return restore_trainer(self, directory, step)
 
     # -- evaluation -----------------------------------------------------------------------
 

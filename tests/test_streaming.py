@@ -216,17 +216,105 @@ def test_an_interrupt_in_a_callback_stops_the_prefetch_thread(batches):
             if step == 8:
                 raise KeyboardInterrupt
 
+    pulled = {"n": 0}
+
+    def counted():
+        for b in batches * 100:
+            pulled["n"] += 1
+            yield b
+
     model = MLP(rngs=nnx.Rngs(0))
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as kept:  # a kept traceback must not keep the thread
         Trainer(model, TX, xent).fit(
-            batches * 100, epochs=1, steps_per_call=4, callbacks=[Stop()], progress=False
+            counted, epochs=1, steps_per_call=4, callbacks=[Stop()], progress=False
         )
+    assert kept.value is not None and not prefetch_threads()
+    after = pulled["n"]
+    assert after <= 8 + 2 * 4 + 1  # bounded, and nothing pulled once fit has raised
     ref, _ = reference(batches[:8])
     assert_trees_close(model, ref)
-    assert not prefetch_threads()
+
+
+def test_pulls_stay_two_chunks_ahead_of_the_steps_that_ran():
+    """Measured at every pull, against steps that really executed (a host callback)."""
+    k, steps = 5, 200
+    ran, pulled, most_ahead = {"n": 0}, {"n": 0}, {"n": 0}
+    batch = {"x": np.ones((2, 2), np.float32), "y": np.zeros((2, 1), np.float32)}
+
+    def lazy_batches():
+        for _ in range(steps):
+            most_ahead["n"] = max(most_ahead["n"], pulled["n"] - ran["n"])
+            pulled["n"] += 1
+            yield batch
+
+    def count(_):
+        ran["n"] += 1
+
+    def mse(model, b):
+        jax.debug.callback(count, b["x"][0, 0])
+        return ((model(b["x"]) - b["y"]) ** 2).mean()
+
+    trainer = Trainer(Tiny(rngs=nnx.Rngs(0)), optax.sgd(1e-3), mse)
+    trainer.fit(lazy_batches, epochs=1, steps_per_call=k, progress=False)
+    assert ran["n"] == steps and 0 < most_ahead["n"] <= 2 * k
 
 
 # -- bad input ---------------------------------------------------------------------------------
+
+
+def test_a_batch_with_another_dtype_is_caught_before_it_trains(batches):
+    bad = [*batches[:5], {"x": batches[0]["x"], "y": batches[0]["y"].astype(np.float32)}]
+    model = MLP(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent)
+    with pytest.raises(ValueError, match=r"batch 5, leaf \['y'\]: shape \(4,\) float32.*int32"):
+        trainer.fit(bad, epochs=1, steps_per_call=4, progress=False)
+    ref, _ = reference(batches[:4])  # the first chunk trained; the bad one never did
+    assert trainer.step == 4
+    assert_trees_close(model, ref)
+
+
+def test_an_epoch_with_other_shapes_names_the_epoch(batches):
+    epochs_seen = {"n": 0}
+
+    def shifting():
+        epochs_seen["n"] += 1
+        if epochs_seen["n"] == 1:
+            yield from batches
+        else:
+            yield {"x": np.zeros((4, 5), np.float32), "y": batches[0]["y"]}
+
+    model = MLP(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent)
+    with pytest.raises(ValueError, match=r"batch 0 of epoch 1, leaf \['x'\]"):
+        trainer.fit(shifting, epochs=2, progress=False)
+    ref, _ = reference(batches)
+    assert trainer.epoch == 1
+    assert_trees_close(model, ref)
+
+
+def test_a_streamed_cnn_keeps_calls_of_four_unrolled_steps():
+    from conftest import SmallCNN
+
+    rng = np.random.default_rng(0)
+    stream = [
+        {"x": rng.normal(size=(4, 8, 8, 1)).astype(np.float32),
+         "y": rng.integers(0, 3, 4).astype(np.int32)}
+        for _ in range(10)
+    ]  # fmt: skip
+    model = SmallCNN(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent)
+    calls = []
+
+    class Count:
+        def on_call_end(self, trainer, step):
+            calls.append(step)
+
+    trainer.fit(stream, epochs=1, steps_per_call=10, callbacks=[Count()], progress=False)
+    if jax.default_backend() == "cpu":
+        assert calls == [4, 8, 10]  # a chunk of 10 runs as unrolled calls of 4, 4, 2
+    ref = SmallCNN(rngs=nnx.Rngs(0))
+    reference_loop(ref, nnx.Optimizer(ref, TX, wrt=nnx.Param), xent, stream)
+    assert_trees_close(model, ref, rtol=1e-4, atol=1e-6)
 
 
 def _unchanged(model, before):

@@ -1,0 +1,441 @@
+"""Edge to orbax-checkpoint: numbered, atomic checkpoints of plain pytrees.
+
+A checkpoint holds everything a run needs to resume — the module state, the optax state, the
+epoch and step counters, the seed — as one dict of pytrees, and restores it into the
+structure of a template (the current state and opt_state of a freshly built model):
+
+    save_checkpoint(directory, step, {"state": state, "opt_state": opt_state, "meta": meta})
+    tree, step = restore_checkpoint(directory, like={"state": state, "opt_state": ..., ...})
+
+Leaves are saved by their path, never by their Python container, so:
+
+- ``nnx.Variable`` wrappers are dropped (their value is saved under the path of the
+  Variable): an ``nnx.State`` and its pure dict (``nnx.to_pure_dict``) share one format and
+  either restores into the other; restoring into a State template rebuilds its Variables,
+  metadata included, from the template.
+- optax states (NamedTuples, possibly holding ``nnx.State``) are saved leaf by leaf and come
+  back in the caller's template structure.
+- typed PRNG key arrays, which orbax cannot write, are saved as ``jax.random.key_data`` plus
+  their implementation's name and rebuilt with ``jax.random.wrap_key_data``.
+- Python ``bool``/``int``/``float``/``str`` leaves (counters, seeds) are stored exactly, as
+  JSON, and come back with their type.
+
+On-disk layout (orbax-checkpoint ``CheckpointManager``, default step naming)::
+
+    <directory>/                        absolute (resolved); created by the first save
+      <step>/                           one finished checkpoint, e.g. 0/, 12/, 40000/
+        _CHECKPOINT_METADATA            orbax: when it was written
+        manifest/metadata               JSON: format name and version, and per leaf in
+                                        flattening order its path (jax keystr, e.g.
+                                        "['state']['l1']['kernel']"), kind ("array", "key",
+                                        or a Python type), shape, dtype, key implementation,
+                                        array name, or the Python value itself
+        arrays/                         orbax PyTree (OCDBT/tensorstore): one array per array
+                                        or key leaf, named leaf_00000, leaf_00001, ...
+      <step>.orbax-checkpoint-tmp/      a save in progress, or one killed mid-way: never
+                                        listed, never restored; the next save of that step
+                                        replaces it
+
+Atomicity: orbax writes step N into ``<N>.orbax-checkpoint-tmp`` and renames it to ``<N>``
+only after every file is written and flushed; on a local (POSIX) filesystem the rename is
+atomic, and step listings skip temporary directories. A process killed during a save
+therefore leaves every earlier checkpoint intact and restorable, and ``latest_step`` never
+returns the half-written one. ``save_checkpoint`` returns only after the rename, so the
+checkpoint it reports is on disk.
+
+orbax-checkpoint ships with flax; it is imported only inside these functions, because
+importing it configures absl logging on the root logger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+__all__ = ["all_steps", "latest_step", "restore_checkpoint", "save_checkpoint"]
+
+_FORMAT = "nnxscan.checkpoint"
+_VERSION = 1
+_PYTHON_KINDS = {"bool": bool, "int": int, "float": float, "str": str}
+_ARRAY_KINDS = ("array", "key")
+
+
+def _orbax() -> Any:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as err:  # pragma: no cover - orbax-checkpoint is a flax dependency
+        raise ImportError(
+            "nnxscan checkpoints need orbax-checkpoint: pip install 'nnxscan[checkpoint]'"
+        ) from err
+    return ocp
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """What one leaf is, as the manifest records it (the saved side) or a template has it."""
+
+    path: str
+    kind: str  # "array", "key", or a key of _PYTHON_KINDS
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    impl: str = ""  # PRNG implementation name, for keys
+    name: str = ""  # the array's name in the orbax item, for arrays and keys
+    value: Any = None  # the value itself, for Python leaves
+
+    def describe(self) -> str:
+        if self.kind == "array":
+            return f"shape {self.shape} {self.dtype}"
+        if self.kind == "key":
+            return f"shape {self.shape} {self.dtype} (PRNG keys)"
+        return f"a Python {self.kind}"
+
+    def fits(self, other: _Leaf) -> bool:
+        if self.kind in _ARRAY_KINDS:
+            return (self.kind, self.shape, self.dtype) == (other.kind, other.shape, other.dtype)
+        return self.kind == other.kind
+
+    def to_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"path": self.path, "kind": self.kind}
+        if self.kind in _ARRAY_KINDS:
+            record.update(shape=list(self.shape), dtype=self.dtype, name=self.name)
+            if self.kind == "key":
+                record["impl"] = self.impl
+        else:
+            record["value"] = self.value
+        return record
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> _Leaf:
+        return cls(**{**record, "shape": tuple(record.get("shape", ()))})
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """(path, leaf) pairs with Variable wrappers dropped from the paths, and the full treedef.
+
+    A Variable flattens to its value under an extra ``.value`` path entry; mapping each
+    Variable to its value first gives an nnx.State and its pure dict the same paths. The
+    treedef is the original one (Variables kept), and holds the same leaves in the same order,
+    so unflattening restored leaves with it rebuilds the caller's Variables.
+    """
+    unwrapped = jax.tree.map(
+        lambda x: x.get_value() if _is_variable(x) else x, tree, is_leaf=_is_variable
+    )
+    pairs = jax.tree_util.tree_flatten_with_path(unwrapped)[0]
+    treedef = jax.tree.structure(tree)
+    if treedef.num_leaves != len(pairs):  # pragma: no cover - a Variable with extra children
+        raise TypeError("a Variable in the tree flattens to more than its value")
+    return [(jax.tree_util.keystr(path), leaf) for path, leaf in pairs], treedef
+
+
+def _is_key(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _describe_template(path: str, leaf: Any) -> _Leaf:
+    # numpy scalars first: np.float64 is also a Python float, but it is an array leaf.
+    if isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
+        kind = "key" if _is_key(leaf.dtype) else "array"
+        return _Leaf(path, kind, tuple(leaf.shape), str(leaf.dtype))
+    if type(leaf) in _PYTHON_KINDS.values():  # exact types: an IntEnum is not a counter
+        return _Leaf(path, type(leaf).__name__, value=leaf)
+    raise TypeError(
+        f"leaf {path} is a {type(leaf).__name__}: a checkpoint holds jax or numpy arrays "
+        f"(PRNG keys included), jax.ShapeDtypeStruct in a template, and Python "
+        f"bool/int/float/str. Convert the leaf, or keep it out of the tree."
+    )
+
+
+def _records_and_arrays(tree: dict[str, Any]) -> tuple[list[_Leaf], dict[str, Any]]:
+    """The manifest records of ``tree`` and the arrays orbax writes, keyed by array name."""
+    records, arrays = [], {}
+    for index, (path, leaf) in enumerate(_flatten(tree)[0]):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"leaf {path} is an abstract jax.ShapeDtypeStruct: save concrete arrays "
+                f"(templates with ShapeDtypeStruct leaves are for restore_checkpoint)"
+            )
+        record = _describe_template(path, leaf)
+        if record.kind in _ARRAY_KINDS:
+            name = f"leaf_{index:05d}"
+            if record.kind == "key":
+                # orbax cannot write typed key arrays; their raw bits and the implementation
+                # name rebuild them exactly.
+                impl = str(jax.random.key_impl(leaf))
+                record = dataclasses.replace(record, impl=impl, name=name)
+                arrays[name] = jax.random.key_data(leaf)
+            else:
+                record = dataclasses.replace(record, name=name)
+                arrays[name] = np.asarray(leaf) if isinstance(leaf, np.generic) else leaf
+        records.append(record)
+    return records, arrays
+
+
+def _resolve(directory: str | os.PathLike[str]) -> pathlib.Path:
+    # orbax requires absolute paths.
+    return pathlib.Path(directory).expanduser().resolve()
+
+
+def _as_step(step: Any, what: str) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"{what} must be a non-negative int, got {step!r}")
+    return int(step)
+
+
+def _reader(ocp: Any, path: pathlib.Path) -> Any:
+    # create=False: reading must not create the directory, nor write anything into it.
+    options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(path, options=options)
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    step: int,
+    tree: dict[str, Any],
+    *,
+    max_to_keep: int = 3,
+) -> pathlib.Path:
+    """Saves ``tree`` as checkpoint ``step`` under ``directory``; returns once it is on disk.
+
+    Args:
+      directory: the checkpoint directory (created if missing); relative paths are resolved.
+      step: the checkpoint's number; it must be larger than every step already saved there.
+      tree: a dict of pytrees whose leaves are jax or numpy arrays (typed PRNG keys included)
+        or Python bool/int/float/str; ``nnx.State`` (with Variables) and optax states are
+        fine.
+      max_to_keep: after saving, only the newest ``max_to_keep`` checkpoints are kept.
+
+    Returns:
+      The checkpoint's own directory, ``<directory>/<step>``.
+
+    Raises:
+      TypeError: a leaf of another type (its path is named).
+      FileExistsError: checkpoint ``step`` already exists.
+      ValueError: ``step`` is older than the latest checkpoint, or not a non-negative int.
+
+    Example:
+      >>> tree = {"state": nnx.state(model), "opt_state": opt_state,
+      ...         "meta": {"epoch": 2, "step": 200, "seed": 0}}
+      >>> save_checkpoint("runs/ckpt", 200, tree)
+      PosixPath('/home/me/runs/ckpt/200')
+    """
+    if not isinstance(tree, dict):
+        raise TypeError(f"tree must be a dict of pytrees, got {type(tree).__name__}")
+    step = _as_step(step, "step")
+    if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
+        raise ValueError(f"max_to_keep must be an int >= 1, got {max_to_keep!r}")
+    # Every leaf is checked before anything touches the disk.
+    records, arrays = _records_and_arrays(tree)
+    ocp = _orbax()
+    path = _resolve(directory)
+    manifest = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "leaves": [record.to_json() for record in records],
+    }
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        create=True,
+        # The caller needs the checkpoint durable on return, so an async save would only
+        # add a background thread to wait for.
+        enable_async_checkpointing=False,
+    )
+    with ocp.CheckpointManager(path, options=options) as manager:
+        steps = sorted(manager.all_steps())
+        if step in steps:
+            raise FileExistsError(
+                f"checkpoint {step} already exists in {path}: save under a new step, or "
+                f"delete {path / str(step)} first"
+            )
+        if steps and step < steps[-1]:
+            # orbax would silently skip such a save, and max_to_keep would delete it first.
+            raise ValueError(
+                f"step {step} is older than the latest checkpoint {steps[-1]} in {path}: "
+                f"checkpoint steps must increase. Save into another directory, or delete the "
+                f"newer checkpoints first."
+            )
+        items = {"manifest": ocp.args.JsonSave(manifest)}
+        if arrays:
+            items["arrays"] = ocp.args.PyTreeSave(arrays)
+        # force: the step checks above replace orbax's save-interval policy.
+        manager.save(step, args=ocp.args.Composite(**items), force=True)
+        manager.wait_until_finished()
+    return path / str(step)
+
+
+def _pick_step(manager: Any, path: pathlib.Path, step: int | None) -> int:
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {path}")
+    if step is None:
+        return steps[-1]
+    step = _as_step(step, "step")
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint {step} in {path}; available steps: {steps}")
+    return step
+
+
+def _read_manifest(raw: Any, where: pathlib.Path) -> list[_Leaf]:
+    if not isinstance(raw, dict) or raw.get("format") != _FORMAT:
+        raise ValueError(f"{where} was not written by nnxscan.adapters.checkpoint")
+    if raw.get("version", 0) > _VERSION:
+        raise ValueError(
+            f"{where} has checkpoint format version {raw['version']}, newer than this "
+            f"nnxscan reads ({_VERSION}): upgrade nnxscan"
+        )
+    return [_Leaf.from_json(record) for record in raw["leaves"]]
+
+
+def _check_fits(saved: list[_Leaf], wanted: list[_Leaf], where: pathlib.Path) -> None:
+    """Raises ValueError naming the first leaf where the checkpoint and template differ."""
+    by_path = {record.path: record for record in saved}
+    problems = []
+    for want in wanted:
+        have = by_path.get(want.path)
+        if have is None:
+            problems.append(f"{want.path}: missing in checkpoint (the model has {want.describe()})")
+        elif not have.fits(want):
+            problems.append(
+                f"{want.path}: the checkpoint has {have.describe()}, the model has "
+                f"{want.describe()}"
+            )
+    wanted_paths = {want.path for want in wanted}
+    problems += [
+        f"{have.path}: not in the model (the checkpoint has {have.describe()})"
+        for have in saved
+        if have.path not in wanted_paths
+    ]
+    if problems:
+        more = f" ({len(problems) - 1} more leaves differ)" if len(problems) > 1 else ""
+        raise ValueError(
+            f"checkpoint {where} does not fit the template at {problems[0]}{more}. Restore "
+            f"into a template built like the saved model (same layer sizes and variables), "
+            f"or pick another checkpoint with step=."
+        )
+
+
+def _default_sharding() -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _restore_args(ocp: Any, saved: _Leaf, template: Any) -> Any:
+    if saved.kind == "key":
+        # Key bits go to the default device; the rebuilt key is then placed like the template.
+        return ocp.ArrayRestoreArgs(sharding=_default_sharding())
+    if isinstance(template, np.ndarray | np.generic):
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.ArrayRestoreArgs(sharding=getattr(template, "sharding", None) or _default_sharding())
+
+
+def _rebuild_leaf(saved: _Leaf, template: Any, arrays: dict[str, Any]) -> Any:
+    if saved.kind in _PYTHON_KINDS:
+        return _PYTHON_KINDS[saved.kind](saved.value)
+    data = arrays[saved.name]
+    if saved.kind == "key":
+        key = jax.random.wrap_key_data(data, impl=saved.impl)
+        sharding = getattr(template, "sharding", None)
+        return key if sharding is None else jax.device_put(key, sharding)
+    if isinstance(template, np.generic):
+        return np.asarray(data)[()]
+    return data
+
+
+def restore_checkpoint(
+    directory: str | os.PathLike[str],
+    like: dict[str, Any],
+    *,
+    step: int | None = None,
+) -> tuple[dict[str, Any], int]:
+    """Restores the latest (or the given) checkpoint into the structure of ``like``.
+
+    ``like`` is a template: the same pytree structure, shapes and dtypes as the saved tree
+    (e.g. a fresh model's state and opt_state). Its leaves may be arrays, typed PRNG keys,
+    ``jax.ShapeDtypeStruct`` (from ``nnx.eval_shape`` / ``jax.eval_shape``) or Python
+    bool/int/float/str. It is only read: the result is a new tree, and restored jax arrays
+    are placed with the template leaf's sharding (the default device for a template leaf
+    without one); numpy template leaves come back as numpy.
+
+    Args:
+      directory: the checkpoint directory ``save_checkpoint`` wrote.
+      like: the template.
+      step: the checkpoint to restore; ``None`` picks the latest.
+
+    Returns:
+      ``(tree, step)``: the restored tree, in ``like``'s structure (Variables and optax
+      NamedTuples rebuilt from it), bitwise equal to what was saved; and the step restored.
+
+    Raises:
+      FileNotFoundError: ``directory`` does not exist, holds no checkpoint, or lacks ``step``
+        (the message lists the steps it has).
+      ValueError: the checkpoint's leaves differ from ``like``'s (another shape or dtype, a
+        variable missing on either side); the message names the first differing path and
+        both shapes. Raised before any array is read.
+
+    Example:
+      >>> like = {"state": nnx.state(model), "opt_state": tx.init(nnx.state(model, nnx.Param)),
+      ...         "meta": {"epoch": 0, "step": 0, "seed": 0}}
+      >>> tree, step = restore_checkpoint("runs/ckpt", like)
+      >>> nnx.update(model, tree["state"])  # in the shell
+    """
+    if not isinstance(like, dict):
+        raise TypeError(f"like must be a dict of pytrees, got {type(like).__name__}")
+    pairs, treedef = _flatten(like)
+    wanted = [_describe_template(path, leaf) for path, leaf in pairs]
+    ocp = _orbax()
+    path = _resolve(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    with _reader(ocp, path) as manager:
+        step = _pick_step(manager, path, step)
+        where = path / str(step)
+        raw = manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))
+        saved = _read_manifest(raw["manifest"], where)
+        _check_fits(saved, wanted, where)
+        by_path = {record.path: record for record in saved}
+        matched = [(by_path[path], leaf) for path, leaf in pairs]
+        restore_args = {
+            record.name: _restore_args(ocp, record, leaf)
+            for record, leaf in matched
+            if record.kind in _ARRAY_KINDS
+        }
+        arrays = {}
+        if restore_args:
+            item = ocp.args.PyTreeRestore(restore_args=restore_args)
+            arrays = manager.restore(step, args=ocp.args.Composite(arrays=item))["arrays"]
+    leaves = [_rebuild_leaf(record, leaf, arrays) for record, leaf in matched]
+    return jax.tree.unflatten(treedef, leaves), step
+
+
+def all_steps(directory: str | os.PathLike[str]) -> list[int]:
+    """The steps of the finished checkpoints in ``directory``, ascending (``[]`` if none).
+
+    Example:
+      >>> all_steps("runs/ckpt")
+      [300, 400, 500]
+    """
+    path = _resolve(directory)
+    if not path.is_dir():
+        return []
+    with _reader(_orbax(), path) as manager:
+        return sorted(manager.all_steps())
+
+
+def latest_step(directory: str | os.PathLike[str]) -> int | None:
+    """The newest finished checkpoint's step in ``directory``, or ``None`` if it has none.
+
+    Example:
+      >>> latest_step("runs/ckpt")
+      500
+    """
+    steps = all_steps(directory)
+    return steps[-1] if steps else None
