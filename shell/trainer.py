@@ -231,9 +231,10 @@ class Trainer:
             epoch's state). Setting ``trainer.stop_training = True`` in one ends ``fit``
             after that epoch.
           progress: show a progress bar that advances once per compiled call.
-          steps_per_call: steps per compiled call. Default: the whole epoch for a data set
-            (chunks of 4 for the ``"unrolled"`` plan), 100 for a stream. A shorter final
-            chunk compiles once, then is reused every epoch.
+          steps_per_call: steps per compiled call of the ``"scan"`` plan (default: the
+            whole epoch for a data set); for a stream, the batches stacked per chunk
+            (default 100, fewer if that passes 256 MiB). The ``"unrolled"`` plan keeps its
+            own call size (4). A shorter final chunk compiles once, then is reused.
           drop_remainder: drop the final short batch: for a data set the
             ``num_examples % batch_size`` examples each permutation leaves over (a new
             permutation each epoch, so none is left out for good); for a stream its short
