@@ -12,7 +12,7 @@ from flax import nnx
 
 from nnxscan.shell.trainer import Trainer
 
-__all__ = ["require_extra", "run_digits_demo", "save_line_plot"]
+__all__ = ["require_extra", "run_digits_demo"]
 
 
 def require_extra(module: str, extra: str = "demo") -> Any:
@@ -54,20 +54,6 @@ def digits_split(seed: int = 0, test_fraction: float = 0.2) -> tuple[dict, dict]
     return {"x": x[n_test:], "y": y[n_test:]}, {"x": x[:n_test], "y": y[:n_test]}
 
 
-def save_line_plot(path: pathlib.Path, ys: np.ndarray, *, title: str, ylabel: str) -> None:
-    """Writes a PNG line plot without touching pyplot's global state."""
-    figure_mod = require_extra("matplotlib.figure")
-    agg = require_extra("matplotlib.backends.backend_agg")
-    fig = figure_mod.Figure(figsize=(6, 3.5), dpi=100)
-    agg.FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot(np.arange(len(ys)), ys, lw=0.8)
-    ax.set(title=title, xlabel="step", ylabel=ylabel, yscale="log")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-
-
 def run_digits_demo(
     out_dir: str | pathlib.Path = ".", *, epochs: int = 30, seed: int = 0, progress: bool = True
 ) -> dict[str, Any]:
@@ -83,12 +69,15 @@ def run_digits_demo(
     train, test = digits_split(seed)
     model = DigitsMLP(rngs=nnx.Rngs(seed))
     trainer = Trainer(model, optax.adam(1e-3), cross_entropy)
-    history = trainer.fit(train, epochs=epochs, batch_size=32, seed=seed, progress=progress)
+    history = trainer.fit(
+        train, epochs=epochs, batch_size=32, seed=seed, progress=progress,
+        eval_data=test, metric_fn=accuracy, eval_every=5,
+    )  # fmt: skip
     acc = trainer.evaluate(test, accuracy, batch_size=128)["accuracy"]
     speeds = [e["steps_per_sec"] for e in history.epochs[1:]] or [0.0]
     plot = pathlib.Path(out_dir).resolve() / "nnxscan_digits_loss.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
-    save_line_plot(plot, history.losses, title="digits MLP, scanned epochs", ylabel="loss")
+    history.plot(plot)
     result = {
         "accuracy": acc,
         "steps_per_sec": float(np.median(speeds)),

@@ -27,13 +27,23 @@ __all__ = [
     "EpochStats",
     "array_epochs",
     "epoch_logs",
+    "learning_rate",
     "peek_stream",
     "stream_epochs",
     "with_steps_per_call",
 ]
 
 _RESERVED_LOGS = frozenset(
-    {"epoch", "loss", "steps", "steps_per_sec", "wall_time", "dropped_examples", "skipped_steps"}
+    {
+        "epoch",
+        "loss",
+        "steps",
+        "steps_per_sec",
+        "wall_time",
+        "dropped_examples",
+        "skipped_steps",
+        "learning_rate",
+    }
 )
 
 
@@ -163,6 +173,19 @@ def stream_epochs(
             stream.close()
 
     return epoch_calls
+
+
+def learning_rate(opt_state: Any) -> float | None:
+    """The current learning rate, when ``tx`` came from ``optax.inject_hyperparams``.
+
+    ``inject_hyperparams`` keeps the hyperparameters in the optax state (the first such
+    state found, e.g. inside an ``optax.chain``, is used); one host read per epoch.
+    """
+    is_injected = lambda x: hasattr(x, "hyperparams") and isinstance(x.hyperparams, dict)  # noqa: E731
+    for node in jax.tree.leaves(opt_state, is_leaf=is_injected):
+        if is_injected(node) and "learning_rate" in node.hyperparams:
+            return float(jax.device_get(node.hyperparams["learning_rate"]))
+    return None
 
 
 def _scalar_means(tree: Any) -> dict[str, float]:

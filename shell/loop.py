@@ -199,10 +199,13 @@ def run_calls(
     graphdef: nnx.GraphDef,
     live: LiveState,
     calls: Iterable[Call],
-    on_call: Callable[[], None] | None = None,
+    on_call: Callable[[int, Any], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[Any]:
     """Runs the compiled calls in order; returns each call's stacked outputs.
 
+    ``on_call(steps, out)`` runs after each call (the model written back, except under the
+    per-step plan); when ``should_stop()`` then says so, the remaining calls are skipped.
     The user's objects hold the final state when this returns, and the last completed
     state when it raises (whether the call, the data source or an interrupt raised).
     """
@@ -222,8 +225,9 @@ def run_calls(
                 if not donate:
                     jax.block_until_ready(leaves)  # a callback's failure surfaces here
                 trained = length
-                if program.halts and bool(halted):  # one host sync per call, "stop" only
-                    trained = int(np.argmax(np.isnan(np.asarray(_losses(out, program)))))
+                if program.halts and jax.device_get(halted):  # one sync per call, "stop" only
+                    losses = jax.device_get(_losses(out, program))
+                    trained = int(np.argmax(np.isnan(losses)))
                 live.advance(leaves, trained)
                 outs.append(out)
                 if sink is not None:
@@ -235,7 +239,9 @@ def run_calls(
             if interrupted():
                 raise KeyboardInterrupt
             if on_call is not None:
-                on_call()
+                on_call(length, out)
+            if should_stop is not None and should_stop():
+                break
     finally:
         live.flush()
         # A stream's generator owns a prefetch thread: stop it now, not when a kept

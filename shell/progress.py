@@ -1,36 +1,78 @@
-"""A progress bar that advances once per compiled call and never forces a device sync."""
+"""Progress for a whole ``fit``: one bar, advanced per compiled call, never forcing a sync.
+
+In a terminal, a rich bar shows the epoch, the latest loss, steps/s and the ETA. The loss
+shown is that of the newest call whose result is already on the host side (``is_ready``),
+so drawing the bar never waits for the device. When stdout is not a terminal (CI logs), no
+bar is drawn: one plain line per epoch is printed instead, so logs are not flooded.
+"""
 
 from __future__ import annotations
 
+import time
 from types import TracebackType
+from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+import jax
+import numpy as np
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
-__all__ = ["EpochProgress"]
+__all__ = ["RunProgress"]
 
 
-class EpochProgress:
-    """``with EpochProgress(epochs, calls_per_epoch, enabled) as bar: bar.advance()``.
+def _ready_loss(out: Any, has_aux: bool) -> float | None:
+    losses = out[0] if has_aux else out
+    if not losses.is_ready():
+        return None
+    finite = np.asarray(jax.device_get(losses))
+    finite = finite[np.isfinite(finite)]
+    return float(finite[-1]) if finite.size else None
 
-    ``calls_per_epoch=None`` (a stream of unknown length) shows a running count.
+
+class RunProgress:
+    """``with RunProgress(epochs, calls_per_epoch, enabled) as bar: bar.call_done(...)``.
+
+    ``calls_per_epoch=None`` (a stream of unknown length) shows a running count, no ETA.
     """
 
-    def __init__(self, epochs: int, calls_per_epoch: int | None, enabled: bool):
+    def __init__(
+        self,
+        epochs: int,
+        calls_per_epoch: int | None,
+        enabled: bool,
+        *,
+        has_aux: bool = False,
+        console: Console | None = None,
+    ):
+        self._console = console or Console()
+        self._enabled = enabled
+        self._has_aux = has_aux
         self._progress = None
-        if not enabled:  # no bar at all: a disabled rich Progress still costs per call
+        self._loss: float | None = None
+        self._start = time.perf_counter()
+        self._steps = 0
+        if not enabled or not self._console.is_terminal:
             return
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"),
+            TextColumn("[bold]epoch {task.fields[epoch]}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
-            disable=not enabled,
+            TimeRemainingColumn(),
+            console=self._console,
         )
         total = None if calls_per_epoch is None else epochs * calls_per_epoch
-        self._task = self._progress.add_task("epoch", total=total, status="")
+        self._task = self._progress.add_task("fit", total=total, status="", epoch=0)
 
-    def __enter__(self) -> EpochProgress:
+    def __enter__(self) -> RunProgress:
         if self._progress is not None:
             self._progress.__enter__()
         return self
@@ -44,12 +86,32 @@ class EpochProgress:
         if self._progress is not None:
             self._progress.__exit__(exc_type, exc, tb)
 
-    def advance(self) -> None:
-        if self._progress is not None:
-            self._progress.advance(self._task)
-
-    def epoch_done(self, epoch: int, logs: dict) -> None:
+    def call_done(self, epoch: int, steps: int, out: Any) -> None:
+        """After a compiled call of ``steps`` steps whose outputs are ``out``."""
+        self._steps += steps
         if self._progress is None:
             return
-        status = f"epoch {epoch}  loss {logs['loss']:.4g}  {logs['steps_per_sec']:,.0f} steps/s"
-        self._progress.update(self._task, status=status)
+        loss = _ready_loss(out, self._has_aux)
+        self._loss = self._loss if loss is None else loss
+        rate = self._steps / max(time.perf_counter() - self._start, 1e-9)
+        loss_text = "" if self._loss is None else f"loss {self._loss:.4g}  "
+        self._progress.update(
+            self._task, advance=1, epoch=epoch, status=f"{loss_text}{rate:,.0f} steps/s"
+        )
+
+    def epoch_done(self, epoch: int, logs: dict) -> None:
+        if not self._enabled:
+            return
+        extras = "".join(
+            f"  {k} {v:.4g}"
+            for k, v in logs.items()
+            if k.startswith("eval_") and isinstance(v, float)
+        )
+        line = (
+            f"epoch {epoch}  loss {logs['loss']:.4g}{extras}  {logs['steps_per_sec']:,.0f} steps/s"
+        )
+        if self._progress is None:
+            self._console.print(line, highlight=False, markup=False)
+        else:
+            self._loss = logs["loss"]
+            self._progress.update(self._task, epoch=epoch, status=line.split("  ", 1)[1])

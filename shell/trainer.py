@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,29 +21,24 @@ from nnxscan.pure import (
     init_opt_state,
     split_wrt,
 )
+from nnxscan.shell.callbacks import Callbacks
 from nnxscan.shell.checkpointing import EpochCheckpointer, restore_trainer, save_trainer
 from nnxscan.shell.epochs import (
-    EpochCalls,
-    EpochStats,
     array_epochs,
-    epoch_logs,
     peek_stream,
     stream_epochs,
     with_steps_per_call,
 )
+from nnxscan.shell.fit_loop import EvalSpec, train_epochs
 from nnxscan.shell.history import History
 from nnxscan.shell.loop import (
     Execution,
-    LiveState,
-    NonFiniteStop,
     device_of,
     on_device_of,
     prepare_execution,
-    run_calls,
 )
 from nnxscan.shell.plans import Plan, resolve_plan
 from nnxscan.shell.programs import evaluator, first_batch, train_program
-from nnxscan.shell.progress import EpochProgress
 from nnxscan.shell.streaming import EpochSource, default_chunk_size, is_stream
 
 __all__ = ["Trainer"]
@@ -196,6 +189,10 @@ class Trainer:
         prefetch: bool = True,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 1,
+        eval_data: Any = None,
+        metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
+        eval_every: int = 1,
+        eval_batch_size: int | None = None,
     ) -> History:
         """Trains ``epochs`` MORE epochs on ``data`` and returns their :class:`History`.
 
@@ -243,6 +240,10 @@ class Trainer:
           prefetch: prepare a stream's next chunk in a background thread.
           checkpoint_dir: save a checkpoint (:meth:`save`) here every ``checkpoint_every``
             epochs, counted by the global epoch index.
+          eval_data, metric_fn, eval_every, eval_batch_size: every ``eval_every`` epochs,
+            :meth:`evaluate` ``metric_fn`` on ``eval_data`` (a data set of arrays) and log
+            each metric as ``eval_<name>`` (``eval_batch_size`` defaults to ``batch_size``,
+            or 256 for a stream).
 
         Example:
           >>> history = trainer.fit({"x": x, "y": y}, epochs=5, batch_size=64)
@@ -256,7 +257,12 @@ class Trainer:
         self.seed = seed
         if steps_per_call is not None:
             steps_per_call = _check_count(steps_per_call, "steps_per_call", 1)
-        options = dict(callbacks=tuple(callbacks), progress=progress)
+        evaluation = None
+        if eval_data is not None or metric_fn is not None:
+            evaluation = self._eval_spec(
+                eval_data, metric_fn, eval_every, eval_batch_size, batch_size
+            )
+        options = dict(callbacks=Callbacks(callbacks), progress=progress, evaluation=evaluation)
         if is_stream(data):
             if batch_size is not None:
                 batch_size = _check_count(batch_size, "batch_size", 1)
@@ -268,6 +274,17 @@ class Trainer:
         return self._fit_arrays(
             data, epochs, batch_size, seed, shuffle, steps_per_call, drop_remainder, **options
         )
+
+    def _eval_spec(self, data, metric_fn, every, eval_batch_size, batch_size) -> EvalSpec:
+        if data is None or metric_fn is None or not callable(metric_fn):
+            raise ValueError("evaluation during fit needs both eval_data and a metric_fn.")
+        n = check_leading_size(data, "eval_data")
+        every = _check_count(every, "eval_every", 1)
+        size = eval_batch_size or (batch_size if isinstance(batch_size, int) else 256)
+        size = check_batch_size(
+            min(_check_count(size, "eval_batch_size", 1), n), n, drop_remainder=False
+        )
+        return EvalSpec(data, metric_fn, every, size)
 
     def _fit_arrays(
         self, data, epochs, batch_size, seed, shuffle, steps_per_call, drop_remainder, **options
@@ -283,7 +300,8 @@ class Trainer:
             self._program, plan, data, num_examples=n, batch_size=batch_size, seed=seed,
             shuffle=shuffle, keep_tail=not drop_remainder and n % batch_size > 0,
         )  # fmt: skip
-        return self._train_epochs(
+        return train_epochs(
+            self,
             epochs, execution._replace(plan=plan), graphdef, state, opt_state, epoch_calls,
             calls_per_epoch=calls_per_epoch, **options,
         )  # fmt: skip
@@ -307,81 +325,11 @@ class Trainer:
             device=device_of(state), batch_size=batch_size, drop_remainder=drop_remainder,
             prefetch=prefetch,
         )  # fmt: skip
-        return self._train_epochs(
+        return train_epochs(
+            self,
             epochs, execution._replace(plan=plan), graphdef, state, opt_state, epoch_calls,
             calls_per_epoch=None, **options,
         )  # fmt: skip
-
-    def _train_epochs(
-        self,
-        epochs: int,
-        execution: Execution,
-        graphdef: nnx.GraphDef,
-        state: nnx.State,
-        opt_state: Any,
-        epoch_calls: EpochCalls,
-        *,
-        calls_per_epoch: int | None,
-        callbacks: tuple,
-        progress: bool,
-    ) -> History:
-        history = History()
-        if epochs == 0:
-            return history
-        live = LiveState(state, opt_state, self._write)
-        self.stop_training = False
-        call_hooks = [cb.on_call_end for cb in callbacks if hasattr(cb, "on_call_end")]
-        warned = False
-        skipping = self.on_nonfinite == "skip"
-        with EpochProgress(epochs, calls_per_epoch, progress) as bar:
-
-            def on_call() -> None:
-                bar.advance()
-                for hook in call_hooks:
-                    hook(self, self.step)
-
-            for _ in range(epochs):
-                start = time.perf_counter()
-                epoch, first_step, stats = self.epoch, self.step, EpochStats()
-                try:
-                    outs = run_calls(
-                        self._program, execution, graphdef, live,
-                        epoch_calls(epoch, stats), on_call,
-                    )  # fmt: skip
-                except NonFiniteStop as stop:
-                    logs, losses = epoch_logs(epoch, stop.outs, start, self.has_aux, stats, True)
-                    history._append(losses, logs)
-                    error = FloatingPointError(
-                        f"non-finite loss at epoch {epoch}, global step {self.step} (step "
-                        f"{self.step - first_step} of the epoch); on_nonfinite='stop' ended "
-                        f"fit with the model at the state before that step."
-                    )
-                    error.history = history
-                    raise error from None
-                finally:
-                    # The epoch counts as soon as all its steps are in the model, even if
-                    # an interrupt lands later (in the progress bar or the host sync).
-                    if stats.complete(self.step - first_step):
-                        self.epoch = epoch + 1
-                logs, losses = epoch_logs(epoch, outs, start, self.has_aux, stats, skipping)
-                if stats.dropped and not warned:
-                    warned = True
-                    warnings.warn(
-                        f"nnxscan: dropped the final short batch of {stats.dropped} examples "
-                        f"in epoch {epoch} (and will in every epoch that has one; see "
-                        f"History.epochs[i]['dropped_examples']); pass drop_remainder=False "
-                        f"to train on it.",
-                        stacklevel=4,
-                    )
-                history._append(losses, logs)
-                bar.epoch_done(epoch, logs)
-                for callback in callbacks:
-                    hook = getattr(callback, "on_epoch_end", None)
-                    if hook is not None:
-                        hook(self, epoch, logs)
-                if self.stop_training:
-                    break
-        return history
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -445,4 +393,4 @@ class Trainer:
         graphdef, state = nnx.split(self.model)
         data = on_device_of(data, state)
         metrics = evaluator(metric_fn, batch_size, eval_mode)(graphdef, state, data)
-        return {k: float(v) for k, v in metrics.items()}
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}

@@ -104,6 +104,7 @@ def test_import_has_no_side_effects():
                   list(logging.getLogger().handlers), logging.getLogger().level)
         import nnxscan.pure, nnxscan.pure.hyper, nnxscan.shell, nnxscan.adapters
         import nnxscan.adapters.nnx_optimizer, nnxscan.adapters.data, nnxscan.adapters.checkpoint
+        import nnxscan.adapters.writers
         after = (dict(jax.config.values), list(warnings.filters),
                  list(logging.getLogger().handlers), logging.getLogger().level)
         assert before == after, "importing nnxscan changed global configuration"

@@ -235,8 +235,27 @@ def test_progress_bar_prints_only_when_asked(data, capsys):
     trainer.fit(data, epochs=1, batch_size=BS, progress=False)
     assert capsys.readouterr().out == ""
     trainer.fit(data, epochs=2, batch_size=BS, progress=True)
-    shown = capsys.readouterr().out
-    assert "2/2" in shown and "epoch 2  loss" in shown and "steps/s" in shown
+    lines = capsys.readouterr().out.splitlines()  # not a terminal: one line per epoch
+    assert len(lines) == 2 and lines[1].startswith("epoch 2  loss ") and "steps/s" in lines[1]
+
+
+def test_progress_bar_in_a_terminal_shows_loss_rate_and_eta():
+    import io
+
+    import jax.numpy as jnp
+    from rich.console import Console
+
+    from nnxscan.shell.progress import RunProgress
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    with RunProgress(2, 3, True, console=console) as bar:
+        for epoch in range(2):
+            for _ in range(3):
+                bar.call_done(epoch, 10, jnp.array([0.5, 0.25]))
+            bar.epoch_done(epoch, {"loss": 0.3, "steps_per_sec": 1000.0, "eval_acc": 0.9})
+    shown = out.getvalue()
+    assert "6/6" in shown and "loss 0.3" in shown and "eval_acc 0.9" in shown
 
 
 # -- bad input: a clear error, nothing compiled, nothing mutated -------------------------------

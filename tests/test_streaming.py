@@ -180,7 +180,8 @@ def test_prefetch_never_pulls_more_than_two_chunks_ahead_of_the_last_finished_ca
     class Watch:
         most_ahead = 0
 
-        def on_call_end(self, trainer, step):
+        def on_call_end(self, trainer, logs):
+            step = logs["step"]
             Watch.most_ahead = max(Watch.most_ahead, pulled["n"] - step)
 
     def mse(model, b):
@@ -212,7 +213,8 @@ def test_an_iterator_raising_mid_epoch_keeps_the_last_completed_call(batches):
 
 def test_an_interrupt_in_a_callback_stops_the_prefetch_thread(batches):
     class Stop:
-        def on_call_end(self, trainer, step):
+        def on_call_end(self, trainer, logs):
+            step = logs["step"]
             if step == 8:
                 raise KeyboardInterrupt
 
@@ -306,7 +308,8 @@ def test_a_streamed_cnn_keeps_calls_of_four_unrolled_steps():
     calls = []
 
     class Count:
-        def on_call_end(self, trainer, step):
+        def on_call_end(self, trainer, logs):
+            step = logs["step"]
             calls.append(step)
 
     trainer.fit(stream, epochs=1, steps_per_call=10, callbacks=[Count()], progress=False)

@@ -1,0 +1,283 @@
+"""Metric writers: callbacks that record each epoch's logs to CSV, JSON lines, TensorBoard or text.
+
+Each writer is a ``fit`` callback. It reads only the epoch logs ``fit`` hands it (plain Python
+numbers, already on the host) and ``trainer.step``, so none of them adds a device sync.
+
+Example:
+  >>> from nnxscan.adapters.writers import CSVWriter, JSONLinesWriter, TextLogger
+  >>> trainer.fit(data, epochs=10, batch_size=32,
+  ...             callbacks=[CSVWriter("run/logs.csv"), TextLogger("run/log.txt")])
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import numbers
+import os
+import pathlib
+import sys
+import tempfile
+from typing import Any, TextIO
+
+__all__ = ["CSVWriter", "JSONLinesWriter", "TensorBoardWriter", "TextLogger"]
+
+PathLike = str | os.PathLike[str]
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python number it holds; anything else unchanged."""
+    item = getattr(value, "item", None)
+    if item is not None and getattr(value, "shape", None) == ():
+        return item()
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+class CSVWriter:
+    """Writes one CSV row per epoch: a column per log key, in the order keys first appear.
+
+    Keys can appear after the first epoch (``eval_*`` every N epochs, ``skipped_steps``).
+    When a row brings a new key the whole file is rewritten with the wider header, atomically
+    (a temporary file renamed over the old one), so the file on disk is always a complete,
+    rectangular CSV: every row is durable as soon as its epoch ends, and a reader never sees a
+    row longer than the header. A key missing from an epoch is an empty cell. Non-finite
+    values are written as Python prints them: ``nan``, ``inf``, ``-inf`` (``float()``, numpy
+    and pandas all read those back).
+
+    Args:
+      path: the CSV file; its folder is created if needed.
+      append: keep the rows of an existing file and add to them (its columns are kept);
+        by default an existing file is replaced on the first write. Either way, further
+        ``fit`` calls with the same writer continue the same file.
+
+    Example:
+      >>> trainer.fit(data, epochs=10, batch_size=32, eval_data=test, metric_fn=accuracy,
+      ...             eval_every=5, callbacks=[CSVWriter("run/logs.csv")])
+      >>> pandas.read_csv("run/logs.csv")  # 10 rows; eval_accuracy filled on 2 of them
+    """
+
+    def __init__(self, path: PathLike, *, append: bool = False) -> None:
+        self.path = pathlib.Path(path)
+        self.append = append
+        self._columns: list[str] = []
+        self._rows: list[dict[str, str]] = []
+        self._started = False
+
+    def _start(self) -> None:
+        # Deferred to the first row so that building the callback list touches no files.
+        self._started = True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.append and self.path.exists() and self.path.stat().st_size > 0:
+            with self.path.open(newline="") as f:
+                reader = csv.DictReader(f)
+                self._columns = list(reader.fieldnames or [])
+                self._rows = [{k: v or "" for k, v in row.items() if k} for row in reader]
+        else:
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w", newline="") as f:
+                writer = csv.DictWriter(f, self._columns, restval="")
+                if self._columns:
+                    writer.writeheader()
+                writer.writerows(self._rows)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
+        if not self._started:
+            self._start()
+        row = {key: ("" if v is None else str(_plain(v))) for key, v in logs.items()}
+        self._rows.append(row)
+        new = [key for key in row if key not in self._columns]
+        if new:
+            self._columns += new
+            self._rewrite()
+            return
+        # The common case: the header is unchanged, so appending one line is enough. Opened
+        # per epoch (not held open) so nothing leaks when fit raises before on_train_end.
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, self._columns, restval="").writerow(row)
+
+
+def _json_value(value: Any) -> Any:
+    value = _plain(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        # Strict JSON has no NaN or Infinity; protobuf's JSON mapping spells them as these
+        # strings, which keeps NaN distinct from a missing key and float() reads them back.
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+class JSONLinesWriter:
+    """Writes one JSON object per epoch, one per line, holding exactly that epoch's log keys.
+
+    Each line is flushed when its epoch ends. The output is strict JSON: a non-finite float is
+    written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (protobuf's JSON
+    spelling; ``float(s)`` parses each), so ``jq`` and JavaScript read the file too; a key
+    absent from an epoch is simply absent from its line.
+
+    Args:
+      path: the ``.jsonl`` file; its folder is created if needed.
+      append: add to an existing file; by default it is replaced on the first write. Either
+        way, further ``fit`` calls with the same writer continue the same file.
+
+    Example:
+      >>> trainer.fit(data, epochs=10, batch_size=32, callbacks=[JSONLinesWriter("logs.jsonl")])
+      >>> [json.loads(line)["loss"] for line in open("logs.jsonl")]
+    """
+
+    def __init__(self, path: PathLike, *, append: bool = False) -> None:
+        self.path = pathlib.Path(path)
+        self.append = append
+        self._started = False
+
+    def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
+        if not self._started:
+            self._started = True
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not self.append:
+                self.path.write_text("")
+        line = json.dumps({key: _json_value(v) for key, v in logs.items()}, allow_nan=False)
+        # Opened per epoch so the line is on disk when the epoch ends and no handle leaks
+        # when fit raises before on_train_end.
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+
+class TensorBoardWriter:
+    """Writes every numeric epoch log as a TensorBoard scalar ``epoch/<key>`` at ``trainer.step``.
+
+    The x-axis is the global step count at the end of the epoch, so curves from resumed runs
+    line up and per-epoch scalars sit beside any per-step ones written elsewhere. The event
+    file is flushed each epoch and closed by ``on_train_end`` (or :meth:`close`); a later
+    ``fit`` with the same writer opens a new event file in the same ``logdir``. Needs
+    tensorboardX: ``pip install 'nnxscan[tensorboard]'``.
+
+    Args:
+      logdir: the folder TensorBoard is pointed at (``tensorboard --logdir ...``).
+
+    Example:
+      >>> trainer.fit(data, epochs=10, batch_size=32, callbacks=[TensorBoardWriter("runs/a")])
+      $ tensorboard --logdir runs
+    """
+
+    def __init__(self, logdir: PathLike) -> None:
+        # Imported here, not at module level, since tensorboardX is an optional extra; and
+        # now, not at the first epoch, so a missing extra fails before anything compiles.
+        try:
+            import tensorboardX
+        except ImportError as err:
+            raise ImportError(
+                "TensorBoardWriter needs tensorboardX; install it with: "
+                "pip install 'nnxscan[tensorboard]'"
+            ) from err
+        self._summary_writer_cls = tensorboardX.SummaryWriter
+        self.logdir = pathlib.Path(logdir)
+        self._writer: Any = None
+
+    def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
+        if self._writer is None:
+            self._writer = self._summary_writer_cls(logdir=str(self.logdir))
+        for key, value in logs.items():
+            value = _plain(value)
+            if _is_number(value):
+                self._writer.add_scalar(f"epoch/{key}", float(value), global_step=trainer.step)
+        self._writer.flush()
+
+    def on_train_end(self, trainer: Any, history: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Flushes and closes the event file; the next epoch written opens a new one."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+# Bookkeeping keys the line shows in its own way (or not at all) rather than as "key value".
+_TEXT_SKIP = frozenset({"epoch", "steps", "steps_per_sec", "wall_time"})
+
+
+def _format_value(value: Any) -> str:
+    value = _plain(value)
+    if isinstance(value, bool) or not _is_number(value):
+        return str(value)
+    if isinstance(value, numbers.Integral):
+        return f"{value:,}"
+    value = float(value)
+    # Fixed decimals keep successive lines aligned; tiny or huge values (learning rates,
+    # exploding losses) switch to exponent form rather than print as 0.0000.
+    if value == 0 or not math.isfinite(value) or 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4f}"
+    return f"{value:.3e}"
+
+
+class TextLogger:
+    """Writes one human-readable line per epoch to a text stream or file.
+
+    A line reads ``epoch 3  loss 0.1234  eval_accuracy 0.9700  12,345 steps/s``: the epoch,
+    then every other log key in order (loss, aux means, ``eval_*``, ``learning_rate``, ...),
+    then the speed. It writes to the stream directly and leaves the ``logging`` module
+    alone, so the host program's logging setup is untouched; to route lines into
+    ``logging`` instead, use a ``LambdaCallback``.
+
+    Args:
+      stream: a text stream (default: ``sys.stdout`` as it is at each write, so redirection
+        works), or a file path, which is appended to.
+      every: write every ``every``-th epoch (epochs whose 1-based count is a multiple of it);
+        the last epoch of a ``fit`` is always written, at ``on_train_end``.
+
+    Example:
+      >>> trainer.fit(data, epochs=100, batch_size=32, progress=False,
+      ...             callbacks=[TextLogger(every=10)])
+      epoch 9  loss 0.4210  8,412 steps/s
+    """
+
+    def __init__(self, stream: TextIO | PathLike | None = None, every: int = 1) -> None:
+        if every < 1:
+            raise ValueError(f"every must be a positive number of epochs, got {every}")
+        self.stream = stream
+        self.every = every
+        self._last_written: int | None = None
+
+    def format_line(self, logs: dict[str, Any]) -> str:
+        """The line for one epoch's logs, without a newline."""
+        parts = [f"epoch {logs['epoch']}"] if "epoch" in logs else []
+        parts += [f"{k} {_format_value(v)}" for k, v in logs.items() if k not in _TEXT_SKIP]
+        if "steps_per_sec" in logs:
+            parts.append(f"{float(logs['steps_per_sec']):,.0f} steps/s")
+        return "  ".join(parts)
+
+    def _write(self, line: str) -> None:
+        if self.stream is None or hasattr(self.stream, "write"):
+            stream = sys.stdout if self.stream is None else self.stream
+            stream.write(line + "\n")
+            stream.flush()
+        else:
+            path = pathlib.Path(self.stream)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                f.write(line + "\n")
+
+    def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
+        if (epoch + 1) % self.every == 0:
+            self._write(self.format_line(logs))
+            self._last_written = epoch
+
+    def on_train_end(self, trainer: Any, history: Any) -> None:
+        epochs = getattr(history, "epochs", None)
+        if epochs and epochs[-1].get("epoch") != self._last_written:
+            self._write(self.format_line(epochs[-1]))
+            self._last_written = epochs[-1].get("epoch")

@@ -1,0 +1,151 @@
+"""fit's loop as Keras/Lightning users expect it: eval, callbacks, early stopping, LR logs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnxscan.shell import Trainer
+from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
+
+from conftest import MLP, accuracy, assert_trees_close, epoch_batches, reference_loop, xent
+
+TX = optax.adam(1e-2)
+BS = 8
+
+
+def host_state(model):
+    return jax.tree.map(lambda x: np.array(jax.random.key_data(x) if jnp.issubdtype(
+        x.dtype, jax.dtypes.prng_key) else x), nnx.state(model))  # fmt: skip
+
+
+def test_hooks_run_in_order_with_plain_python_logs(data):
+    events = []
+    hooks = LambdaCallback(
+        on_train_begin=lambda t: events.append("train_begin"),
+        on_epoch_begin=lambda t, e: events.append(f"epoch_begin {e}"),
+        on_call_end=lambda t, logs: events.append(f"call {logs['epoch']} {logs['step']}"),
+        on_epoch_end=lambda t, e, logs: events.append(f"epoch_end {e}"),
+        on_train_end=lambda t, h: events.append(f"train_end {len(h.epochs)}"),
+    )
+    Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent).fit(
+        data, epochs=2, batch_size=BS, steps_per_call=4, callbacks=[hooks], progress=False
+    )
+    assert events == [
+        "train_begin",
+        "epoch_begin 0", "call 0 4", "call 0 8", "epoch_end 0",
+        "epoch_begin 1", "call 1 12", "call 1 16", "epoch_end 1",
+        "train_end 2",
+    ]  # fmt: skip
+
+
+def test_stop_training_in_a_call_hook_ends_after_that_call_with_the_model_synced(data):
+    def stop_at_12(trainer, logs):
+        trainer.stop_training = logs["step"] == 12
+
+    model = MLP(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent)
+    history = trainer.fit(
+        data, epochs=5, batch_size=BS, steps_per_call=4, progress=False,
+        callbacks=[LambdaCallback(on_call_end=stop_at_12)],
+    )  # fmt: skip
+    assert trainer.step == 12 and trainer.epoch == 1  # epoch 1 was cut short
+    assert history.epochs[1]["stopped"] and history.epochs[1]["steps"] == 4
+    ref = MLP(rngs=nnx.Rngs(0))
+    batches = epoch_batches(data, BS, 0, 0) + epoch_batches(data, BS, 0, 1)[:4]
+    reference_loop(ref, nnx.Optimizer(ref, TX, wrt=nnx.Param), xent, batches)
+    assert_trees_close(model, ref)
+
+
+def test_eval_during_fit_logs_eval_metrics_every_n_epochs(data):
+    held_out = {k: v[:24] for k, v in data.items()}
+    expected = {}
+
+    def independent_accuracy(trainer, epoch, logs):
+        trainer.model.eval()
+        pred = np.asarray(trainer.model(held_out["x"])).argmax(-1)
+        trainer.model.train()
+        expected[epoch] = float(np.mean(pred == held_out["y"]))
+
+    history = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent).fit(
+        data, epochs=4, batch_size=BS, eval_data=held_out, metric_fn=accuracy, eval_every=2,
+        eval_batch_size=5, callbacks=[LambdaCallback(on_epoch_end=independent_accuracy)],
+        progress=False,
+    )  # fmt: skip
+    logged = {e["epoch"]: e.get("eval_accuracy") for e in history.epochs}
+    assert logged[0] is None and logged[2] is None
+    for epoch in (1, 3):
+        assert logged[epoch] == pytest.approx(expected[epoch], abs=1e-6)
+
+
+def test_eval_arguments_are_checked_before_training(data):
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
+    with pytest.raises(ValueError, match="eval_data and a metric_fn"):
+        trainer.fit(data, epochs=1, batch_size=BS, eval_data=data, progress=False)
+    with pytest.raises(ValueError, match="eval_data"):
+        bad = {"x": data["x"], "y": data["y"][:3]}
+        trainer.fit(
+            data, epochs=1, batch_size=BS, eval_data=bad, metric_fn=accuracy, progress=False
+        )
+    assert trainer.step == 0
+
+
+def test_early_stopping_stops_at_the_right_epoch_and_restores_the_best_bitwise(data):
+    script = [0.9, 0.7, 0.5, 0.6, 0.55, 0.58, 0.3]  # best at epoch 2, then 3 worse epochs
+    snapshots = {}
+
+    def scripted(trainer, epoch, logs):
+        logs["eval_loss"] = script[epoch]
+        snapshots[epoch] = host_state(trainer.model)
+
+    stop = EarlyStopping("eval_loss", patience=2)
+    model = MLP(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent)
+    trainer.fit(
+        data, epochs=len(script), batch_size=BS, progress=False,
+        callbacks=[LambdaCallback(on_epoch_end=scripted), stop],
+    )  # fmt: skip
+    assert (stop.best_epoch, stop.stopped_epoch, trainer.epoch) == (2, 5, 6)
+    for a, b in zip(jax.tree.leaves(snapshots[2]), jax.tree.leaves(host_state(model)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    model(data["x"])  # the restored buffers are live, not donated
+
+
+def test_early_stopping_mode_auto_and_validation():
+    assert EarlyStopping("eval_accuracy").mode == "max"
+    assert EarlyStopping("loss").mode == "min"
+    with pytest.raises(ValueError, match="mode"):
+        EarlyStopping(mode="up")
+
+
+def test_learning_rate_of_an_injected_schedule_is_logged(data):
+    schedule = optax.linear_schedule(1e-2, 1e-3, transition_steps=16)
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=schedule)
+    history = Trainer(MLP(rngs=nnx.Rngs(0)), tx, xent).fit(
+        data, epochs=2, batch_size=BS, progress=False
+    )
+    # The state holds the rate of the last update: the schedule at count = steps - 1.
+    for epoch, logs in enumerate(history.epochs):
+        steps_done = 8 * (epoch + 1)
+        assert logs["learning_rate"] == pytest.approx(float(schedule(steps_done - 1)), rel=1e-6)
+
+
+def test_no_host_sync_per_step_only_one_per_epoch(data, monkeypatch):
+    gets = {"n": 0}
+    real_get = jax.device_get
+
+    def counted_get(x):
+        gets["n"] += 1
+        return real_get(x)
+
+    monkeypatch.setattr(jax, "device_get", counted_get)
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
+    trainer.fit(data, epochs=1, batch_size=BS, progress=False)  # compile outside the count
+    gets["n"] = 0
+    with jax.transfer_guard_device_to_host("disallow"):  # no implicit transfer anywhere
+        trainer.fit(data, epochs=3, batch_size=BS, steps_per_call=1, progress=False)
+    assert gets["n"] == 3  # one explicit read per epoch (its losses), for 24 steps
