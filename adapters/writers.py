@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import numbers
@@ -20,6 +21,8 @@ import pathlib
 import sys
 import tempfile
 from typing import Any, TextIO
+
+import jax
 
 __all__ = ["CSVWriter", "JSONLinesWriter", "TensorBoardWriter", "TextLogger"]
 
@@ -36,6 +39,18 @@ def _plain(value: Any) -> Any:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _primary_only(hook: Any) -> Any:
+    """Runs a writer's hook on process 0 only: several processes train one model, and
+    one log is wanted, not one per process writing over the others."""
+
+    @functools.wraps(hook)
+    def wrapped(self: Any, *args: Any) -> None:
+        if jax.process_index() == 0:
+            hook(self, *args)
+
+    return wrapped
 
 
 class CSVWriter:
@@ -95,6 +110,7 @@ class CSVWriter:
             pathlib.Path(tmp).unlink(missing_ok=True)
             raise
 
+    @_primary_only
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if not self._started:
             self._start()
@@ -143,6 +159,7 @@ class JSONLinesWriter:
         self.append = append
         self._started = False
 
+    @_primary_only
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if not self._started:
             self._started = True
@@ -187,6 +204,7 @@ class TensorBoardWriter:
         self.logdir = pathlib.Path(logdir)
         self._writer: Any = None
 
+    @_primary_only
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if self._writer is None:
             self._writer = self._summary_writer_cls(logdir=str(self.logdir))
@@ -196,6 +214,7 @@ class TensorBoardWriter:
                 self._writer.add_scalar(f"epoch/{key}", float(value), global_step=trainer.step)
         self._writer.flush()
 
+    @_primary_only
     def on_train_end(self, trainer: Any, history: Any) -> None:
         self.close()
 
@@ -271,11 +290,13 @@ class TextLogger:
             with path.open("a") as f:
                 f.write(line + "\n")
 
+    @_primary_only
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if (epoch + 1) % self.every == 0:
             self._write(self.format_line(logs))
             self._last_written = epoch
 
+    @_primary_only
     def on_train_end(self, trainer: Any, history: Any) -> None:
         epochs = getattr(history, "epochs", None)
         if epochs and epochs[-1].get("epoch") != self._last_written:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure.scan import scan_loop
+from nnxscan.pure.scan import scan_loop, shard_batch
 from nnxscan.pure.train_step import StepFn
 from nnxscan.pure.validation import check_batch_size, check_leading_size
 
@@ -71,11 +71,14 @@ def scan_indexed_steps(
     indices: jax.Array,
     *,
     unroll: int | bool = 1,
+    batch_sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[nnx.State, Any, Any]:
     """Scans ``step`` over batches gathered from ``data`` by an ``(steps, batch)`` index array.
 
     This is the body of an epoch (and of every chunk of one). The gather happens inside the
-    loop, so memory holds one batch at a time besides ``data`` itself.
+    loop, so memory holds one batch at a time besides ``data`` itself. ``batch_sharding``
+    (e.g. ``NamedSharding(mesh, P("data"))``) shards each gathered batch, making the step
+    data-parallel.
 
     Example:
       >>> full, _ = batch_indices(key, n, 32)
@@ -84,7 +87,8 @@ def scan_indexed_steps(
 
     def body(carry, idx):
         state, opt_state = carry
-        state, opt_state, out = step(graphdef, state, opt_state, take_batch(data, idx))
+        batch = shard_batch(take_batch(data, idx), batch_sharding)
+        state, opt_state, out = step(graphdef, state, opt_state, batch)
         return (state, opt_state), out
 
     (state, opt_state), outs = scan_loop(body, (state, opt_state), indices, unroll=unroll)
@@ -98,6 +102,7 @@ def make_epoch(
     shuffle: bool = True,
     drop_remainder: bool = True,
     unroll: int | bool = 1,
+    batch_sharding: jax.sharding.Sharding | None = None,
 ) -> Callable[..., tuple[nnx.State, Any, Any]]:
     """Builds ``epoch(graphdef, state, opt_state, data, key)`` that trains one epoch.
 
@@ -129,10 +134,12 @@ def make_epoch(
         outs = None
         if full.shape[0]:
             state, opt_state, outs = scan_indexed_steps(
-                step, graphdef, state, opt_state, data, full, unroll=unroll
-            )
+                step, graphdef, state, opt_state, data, full, unroll=unroll,
+                batch_sharding=batch_sharding,
+            )  # fmt: skip
         if tail is not None:
-            state, opt_state, out = step(graphdef, state, opt_state, take_batch(data, tail))
+            tail_batch = shard_batch(take_batch(data, tail), batch_sharding)
+            state, opt_state, out = step(graphdef, state, opt_state, tail_batch)
             out = jax.tree.map(lambda x: x[None], out)
             outs = out if outs is None else jax.tree.map(_concat, outs, out)
         return state, opt_state, outs

@@ -10,7 +10,18 @@ from flax import nnx
 from nnxscan.pure.train_step import StepFn
 from nnxscan.pure.validation import check_leading_size
 
-__all__ = ["scan_loop", "scan_steps"]
+__all__ = ["scan_loop", "scan_steps", "shard_batch"]
+
+
+def shard_batch(batch: Any, sharding: jax.sharding.Sharding | None) -> Any:
+    """Constrains every leaf of ``batch`` to ``sharding`` (its batch axis over devices).
+
+    ``None`` leaves it alone. Inside a compiled loop this is what makes a step
+    data-parallel: XLA then all-reduces the gradient itself.
+    """
+    if sharding is None:
+        return batch
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), batch)
 
 
 def scan_loop(body: Any, carry: Any, xs: Any, *, unroll: int | bool = 1) -> tuple[Any, Any]:
@@ -37,6 +48,7 @@ def scan_steps(
     batches: Any,
     *,
     unroll: int | bool = 1,
+    batch_sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[nnx.State, Any, Any]:
     """Runs ``step`` once per entry of the leading axis of ``batches`` with ``lax.scan``.
 
@@ -47,6 +59,8 @@ def scan_steps(
       batches: a pytree whose leaves share a leading steps axis ``(steps, batch, ...)``.
       unroll: forwarded to ``lax.scan``; ``True`` unrolls fully (no loop left), which is
         faster on the CPU for convolution gradients (jax#12868).
+      batch_sharding: shard each batch's leading axis, e.g.
+        ``NamedSharding(mesh, P("data"))``, for data-parallel steps.
 
     Returns:
       ``(state, opt_state, losses)`` with ``losses`` stacked along the steps axis (a
@@ -60,6 +74,7 @@ def scan_steps(
 
     def body(carry, batch):
         state, opt_state = carry
+        batch = shard_batch(batch, batch_sharding)
         state, opt_state, out = step(graphdef, state, opt_state, batch)
         return (state, opt_state), out
 

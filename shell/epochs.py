@@ -18,6 +18,7 @@ import numpy as np
 
 from nnxscan.adapters.data import to_numpy
 from nnxscan.shell.loop import Call, plan_calls
+from nnxscan.shell.placement import to_host
 from nnxscan.shell.plans import Plan
 from nnxscan.shell.programs import TrainProgram
 from nnxscan.shell.streaming import BatchChecker, ChunkStream, EpochSource
@@ -131,7 +132,7 @@ def stream_epochs(
     plan: Plan,
     *,
     chunk_size: int,
-    device: Any,
+    put: Callable[[Any], Any],
     batch_size: int | None,
     drop_remainder: bool,
     prefetch: bool,
@@ -154,7 +155,7 @@ def stream_epochs(
             checker=checker,
             epoch=epoch,
             keep_tail=not drop_remainder,
-            device=device,
+            put=put,
             on_dropped=stats.drop,
         )
         stats.at_end = stream.at_end
@@ -184,7 +185,7 @@ def learning_rate(opt_state: Any) -> float | None:
     is_injected = lambda x: hasattr(x, "hyperparams") and isinstance(x.hyperparams, dict)  # noqa: E731
     for node in jax.tree.leaves(opt_state, is_leaf=is_injected):
         if is_injected(node) and "learning_rate" in node.hyperparams:
-            return float(jax.device_get(node.hyperparams["learning_rate"]))
+            return float(to_host(node.hyperparams["learning_rate"]))
     return None
 
 
@@ -212,7 +213,7 @@ def epoch_logs(
     """The epoch's logs and its per-step losses, from the calls' stacked outputs."""
     # One host transfer per epoch: the only sync fit makes. The clock stops after it, so
     # steps/s counts the work, not just its asynchronous dispatch.
-    outs = jax.device_get(outs)
+    outs = to_host(outs)
     wall_time = time.perf_counter() - start
     stacked = jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
     losses, aux = stacked if has_aux else (stacked, None)

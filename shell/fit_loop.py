@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 from flax import nnx
 
 from nnxscan.shell.callbacks import Callbacks
@@ -52,11 +53,13 @@ def train_epochs(
     history = History()
     if epochs == 0:
         return history
-    live = LiveState(state, opt_state, trainer._write)
+    live = LiveState(state, opt_state, trainer._write, trainer._placement)
     trainer.stop_training = False
     skipping = trainer.on_nonfinite == "skip"
     warned = False
     callbacks("on_train_begin", trainer)
+    # Several processes train one model: only the first one reports.
+    progress = progress and jax.process_index() == 0
     bar = RunProgress(epochs, calls_per_epoch, progress, has_aux=trainer.has_aux)
     with bar:
         for _ in range(epochs):

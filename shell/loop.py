@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnxscan.shell.placement import Placement
 from nnxscan.shell.plans import Plan, choose_plan
 from nnxscan.shell.programs import TrainProgram
 
@@ -34,40 +35,10 @@ __all__ = [
     "Execution",
     "LiveState",
     "NonFiniteStop",
-    "device_of",
-    "on_device_of",
     "plan_calls",
     "prepare_execution",
     "run_calls",
 ]
-
-
-def device_of(like: Any) -> Any:
-    """The device holding ``like``'s first leaf (the default device if it is sharded)."""
-    first = jax.tree.leaves(like)[0]
-    devices = first.devices() if hasattr(first, "devices") else set()
-    return next(iter(devices)) if len(devices) == 1 else jax.devices()[0]
-
-
-def on_device_of(tree: Any, like: Any) -> Any:
-    """``tree`` committed to the device that holds ``like``'s first leaf.
-
-    Numpy, uncommitted and committed arrays reach a compiled call with different
-    shardings, and each combination compiles again; committing data and carry to one
-    device makes a second ``fit`` with the same shapes compile nothing, whatever form
-    the data comes in.
-    """
-    device = device_of(like)
-    leaves, treedef = jax.tree.flatten(tree)
-    # Arrays already committed to the device pass through: device_put costs ~20 µs a leaf
-    # even when it has nothing to do, and fit calls this every time.
-    placed = [
-        x
-        if isinstance(x, jax.Array) and x.committed and x.devices() == {device}
-        else jax.device_put(x, device)
-        for x in leaves
-    ]
-    return jax.tree.unflatten(treedef, placed)
 
 
 class Execution(NamedTuple):
@@ -94,10 +65,16 @@ class LiveState:
     """
 
     def __init__(
-        self, state: nnx.State, opt_state: Any, write: Callable[[nnx.State, Any, int], None]
+        self,
+        state: nnx.State,
+        opt_state: Any,
+        write: Callable[[nnx.State, Any, int], None],
+        placement: Placement | None = None,
     ):
+        self.placement = placement or Placement()
         leaves, self.treedef = jax.tree.flatten((state, opt_state))
-        self.leaves = _unaliased(on_device_of(leaves, leaves), key=_buffer_key)
+        self.leaves = _unaliased(self.placement.put_carry(leaves), key=_buffer_key)
+        self.shardings = self.placement.carry_shardings(self.leaves)
         self._write = write
         self.unwritten_steps = 0
 
@@ -211,7 +188,9 @@ def run_calls(
     """
     plan, donate = execution
     write_each_call = plan.kind != "step"
-    run = program.runner(graphdef, live.treedef, donate)
+    run = program.runner(
+        graphdef, live.treedef, donate, live.shardings, live.placement.batch_sharding
+    )
     outs = []
     try:
         for data, indices, start, length, sink in calls:

@@ -120,7 +120,14 @@ class TrainProgram:
             static_argnames=("num_examples", "batch_size", "shuffle", "keep_tail"),
         )
 
-    def runner(self, graphdef: Any, carry_def: Any, donate: bool = True) -> Callable:
+    def runner(
+        self,
+        graphdef: Any,
+        carry_def: Any,
+        donate: bool = True,
+        carry_shardings: tuple | None = None,
+        batch_sharding: Any = None,
+    ) -> Callable:
         """The jitted chunk runner for this graphdef and carry structure.
 
         With ``donate`` the carry's buffers are donated to the call (the default: training
@@ -130,6 +137,10 @@ class TrainProgram:
         The carry ``(state, opt_state)`` crosses the call as a flat list of arrays:
         flattening an ``nnx.State`` of Variables costs a sort per node on every call, more
         than a small model's step, while a list flattens in C++.
+
+        On a mesh, ``batch_sharding`` makes every step data-parallel and the new carry is
+        constrained to ``carry_shardings`` (the input's), so the state stays where it was
+        placed, call after call, and its buffers can be donated.
         """
         step, halts = self.step, self.halts
         if halts:
@@ -141,15 +152,23 @@ class TrainProgram:
                 idx = jax.lax.dynamic_slice_in_dim(indices, start, length)
                 carry = (opt_state, jnp.bool_(False)) if halts else opt_state
                 state, carry, outs = scan_indexed_steps(
-                    step, graphdef, state, carry, data, idx, unroll=unroll
-                )
+                    step, graphdef, state, carry, data, idx, unroll=unroll,
+                    batch_sharding=batch_sharding,
+                )  # fmt: skip
                 opt_state, halted = carry if halts else (carry, jnp.bool_(False))
-                return jax.tree.leaves((state, opt_state)), outs, halted
+                leaves = jax.tree.leaves((state, opt_state))
+                if carry_shardings is not None:
+                    leaves = [
+                        jax.lax.with_sharding_constraint(x, s)
+                        for x, s in zip(leaves, carry_shardings, strict=True)
+                    ]
+                return leaves, outs, halted
 
             donated = (0,) if donate else ()
             return jax.jit(run, static_argnames=("length", "unroll"), donate_argnums=donated)
 
-        return _lookup(self._runners, (graphdef, carry_def, donate), build)
+        key = (graphdef, carry_def, donate, carry_shardings, batch_sharding)
+        return _lookup(self._runners, key, build)
 
     def traits(self, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> StepTraits:
         """The step's traits for these shapes, traced once (no compile) and remembered."""

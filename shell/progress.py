@@ -12,7 +12,6 @@ import time
 from types import TracebackType
 from typing import Any
 
-import jax
 import numpy as np
 from rich.console import Console
 from rich.progress import (
@@ -24,6 +23,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from nnxscan.shell.placement import to_host
+
 __all__ = ["RunProgress"]
 
 
@@ -31,7 +32,7 @@ def _ready_loss(out: Any, has_aux: bool) -> float | None:
     losses = out[0] if has_aux else out
     if not losses.is_ready():
         return None
-    finite = np.asarray(jax.device_get(losses))
+    finite = np.asarray(to_host(losses))
     finite = finite[np.isfinite(finite)]
     return float(finite[-1]) if finite.size else None
 

@@ -11,7 +11,8 @@ from flax import nnx
 
 from nnxscan.adapters.nnx_optimizer import optax_state_from_optimizer, optimizer_state_update
 from nnxscan.pure import check_leading_size, split_wrt
-from nnxscan.shell.loop import LiveState, on_device_of, plan_calls, prepare_execution, run_calls
+from nnxscan.shell.loop import LiveState, plan_calls, prepare_execution, run_calls
+from nnxscan.shell.placement import Placement
 from nnxscan.shell.plans import Plan, resolve_plan
 from nnxscan.shell.programs import train_program
 
@@ -59,7 +60,7 @@ def scan_train(
     params, _ = split_wrt(state, optimizer.wrt)
     opt_state = optax_state_from_optimizer(optimizer, params)
     program = train_program(loss_fn, optimizer.tx, optimizer.wrt, False)
-    batches = on_device_of(batches, state)
+    batches = Placement().put_data(batches, state)
     one_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batches)
     execution = prepare_execution(program, explicit, graphdef, state, opt_state, one_batch)
 

@@ -188,12 +188,12 @@ def _chunks(
     checker: BatchChecker,
     epoch: int,
     keep_tail: bool,
-    device: Any,
+    put: Callable[[Any], Any],
     acquire: Callable[[], None],
     check_stop: Callable[[], None],
     on_dropped: Callable[[int], None],
 ) -> Iterator[Chunk]:
-    """Pulls, checks, stacks and transfers chunks of ``chunk_size`` batches."""
+    """Pulls, checks, stacks and transfers (``put``) chunks of ``chunk_size`` batches."""
     index, pending = 0, []
 
     def pull() -> Any:
@@ -211,17 +211,17 @@ def _chunks(
                     f"{checker.full_size}; only the final batch of an epoch may be shorter."
                 )
             if pending:
-                yield Chunk(jax.device_put(_stack(pending), device), len(pending))
+                yield Chunk(put(_stack(pending)), len(pending))
                 acquire()
             if keep_tail:
-                yield Chunk(jax.device_put(_stack([batch]), device), 1, tail=True)
+                yield Chunk(put(_stack([batch])), 1, tail=True)
             else:
                 on_dropped(size)
             return
         pending.append(batch)
         index += 1
         if len(pending) == chunk_size:
-            yield Chunk(jax.device_put(_stack(pending), device), len(pending))
+            yield Chunk(put(_stack(pending)), len(pending))
             pending = []
             acquire()
     if index == 0:
@@ -233,7 +233,7 @@ def _chunks(
         )
         raise ValueError(f"data is empty: the iterator yielded no batch in epoch {epoch}.{hint}")
     if pending:
-        yield Chunk(jax.device_put(_stack(pending), device), len(pending))
+        yield Chunk(put(_stack(pending)), len(pending))
 
 
 def _stack(batches: list) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 from collections.abc import Callable, Sequence
@@ -33,10 +34,9 @@ from nnxscan.shell.fit_loop import EvalSpec, train_epochs
 from nnxscan.shell.history import History
 from nnxscan.shell.loop import (
     Execution,
-    device_of,
-    on_device_of,
     prepare_execution,
 )
+from nnxscan.shell.placement import Placement, device_of, to_host
 from nnxscan.shell.plans import Plan, resolve_plan
 from nnxscan.shell.programs import evaluator, first_batch, train_program
 from nnxscan.shell.streaming import EpochSource, default_chunk_size, is_stream
@@ -81,6 +81,13 @@ class Trainer:
         and step, with the model at the state before that step (one host sync per call).
       accumulate: split each batch into this many micro-batches and apply their averaged
         gradient once (see :func:`nnxscan.pure.make_train_step`).
+      mesh, data_axis: train data-parallel over the ``data_axis`` of a
+        ``jax.sharding.Mesh``: batches are sharded along their batch dimension, the state
+        is replicated, XLA all-reduces the gradients. Batch sizes must divide by the
+        number of devices on that axis.
+      fsdp_min_size: with a mesh, also shard every carry array (parameters, optax
+        moments) of at least this many elements along its largest dimension that the
+        axis size divides (FSDP-style; see :func:`nnxscan.shell.placement.fsdp_spec`).
 
     Example:
       >>> trainer = Trainer(model, optax.adam(1e-3), loss_fn)
@@ -100,6 +107,9 @@ class Trainer:
         execution: str | Plan = "auto",
         on_nonfinite: str = "ignore",
         accumulate: int = 1,
+        mesh: jax.sharding.Mesh | None = None,
+        data_axis: str = "data",
+        fsdp_min_size: int | None = None,
     ):
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
@@ -123,6 +133,7 @@ class Trainer:
                 f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(_NONFINITE_POLICIES)}."
             )
         self.on_nonfinite = on_nonfinite
+        self._placement = Placement(mesh, data_axis, fsdp_min_size)
         self.model = model
         self.tx = tx
         self.loss_fn = loss_fn
@@ -291,8 +302,11 @@ class Trainer:
     ) -> History:
         n = check_leading_size(data, "data")
         batch_size = check_batch_size(batch_size, n, drop_remainder=True)
+        self._placement.check_batch_size(batch_size)
+        if not drop_remainder:
+            self._placement.check_batch_size(n % batch_size or batch_size)
         graphdef, state = nnx.split(self.model)
-        data = on_device_of(data, state)
+        data = self._placement.put_data(data, state)
         opt_state = self.opt_state
         execution = self._execution(graphdef, state, opt_state, data, batch_size)
         plan = with_steps_per_call(execution.plan, steps_per_call)
@@ -315,6 +329,7 @@ class Trainer:
         graphdef, state = nnx.split(self.model)
         opt_state = self.opt_state
         first, first_epoch = peek_stream(source)
+        self._placement.check_batch_size(jax.tree.leaves(first)[0].shape[0])
         one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), first)
         execution = prepare_execution(
             self._program, self._explicit_plan, graphdef, state, opt_state, one
@@ -322,7 +337,8 @@ class Trainer:
         plan = execution.plan
         epoch_calls = stream_epochs(
             source, first_epoch, plan, chunk_size=steps_per_call or default_chunk_size(first),
-            device=device_of(state), batch_size=batch_size, drop_remainder=drop_remainder,
+            put=functools.partial(self._placement.put_chunk, device=device_of(state)),
+            batch_size=batch_size, drop_remainder=drop_remainder,
             prefetch=prefetch,
         )  # fmt: skip
         return train_epochs(
@@ -391,6 +407,6 @@ class Trainer:
         if not callable(metric_fn):
             raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
         graphdef, state = nnx.split(self.model)
-        data = on_device_of(data, state)
+        data = self._placement.put_data(data, state)
         metrics = evaluator(metric_fn, batch_size, eval_mode)(graphdef, state, data)
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        return {k: float(v) for k, v in to_host(metrics).items()}
