@@ -84,7 +84,8 @@ class EarlyStopping:
       monitor: the epoch-log key to watch, e.g. ``"eval_loss"`` (from
         ``fit(eval_data=..., metric_fn=...)``) or ``"loss"``. Epochs without it (eval every
         N epochs) are not counted.
-      patience: epochs without improvement to wait before stopping.
+      patience: stop after this many evaluated epochs without improvement (Keras's
+        meaning; 0 behaves as 1).
       min_delta: the smallest change that counts as an improvement.
       mode: ``"min"``, ``"max"``, or ``"auto"`` (``"max"`` for keys containing "acc",
         else ``"min"``).
@@ -125,7 +126,7 @@ class EarlyStopping:
         self.stopped_epoch: int | None = None
         self._wait = 0
         self._best_state: nnx.State | None = None
-        self._last_epoch: int | None = None
+        self._best_step: int | None = None
 
     def _improved(self, value: float) -> bool:
         if self.mode == "min":
@@ -139,18 +140,19 @@ class EarlyStopping:
         value = logs.get(self.monitor)
         if value is None or not math.isfinite(value):
             return
-        self._last_epoch = epoch
         if self._improved(value):
             self.best, self.best_epoch, self._wait = value, epoch, 0
+            self._best_step = trainer.step
             if self.restore_best:
                 # A copy on the device: the next compiled call donates the model's buffers.
                 self._best_state = jax.tree.map(lambda x: x.copy(), nnx.state(trainer.model))
             return
         self._wait += 1
-        if self._wait > self.patience:
+        if self._wait >= max(self.patience, 1):  # as Keras: stop after `patience` bad epochs
             self.stopped_epoch = epoch
             trainer.stop_training = True
 
     def on_train_end(self, trainer: Trainer, history: History) -> None:
-        if self._best_state is not None and self._last_epoch != self.best_epoch:
+        # Whatever ran after the best epoch (more epochs, a cut-short one), rewind to it.
+        if self._best_state is not None and trainer.step != self._best_step:
             nnx.update(trainer.model, self._best_state)

@@ -11,6 +11,7 @@ import os
 import pathlib
 from typing import TYPE_CHECKING, Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -62,7 +63,20 @@ def restore_trainer(
       >>> restore_trainer(trainer, "/tmp/run")
       2
     """
-    tree, _ = _adapter().restore_checkpoint(directory, _tree(trainer), step=step)
+    template = _tree(trainer)
+    shardings = trainer._placement.carry_shardings(
+        jax.tree.leaves((template["state"], template["opt_state"]))
+    )
+    if shardings is not None:
+        # On a mesh, orbax reads straight into the layout training uses (replicated or
+        # FSDP), rather than onto one device of one process.
+        carry, treedef = jax.tree.flatten((template["state"], template["opt_state"]))
+        abstract = [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+            for x, sh in zip(carry, shardings, strict=True)
+        ]
+        template["state"], template["opt_state"] = jax.tree.unflatten(treedef, abstract)
+    tree, _ = _adapter().restore_checkpoint(directory, template, step=step)
     meta = tree["meta"]
     for name in ("epoch", "step", "seed"):
         if not isinstance(meta[name], int):

@@ -136,6 +136,7 @@ def stream_epochs(
     batch_size: int | None,
     drop_remainder: bool,
     prefetch: bool,
+    tail_divisor: int = 1,
 ) -> EpochCalls:
     """An epoch's calls over a stream: chunks of ``chunk_size`` batches, each trained in
     the plan's calls (one scan for ``"scan"``; calls of 4 unrolled steps for ``"unrolled"``).
@@ -156,6 +157,7 @@ def stream_epochs(
             epoch=epoch,
             keep_tail=not drop_remainder,
             put=put,
+            tail_divisor=tail_divisor,
             on_dropped=stats.drop,
         )
         stats.at_end = stream.at_end

@@ -61,10 +61,15 @@ def train_epochs(
     # Several processes train one model: only the first one reports.
     progress = progress and jax.process_index() == 0
     bar = RunProgress(epochs, calls_per_epoch, progress, has_aux=trainer.has_aux)
+    bar.set_last_epoch(trainer.epoch + epochs - 1)
     with bar:
         for _ in range(epochs):
             epoch, first_step, stats = trainer.epoch, trainer.step, EpochStats()
+            if trainer.stop_training:  # set in on_train_begin or a previous epoch's hooks
+                break
             callbacks("on_epoch_begin", trainer, epoch)
+            if trainer.stop_training:
+                break
             start = time.perf_counter()
 
             def on_call(steps: int, out: Any, epoch: int = epoch) -> None:

@@ -74,11 +74,20 @@ class Placement:
             return None
         return NamedSharding(self.mesh, PartitionSpec(self.data_axis))
 
-    def check_batch_size(self, batch_size: int) -> None:
-        if batch_size % self.data_parallel:
+    def local_data_parallel(self) -> int:
+        """Devices of this process a local batch is split over."""
+        if self.mesh is None:
+            return 1
+        return self.mesh.local_mesh.shape[self.data_axis]
+
+    def check_batch_size(self, batch_size: int, *, local: bool = False) -> None:
+        """A (global, or with ``local`` this process's) batch must split evenly."""
+        devices = self.local_data_parallel() if local else self.data_parallel
+        if batch_size % devices:
+            where = "this process's devices" if local else "devices"
             raise ValueError(
-                f"batch size {batch_size} does not divide by the {self.data_parallel} devices "
-                f"of mesh axis {self.data_axis!r}; use a multiple of {self.data_parallel}."
+                f"batch size {batch_size} does not divide by the {devices} {where} of mesh "
+                f"axis {self.data_axis!r}; use a multiple of {devices}."
             )
 
     def carry_shardings(self, leaves: list) -> tuple | None:
@@ -103,8 +112,10 @@ class Placement:
         return [jax.device_put(x, s) for x, s in zip(leaves, shardings, strict=True)]
 
     def put_data(self, tree: Any, like: Any) -> Any:
-        """A whole data set: next to the model, or replicated over the mesh (each step's
-        batch is then gathered and sharded over ``data_axis`` inside the compiled call)."""
+        """A whole data set: next to the model, or replicated over the mesh — a full copy
+        on every device (each step's batch is then gathered and sharded over
+        ``data_axis`` inside the compiled call). For a data set too big for that, stream
+        it: a stream's chunks are sharded."""
         if self.mesh is None:
             return _commit(tree, device_of(like))
         return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
@@ -123,10 +134,12 @@ class Placement:
 def _commit(tree: Any, device: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     # Arrays already committed to the device pass through: device_put costs ~20 µs a leaf
-    # even when it has nothing to do, and fit calls this every time.
+    # even when it has nothing to do, and fit calls this every time. Arrays the user
+    # sharded over several devices keep their sharding.
     placed = [
         x
-        if isinstance(x, jax.Array) and x.committed and x.devices() == {device}
+        if isinstance(x, jax.Array)
+        and (len(x.devices()) > 1 or (x.committed and x.devices() == {device}))
         else jax.device_put(x, device)
         for x in leaves
     ]

@@ -25,7 +25,9 @@ from rich.progress import (
 
 from nnxscan.shell.placement import to_host
 
-__all__ = ["RunProgress"]
+__all__ = ["LINE_EVERY_S", "RunProgress"]
+
+LINE_EVERY_S = 10.0
 
 
 def _ready_loss(out: Any, has_aux: bool) -> float | None:
@@ -59,6 +61,8 @@ class RunProgress:
         self._loss: float | None = None
         self._start = time.perf_counter()
         self._steps = 0
+        self._printed = -1.0
+        self._last_epoch: int | None = None
         if not enabled or not self._console.is_terminal:
             return
         self._progress = Progress(
@@ -87,6 +91,10 @@ class RunProgress:
         if self._progress is not None:
             self._progress.__exit__(exc_type, exc, tb)
 
+    def set_last_epoch(self, epoch: int) -> None:
+        """The global index of the run's last epoch (always printed off a terminal)."""
+        self._last_epoch = epoch
+
     def call_done(self, epoch: int, steps: int, out: Any) -> None:
         """After a compiled call of ``steps`` steps whose outputs are ``out``."""
         self._steps += steps
@@ -112,7 +120,13 @@ class RunProgress:
             f"epoch {epoch}  loss {logs['loss']:.4g}{extras}  {logs['steps_per_sec']:,.0f} steps/s"
         )
         if self._progress is None:
-            self._console.print(line, highlight=False, markup=False)
+            # Off a terminal (CI logs), at most a line every LINE_EVERY_S seconds, and the
+            # last epoch's: a long run of short epochs must not flood the log.
+            now = time.perf_counter()
+            last = epoch == self._last_epoch
+            if last or now - self._printed >= LINE_EVERY_S or self._printed < 0:
+                self._console.print(line, highlight=False, markup=False)
+                self._printed = now
         else:
             self._loss = logs["loss"]
             self._progress.update(self._task, epoch=epoch, status=line.split("  ", 1)[1])

@@ -190,6 +190,7 @@ def _chunks(
     keep_tail: bool,
     put: Callable[[Any], Any],
     acquire: Callable[[], None],
+    tail_divisor: int = 1,
     check_stop: Callable[[], None],
     on_dropped: Callable[[int], None],
 ) -> Iterator[Chunk]:
@@ -213,7 +214,9 @@ def _chunks(
             if pending:
                 yield Chunk(put(_stack(pending)), len(pending))
                 acquire()
-            if keep_tail:
+            # On a mesh a kept short batch must still split over the devices; one that
+            # can't is dropped (and counted in the warning) rather than failing mid-epoch.
+            if keep_tail and size % tail_divisor == 0:
                 yield Chunk(put(_stack([batch])), 1, tail=True)
             else:
                 on_dropped(size)

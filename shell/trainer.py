@@ -233,11 +233,11 @@ class Trainer:
             the one a restored checkpoint recorded, so a resumed run shuffles as the
             original did).
           shuffle: permute a data set's examples each epoch; False keeps their order.
-          callbacks: objects with optional methods ``on_call_end(trainer, step)`` (after
-            each compiled call; it must not read arrays if it wants to keep the device
-            busy) and ``on_epoch_end(trainer, epoch, logs)`` (after the model holds the
-            epoch's state). Setting ``trainer.stop_training = True`` in one ends ``fit``
-            after that epoch.
+          callbacks: objects with any of ``on_train_begin(trainer)``,
+            ``on_epoch_begin(trainer, epoch)``, ``on_call_end(trainer, logs)``,
+            ``on_epoch_end(trainer, epoch, logs)``, ``on_train_end(trainer, history)``
+            (see :mod:`nnxscan.shell.callbacks`). Setting ``trainer.stop_training = True``
+            in one ends ``fit`` after the current compiled call.
           progress: show a progress bar that advances once per compiled call.
           steps_per_call: steps per compiled call of the ``"scan"`` plan (default: the
             whole epoch for a data set); for a stream, the batches stacked per chunk
@@ -329,7 +329,8 @@ class Trainer:
         graphdef, state = nnx.split(self.model)
         opt_state = self.opt_state
         first, first_epoch = peek_stream(source)
-        self._placement.check_batch_size(jax.tree.leaves(first)[0].shape[0])
+        # Each process streams its own share of every batch: check the local size.
+        self._placement.check_batch_size(jax.tree.leaves(first)[0].shape[0], local=True)
         one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), first)
         execution = prepare_execution(
             self._program, self._explicit_plan, graphdef, state, opt_state, one
@@ -339,6 +340,7 @@ class Trainer:
             source, first_epoch, plan, chunk_size=steps_per_call or default_chunk_size(first),
             put=functools.partial(self._placement.put_chunk, device=device_of(state)),
             batch_size=batch_size, drop_remainder=drop_remainder,
+            tail_divisor=self._placement.local_data_parallel(),
             prefetch=prefetch,
         )  # fmt: skip
         return train_epochs(
@@ -407,6 +409,8 @@ class Trainer:
         if not callable(metric_fn):
             raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
         graphdef, state = nnx.split(self.model)
+        leaves, treedef = jax.tree.flatten(state)
+        state = jax.tree.unflatten(treedef, self._placement.put_carry(leaves))
         data = self._placement.put_data(data, state)
         metrics = evaluator(metric_fn, batch_size, eval_mode)(graphdef, state, data)
         return {k: float(v) for k, v in to_host(metrics).items()}

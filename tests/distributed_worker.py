@@ -81,6 +81,31 @@ def mesh4(out):
             str(jax.tree_util.keystr(p)): str(getattr(x.sharding, "spec", "single device"))
             for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model))
         }
+    # Checkpoints on the mesh: train 1 epoch, save, restore into a new trainer, train 1
+    # more; evaluate before and after. Compared with 2 epochs straight.
+    import tempfile
+
+    from conftest import accuracy
+
+    straight_model, tx, loss = build()
+    straight = Trainer(straight_model, tx, loss, mesh=mesh)
+    evaluations = {"before": straight.evaluate(d, accuracy, batch_size=16)}
+    straight.fit(d, epochs=2, batch_size=Spec.batch, progress=False)
+    first_model, tx, loss = build()
+    first = Trainer(first_model, tx, loss, mesh=mesh)
+    first.fit(d, epochs=1, batch_size=Spec.batch, progress=False)
+    run_dir = tempfile.mkdtemp()
+    first.save(run_dir)
+    resumed_model, tx, loss = build()
+    resumed = Trainer(resumed_model, tx, loss, mesh=mesh, fsdp_min_size=100)
+    resumed.restore(run_dir)
+    restored_spec = str(resumed_model.l1.kernel[...].sharding.spec)
+    resumed.fit(d, epochs=1, batch_size=Spec.batch, progress=False)
+    evaluations["straight"] = straight.evaluate(d, accuracy, batch_size=16)
+    evaluations["resumed"] = resumed.evaluate(d, accuracy, batch_size=16)
+    results["straight"] = local_leaves(straight_model)
+    results["resumed"] = local_leaves(resumed_model)
+
     # The pure core with the same sharding hint, under the user's own jax.jit.
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -107,7 +132,15 @@ def mesh4(out):
         error = str(e)
     np.savez(out, **{f"{k}_{i}": a for k, v in results.items() for i, a in enumerate(v)})
     with open(out + ".json", "w") as f:
-        json.dump({"shardings": shardings, "error": error}, f)
+        json.dump(
+            {
+                "shardings": shardings,
+                "error": error,
+                "evaluations": evaluations,
+                "restored_spec": restored_spec,
+            },
+            f,
+        )
 
 
 def process(pid, port, out):

@@ -22,7 +22,9 @@ WORKER = str(pathlib.Path(__file__).with_name("distributed_worker.py"))
 
 def env(**extra):
     clean = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**clean, "JAX_PLATFORMS": "cpu", **extra}
+    tests = str(pathlib.Path(__file__).parent)  # the worker imports conftest's metrics
+    path = os.pathsep.join(p for p in (tests, clean.get("PYTHONPATH")) if p)
+    return {**clean, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,16 @@ def test_sharded_fit_equals_single_device_fit(mesh4, name):
     arrays, _ = mesh4
     for a, b in zip(_run(arrays, "single"), _run(arrays, name), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoints_and_evaluate_on_a_mesh(mesh4):
+    arrays, info = mesh4
+    for a, b in zip(_run(arrays, "straight"), _run(arrays, "resumed"), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert info["restored_spec"] == str(P(None, "data"))  # restored into the FSDP layout
+    evaluations = info["evaluations"]
+    assert evaluations["straight"]["accuracy"] == pytest.approx(evaluations["resumed"]["accuracy"])
+    assert 0.0 <= evaluations["before"]["accuracy"] <= 1.0
 
 
 def test_the_pure_epoch_takes_the_same_sharding_hint(mesh4):

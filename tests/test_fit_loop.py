@@ -95,7 +95,7 @@ def test_eval_arguments_are_checked_before_training(data):
 
 
 def test_early_stopping_stops_at_the_right_epoch_and_restores_the_best_bitwise(data):
-    script = [0.9, 0.7, 0.5, 0.6, 0.55, 0.58, 0.3]  # best at epoch 2, then 3 worse epochs
+    script = [0.9, 0.7, 0.5, 0.6, 0.55, 0.58, 0.3]  # best at epoch 2, then worse ones
     snapshots = {}
 
     def scripted(trainer, epoch, logs):
@@ -109,10 +109,44 @@ def test_early_stopping_stops_at_the_right_epoch_and_restores_the_best_bitwise(d
         data, epochs=len(script), batch_size=BS, progress=False,
         callbacks=[LambdaCallback(on_epoch_end=scripted), stop],
     )  # fmt: skip
-    assert (stop.best_epoch, stop.stopped_epoch, trainer.epoch) == (2, 5, 6)
+    # patience=2 (Keras's meaning): two epochs without improvement, 3 and 4, then stop.
+    assert (stop.best_epoch, stop.stopped_epoch, trainer.epoch) == (2, 4, 5)
     for a, b in zip(jax.tree.leaves(snapshots[2]), jax.tree.leaves(host_state(model)), strict=True):
         np.testing.assert_array_equal(a, b)
     model(data["x"])  # the restored buffers are live, not donated
+
+
+def test_early_stopping_restores_the_best_even_when_eval_is_sparse(data):
+    """eval every 2 epochs, best at epoch 3, training ends at epoch 4: rewind to 3."""
+    snapshots = {}
+    script = {1: 0.8, 3: 0.4}
+
+    def scripted(trainer, epoch, logs):
+        if epoch in script:
+            logs["eval_loss"] = script[epoch]
+        snapshots[epoch] = host_state(trainer.model)
+
+    model = MLP(rngs=nnx.Rngs(0))
+    stop = EarlyStopping("eval_loss", patience=5)
+    Trainer(model, TX, xent).fit(
+        data, epochs=5, batch_size=BS, progress=False,
+        callbacks=[LambdaCallback(on_epoch_end=scripted), stop],
+    )  # fmt: skip
+    assert stop.best_epoch == 3 and stop.stopped_epoch is None
+    for a, b in zip(jax.tree.leaves(snapshots[3]), jax.tree.leaves(host_state(model)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_stop_training_set_before_any_call_trains_nothing(data):
+    for hook in ("on_train_begin", "on_epoch_begin"):
+        trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
+
+        def stop(t, *args):
+            t.stop_training = True
+
+        trainer.fit(data, epochs=3, batch_size=BS, callbacks=[LambdaCallback(**{hook: stop})],
+                    progress=False)  # fmt: skip
+        assert trainer.step == 0, hook
 
 
 def test_early_stopping_mode_auto_and_validation():
