@@ -20,7 +20,6 @@ from nnxscan.adapters.data import to_numpy
 from nnxscan.shell.loop import Call, plan_calls
 from nnxscan.shell.placement import to_host
 from nnxscan.shell.plans import Plan
-from nnxscan.shell.programs import TrainProgram
 from nnxscan.shell.streaming import BatchChecker, ChunkStream, EpochSource
 
 __all__ = [
@@ -28,6 +27,7 @@ __all__ = [
     "EpochStats",
     "array_epochs",
     "epoch_logs",
+    "epoch_order",
     "learning_rate",
     "peek_stream",
     "stream_epochs",
@@ -86,10 +86,27 @@ def _arange(length: int) -> jax.Array:
     return jnp.arange(length, dtype=jnp.int32)
 
 
+def epoch_order(seed: int, epoch: int, num_examples: int, shuffle: bool = True) -> np.ndarray:
+    """The order of the examples in global epoch ``epoch``: the shuffle rule of ``fit``.
+
+    ``np.random.default_rng((seed, epoch)).permutation(num_examples)`` — drawn on the host:
+    it costs ~50 µs for 6,400 examples where ``jax.random.permutation`` (several sorts)
+    costs ~2.4 ms of CPU device time, 15% of a small model's epoch. The same in every
+    process and on every platform.
+
+    Example:
+      >>> epoch_order(0, 3, 10)[:4]
+      array([...])
+    """
+    if not shuffle:
+        return np.arange(num_examples, dtype=np.int32)
+    return np.random.default_rng((seed, epoch)).permutation(num_examples).astype(np.int32)
+
+
 def array_epochs(
-    program: TrainProgram,
     plan: Plan,
     data: Any,
+    put: Callable[[Any], Any],
     *,
     num_examples: int,
     batch_size: int,
@@ -97,14 +114,17 @@ def array_epochs(
     shuffle: bool,
     keep_tail: bool,
 ) -> tuple[EpochCalls, int]:
-    """An epoch's calls over a device-resident data set, and the number of calls."""
+    """An epoch's calls over a device-resident data set, and the number of calls.
+
+    ``put`` places the index arrays next to the data (replicated on a mesh).
+    """
     num_steps = num_examples // batch_size
 
     def epoch_calls(epoch: int, stats: EpochStats) -> Iterator[Call]:
-        full, tail = program.epoch_indices(
-            seed, epoch, num_examples=num_examples, batch_size=batch_size, shuffle=shuffle,
-            keep_tail=keep_tail,
-        )  # fmt: skip
+        order = epoch_order(seed, epoch, num_examples, shuffle)
+        full = order[: num_steps * batch_size].reshape(num_steps, batch_size)
+        tail = order[num_steps * batch_size :][None] if keep_tail else None
+        full, tail = put((full, tail))
         stats.expected_steps = num_steps + keep_tail
         yield from plan_calls(plan, data, full, num_steps)
         if keep_tail:

@@ -54,6 +54,8 @@ def train_epochs(
     if epochs == 0:
         return history
     live = LiveState(state, opt_state, trainer._write, trainer._placement)
+    # Whether tx came from inject_hyperparams: looked up once, not every epoch.
+    injected = learning_rate(opt_state) is not None
     trainer.stop_training = False
     skipping = trainer.on_nonfinite == "skip"
     warned = False
@@ -101,9 +103,8 @@ def train_epochs(
             if not outs:  # stopped before the epoch's first call
                 break
             logs, losses = epoch_logs(epoch, outs, start, trainer.has_aux, stats, skipping)
-            rate = learning_rate(trainer.opt_state)
-            if rate is not None:
-                logs["learning_rate"] = rate
+            if injected:
+                logs["learning_rate"] = learning_rate(trainer.opt_state)
             if not complete:
                 logs["stopped"] = True
             elif evaluation is not None and (epoch + 1) % evaluation.every == 0:

@@ -75,8 +75,20 @@ class LiveState:
         leaves, self.treedef = jax.tree.flatten((state, opt_state))
         self.leaves = _unaliased(self.placement.put_carry(leaves), key=_buffer_key)
         self.shardings = self.placement.carry_shardings(self.leaves)
+        self._runner: tuple | None = None
         self._write = write
         self.unwritten_steps = 0
+
+    def runner(self, program: TrainProgram, graphdef: nnx.GraphDef, donate: bool) -> Any:
+        """The compiled runner for this carry, looked up once per fit, not per epoch:
+        the lookup hashes the graphdef, which costs more than a small model's step."""
+        key = (id(program), donate)
+        if self._runner is None or self._runner[0] != key:
+            run = program.runner(
+                graphdef, self.treedef, donate, self.shardings, self.placement.batch_sharding
+            )
+            self._runner = (key, run)
+        return self._runner[1]
 
     def advance(self, leaves: list, steps: int) -> None:
         self.leaves = leaves
@@ -188,9 +200,7 @@ def run_calls(
     """
     plan, donate = execution
     write_each_call = plan.kind != "step"
-    run = program.runner(
-        graphdef, live.treedef, donate, live.shardings, live.placement.batch_sharding
-    )
+    run = live.runner(program, graphdef, donate)
     outs = []
     try:
         for data, indices, start, length, sink in calls:

@@ -111,13 +111,13 @@ class Placement:
             return _commit(leaves, device_of(leaves))
         return [jax.device_put(x, s) for x, s in zip(leaves, shardings, strict=True)]
 
-    def put_data(self, tree: Any, like: Any) -> Any:
-        """A whole data set: next to the model, or replicated over the mesh — a full copy
-        on every device (each step's batch is then gathered and sharded over
-        ``data_axis`` inside the compiled call). For a data set too big for that, stream
-        it: a stream's chunks are sharded."""
+    def put_data(self, tree: Any, like: Any = None, *, device: Any = None) -> Any:
+        """A whole data set: next to the model (``like``'s device, or ``device``), or
+        replicated over the mesh — a full copy on every device (each step's batch is then
+        gathered and sharded over ``data_axis`` inside the compiled call). For a data set
+        too big for that, stream it: a stream's chunks are sharded."""
         if self.mesh is None:
-            return _commit(tree, device_of(like))
+            return _commit(tree, device if device is not None else device_of(like))
         return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
     def put_chunk(self, tree: Any, device: Any) -> Any:

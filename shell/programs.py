@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from nnxscan.pure import (
-    batch_indices,
     halt_after_nonfinite,
     make_evaluate,
     make_train_step,
@@ -82,9 +81,6 @@ class TrainProgram:
     ``indices[start:start+length]`` gathered from ``data``, donating the carry's leaves.
     The graphdef is closed over rather than passed: a graphdef argument is hashed on every
     call, which costs more than a small model's step.
-    ``epoch_indices(seed, epoch, num_examples=, batch_size=, shuffle=, keep_tail=)`` returns
-    one epoch's ``(steps, batch)`` indices and, with ``keep_tail``, the ``(1, rest)`` indices
-    of the short final batch (else ``None``).
     """
 
     def __init__(
@@ -109,16 +105,6 @@ class TrainProgram:
         self.halts = on_nonfinite == "stop"
         self._traits: OrderedDict[Hashable, StepTraits] = OrderedDict()
         self._runners: OrderedDict[Hashable, Callable] = OrderedDict()
-
-        def epoch_indices(seed, epoch, num_examples, batch_size, shuffle, keep_tail):
-            key = jax.random.fold_in(jax.random.key(seed), epoch) if shuffle else None
-            full, tail = batch_indices(key, num_examples, batch_size, drop_remainder=not keep_tail)
-            return full, (None if tail is None else tail[None])
-
-        self.epoch_indices = jax.jit(
-            epoch_indices,
-            static_argnames=("num_examples", "batch_size", "shuffle", "keep_tail"),
-        )
 
     def runner(
         self,

@@ -211,7 +211,8 @@ class Trainer:
 
         - a pytree of arrays (dict, tuple, NamedTuple, array) sharing a leading examples
           axis, numpy or JAX, moved to the device once per call. Each epoch permutes the
-          examples with a key derived from ``(seed, global epoch index)``, so
+          examples in the order ``nnxscan.shell.epochs.epoch_order(seed, global epoch
+          index)`` gives (numpy's ``default_rng((seed, epoch)).permutation``), so
           ``fit(epochs=2)`` twice gives bitwise the model ``fit(epochs=4)`` gives.
         - a stream: a ``list`` of batches, any re-iterable (a DataLoader), or a
           zero-argument callable returning a fresh iterator per epoch (a single-use
@@ -311,8 +312,9 @@ class Trainer:
         execution = self._execution(graphdef, state, opt_state, data, batch_size)
         plan = with_steps_per_call(execution.plan, steps_per_call)
         epoch_calls, calls_per_epoch = array_epochs(
-            self._program, plan, data, num_examples=n, batch_size=batch_size, seed=seed,
-            shuffle=shuffle, keep_tail=not drop_remainder and n % batch_size > 0,
+            plan, data, functools.partial(self._placement.put_data, device=device_of(state)),
+            num_examples=n, batch_size=batch_size, seed=seed, shuffle=shuffle,
+            keep_tail=not drop_remainder and n % batch_size > 0,
         )  # fmt: skip
         return train_epochs(
             self,

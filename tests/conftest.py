@@ -111,14 +111,10 @@ def reference_loop(model, optimizer, loss_fn, batches: list, has_aux: bool = Fal
 
 
 def epoch_batches(data: dict, batch_size: int, seed: int, epoch: int, shuffle: bool = True):
-    """The documented shuffle rule: permute with fold_in(key(seed), epoch), drop the rest."""
+    """The documented shuffle rule: numpy's default_rng((seed, epoch)).permutation(n), with
+    the examples left over by the last full batch dropped."""
     n = len(data["x"])
-    if shuffle:
-        order = np.asarray(
-            jax.random.permutation(jax.random.fold_in(jax.random.key(seed), epoch), n)
-        )
-    else:
-        order = np.arange(n)
+    order = np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
     nb = n // batch_size
     return [
         {k: v[order[i * batch_size : (i + 1) * batch_size]] for k, v in data.items()}
