@@ -15,29 +15,9 @@ from flax import nnx
 
 from nnxscan.pure import hyper, init_opt_state, make_epoch, make_train_step
 
+from hyper_models import MLP, as_arrays, mlp_reference
+
 OUT_ONLY = nnx.All(nnx.Param, nnx.PathContains("out"))
-
-
-class MLP(nnx.Module):
-    def __init__(self, din, dh, dout, *, batchnorm=False, rngs):
-        self.hidden = nnx.Linear(din, dh, rngs=rngs)
-        self.bn = nnx.BatchNorm(dh, rngs=rngs) if batchnorm else None
-        self.out = nnx.Linear(dh, dout, rngs=rngs)
-
-    def __call__(self, x):
-        h = self.hidden(x)
-        if self.bn is not None:
-            h = self.bn(h)
-        return self.out(jnp.tanh(h))
-
-
-def mlp_reference(p, x):
-    h = jnp.tanh(x @ p["hidden"]["kernel"] + p["hidden"]["bias"])
-    return h @ p["out"]["kernel"] + p["out"]["bias"]
-
-
-def as_arrays(state):
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(state))
 
 
 def make_trunk(din, features, seed):
