@@ -266,7 +266,6 @@ class Trainer:
         checkpoint_every = _check_count(checkpoint_every, "checkpoint_every", 1)
         if checkpoint_dir is not None:
             callbacks = (*callbacks, EpochCheckpointer(checkpoint_dir, checkpoint_every))
-        self.seed = seed
         if steps_per_call is not None:
             steps_per_call = _check_count(steps_per_call, "steps_per_call", 1)
         evaluation = None
@@ -316,6 +315,7 @@ class Trainer:
             num_examples=n, batch_size=batch_size, seed=seed, shuffle=shuffle,
             keep_tail=not drop_remainder and n % batch_size > 0,
         )  # fmt: skip
+        self.seed = seed  # only once every input is known good: a failed fit changes nothing
         return train_epochs(
             self,
             epochs, execution._replace(plan=plan), graphdef, state, opt_state, epoch_calls,
