@@ -19,26 +19,16 @@ Run: ``.venv/bin/python benchmarks/bench_hyper.py [--nets 64] [--rounds 30]``
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_train import MLP  # the same target MLP as the training benchmark
 from flax import nnx
 
 from nnxscan.pure import hyper
-
-
-class MLP(nnx.Module):
-    def __init__(self, sizes, *, rngs):
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = nnx.relu(layer(x))
-        return self.layers[-1](x)
 
 
 class BigLayerHypernet(nnx.Module):

@@ -31,10 +31,6 @@ def tree_select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _loss_of(out: Any, has_aux: bool) -> jax.Array:
-    return out[0] if has_aux else out
-
-
 def halt_after_nonfinite(step: Any, *, has_aux: bool = False) -> Any:
     """Wraps a step so that from its first non-finite loss on, nothing changes any more.
 
@@ -52,16 +48,12 @@ def halt_after_nonfinite(step: Any, *, has_aux: bool = False) -> Any:
     def halting(graphdef: nnx.GraphDef, state: nnx.State, carry: Any, batch: Any):
         opt_state, halted = carry
         new_state, new_opt_state, out = step(graphdef, state, opt_state, batch)
-        loss = _loss_of(out, has_aux)
+        loss = out[0] if has_aux else out
         stop = halted | ~jnp.isfinite(loss)
         state = tree_select(stop, state, new_state)
         opt_state = tree_select(stop, opt_state, new_opt_state)
         loss = jnp.where(stop, jnp.nan, loss)
-        out = (loss, _loss_of_aux(out)) if has_aux else loss
+        out = (loss, out[1]) if has_aux else loss
         return state, (opt_state, stop), out
 
     return halting
-
-
-def _loss_of_aux(out: Any) -> Any:
-    return out[1]

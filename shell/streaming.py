@@ -51,11 +51,10 @@ def default_chunk_size(first_batch: Any) -> int:
 
 
 class Chunk(NamedTuple):
-    """K stacked batches on the device, or (``tail``) one short final batch."""
+    """``steps`` stacked batches on the device (one, for a kept short final batch)."""
 
     data: Any
     steps: int
-    tail: bool = False
 
 
 class _Failure(NamedTuple):
@@ -217,7 +216,7 @@ def _chunks(
             # On a mesh a kept short batch must still split over the devices; one that
             # can't is dropped (and counted in the warning) rather than failing mid-epoch.
             if keep_tail and size % tail_divisor == 0:
-                yield Chunk(put(_stack([batch])), 1, tail=True)
+                yield Chunk(put(_stack([batch])), 1)
             else:
                 on_dropped(size)
             return
