@@ -50,7 +50,6 @@ importing it configures absl logging on the root logger.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 import pathlib
 from typing import Any
@@ -58,6 +57,8 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+
+from nnxscan.pure._checks import check_count
 
 __all__ = ["all_steps", "latest_step", "restore_checkpoint", "save_checkpoint"]
 
@@ -187,9 +188,7 @@ def _resolve(directory: str | os.PathLike[str]) -> pathlib.Path:
 
 
 def _as_step(step: Any, what: str) -> int:
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ValueError(f"{what} must be a non-negative int, got {step!r}")
-    return int(step)
+    return check_count(step, what, 0)
 
 
 def _reader(ocp: Any, path: pathlib.Path) -> Any:
@@ -232,8 +231,7 @@ def save_checkpoint(
     if not isinstance(tree, dict):
         raise TypeError(f"tree must be a dict of pytrees, got {type(tree).__name__}")
     step = _as_step(step, "step")
-    if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
-        raise ValueError(f"max_to_keep must be an int >= 1, got {max_to_keep!r}")
+    max_to_keep = check_count(max_to_keep, "max_to_keep", 1)
     # Every leaf is checked before anything touches the disk.
     records, arrays = _records_and_arrays(tree)
     ocp = _orbax()

@@ -23,6 +23,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from nnxscan.adapters._extras import require_extra
+from nnxscan.pure._checks import check_count
+
 __all__ = ["GrainEpochs", "from_grain", "to_numpy"]
 
 _KeyPath = tuple[Any, ...]
@@ -178,15 +181,10 @@ class GrainEpochs:
     Attributes:
       epoch: the epoch the next call produces. A call counts as an epoch as soon as it
         returns its iterator, read to the end or not. Set it to resume a run's order.
-      batches_per_epoch: the number of batches one epoch yields, or ``None`` when the
-        pipeline (a ``grain.DataLoader``) does not say.
     """
 
-    def __init__(
-        self, make_epoch: Callable[[int], Iterable[Any]], batches_per_epoch: int | None
-    ) -> None:
+    def __init__(self, make_epoch: Callable[[int], Iterable[Any]]) -> None:
         self._make_epoch = make_epoch
-        self.batches_per_epoch = batches_per_epoch
         self.epoch = 0
 
     def __call__(self) -> Iterator[Any]:
@@ -197,7 +195,7 @@ class GrainEpochs:
         return _numpy_batches(batches)
 
     def __repr__(self) -> str:
-        return f"GrainEpochs(epoch={self.epoch}, batches_per_epoch={self.batches_per_epoch})"
+        return f"GrainEpochs(epoch={self.epoch})"
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -229,7 +227,7 @@ def _from_data_loader(
             f"from_grain: the DataLoader's sampler {sampler!r} never ends, so one epoch would "
             f"never end: build it with grain.samplers.IndexSampler(..., num_epochs=1)."
         )
-    return GrainEpochs(lambda epoch: loader, batches_per_epoch=None)
+    return GrainEpochs(lambda epoch: loader)
 
 
 def from_grain(
@@ -289,12 +287,7 @@ def from_grain(
       >>> [b["x"].shape for b in epochs()]
       [(16, 4), (16, 4), (16, 4)]
     """
-    try:
-        import grain
-    except ImportError as err:
-        raise ImportError(
-            "from_grain needs grain, an optional extra: pip install 'nnxscan[grain]'"
-        ) from err
+    grain = require_extra("grain", "grain", needed_by="from_grain")
 
     if isinstance(source, grain.DataLoader):
         return _from_data_loader(source, batch_size, shuffle, seed, drop_remainder, worker_count)
@@ -304,10 +297,13 @@ def from_grain(
             f"or pass a grain.DataLoader(worker_count=N) built in a program that parses absl "
             f"flags (grain's worker processes need them)."
         )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"from_grain: batch_size must be a positive int, got {batch_size!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"from_grain: seed must be a non-negative int, got {seed!r}.")
+    if batch_size is None:
+        raise ValueError(
+            "from_grain: batch_size is required for a record source or a MapDataset (only a "
+            "grain.DataLoader brings its own batching)."
+        )
+    batch_size = check_count(batch_size, "from_grain: batch_size", 1)
+    seed = check_count(seed, "from_grain: seed", 0)
     if isinstance(source, grain.IterDataset):
         raise TypeError(
             "from_grain: a grain.IterDataset can be neither shuffled globally nor restarted per "
@@ -344,4 +340,4 @@ def from_grain(
         batched = ordered.batch(batch_size, drop_remainder=drop_remainder)
         return batched.to_iter_dataset(read_options)
 
-    return GrainEpochs(make_epoch, batches_per_epoch=num_batches)
+    return GrainEpochs(make_epoch)

@@ -54,5 +54,10 @@ def initialize(
 
 
 def is_primary() -> bool:
-    """Whether this is process 0, the one that prints and writes logs."""
+    """Whether this is process 0, the one that prints progress and writes logs.
+
+    Example:
+      >>> if is_primary():
+      ...     print(history.epochs[-1])
+    """
     return jax.process_index() == 0

@@ -10,13 +10,14 @@ structure. Nothing here mutates the optimizer: the shell applies the result with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["optax_state_from_optimizer", "optimizer_state_update"]
+__all__ = ["optax_state_from_optimizer", "optimizer_state_writer"]
 
 
 def _is_variable(x: Any) -> bool:
@@ -59,15 +60,29 @@ def optax_state_from_optimizer(optimizer: nnx.Optimizer, params: nnx.State) -> A
     return jax.tree.unflatten(expected, leaves)
 
 
-def optimizer_state_update(optimizer: nnx.Optimizer, opt_state: Any, step: Any) -> nnx.State:
-    """Builds the State that ``nnx.update(optimizer, ...)`` takes to hold ``opt_state``/``step``.
+def optimizer_state_writer(optimizer: nnx.Optimizer) -> Callable[[Any, Any], nnx.State]:
+    """Returns ``build(opt_state, step)``: the State that ``nnx.update(optimizer, ...)`` takes to
+    hold the optax state ``opt_state`` and the step counter ``step``.
+
+    The map from optax leaves to the optimizer's Variables is built once here, not per
+    call: the shell writes back after every compiled call.
 
     Example:
-      >>> nnx.update(optimizer, optimizer_state_update(optimizer, opt_state, step))
+      >>> build = optimizer_state_writer(optimizer)
+      >>> nnx.update(optimizer, build(opt_state, jnp.uint32(10)))
     """
-    variables = jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable)
-    new_by_id = {
-        id(var): leaf for var, leaf in zip(variables, jax.tree.leaves(opt_state), strict=True)
+    flat, treedef = jax.tree.flatten(nnx.state(optimizer), is_leaf=_is_variable)
+    position = {
+        id(var): i
+        for i, var in enumerate(jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable))
     }
-    new_by_id[id(optimizer.step)] = step
-    return jax.tree.map(lambda v: new_by_id[id(v)], nnx.state(optimizer), is_leaf=_is_variable)
+    step_id = id(optimizer.step)
+    # For each Variable of the optimizer's state: the index of its new optax leaf, or -1
+    # for the step counter.
+    sources = [-1 if id(var) == step_id else position[id(var)] for var in flat]
+
+    def build(opt_state: Any, step: Any) -> nnx.State:
+        leaves = jax.tree.leaves(opt_state)
+        return jax.tree.unflatten(treedef, [step if i < 0 else leaves[i] for i in sources])
+
+    return build

@@ -22,7 +22,8 @@ import sys
 import tempfile
 from typing import Any, TextIO
 
-import jax
+from nnxscan.adapters._extras import require_extra
+from nnxscan.adapters.distributed import is_primary
 
 __all__ = ["CSVWriter", "JSONLinesWriter", "TensorBoardWriter", "TextLogger"]
 
@@ -47,7 +48,7 @@ def _primary_only(hook: Any) -> Any:
 
     @functools.wraps(hook)
     def wrapped(self: Any, *args: Any) -> None:
-        if jax.process_index() == 0:
+        if is_primary():
             hook(self, *args)
 
     return wrapped
@@ -193,14 +194,8 @@ class TensorBoardWriter:
     def __init__(self, logdir: PathLike) -> None:
         # Imported here, not at module level, since tensorboardX is an optional extra; and
         # now, not at the first epoch, so a missing extra fails before anything compiles.
-        try:
-            import tensorboardX
-        except ImportError as err:
-            raise ImportError(
-                "TensorBoardWriter needs tensorboardX; install it with: "
-                "pip install 'nnxscan[tensorboard]'"
-            ) from err
-        self._summary_writer_cls = tensorboardX.SummaryWriter
+        tensorboard_x = require_extra("tensorboardX", "tensorboard", needed_by="TensorBoardWriter")
+        self._summary_writer_cls = tensorboard_x.SummaryWriter
         self.logdir = pathlib.Path(logdir)
         self._writer: Any = None
 

@@ -2,32 +2,40 @@
 
 Pure functions over ``(graphdef, state, opt_state)`` pytrees that compose with every JAX
 transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state.
+
+- :func:`make_train_step`, :func:`init_opt_state`, :func:`split_wrt`: one training step.
+- :func:`scan_steps`: many steps over a stack of batches, in one ``lax.scan``.
+- :func:`make_epoch`, :func:`epoch_order`: an epoch over a data set, ordered as
+  ``Trainer.fit`` orders it.
+- :func:`make_eval_step`, :func:`make_evaluate`: metrics over every example.
+- :func:`all_finite`, :func:`tree_select`, :func:`halt_after_nonfinite`: non-finite guards
+  that stay inside the compiled loop.
+- :mod:`nnxscan.pure.hyper`: networks run on generated weights.
+
+Example:
+  >>> step = make_train_step(loss_fn, optax.adam(1e-3))
+  >>> graphdef, state = nnx.split(model)
+  >>> opt_state = init_opt_state(optax.adam(1e-3), state)
+  >>> state, opt_state, losses = jax.jit(scan_steps, static_argnums=0)(
+  ...     step, graphdef, state, opt_state, batches)
 """
 
-from nnxscan.pure.epoch import batch_indices, make_epoch, scan_indexed_steps, take_batch
+from nnxscan.pure.epoch import epoch_order, make_epoch
 from nnxscan.pure.evaluation import make_eval_step, make_evaluate
 from nnxscan.pure.nonfinite import all_finite, halt_after_nonfinite, tree_select
-from nnxscan.pure.scan import scan_loop, scan_steps, shard_batch
+from nnxscan.pure.scan import scan_steps
 from nnxscan.pure.train_step import init_opt_state, make_train_step, split_wrt
-from nnxscan.pure.validation import check_batch_size, check_leading_size, check_transform
 
 __all__ = [
     "all_finite",
-    "batch_indices",
-    "check_batch_size",
-    "check_leading_size",
-    "check_transform",
+    "epoch_order",
     "halt_after_nonfinite",
     "init_opt_state",
     "make_epoch",
     "make_eval_step",
     "make_evaluate",
     "make_train_step",
-    "scan_indexed_steps",
-    "scan_loop",
     "scan_steps",
-    "shard_batch",
     "split_wrt",
-    "take_batch",
     "tree_select",
 ]

@@ -1,7 +1,11 @@
-"""Scanned epochs: permute, cut into batches and train, all inside one traced function.
+"""Scanned epochs: order the examples, cut them into batches and train, in one traced function.
 
 The data stays where it is (on the device): each step gathers its batch by index inside the
 loop body, so an epoch never copies the data set and never returns to the host.
+
+The order of an epoch is either drawn on the device from a PRNG key, or given as an array,
+typically :func:`epoch_order` — the host permutation ``Trainer.fit`` uses, so a loop of
+``make_epoch`` calls reproduces ``fit`` exactly.
 """
 
 from __future__ import annotations
@@ -11,88 +15,90 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from nnxscan.pure.scan import scan_loop, shard_batch
+from nnxscan.pure._checks import check_batch_size, check_count, check_leading_size
+from nnxscan.pure.scan import scan_indexed_steps, shard_batch, take_batch
 from nnxscan.pure.train_step import StepFn
-from nnxscan.pure.validation import check_batch_size, check_leading_size
 
-__all__ = ["batch_indices", "make_epoch", "scan_indexed_steps", "take_batch"]
+__all__ = ["epoch_order", "make_epoch"]
 
 
-def batch_indices(
-    key: jax.Array | None,
-    num_examples: int,
-    batch_size: int,
-    *,
-    drop_remainder: bool = True,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Example indices of one epoch, cut into batches.
+def epoch_order(seed: int, epoch: int, num_examples: int, *, shuffle: bool = True) -> np.ndarray:
+    """The order of the examples in epoch ``epoch`` of a run seeded with ``seed``.
+
+    ``np.random.default_rng((seed, epoch)).permutation(num_examples)`` as int32: the shuffle
+    rule of ``Trainer.fit``. It is drawn on the host, the same in every process and on every
+    platform, and costs far less than a permutation on the device (which sorts). Pass it to
+    the epoch function :func:`make_epoch` builds to train exactly the batches ``fit`` trains.
 
     Args:
-      key: a PRNG key to permute the examples with, or ``None`` to keep their order.
-      num_examples, batch_size: static Python ints.
-      drop_remainder: drop the ``num_examples % batch_size`` examples that do not fill a
-        batch, or return them as a short tail batch.
-
-    Returns:
-      ``(full, tail)``: ``full`` is ``(num_batches, batch_size)`` int32; ``tail`` is the short
-      final batch's ``(num_examples % batch_size,)`` indices, or ``None``.
+      seed, epoch: non-negative ints; ``epoch`` is the global epoch index (it keeps counting
+        across ``fit`` calls).
+      num_examples: the size of the data set.
+      shuffle: ``False`` gives ``arange(num_examples)`` (``fit(shuffle=False)``).
 
     Example:
-      >>> full, tail = batch_indices(jax.random.key(0), 10, 4, drop_remainder=False)
-      >>> full.shape, tail.shape
-      ((2, 4), (2,))
+      >>> epoch_order(0, 3, 10).shape
+      (10,)
     """
-    batch_size = check_batch_size(batch_size, num_examples, drop_remainder=drop_remainder)
-    order = (
-        jnp.arange(num_examples, dtype=jnp.int32)
-        if key is None
-        else jax.random.permutation(key, num_examples).astype(jnp.int32)
-    )
-    num_full = num_examples // batch_size
+    seed = check_count(seed, "seed", 0)
+    epoch = check_count(epoch, "epoch", 0)
+    num_examples = check_count(num_examples, "num_examples", 1)
+    if not shuffle:
+        return np.arange(num_examples, dtype=np.int32)
+    return np.random.default_rng((seed, epoch)).permutation(num_examples).astype(np.int32)
+
+
+def batches_from_order(
+    order: Any, batch_size: int, *, drop_remainder: bool
+) -> tuple[Any, Any | None]:
+    """Cuts an epoch's order into ``(full, tail)``: ``(steps, batch_size)`` indices and the
+    short final batch's indices (``None`` when dropped or empty). numpy in, numpy out; a JAX
+    array in, JAX out."""
+    n = order.shape[0]
+    num_full = n // batch_size
     full = order[: num_full * batch_size].reshape(num_full, batch_size)
-    rem = num_examples - num_full * batch_size
-    tail = None if drop_remainder or rem == 0 else order[num_full * batch_size :]
+    tail = None if drop_remainder or n == num_full * batch_size else order[num_full * batch_size :]
     return full, tail
 
 
-def take_batch(data: Any, indices: jax.Array) -> Any:
-    """Gathers the rows ``indices`` of every leaf of ``data``."""
-    return jax.tree.map(lambda x: jnp.take(x, indices, axis=0), data)
+def _is_key(x: Any) -> bool:
+    """A typed PRNG key, or a legacy ``jax.random.PRNGKey`` (uint32 of shape (2,))."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return np.dtype(dtype) == np.uint32 and tuple(np.shape(x)) == (2,)
 
 
-def scan_indexed_steps(
-    step: StepFn,
-    graphdef: nnx.GraphDef,
-    state: nnx.State,
-    opt_state: Any,
-    data: Any,
-    indices: jax.Array,
-    *,
-    unroll: int | bool = 1,
-    batch_sharding: jax.sharding.Sharding | None = None,
-) -> tuple[nnx.State, Any, Any]:
-    """Scans ``step`` over batches gathered from ``data`` by an ``(steps, batch)`` index array.
-
-    This is the body of an epoch (and of every chunk of one). The gather happens inside the
-    loop, so memory holds one batch at a time besides ``data`` itself. ``batch_sharding``
-    (e.g. ``NamedSharding(mesh, P("data"))``) shards each gathered batch, making the step
-    data-parallel.
-
-    Example:
-      >>> full, _ = batch_indices(key, n, 32)
-      >>> state, opt_state, losses = scan_indexed_steps(step, g, state, opt, data, full)
-    """
-
-    def body(carry, idx):
-        state, opt_state = carry
-        batch = shard_batch(take_batch(data, idx), batch_sharding)
-        state, opt_state, out = step(graphdef, state, opt_state, batch)
-        return (state, opt_state), out
-
-    (state, opt_state), outs = scan_loop(body, (state, opt_state), indices, unroll=unroll)
-    return state, opt_state, outs
+def _epoch_order(key_or_order: Any, n: int, shuffle: bool) -> jax.Array:
+    if key_or_order is None:
+        if shuffle:
+            raise ValueError(
+                "the epoch needs a PRNG key or an order (epoch_order(seed, epoch, n)) when "
+                "shuffle=True; pass one, or build the epoch with shuffle=False."
+            )
+        return jnp.arange(n, dtype=jnp.int32)
+    if _is_key(key_or_order):
+        if not shuffle:
+            return jnp.arange(n, dtype=jnp.int32)
+        return jax.random.permutation(key_or_order, n).astype(jnp.int32)
+    dtype = getattr(key_or_order, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.signedinteger):
+        raise TypeError(
+            f"the epoch's last argument must be a PRNG key (jax.random.key(i)) or a signed "
+            f"integer order array such as epoch_order(seed, epoch, n), got "
+            f"{type(key_or_order).__name__} with dtype {dtype}."
+        )
+    if tuple(np.shape(key_or_order)) != (n,):
+        raise ValueError(
+            f"the epoch's order has shape {tuple(np.shape(key_or_order))}, but the data has "
+            f"{n} examples: pass an order of shape ({n},), e.g. epoch_order(seed, epoch, {n})."
+        )
+    return jnp.asarray(key_or_order, jnp.int32)
 
 
 def make_epoch(
@@ -104,33 +110,40 @@ def make_epoch(
     unroll: int | bool = 1,
     batch_sharding: jax.sharding.Sharding | None = None,
 ) -> Callable[..., tuple[nnx.State, Any, Any]]:
-    """Builds ``epoch(graphdef, state, opt_state, data, key)`` that trains one epoch.
+    """Builds ``epoch(graphdef, state, opt_state, data, key_or_order)`` that trains one epoch.
 
-    The epoch permutes the examples with ``key`` (when ``shuffle``), cuts them into batches of
-    ``batch_size`` and scans ``step`` over them. With ``drop_remainder=False`` a final short
+    The epoch orders the examples, cuts them into batches of ``batch_size`` and scans
+    ``step`` over them. The order is
+
+    - a PRNG key (``jax.random.key(i)``): a permutation drawn on the device;
+    - an int order array of shape ``(num_examples,)``: used as given. With
+      ``epoch_order(seed, e, n)`` for ``e = 0, 1, ...`` the loop trains bitwise what
+      ``Trainer(model, tx, loss_fn).fit(data, epochs=..., batch_size=..., seed=seed)``
+      trains under the ``"scan"`` plan (same ``wrt``, same ``tx``);
+    - ``None`` with ``shuffle=False``: the examples in their stored order.
+
+    With ``shuffle=False`` a key is ignored. With ``drop_remainder=False`` a final short
     batch is trained as one more step of its own shape (no padding, no masking), so every
     example is used exactly once.
 
     Returns:
-      ``epoch(graphdef, state, opt_state, data, key) -> (state, opt_state, losses)``;
-      ``data`` is a pytree whose leaves share a leading examples axis; ``key`` may be ``None``
-      when ``shuffle=False``. ``losses`` has one entry per step.
+      ``epoch(graphdef, state, opt_state, data, key_or_order) -> (state, opt_state,
+      losses)``; ``data`` is a pytree whose leaves share a leading examples axis.
+      ``losses`` has one entry per step.
 
     Example:
       >>> epoch = jax.jit(make_epoch(step, batch_size=32))
-      >>> for i in range(10):
+      >>> for e in range(10):
       ...     state, opt_state, losses = epoch(graphdef, state, opt_state, data,
-      ...                                      jax.random.key(i))
+      ...                                      epoch_order(0, e, n))
     """
     check_batch_size(batch_size, batch_size, drop_remainder=False)
 
-    def epoch(graphdef, state, opt_state, data, key):
+    def epoch(graphdef, state, opt_state, data, key_or_order=None):
         n = check_leading_size(data, "data")
-        if shuffle and key is None:
-            raise ValueError("epoch(..., key=None) needs a PRNG key when shuffle=True.")
-        full, tail = batch_indices(
-            key if shuffle else None, n, batch_size, drop_remainder=drop_remainder
-        )
+        check_batch_size(batch_size, n, drop_remainder=drop_remainder)
+        order = _epoch_order(key_or_order, n, shuffle)
+        full, tail = batches_from_order(order, batch_size, drop_remainder=drop_remainder)
         outs = None
         if full.shape[0]:
             state, opt_state, outs = scan_indexed_steps(

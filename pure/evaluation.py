@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure.epoch import batch_indices, take_batch
-from nnxscan.pure.validation import check_batch_size, check_leading_size
+from nnxscan.pure._checks import check_batch_size, check_leading_size
+from nnxscan.pure.epoch import batches_from_order
+from nnxscan.pure.scan import take_batch
 
-__all__ = ["make_eval_step", "make_evaluate", "metric_name"]
+__all__ = ["make_eval_step", "make_evaluate"]
 
 MetricFn = Callable[[nnx.Module, Any], Any]
 
@@ -77,7 +78,8 @@ def make_evaluate(
 
     def evaluate(graphdef, state, data):
         n = check_leading_size(data, "data")
-        full, tail = batch_indices(None, n, min(batch_size, n), drop_remainder=False)
+        order = jnp.arange(n, dtype=jnp.int32)
+        full, tail = batches_from_order(order, min(batch_size, n), drop_remainder=False)
         total = None
         if full.shape[0]:
 

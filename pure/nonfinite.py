@@ -27,7 +27,11 @@ def all_finite(*trees: Any) -> jax.Array:
 
 
 def tree_select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """``jnp.where(pred, a, b)`` leaf by leaf, for two trees of the same structure."""
+    """``jnp.where(pred, a, b)`` leaf by leaf, for two trees of the same structure.
+
+    Example:
+      >>> params = tree_select(all_finite(loss, grads), new_params, params)
+    """
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 

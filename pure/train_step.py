@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nnxscan.pure._checks import check_count, check_transform
 from nnxscan.pure.nonfinite import all_finite, tree_select
-from nnxscan.pure.validation import check_transform
 
-__all__ = ["LossFn", "StepFn", "init_opt_state", "make_train_step", "split_wrt"]
+__all__ = ["init_opt_state", "make_train_step", "split_wrt"]
 
 LossFn = Callable[[nnx.Module, Any], Any]
 StepFn = Callable[[nnx.GraphDef, nnx.State, Any, Any], tuple[nnx.State, Any, Any]]
@@ -106,8 +106,7 @@ def make_train_step(
     tx = check_transform(tx)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}.")
+    accumulate = check_count(accumulate, "accumulate", 1)
 
     def value_and_grad(graphdef, params, rest, batch):
         def forward(params):

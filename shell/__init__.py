@@ -2,11 +2,24 @@
 
 It compiles the pure core, writes trained state back into the user's ``nnx.Module`` and
 ``nnx.Optimizer`` with ``nnx.update``, and owns progress, clocks and the command line.
+
+- :class:`Trainer`: ``fit`` / ``evaluate`` / ``save`` / ``restore`` on your module.
+- :func:`scan_train`: one compiled scan over a stack of batches, on your module and
+  ``nnx.Optimizer``.
+- :class:`History`: what ``fit`` returns (losses, epoch logs, ``plot``).
+- :class:`Plan`: how the steps are executed (``"scan"``, ``"unrolled"``, ``"step"``).
+- :class:`EarlyStopping`, :class:`LambdaCallback`: built-in callbacks (the metric writers
+  live in :mod:`nnxscan.adapters.writers`).
+
+Example:
+  >>> from nnxscan.shell import Trainer
+  >>> history = Trainer(model, optax.adam(1e-3), loss_fn).fit(data, epochs=5, batch_size=32)
 """
 
+from nnxscan.shell._plans import Plan
+from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
 from nnxscan.shell.history import History
-from nnxscan.shell.plans import Plan
 from nnxscan.shell.scan_train import scan_train
 from nnxscan.shell.trainer import Trainer
 
-__all__ = ["History", "Plan", "Trainer", "scan_train"]
+__all__ = ["EarlyStopping", "History", "LambdaCallback", "Plan", "Trainer", "scan_train"]

@@ -17,34 +17,13 @@ compiled call (or epoch), with the model written back.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
 
-if TYPE_CHECKING:
-    from nnxscan.shell.history import History
-    from nnxscan.shell.trainer import Trainer
-
-__all__ = ["Callbacks", "EarlyStopping", "LambdaCallback"]
-
-_HOOKS = ("on_train_begin", "on_epoch_begin", "on_call_end", "on_epoch_end", "on_train_end")
-
-
-class Callbacks:
-    """Calls each hook on every callback that has it, in order."""
-
-    def __init__(self, callbacks: Sequence[Any]):
-        # Every hook is optional (an object with none is a valid, silent callback).
-        self._hooks = {
-            hook: [getattr(cb, hook) for cb in callbacks if hasattr(cb, hook)] for hook in _HOOKS
-        }
-        self.has_call_hooks = bool(self._hooks["on_call_end"])
-
-    def __call__(self, hook: str, *args: Any) -> None:
-        for method in self._hooks[hook]:
-            method(*args)
+__all__ = ["EarlyStopping", "LambdaCallback"]
 
 
 class LambdaCallback:
@@ -133,10 +112,10 @@ class EarlyStopping:
             return value < self.best - self.min_delta
         return value > self.best + self.min_delta
 
-    def on_train_begin(self, trainer: Trainer) -> None:
+    def on_train_begin(self, trainer: Any) -> None:
         self._reset()
 
-    def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict) -> None:
+    def on_epoch_end(self, trainer: Any, epoch: int, logs: dict) -> None:
         value = logs.get(self.monitor)
         if value is None or not math.isfinite(value):
             return
@@ -152,7 +131,7 @@ class EarlyStopping:
             self.stopped_epoch = epoch
             trainer.stop_training = True
 
-    def on_train_end(self, trainer: Trainer, history: History) -> None:
+    def on_train_end(self, trainer: Any, history: Any) -> None:
         # Whatever ran after the best epoch (more epochs, a cut-short one), rewind to it.
         if self._best_state is not None and trainer.step != self._best_step:
-            nnx.update(trainer.model, self._best_state)
+            trainer.load_state(self._best_state)

@@ -24,11 +24,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.name == "digits":
-        from nnxscan.shell.demo import run_digits_demo
+        from nnxscan.shell.demos.digits import run_digits_demo
 
         run_digits_demo(args.out, seed=args.seed, progress=not args.no_progress)
     else:
-        from nnxscan.shell.demo_hypernet import run_hypernet_demo
+        from nnxscan.shell.demos.hypernet import run_hypernet_demo
 
         run_hypernet_demo(args.out, seed=args.seed, progress=not args.no_progress)
     return 0

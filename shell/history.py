@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from nnxscan.adapters._extras import require_extra
+
 __all__ = ["History"]
 
 
@@ -69,12 +71,8 @@ class History:
         if losses.size == 0:
             raise ValueError("nothing to plot: this History holds no training losses")
         smoothed = _smooth(losses, _cap_smoothing(smooth, losses.size))
-        # Imported here: matplotlib is an optional extra, and the shell's demo module (which
-        # owns the helper) imports the Trainer, which imports this module.
-        from nnxscan.shell.demo import require_extra
-
-        figure_mod = require_extra("matplotlib.figure")
-        agg = require_extra("matplotlib.backends.backend_agg")
+        figure_mod = require_extra("matplotlib.figure", "demo", needed_by="History.plot")
+        agg = require_extra("matplotlib.backends.backend_agg", "demo", needed_by="History.plot")
 
         steps = np.arange(1, losses.size + 1)
         ends = _epoch_end_steps(self.epochs, losses.size)

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.adapters.nnx_optimizer import optax_state_from_optimizer, optimizer_state_update
-from nnxscan.pure import check_leading_size, split_wrt
-from nnxscan.shell.loop import LiveState, plan_calls, prepare_execution, run_calls
-from nnxscan.shell.placement import Placement
-from nnxscan.shell.plans import Plan, resolve_plan
-from nnxscan.shell.programs import train_program
+from nnxscan.pure._checks import abstract_batch, check_leading_size
+from nnxscan.shell._calls import LiveState, plan_calls, prepare_execution, run_calls
+from nnxscan.shell._owner import Owner
+from nnxscan.shell._placement import Placement
+from nnxscan.shell._plans import Plan, resolve_plan
+from nnxscan.shell._programs import train_program
 
 __all__ = ["scan_train"]
 
@@ -56,20 +56,13 @@ def scan_train(
         )
     num_steps = check_leading_size(batches, "batches")
     explicit = resolve_plan(execution)
-    graphdef, state = nnx.split(model)
-    params, _ = split_wrt(state, optimizer.wrt)
-    opt_state = optax_state_from_optimizer(optimizer, params)
-    program = train_program(loss_fn, optimizer.tx, optimizer.wrt, False)
+    owner = Owner(model, optimizer)
+    graphdef, state, opt_state = owner.read()
+    program = train_program(loss_fn, owner.tx, owner.wrt, False)
     batches = Placement().put_data(batches, state)
-    one_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batches)
+    one_batch = abstract_batch(batches, drop_leading=True)
     execution = prepare_execution(program, explicit, graphdef, state, opt_state, one_batch)
-
-    def write(state: nnx.State, opt_state: Any, steps: int) -> None:
-        nnx.update(model, state)
-        new_step = optimizer.step[...] + jnp.asarray(steps, jnp.uint32)
-        nnx.update(optimizer, optimizer_state_update(optimizer, opt_state, new_step))
-
-    live = LiveState(state, opt_state, write)
+    live = LiveState(state, opt_state, owner.writer())
     indices = jnp.arange(num_steps, dtype=jnp.int32)
     calls = plan_calls(execution.plan, batches, indices, num_steps)
     outs = run_calls(program, execution, graphdef, live, calls)

@@ -1,4 +1,10 @@
-"""The Trainer: scanned epochs on the user's own NNX module and optimizer."""
+"""The Trainer: scanned epochs on the user's own NNX module and optimizer.
+
+``Trainer`` checks its arguments and delegates: the :class:`~nnxscan.shell._owner.Owner`
+reads and writes the user's objects, a compiled program from ``_programs`` runs the pure
+step, the calls come from ``_epochs`` (arrays or streams), and ``_fit.FitLoop`` runs the
+epochs with callbacks, evaluation and progress.
+"""
 
 from __future__ import annotations
 
@@ -9,53 +15,26 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
-from nnxscan.adapters.nnx_optimizer import optax_state_from_optimizer, optimizer_state_update
-from nnxscan.pure import (
-    check_batch_size,
-    check_leading_size,
-    check_transform,
-    init_opt_state,
-    split_wrt,
-)
-from nnxscan.shell.callbacks import Callbacks
-from nnxscan.shell.checkpointing import EpochCheckpointer, restore_trainer, save_trainer
-from nnxscan.shell.epochs import (
-    array_epochs,
-    peek_stream,
-    stream_epochs,
-    with_steps_per_call,
-)
-from nnxscan.shell.fit_loop import EvalSpec, train_epochs
+from nnxscan.pure._checks import abstract_batch, check_batch_size, check_count, check_leading_size
+from nnxscan.shell import _checkpointing
+from nnxscan.shell._calls import Execution, prepare_execution
+from nnxscan.shell._epochs import array_epochs, peek_stream, stream_epochs, with_steps_per_call
+from nnxscan.shell._fit import CallbackList, Evaluation, FitLoop
+from nnxscan.shell._owner import Owner
+from nnxscan.shell._placement import Placement, device_of, to_host
+from nnxscan.shell._plans import Plan, resolve_plan
+from nnxscan.shell._programs import evaluator, train_program
+from nnxscan.shell._streaming import EpochSource, default_chunk_size, is_stream
 from nnxscan.shell.history import History
-from nnxscan.shell.loop import (
-    Execution,
-    prepare_execution,
-)
-from nnxscan.shell.placement import Placement, device_of, to_host
-from nnxscan.shell.plans import Plan, resolve_plan
-from nnxscan.shell.programs import evaluator, first_batch, train_program
-from nnxscan.shell.streaming import EpochSource, default_chunk_size, is_stream
 
 __all__ = ["Trainer"]
 
 
-_MAX_SEED = 2**31 - 1  # the seed enters the compiled call as an int32
+_MAX_SEED = 2**31 - 1  # the seed enters numpy's generator and checkpoints as an int32
 _NONFINITE_POLICIES = ("ignore", "skip", "stop")
-
-
-def _check_count(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be at most {maximum}, got {value}.")
-    return int(value)
 
 
 class Trainer:
@@ -65,14 +44,16 @@ class Trainer:
       model: the ``nnx.Module`` to train. It is the live object: after every compiled call
         (or, with the ``"step"`` plan, every stretch of calls) it holds the trained state.
       tx_or_optimizer: an optax ``GradientTransformation``, or an ``nnx.Optimizer`` built on
-        ``model`` whose state and ``step`` counter are then kept up to date as well.
+        ``model`` whose state and ``step`` counter are then kept up to date as well: its
+        ``step`` is the one step counter (``trainer.step`` reads it; checkpoints save and
+        restore it).
       loss_fn: ``loss_fn(model, batch)`` returning a scalar, or ``(loss, aux)`` with
         ``has_aux=True``.
       wrt: the NNX filter of the variables to train (an ``nnx.Optimizer`` brings its own).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; scalar aux leaves are averaged
         into the epoch logs.
       execution: ``"auto"``, ``"scan"``, ``"unrolled"``, ``"step"`` or a ``Plan`` (see
-        :mod:`nnxscan.shell.plans` for the rule ``"auto"`` follows).
+        :mod:`nnxscan.shell._plans` for the rule ``"auto"`` follows).
       on_nonfinite: what a step with a non-finite loss or gradient does. ``"ignore"`` (the
         default, the plain loop's behaviour): it is applied. ``"skip"``: it leaves the
         model and optax state unchanged (inside the compiled loop, no host sync), reports
@@ -87,7 +68,7 @@ class Trainer:
         number of devices on that axis.
       fsdp_min_size: with a mesh, also shard every carry array (parameters, optax
         moments) of at least this many elements along its largest dimension that the
-        axis size divides (FSDP-style; see :func:`nnxscan.shell.placement.fsdp_spec`).
+        axis size divides (FSDP-style; see :func:`nnxscan.shell._placement.fsdp_spec`).
 
     Example:
       >>> trainer = Trainer(model, optax.adam(1e-3), loss_fn)
@@ -111,74 +92,88 @@ class Trainer:
         data_axis: str = "data",
         fsdp_min_size: int | None = None,
     ):
-        if not isinstance(model, nnx.Module):
-            raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-        self.optimizer: nnx.Optimizer | None = None
-        if isinstance(tx_or_optimizer, nnx.Optimizer):
-            self.optimizer = tx_or_optimizer
-            if wrt is not nnx.Param and wrt != tx_or_optimizer.wrt:
-                raise ValueError(
-                    f"wrt={wrt!r} differs from the nnx.Optimizer's wrt="
-                    f"{tx_or_optimizer.wrt!r}; leave wrt out when passing an optimizer."
-                )
-            wrt = tx_or_optimizer.wrt
-            tx = check_transform(tx_or_optimizer.tx)
-        else:
-            tx = check_transform(tx_or_optimizer)
-        self._explicit_plan = resolve_plan(execution)
         if on_nonfinite not in _NONFINITE_POLICIES:
             raise ValueError(
                 f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(_NONFINITE_POLICIES)}."
             )
-        self.on_nonfinite = on_nonfinite
+        accumulate = check_count(accumulate, "accumulate", 1)
+        self._explicit_plan = resolve_plan(execution)
         self._placement = Placement(mesh, data_axis, fsdp_min_size)
-        self.model = model
-        self.tx = tx
+        self._owner = Owner(model, tx_or_optimizer, wrt)
         self.loss_fn = loss_fn
-        self.wrt = wrt
         self.has_aux = bool(has_aux)
-        params, _ = split_wrt(nnx.state(model), wrt)
-        if self.optimizer is None:
-            self._opt_state = init_opt_state(tx, nnx.state(model), wrt)
-        else:
-            optax_state_from_optimizer(self.optimizer, params)  # validates, raises early
-            self._opt_state = None
-        self.epoch = 0
-        self.step = 0
-        self.seed = 0
+        self.on_nonfinite = on_nonfinite
         self.stop_training = False
         self._program = train_program(
-            loss_fn, tx, wrt, self.has_aux, on_nonfinite, _check_count(accumulate, "accumulate", 1)
+            loss_fn, self.tx, self.wrt, self.has_aux, on_nonfinite, accumulate
         )
 
-    # -- state crossing -------------------------------------------------------------------
+    # -- the user's objects and the counters (all held by the owner) ----------------------
+
+    @property
+    def model(self) -> nnx.Module:
+        """The user's module: after every compiled call it holds the trained state."""
+        return self._owner.model
+
+    @property
+    def optimizer(self) -> nnx.Optimizer | None:
+        """The user's ``nnx.Optimizer``, when one was given."""
+        return self._owner.optimizer
+
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        """The optax transform that trains the ``wrt`` variables."""
+        return self._owner.tx
+
+    @property
+    def wrt(self) -> nnx.filterlib.Filter:
+        """The filter of the trained variables."""
+        return self._owner.wrt
 
     @property
     def opt_state(self) -> Any:
         """The optax state (read from the ``nnx.Optimizer`` when one was given)."""
-        if self.optimizer is None:
-            return self._opt_state
-        params, _ = split_wrt(nnx.state(self.model), self.wrt)
-        return optax_state_from_optimizer(self.optimizer, params)
+        return self._owner.opt_state
 
-    def _write(self, state: nnx.State, opt_state: Any, steps: int) -> None:
-        nnx.update(self.model, state)
-        if self.optimizer is None:
-            self._opt_state = opt_state
-        else:
-            new_step = self.optimizer.step[...] + jnp.asarray(steps, jnp.uint32)
-            nnx.update(self.optimizer, optimizer_state_update(self.optimizer, opt_state, new_step))
-        self.step += steps
+    @property
+    def step(self) -> int:
+        """Steps trained so far: the ``nnx.Optimizer``'s ``step`` when one was given."""
+        return self._owner.step
+
+    @property
+    def epoch(self) -> int:
+        """The global index of the next epoch ``fit`` trains (epochs completed so far)."""
+        return self._owner.epoch
+
+    @property
+    def seed(self) -> int:
+        """The shuffle seed of the last ``fit`` (or of the restored checkpoint)."""
+        return self._owner.seed
+
+    def load_state(self, state: nnx.State) -> None:
+        """Writes a module state into the model (e.g. a copy a callback kept).
+
+        Example:
+          >>> best = jax.tree.map(lambda x: x.copy(), nnx.state(trainer.model))
+          >>> trainer.fit(data, epochs=5, batch_size=32)
+          >>> trainer.load_state(best)
+        """
+        self._owner.load(state)
 
     def plan_for(self, data: Any, batch_size: int) -> Plan:
-        """The execution plan ``fit`` uses for this data and batch size (traces, no compile)."""
-        graphdef, state = nnx.split(self.model)
-        return self._execution(graphdef, state, self.opt_state, data, batch_size).plan
+        """The execution plan ``fit`` uses for this data and batch size (traces, no compile).
 
-    def _execution(self, graphdef, state, opt_state, data, batch_size: int) -> Execution:
-        batch = first_batch(data, batch_size)
+        Example:
+          >>> trainer.plan_for({"x": x, "y": y}, 32)
+          Plan(kind='scan', steps_per_call=None)
+        """
+        graphdef, state, opt_state = self._owner.read()
+        batch = abstract_batch(data, leading=batch_size)
+        return self._execution(graphdef, state, opt_state, batch).plan
+
+    def _execution(self, graphdef, state, opt_state, batch) -> Execution:
         return prepare_execution(
             self._program, self._explicit_plan, graphdef, state, opt_state, batch
         )
@@ -211,9 +206,10 @@ class Trainer:
 
         - a pytree of arrays (dict, tuple, NamedTuple, array) sharing a leading examples
           axis, numpy or JAX, moved to the device once per call. Each epoch permutes the
-          examples in the order ``nnxscan.shell.epochs.epoch_order(seed, global epoch
-          index)`` gives (numpy's ``default_rng((seed, epoch)).permutation``), so
-          ``fit(epochs=2)`` twice gives bitwise the model ``fit(epochs=4)`` gives.
+          examples in the order ``nnxscan.pure.epoch_order(seed, global epoch index, n)``
+          gives (numpy's ``default_rng((seed, epoch)).permutation``), so ``fit(epochs=2)``
+          twice gives bitwise the model ``fit(epochs=4)`` gives, and a loop of
+          ``nnxscan.pure.make_epoch`` calls fed the same orders gives it too.
         - a stream: a ``list`` of batches, any re-iterable (a DataLoader), or a
           zero-argument callable returning a fresh iterator per epoch (a single-use
           iterator only for ``epochs=1``). Each batch is a pytree of arrays (numpy, JAX,
@@ -261,95 +257,97 @@ class Trainer:
           >>> history = trainer.fit({"x": x, "y": y}, epochs=5, batch_size=64)
           >>> history = trainer.fit(lambda: loader_batches(), epochs=5, steps_per_call=50)
         """
-        epochs = _check_count(epochs, "epochs", 0)
-        seed = self.seed if seed is None else _check_count(seed, "seed", 0, _MAX_SEED)
-        checkpoint_every = _check_count(checkpoint_every, "checkpoint_every", 1)
+        epochs = check_count(epochs, "epochs", 0)
+        seed = self.seed if seed is None else check_count(seed, "seed", 0, _MAX_SEED)
+        checkpoint_every = check_count(checkpoint_every, "checkpoint_every", 1)
+        callbacks = list(callbacks)
         if checkpoint_dir is not None:
-            callbacks = (*callbacks, EpochCheckpointer(checkpoint_dir, checkpoint_every))
+            callbacks.append(_checkpointing.EpochCheckpointer(checkpoint_dir, checkpoint_every))
         if steps_per_call is not None:
-            steps_per_call = _check_count(steps_per_call, "steps_per_call", 1)
+            steps_per_call = check_count(steps_per_call, "steps_per_call", 1)
         evaluation = None
         if eval_data is not None or metric_fn is not None:
-            evaluation = self._eval_spec(
+            evaluation = self._evaluation(
                 eval_data, metric_fn, eval_every, eval_batch_size, batch_size
             )
-        options = dict(callbacks=Callbacks(callbacks), progress=progress, evaluation=evaluation)
+        loop_inputs = dict(callbacks=callbacks, progress=progress, evaluation=evaluation)
         if is_stream(data):
             if batch_size is not None:
-                batch_size = _check_count(batch_size, "batch_size", 1)
+                batch_size = check_count(batch_size, "batch_size", 1)
             return self._fit_stream(
-                data, epochs, batch_size, steps_per_call, drop_remainder, prefetch, **options
+                data, epochs, batch_size, steps_per_call, drop_remainder, prefetch, **loop_inputs
             )
         if batch_size is None:
             raise ValueError("batch_size is required when data is a data set of arrays.")
         return self._fit_arrays(
-            data, epochs, batch_size, seed, shuffle, steps_per_call, drop_remainder, **options
+            data, epochs, batch_size, seed, shuffle, steps_per_call, drop_remainder, **loop_inputs
         )
 
-    def _eval_spec(self, data, metric_fn, every, eval_batch_size, batch_size) -> EvalSpec:
+    def _evaluation(self, data, metric_fn, every, eval_batch_size, batch_size) -> Evaluation:
         if data is None or metric_fn is None or not callable(metric_fn):
             raise ValueError("evaluation during fit needs both eval_data and a metric_fn.")
         n = check_leading_size(data, "eval_data")
-        every = _check_count(every, "eval_every", 1)
+        every = check_count(every, "eval_every", 1)
         size = eval_batch_size or (batch_size if isinstance(batch_size, int) else 256)
         size = check_batch_size(
-            min(_check_count(size, "eval_batch_size", 1), n), n, drop_remainder=False
+            min(check_count(size, "eval_batch_size", 1), n), n, drop_remainder=False
         )
-        return EvalSpec(data, metric_fn, every, size)
+        return Evaluation(every, lambda: self.evaluate(data, metric_fn, batch_size=size))
+
+    def _loop(self, execution: Execution, *, callbacks, progress, evaluation) -> FitLoop:
+        return FitLoop(
+            program=self._program, execution=execution, owner=self._owner,
+            placement=self._placement, callbacks=CallbackList(callbacks, self),
+            progress=progress, evaluation=evaluation,
+        )  # fmt: skip
 
     def _fit_arrays(
-        self, data, epochs, batch_size, seed, shuffle, steps_per_call, drop_remainder, **options
+        self, data, epochs, batch_size, seed, shuffle, steps_per_call, drop_remainder, **loop
     ) -> History:
         n = check_leading_size(data, "data")
         batch_size = check_batch_size(batch_size, n, drop_remainder=True)
         self._placement.check_batch_size(batch_size)
         if not drop_remainder:
             self._placement.check_batch_size(n % batch_size or batch_size)
-        graphdef, state = nnx.split(self.model)
+        graphdef, state, opt_state = self._owner.read()
         data = self._placement.put_data(data, state)
-        opt_state = self.opt_state
-        execution = self._execution(graphdef, state, opt_state, data, batch_size)
-        plan = with_steps_per_call(execution.plan, steps_per_call)
+        execution = self._execution(
+            graphdef, state, opt_state, abstract_batch(data, leading=batch_size)
+        )
+        execution = execution._replace(plan=with_steps_per_call(execution.plan, steps_per_call))
         epoch_calls, calls_per_epoch = array_epochs(
-            plan, data, functools.partial(self._placement.put_data, device=device_of(state)),
+            execution.plan, data,
+            functools.partial(self._placement.put_data, device=device_of(state)),
             num_examples=n, batch_size=batch_size, seed=seed, shuffle=shuffle,
             keep_tail=not drop_remainder and n % batch_size > 0,
         )  # fmt: skip
-        self.seed = seed  # only once every input is known good: a failed fit changes nothing
-        return train_epochs(
-            self,
-            epochs, execution._replace(plan=plan), graphdef, state, opt_state, epoch_calls,
-            calls_per_epoch=calls_per_epoch, **options,
-        )  # fmt: skip
+        self._owner.seed = seed  # only once every input is known good: a failed fit changes nothing
+        return self._loop(execution, **loop).run(
+            epochs, graphdef, state, opt_state, epoch_calls, calls_per_epoch=calls_per_epoch
+        )
 
     def _fit_stream(
-        self, data, epochs, batch_size, steps_per_call, drop_remainder, prefetch, **options
+        self, data, epochs, batch_size, steps_per_call, drop_remainder, prefetch, **loop
     ) -> History:
         source = EpochSource(data, epochs)
         if epochs == 0:
             return History()
-        graphdef, state = nnx.split(self.model)
-        opt_state = self.opt_state
+        graphdef, state, opt_state = self._owner.read()
         first, first_epoch = peek_stream(source)
         # Each process streams its own share of every batch: check the local size.
         self._placement.check_batch_size(jax.tree.leaves(first)[0].shape[0], local=True)
-        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), first)
-        execution = prepare_execution(
-            self._program, self._explicit_plan, graphdef, state, opt_state, one
-        )
-        plan = execution.plan
+        execution = self._execution(graphdef, state, opt_state, abstract_batch(first))
         epoch_calls = stream_epochs(
-            source, first_epoch, plan, chunk_size=steps_per_call or default_chunk_size(first),
+            source, first_epoch, execution.plan,
+            chunk_size=steps_per_call or default_chunk_size(first),
             put=functools.partial(self._placement.put_chunk, device=device_of(state)),
             batch_size=batch_size, drop_remainder=drop_remainder,
             tail_divisor=self._placement.local_data_parallel(),
             prefetch=prefetch,
         )  # fmt: skip
-        return train_epochs(
-            self,
-            epochs, execution._replace(plan=plan), graphdef, state, opt_state, epoch_calls,
-            calls_per_epoch=None, **options,
-        )  # fmt: skip
+        return self._loop(execution, **loop).run(
+            epochs, graphdef, state, opt_state, epoch_calls, calls_per_epoch=None
+        )
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -366,7 +364,7 @@ class Trainer:
           >>> trainer.save("/tmp/run")
           PosixPath('/tmp/run/16')
         """
-        return save_trainer(self, directory, max_to_keep=max_to_keep)
+        return _checkpointing.save(self._owner, directory, max_to_keep=max_to_keep)
 
     def restore(self, directory: str | os.PathLike[str], step: int | None = None) -> int:
         """Loads the latest (or the given) checkpoint into the model, optimizer and counters.
@@ -381,7 +379,7 @@ class Trainer:
           >>> trainer.restore("/tmp/run")
           2
         """
-        return restore_trainer(self, directory, step)
+        return _checkpointing.restore(self._owner, self._placement, directory, step)
 
     # -- evaluation -----------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from nnxscan.shell.demo import require_extra
+from nnxscan.adapters._extras import require_extra
 
 
 def test_digits_demo_reaches_95_percent_and_writes_a_png(tmp_path):
@@ -36,7 +36,7 @@ def test_digits_demo_reaches_95_percent_and_writes_a_png(tmp_path):
 
 def test_missing_extra_names_what_to_install():
     with pytest.raises(ImportError, match=r"pip install 'nnxscan\[demo\]'"):
-        require_extra("surely_not_an_installed_module_1234")
+        require_extra("surely_not_an_installed_module_1234", "demo")
 
 
 def test_cli_rejects_unknown_demo():

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnxscan.shell import Trainer
-from nnxscan.shell.placement import fsdp_spec
+from nnxscan.shell._placement import fsdp_spec
 
 WORKER = str(pathlib.Path(__file__).with_name("distributed_worker.py"))
 

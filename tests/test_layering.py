@@ -114,3 +114,174 @@ def test_import_has_no_side_effects():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# -- the package's shape: no import cycles, one owner, curated public names ---------------------
+
+PACKAGES = {"nnxscan.pure": "pure", "nnxscan.shell": "shell", "nnxscan.adapters": "adapters"}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    for package, folder in PACKAGES.items():
+        base = ROOT / folder
+        if path.is_relative_to(base):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            return ".".join([package, *parts])
+    raise AssertionError(path)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every import between nnxscan modules, wherever it stands (module level, inside a
+    function, under ``if TYPE_CHECKING``): a cycle through any of them is a design knot."""
+    files = [p for folder in PACKAGES.values() for p in sorted((ROOT / folder).rglob("*.py"))]
+    modules = {_module_name(p): p for p in files}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                # ``from pkg import mod`` depends on the submodule when there is one, else
+                # on ``pkg`` itself (a name its __init__ re-exports). Parent packages that
+                # Python initializes on the way are not edges: every submodule has them.
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    targets.append(sub if sub in modules else node.module)
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = _import_graph()
+    assert len(graph) > 20 and graph["nnxscan.shell.trainer"], "the graph builder broke"
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# Modules of the core may change their OWN variables inside their forward pass, as any NNX
+# layer does (BatchNorm's running mean): Hypernetwork writes back the batch statistics and
+# RNG counts its target's forward moved. That is the module's own state under its own call,
+# not a mutation of a user object from outside; nothing else in pure/ may assign in place.
+IN_PLACE_ALLOWED = {("pure/hyper/hypernetwork.py", "_write_back_changes")}
+
+
+def _in_place_writes(path: pathlib.Path) -> list[tuple[str, int]]:
+    """(enclosing function, line) of every ``x[...] = v``, ``x.value = v``, ``x.set_value()``."""
+    found = []
+
+    def walk(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = function
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = child.name
+            if isinstance(child, ast.Assign | ast.AugAssign | ast.AnnAssign):
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                for target in targets:
+                    subscript = isinstance(target, ast.Subscript)
+                    value_attr = isinstance(target, ast.Attribute) and target.attr == "value"
+                    if subscript or value_attr:
+                        found.append((function, child.lineno))
+            call = isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+            if call and child.func.attr == "set_value":
+                found.append((function, child.lineno))
+            walk(child, name)
+
+    walk(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+@pytest.mark.parametrize("path", _sources("pure"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_pure_assigns_no_variable_in_place(path):
+    rel = str(path.relative_to(ROOT))
+    for function, line in _in_place_writes(path):
+        assert (rel, function) in IN_PLACE_ALLOWED, (
+            f"{rel}:{line} in {function}() assigns in place; the core returns new pytrees"
+        )
+
+
+def test_the_in_place_detector_sees_variable_writes(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(v, x):\n    v[...] = x\n    v.value = x\n    v.set_value(x)\n")
+    assert [line for _, line in _in_place_writes(probe)] == [2, 3, 4]
+
+
+def test_only_the_owner_calls_nnx_update_in_the_shell():
+    callers = set()
+    for path in _sources("shell"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "nnx.update":
+                callers.add(str(path.relative_to(ROOT)))
+    assert callers == {"shell/_owner.py"}
+
+
+PUBLIC = {
+    "nnxscan.pure": {
+        "make_train_step", "init_opt_state", "scan_steps", "make_epoch", "epoch_order",
+        "make_eval_step", "make_evaluate", "split_wrt", "all_finite", "tree_select",
+        "halt_after_nonfinite",
+    },
+    "nnxscan.shell": {
+        "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_each_package_exports_its_contract_and_nothing_else(package):
+    import importlib
+    import inspect
+
+    module = importlib.import_module(package)
+    assert set(module.__all__) == PUBLIC[package]
+    for name in module.__all__:
+        obj = getattr(module, name)
+        doc = inspect.getdoc(obj) or ""
+        assert "Example" in doc or ">>>" in doc, f"{package}.{name} has no example"
+
+
+def test_private_modules_publish_no_all():
+    for folder in PACKAGES.values():
+        for path in (ROOT / folder).rglob("_*.py"):
+            if path.name == "__init__.py":
+                continue
+            tree = ast.parse(path.read_text())
+            names = [
+                t.id
+                for node in tree.body
+                if isinstance(node, ast.Assign)
+                for t in node.targets
+                if isinstance(t, ast.Name)
+            ]
+            assert "__all__" not in names, f"{path.relative_to(ROOT)} is private: no __all__"

@@ -17,22 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnxscan.adapters.data import to_numpy
-from nnxscan.shell.loop import Call, plan_calls
-from nnxscan.shell.placement import to_host
-from nnxscan.shell.plans import Plan
-from nnxscan.shell.streaming import BatchChecker, ChunkStream, EpochSource
-
-__all__ = [
-    "EpochCalls",
-    "EpochStats",
-    "array_epochs",
-    "epoch_logs",
-    "epoch_order",
-    "learning_rate",
-    "peek_stream",
-    "stream_epochs",
-    "with_steps_per_call",
-]
+from nnxscan.pure import epoch_order
+from nnxscan.pure.epoch import batches_from_order
+from nnxscan.shell._calls import Call, plan_calls
+from nnxscan.shell._placement import to_host
+from nnxscan.shell._plans import Plan
+from nnxscan.shell._streaming import BatchChecker, ChunkStream, EpochSource
 
 _RESERVED_LOGS = frozenset(
     {
@@ -86,23 +76,6 @@ def _arange(length: int) -> jax.Array:
     return jnp.arange(length, dtype=jnp.int32)
 
 
-def epoch_order(seed: int, epoch: int, num_examples: int, shuffle: bool = True) -> np.ndarray:
-    """The order of the examples in global epoch ``epoch``: the shuffle rule of ``fit``.
-
-    ``np.random.default_rng((seed, epoch)).permutation(num_examples)`` — drawn on the host:
-    it costs ~50 µs for 6,400 examples where ``jax.random.permutation`` (several sorts)
-    costs ~2.4 ms of CPU device time, 15% of a small model's epoch. The same in every
-    process and on every platform.
-
-    Example:
-      >>> epoch_order(0, 3, 10)[:4]
-      array([...])
-    """
-    if not shuffle:
-        return np.arange(num_examples, dtype=np.int32)
-    return np.random.default_rng((seed, epoch)).permutation(num_examples).astype(np.int32)
-
-
 def array_epochs(
     plan: Plan,
     data: Any,
@@ -121,10 +94,11 @@ def array_epochs(
     num_steps = num_examples // batch_size
 
     def epoch_calls(epoch: int, stats: EpochStats) -> Iterator[Call]:
-        order = epoch_order(seed, epoch, num_examples, shuffle)
-        full = order[: num_steps * batch_size].reshape(num_steps, batch_size)
-        tail = order[num_steps * batch_size :][None] if keep_tail else None
-        full, tail = put((full, tail))
+        # The same order and cut as pure.make_epoch: a loop of make_epoch calls fed
+        # epoch_order(seed, e, n) trains exactly what fit trains.
+        order = epoch_order(seed, epoch, num_examples, shuffle=shuffle)
+        full, tail = batches_from_order(order, batch_size, drop_remainder=not keep_tail)
+        full, tail = put((full, None if tail is None else tail[None]))
         stats.expected_steps = num_steps + keep_tail
         yield from plan_calls(plan, data, full, num_steps)
         if keep_tail:

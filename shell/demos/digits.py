@@ -10,19 +10,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from nnxscan.adapters._extras import require_extra
 from nnxscan.shell.trainer import Trainer
 
-__all__ = ["require_extra", "run_digits_demo"]
-
-
-def require_extra(module: str, extra: str = "demo") -> Any:
-    """Imports an optional dependency, or raises ImportError naming the extra to install."""
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as err:
-        raise ImportError(
-            f"{module} is needed here; install it with: pip install 'nnxscan[{extra}]'"
-        ) from err
+__all__ = ["run_digits_demo"]
 
 
 class DigitsMLP(nnx.Module):
@@ -46,7 +37,7 @@ def accuracy(model: nnx.Module, batch: dict) -> jnp.ndarray:
 
 def digits_split(seed: int = 0, test_fraction: float = 0.2) -> tuple[dict, dict]:
     """scikit-learn's 1,797 8x8 digits, scaled to [0, 1], split into train and test."""
-    datasets = require_extra("sklearn.datasets")
+    datasets = require_extra("sklearn.datasets", "demo", needed_by="nnxscan demo")
     x, y = datasets.load_digits(return_X_y=True)
     order = np.random.default_rng(seed).permutation(len(x))
     x, y = (x[order] / 16.0).astype(np.float32), y[order].astype(np.int32)

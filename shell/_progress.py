@@ -23,9 +23,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from nnxscan.shell.placement import to_host
-
-__all__ = ["LINE_EVERY_S", "RunProgress"]
+from nnxscan.shell._placement import to_host
 
 LINE_EVERY_S = 10.0
 

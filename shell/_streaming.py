@@ -25,17 +25,6 @@ import numpy as np
 
 from nnxscan.adapters.data import to_numpy
 
-__all__ = [
-    "CHUNK_BYTES",
-    "STREAM_STEPS_PER_CALL",
-    "BatchChecker",
-    "Chunk",
-    "ChunkStream",
-    "EpochSource",
-    "default_chunk_size",
-    "is_stream",
-]
-
 # Batches per chunk for a stream: long enough that a call's fixed cost (~0.1 ms) vanishes
 # next to 100 steps, short enough that the progress bar moves (and see CHUNK_BYTES).
 STREAM_STEPS_PER_CALL = 100

@@ -16,15 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from nnxscan.pure import (
-    halt_after_nonfinite,
-    make_evaluate,
-    make_train_step,
-    scan_indexed_steps,
-)
-from nnxscan.shell.plans import StepTraits, step_traits
-
-__all__ = ["TrainProgram", "evaluator", "train_program"]
+from nnxscan.pure import halt_after_nonfinite, make_evaluate, make_train_step
+from nnxscan.pure.scan import scan_indexed_steps
+from nnxscan.shell._plans import StepTraits, step_traits
 
 _MAX_CACHED = 32
 _TRAIN: OrderedDict[Hashable, TrainProgram] = OrderedDict()
@@ -103,6 +97,8 @@ class TrainProgram:
         self.has_aux = has_aux
         # "stop": every call halts at its first non-finite step and reports whether it did.
         self.halts = on_nonfinite == "stop"
+        # "skip": a skipped step reports a NaN loss, left out of the epoch's mean.
+        self.skips_nonfinite = on_nonfinite == "skip"
         self._traits: OrderedDict[Hashable, StepTraits] = OrderedDict()
         self._runners: OrderedDict[Hashable, Callable] = OrderedDict()
 
@@ -194,11 +190,4 @@ def evaluator(metric_fn: Callable, batch_size: int, eval_mode: bool = True) -> C
         _EVAL,
         key,
         lambda: jax.jit(make_evaluate(metric_fn, batch_size=batch_size, eval_mode=eval_mode)),
-    )
-
-
-def first_batch(data: Any, batch_size: int) -> Any:
-    """Abstract shapes of one batch of ``data`` (for tracing the plan rule)."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((batch_size, *x.shape[1:]), jnp.result_type(x)), data
     )

@@ -1,7 +1,9 @@
-"""Input checks shared by the core: they raise before anything is traced or compiled.
+"""Input checks shared by every layer: they raise before anything is traced or compiled.
 
-Every check works on shapes only, so it runs the same eagerly and under a trace, and every
-message names the offending leaf path and the sizes involved.
+Every check works on Python values and shapes only, so it runs the same eagerly and under a
+trace, and every message names the offending leaf path and the sizes involved. The shell and
+the adapters use these too, so a count means the same thing everywhere: a Python or numpy
+int, never a bool.
 """
 
 from __future__ import annotations
@@ -12,11 +14,48 @@ import jax
 import numpy as np
 import optax
 
-__all__ = [
-    "check_batch_size",
-    "check_leading_size",
-    "check_transform",
-]
+
+def check_count(value: Any, name: str, minimum: int = 0, maximum: int | None = None) -> int:
+    """Returns ``value`` as an int after checking it is one (not a bool) in range.
+
+    Raises:
+      TypeError: ``value`` is not a Python or numpy integer (bools are refused: ``True``
+        epochs is a bug, not 1).
+      ValueError: ``value`` is below ``minimum`` or above ``maximum``.
+
+    Example:
+      >>> check_count(np.int64(3), "epochs", 0)
+      3
+    """
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}.")
+    return int(value)
+
+
+def abstract_batch(tree: Any, *, leading: int | None = None, drop_leading: bool = False) -> Any:
+    """``jax.ShapeDtypeStruct`` for every leaf of ``tree``: what tracing needs, no data.
+
+    ``leading`` replaces each leaf's first dimension (one batch of a data set);
+    ``drop_leading`` removes it (one batch of a stack of batches).
+
+    Example:
+      >>> abstract_batch({"x": np.zeros((100, 3))}, leading=32)["x"]
+      ShapeDtypeStruct(shape=(32, 3), dtype=float64)
+    """
+
+    def one(x: Any) -> jax.ShapeDtypeStruct:
+        shape = tuple(np.shape(x))
+        if drop_leading:
+            shape = shape[1:]
+        elif leading is not None:
+            shape = (leading, *shape[1:])
+        return jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x))
+
+    return jax.tree.map(one, tree)
 
 
 def _path(path: tuple) -> str:
@@ -82,11 +121,7 @@ def check_leading_size(tree: Any, what: str = "data") -> int:
 
 def check_batch_size(batch_size: Any, num_examples: int, *, drop_remainder: bool) -> int:
     """Validates ``batch_size`` against the number of examples and returns it as an int."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer):
-        raise TypeError(f"batch_size must be an int, got {type(batch_size).__name__}.")
-    batch_size = int(batch_size)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+    batch_size = check_count(batch_size, "batch_size", 1)
     if drop_remainder and batch_size > num_examples:
         raise ValueError(
             f"batch_size {batch_size} is larger than the number of examples {num_examples}, "

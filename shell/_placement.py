@@ -16,8 +16,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["Placement", "device_of", "fsdp_spec", "to_host"]
-
 
 def device_of(like: Any) -> Any:
     """The device holding ``like``'s first leaf (the default device if it is sharded)."""

@@ -20,17 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-__all__ = [
-    "CALLBACK_PRIMITIVES",
-    "UNROLLED_STEPS_PER_CALL",
-    "Plan",
-    "StepTraits",
-    "choose_plan",
-    "has_convolution",
-    "primitive_names",
-    "resolve_plan",
-    "step_traits",
-]
+from nnxscan.pure._checks import abstract_batch
 
 # Chunks of 4 unrolled steps measured best for the NNX MNIST tutorial CNN on this CPU
 # (1.07 ms/step vs 1.48 for 8 and 1.65 for one step per call).
@@ -117,11 +107,6 @@ def primitive_names(jaxpr: Any) -> set[str]:
     return names
 
 
-def has_convolution(jaxpr: Any) -> bool:
-    """Whether a (closed) jaxpr or any jaxpr nested in it contains a convolution."""
-    return "conv_general_dilated" in primitive_names(jaxpr)
-
-
 def choose_plan(traits: StepTraits, backend: str) -> Plan:
     """The ``"auto"`` rule: unrolled chunks for convolutions on the CPU, else one scan.
 
@@ -136,8 +121,7 @@ def choose_plan(traits: StepTraits, backend: str) -> Plan:
 
 def step_traits(step: Any, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> StepTraits:
     """Traces (does not compile) ``step`` on these inputs and reports its traits."""
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    names = primitive_names(jax.make_jaxpr(step)(graphdef, state, opt_state, abstract))
+    names = primitive_names(jax.make_jaxpr(step)(graphdef, state, opt_state, abstract_batch(batch)))
     return StepTraits(
         has_convolution="conv_general_dilated" in names,
         has_callback=bool(names & CALLBACK_PRIMITIVES),

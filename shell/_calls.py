@@ -26,23 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscan.shell.placement import Placement
-from nnxscan.shell.plans import Plan, choose_plan
-from nnxscan.shell.programs import TrainProgram
-
-__all__ = [
-    "Call",
-    "Execution",
-    "LiveState",
-    "NonFiniteStop",
-    "plan_calls",
-    "prepare_execution",
-    "run_calls",
-]
+from nnxscan.shell._placement import Placement
+from nnxscan.shell._plans import Plan, choose_plan
+from nnxscan.shell._programs import TrainProgram
 
 
 class Execution(NamedTuple):
-    """How ``run_plan`` executes: the plan, and whether the state is donated."""
+    """How :func:`run_calls` executes: the plan, and whether the state is donated."""
 
     plan: Plan
     donate: bool
@@ -58,10 +48,10 @@ def prepare_execution(
 
 
 class LiveState:
-    """The newest ``(state, opt_state)``, kept as flat leaves, and how to write it back.
+    """The newest ``(state, opt_state)`` of one run of calls, kept as flat leaves.
 
-    ``write(state, opt_state, steps)`` receives the number of steps trained since the last
-    write (to advance step counters).
+    ``write(state, opt_state, steps)`` (an :meth:`Owner.writer`) puts it into the user's
+    objects and receives the number of steps trained since the last write.
     """
 
     def __init__(

@@ -19,7 +19,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from nnxscan.adapters._extras import require_extra
 from nnxscan.pure import hyper
+from nnxscan.pure._checks import check_count
+from nnxscan.shell.trainer import Trainer
 
 __all__ = ["run_hypernet_demo"]
 
@@ -88,13 +91,8 @@ def run_hypernet_demo(
       >>> result["png"]
       '/tmp/demo/hypernet_demo.png'
     """
-    from nnxscan.shell import Trainer
-    from nnxscan.shell.demo import require_extra
-
-    Figure = require_extra("matplotlib.figure").Figure  # the optional extra `demo`
-
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}.")
+    steps = check_count(steps, "steps", 1)
+    Figure = require_extra("matplotlib.figure", "demo", needed_by="nnxscan demo hypernet").Figure
     rng = np.random.default_rng(seed)
     train = sample_tasks(rng, TRAIN_TASKS)
     held_out = sample_tasks(rng, 4)

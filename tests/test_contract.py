@@ -1,0 +1,184 @@
+"""The shell is a thin layer over the pure contract: one epoch rule, one owner, one counter.
+
+References are independent of the shell: a user's own loop of pure functions (jitted by
+hand), numpy's documented generator, and the plain per-step NNX loop.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnxscan.pure import epoch_order, init_opt_state, make_epoch, make_train_step
+from nnxscan.shell import Trainer, scan_train
+
+from conftest import MLP, BNDropout, assert_trees_close, epoch_batches, reference_loop, xent
+
+TX = optax.adam(1e-2)
+BS = 8
+
+
+# -- one epoch rule -------------------------------------------------------------------------
+
+
+def test_epoch_order_is_numpys_documented_generator():
+    want = np.random.default_rng((7, 3)).permutation(50)
+    got = epoch_order(7, 3, 50)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(epoch_order(7, 3, 50, shuffle=False), np.arange(50))
+    assert not np.array_equal(epoch_order(7, 3, 50), epoch_order(7, 4, 50))
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((-1, 0, 10), ValueError, "seed must be at least 0"),
+        ((0, True, 10), TypeError, "epoch must be an int"),
+        ((0, 0, 0), ValueError, "num_examples must be at least 1"),
+        ((0.5, 0, 10), TypeError, "seed must be an int"),
+    ],
+)
+def test_epoch_order_rejects_bad_input(args, error, match):
+    with pytest.raises(error, match=match):
+        epoch_order(*args)
+
+
+def _pure_loop(model_cls, data, epochs, seed, *, drop_remainder=True):
+    """The user's own loop: pure step, jitted epoch, the host order fit documents."""
+    model = model_cls(rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    opt_state = init_opt_state(TX, state)
+    step = make_train_step(xent, TX)
+    epoch = jax.jit(make_epoch(step, batch_size=BS, drop_remainder=drop_remainder))
+    n = len(data["x"])
+    losses = []
+    for e in range(epochs):
+        state, opt_state, out = epoch(graphdef, state, opt_state, data, epoch_order(seed, e, n))
+        losses.append(np.asarray(out))
+    return state, opt_state, np.concatenate(losses)
+
+
+@pytest.mark.parametrize("model_cls", [MLP, BNDropout], ids=["mlp", "batchnorm_dropout"])
+def test_a_loop_of_pure_epochs_reproduces_fit_bitwise(data, model_cls):
+    model = model_cls(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent, execution="scan")
+    history = trainer.fit(data, epochs=3, batch_size=BS, seed=5, progress=False)
+    state, opt_state, losses = _pure_loop(model_cls, data, 3, seed=5)
+    assert_trees_close(model, state, exact=True)  # params, batch stats, RNG counts and keys
+    assert_trees_close(trainer.opt_state, opt_state, exact=True)
+    np.testing.assert_array_equal(history.losses, losses)
+
+
+def test_a_loop_of_pure_epochs_reproduces_fit_with_the_short_batch_kept(data):
+    data = {k: v[:60] for k, v in data.items()}  # 60 = 7 batches of 8 + 4
+    model = MLP(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent, execution="scan")
+    history = trainer.fit(
+        data, epochs=2, batch_size=BS, seed=1, drop_remainder=False, progress=False
+    )
+    state, _, losses = _pure_loop(MLP, data, 2, seed=1, drop_remainder=False)
+    assert len(losses) == 16
+    assert_trees_close(model, state, exact=True)
+    np.testing.assert_array_equal(history.losses, losses)
+
+
+def test_make_epoch_checks_the_order_before_tracing(data):
+    step = make_train_step(xent, TX)
+    graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
+    opt_state = init_opt_state(TX, state)
+    epoch = make_epoch(step, batch_size=BS)
+    with pytest.raises(ValueError, match=r"shape \(10,\).*64 examples.*epoch_order"):
+        epoch(graphdef, state, opt_state, data, epoch_order(0, 0, 10))
+    with pytest.raises(TypeError, match=r"PRNG key.*or a signed integer order"):
+        epoch(graphdef, state, opt_state, data, np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match="needs a PRNG key or an order"):
+        epoch(graphdef, state, opt_state, data, None)
+
+
+def test_make_epoch_still_shuffles_on_the_device_with_a_key(data):
+    """A typed key and a legacy uint32 key are keys, not orders: both permute the same."""
+    step = make_train_step(xent, TX)
+    graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
+    opt_state = init_opt_state(TX, state)
+    epoch = jax.jit(make_epoch(step, batch_size=BS))
+    order = np.asarray(jax.random.permutation(jax.random.key(3), 64), np.int32)
+    by_order = epoch(graphdef, state, opt_state, data, order)
+    by_key = epoch(graphdef, state, opt_state, data, jax.random.key(3))
+    by_legacy = epoch(graphdef, state, opt_state, data, jax.random.PRNGKey(3))
+    for other in (by_key, by_legacy):
+        np.testing.assert_array_equal(np.asarray(other[2]), np.asarray(by_order[2]))
+
+
+# -- one owner, one step counter --------------------------------------------------------------
+
+
+def _stepped_optimizer(data, steps):
+    """A model and nnx.Optimizer the user already trained ``steps`` steps in their own loop."""
+    model = MLP(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    reference_loop(model, optimizer, xent, epoch_batches(data, BS, 99, 0)[:steps])
+    return model, optimizer
+
+
+def test_the_optimizers_step_is_the_one_counter_through_fit(data):
+    model, optimizer = _stepped_optimizer(data, 5)
+    trainer = Trainer(model, optimizer, xent)
+    assert trainer.step == 5
+    trainer.fit(data, epochs=1, batch_size=BS, progress=False)
+    assert trainer.step == 13 and int(optimizer.step[...]) == 13
+    # The user steps the optimizer in their own loop between fits: the trainer follows.
+    reference_loop(model, optimizer, xent, epoch_batches(data, BS, 98, 0)[:2])
+    assert trainer.step == 15
+    trainer.fit(data, epochs=1, batch_size=BS, progress=False)
+    assert trainer.step == 23 == int(optimizer.step[...])
+
+
+def test_scan_train_advances_the_optimizers_step(data):
+    model, optimizer = _stepped_optimizer(data, 3)
+    batches = epoch_batches(data, BS, 0, 0)[:4]
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)
+    scan_train(model, optimizer, xent, stacked)
+    assert int(optimizer.step[...]) == 7
+
+
+def test_save_and_restore_keep_the_optimizers_step_exactly(data, tmp_path):
+    model, optimizer = _stepped_optimizer(data, 5)
+    trainer = Trainer(model, optimizer, xent)
+    trainer.fit(data, epochs=1, batch_size=BS, progress=False)
+    path = trainer.save(tmp_path)
+    assert path.name == "13"  # checkpoints are numbered by the one counter
+
+    fresh = MLP(rngs=nnx.Rngs(1))
+    fresh_opt = nnx.Optimizer(fresh, TX, wrt=nnx.Param)
+    restored = Trainer(fresh, fresh_opt, xent)
+    assert restored.restore(tmp_path) == 1
+    assert restored.step == 13 == int(fresh_opt.step[...])
+    assert_trees_close(fresh, model, exact=True)
+    assert_trees_close(restored.opt_state, trainer.opt_state, exact=True)
+    # Both go on identically from there.
+    trainer.fit(data, epochs=1, batch_size=BS, progress=False)
+    restored.fit(data, epochs=1, batch_size=BS, progress=False)
+    assert restored.step == trainer.step == 21
+    assert_trees_close(fresh, model, exact=True)
+
+
+def test_without_an_optimizer_the_trainer_counts_and_checkpoints_keep_it(data, tmp_path):
+    model = MLP(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent)
+    trainer.fit(data, epochs=2, batch_size=BS, progress=False)
+    assert (trainer.step, trainer.epoch) == (16, 2)
+    trainer.save(tmp_path)
+    restored = Trainer(MLP(rngs=nnx.Rngs(1)), TX, xent)
+    restored.restore(tmp_path)
+    assert (restored.step, restored.epoch, restored.seed) == (16, 2, 0)
+
+
+def test_counters_are_read_only_views_of_the_owner(data):
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
+    for name in ("step", "epoch", "seed", "model", "optimizer", "opt_state"):
+        with pytest.raises(AttributeError):
+            setattr(trainer, name, 0)
