@@ -17,11 +17,15 @@ compiled call (or epoch), with the model written back.
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
+
+from nnxscan.adapters.distributed import is_primary
 
 __all__ = ["EarlyStopping", "LambdaCallback"]
 
@@ -56,23 +60,67 @@ class LambdaCallback:
                 setattr(self, name, fn)
 
 
+# Keras decides "auto" from the metric object's direction; nnxscan's metrics are plain dict
+# keys, so the direction is read off the name's words instead. Together these cover the
+# name of every Keras built-in metric (each maps to the direction Keras gives it).
+_MAX_WORDS = frozenset(
+    {"acc", "accuracy", "auc", "precision", "recall", "sensitivity", "specificity", "f1",
+     "fbeta", "iou", "r2", "correlation", "similarity"}
+)  # fmt: skip
+_MIN_WORDS = frozenset(
+    {"loss", "error", "mse", "mae", "mape", "msle", "rmse", "hinge", "crossentropy", "bce",
+     "xent", "nll", "divergence", "kld", "poisson", "logcosh", "perplexity"}
+)  # fmt: skip
+
+
+def _auto_mode(monitor: str) -> str | None:
+    """``"max"``, ``"min"`` or None (undecided) for a log key, as ``mode="auto"`` reads it."""
+    words = set(re.split(r"[^a-z0-9]+", monitor.lower().removeprefix("eval_")))
+    up = bool(words & _MAX_WORDS) or any(w.endswith(("acc", "accuracy")) for w in words)
+    down = bool(words & _MIN_WORDS)
+    if up == down:  # neither, or both ("acc_loss"): the user has to say
+        return None
+    return "max" if up else "min"
+
+
 class EarlyStopping:
-    """Stops ``fit`` when ``monitor`` has not improved for ``patience`` epochs.
+    """Stops ``fit`` when ``monitor`` has stopped improving: Keras's ``EarlyStopping``.
+
+    Each epoch whose logs hold ``monitor`` (from ``start_from_epoch`` on) adds one to a
+    count of epochs without improvement; an epoch that improves on the best value so far
+    (by more than ``min_delta``) becomes the best and resets the count to 0, but only if
+    it also beats ``baseline`` (when one is given). A NaN or infinite value is never an
+    improvement. An epoch that does not improve stops ``fit`` once the count reaches
+    ``patience`` (patience 0 behaves as 1; never at epoch 0).
+
+    Epochs whose logs lack ``monitor`` are skipped: evaluation every N epochs logs
+    ``eval_*`` keys only every N-th epoch. A monitor that is not logged at all is a
+    mistake, caught once per ``fit``: on the first epoch that logs any ``eval_*`` key (on
+    the first epoch, for a monitor without the ``eval_`` prefix) a missing monitor raises
+    ``ValueError`` listing the keys there are.
 
     Args:
-      monitor: the epoch-log key to watch, e.g. ``"eval_loss"`` (from
-        ``fit(eval_data=..., metric_fn=...)``) or ``"loss"``. Epochs without it (eval every
-        N epochs) are not counted.
-      patience: stop after this many evaluated epochs without improvement (Keras's
-        meaning; 0 behaves as 1).
-      min_delta: the smallest change that counts as an improvement.
-      mode: ``"min"``, ``"max"``, or ``"auto"`` (``"max"`` for keys containing "acc",
-        else ``"min"``).
-      restore_best: when training ends, write the model state of the best epoch back into
-        the user's module (an on-device copy is kept; the optimizer state is not restored).
+      monitor: the epoch-log key to watch: ``"eval_<name>"`` (from
+        ``fit(eval_data=..., metric_fn=...)``), ``"loss"`` or any other log key.
+      patience: epochs without improvement after which training stops.
+      min_delta: the smallest change that counts as an improvement (its sign is ignored).
+      mode: ``"min"``, ``"max"``, or ``"auto"``: ``"max"`` for names (less the ``eval_``
+        prefix) with a word such as acc, accuracy, auc, precision, recall, f1, iou, r2;
+        ``"min"`` for loss, error, mse, mae, crossentropy, hinge, ...; for any other name
+        the first checked epoch raises ``ValueError`` asking for ``mode``.
+      baseline: a value to beat; while no epoch beats it (by ``min_delta``), improvements
+        on the best so far do not reset the count, so training stops ``patience`` epochs
+        after the first monitored one at the latest, unless every epoch improves.
+      start_from_epoch: epochs (by the global index ``fit`` logs) before this one are not
+        monitored: a warm-up in which training is never stopped.
+      restore_best: when training ends (stopped or not), write the model state of the best
+        epoch back into the user's module (an on-device copy is kept; the optimizer state
+        is not restored). ``restore_best_weights`` is accepted as Keras's name for it.
+      verbose: print one line when it stops training and one when it restores the model.
 
     Attributes:
-      best, best_epoch, stopped_epoch: what happened, for inspection after ``fit``.
+      best, best_epoch, stopped_epoch, wait: what happened, for inspection after ``fit``
+      (None until set; ``wait`` is the count).
 
     Example:
       >>> stop = EarlyStopping("eval_loss", patience=3)
@@ -87,51 +135,115 @@ class EarlyStopping:
         patience: int = 0,
         min_delta: float = 0.0,
         mode: str = "auto",
+        baseline: float | None = None,
+        start_from_epoch: int = 0,
         restore_best: bool = True,
+        restore_best_weights: bool | None = None,
+        verbose: bool = True,
     ):
-        if mode == "auto":
-            mode = "max" if "acc" in monitor else "min"
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min', 'max' or 'auto', got {mode!r}.")
-        if patience < 0 or min_delta < 0:
-            raise ValueError(f"patience and min_delta must be >= 0, got {patience}, {min_delta}.")
-        self.monitor, self.patience, self.min_delta = monitor, patience, min_delta
-        self.mode, self.restore_best = mode, restore_best
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(f"EarlyStopping: mode must be 'min', 'max' or 'auto', got {mode!r}.")
+        for name, count in (("patience", patience), ("start_from_epoch", start_from_epoch)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"EarlyStopping: {name} must be an int >= 0, got {count!r}.")
+        self.monitor = monitor
+        # "auto" stays only when the name says nothing; the first checked epoch raises then.
+        self.mode = (_auto_mode(monitor) or "auto") if mode == "auto" else mode
+        self.patience, self.min_delta = patience, abs(float(min_delta))
+        self.baseline = None if baseline is None else float(baseline)
+        self.start_from_epoch = start_from_epoch
+        if restore_best_weights is not None:
+            restore_best = restore_best_weights
+        self.restore_best, self.verbose = bool(restore_best), bool(verbose)
         self._reset()
 
     def _reset(self) -> None:
-        self.best = math.inf if self.mode == "min" else -math.inf
+        self.best: float | None = None
         self.best_epoch: int | None = None
         self.stopped_epoch: int | None = None
-        self._wait = 0
+        self.wait = 0
+        self._checked = False  # whether this fit's logs were checked for the monitor
+        self._epochs = 0
         self._best_state: nnx.State | None = None
         self._best_step: int | None = None
 
-    def _improved(self, value: float) -> bool:
+    def _is_improvement(self, value: float, reference: float | None) -> bool:
+        if reference is None:
+            return True
         if self.mode == "min":
-            return value < self.best - self.min_delta
-        return value > self.best + self.min_delta
+            return value + self.min_delta < reference
+        return value - self.min_delta > reference
 
     def on_train_begin(self, trainer: Any) -> None:
-        self._reset()
+        self._reset()  # a fresh start at every fit, as Keras
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict) -> None:
+        self._epochs += 1
         value = logs.get(self.monitor)
-        if value is None or not math.isfinite(value):
+        if not self._checked and (value is not None or self._check_due(logs)):
+            self._checked = True
+            self._check(logs)
+        if value is None or epoch < self.start_from_epoch:
             return
-        if self._improved(value):
-            self.best, self.best_epoch, self._wait = value, epoch, 0
-            self._best_step = trainer.step
+        value = float(value)
+        self.wait += 1
+        if math.isfinite(value) and self._is_improvement(value, self.best):
+            self.best, self.best_epoch = value, epoch
             if self.restore_best:
                 # A copy on the device: the next compiled call donates the model's buffers.
                 self._best_state = jax.tree.map(lambda x: x.copy(), nnx.state(trainer.model))
+                self._best_step = trainer.step
+            if self.baseline is None or self._is_improvement(value, self.baseline):
+                self.wait = 0
             return
-        self._wait += 1
-        if self._wait >= max(self.patience, 1):  # as Keras: stop after `patience` bad epochs
+        if self.wait >= self.patience and epoch > 0:
             self.stopped_epoch = epoch
             trainer.stop_training = True
 
+    def _check_due(self, logs: dict) -> bool:
+        if not self.monitor.startswith("eval_"):
+            return True
+        return any(key.startswith("eval_") for key in logs)
+
+    def _check(self, logs: dict) -> None:
+        if self.monitor not in logs:
+            raise ValueError(
+                f"EarlyStopping(monitor={self.monitor!r}): no such key in the epoch logs; "
+                f"keys: {', '.join(sorted(logs))}. Pass one of them as monitor."
+            )
+        if self.mode == "auto":
+            raise ValueError(
+                f"EarlyStopping(monitor={self.monitor!r}): mode='auto' cannot tell from the "
+                f"name whether it should be minimized or maximized; pass mode='min' or "
+                f"mode='max'."
+            )
+
     def on_train_end(self, trainer: Any, history: Any) -> None:
-        # Whatever ran after the best epoch (more epochs, a cut-short one), rewind to it.
-        if self._best_state is not None and trainer.step != self._best_step:
-            trainer.load_state(self._best_state)
+        if self._epochs and not self._checked:
+            warnings.warn(
+                f"EarlyStopping(monitor={self.monitor!r}): no epoch of this fit logged any "
+                f"eval_* key (fit needs eval_data and metric_fn, and at least eval_every "
+                f"epochs), so it neither stopped nor restored anything.",
+                stacklevel=2,
+            )
+        say = self.verbose and is_primary()
+        if say and self.stopped_epoch is not None:
+            print(f"EarlyStopping: stopped at epoch {self.stopped_epoch}: {self._why()}")
+        best_state, self._best_state = self._best_state, None  # free the device copy
+        # The model is at the best epoch already when nothing trained after it.
+        if best_state is not None and trainer.step != self._best_step:
+            trainer.load_state(best_state)
+            if say:
+                print(
+                    f"EarlyStopping: restored the model from epoch {self.best_epoch} "
+                    f"({self.monitor} {self.best:.6g})"
+                )
+
+    def _why(self) -> str:
+        name, epochs = self.monitor, f"{self.wait} epoch{'s' if self.wait != 1 else ''}"
+        if self.best is None:
+            return f"{name} was not finite for {epochs}"
+        best = f"best {self.best:.6g} at epoch {self.best_epoch}"
+        if self.baseline is not None and not self._is_improvement(self.best, self.baseline):
+            return f"{name} did not beat the baseline {self.baseline:.6g} in {epochs} ({best})"
+        return f"{name} did not improve for {epochs} ({best})"
