@@ -1,9 +1,11 @@
 """Progress for a whole ``fit``: one bar, advanced per compiled call, never forcing a sync.
 
-In a terminal, a rich bar shows the epoch, the latest loss, steps/s and the ETA. The loss
-shown is that of the newest call whose result is already on the host side (``is_ready``),
-so drawing the bar never waits for the device. When stdout is not a terminal (CI logs), no
-bar is drawn: one plain line per epoch is printed instead, so logs are not flooded.
+In a terminal, a rich bar shows the epoch, the latest loss, steps/s, the last epoch's eval
+metrics and the ETA (the elapsed time once done, or while the total is unknown), fitted to
+the terminal's width: eval metrics that do not fit are left out. The loss shown is that of
+the newest call whose result is already on the host side (``is_ready``), so drawing the bar
+never waits for the device. When stdout is not a terminal (CI logs), no bar is drawn: one
+plain line per epoch is printed instead, so logs are not flooded.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 
 from nnxscan.shell._placement import to_host
 
 LINE_EVERY_S = 10.0
+BAR_WIDTH = 16
+TIME_WIDTH = 7  # "1:23:45"; "12:34" under an hour
 
 
 def _ready_loss(out: Any, has_aux: bool) -> float | None:
@@ -35,6 +40,23 @@ def _ready_loss(out: Any, has_aux: bool) -> float | None:
     finite = np.asarray(to_host(losses))
     finite = finite[np.isfinite(finite)]
     return float(finite[-1]) if finite.size else None
+
+
+def _eval_texts(logs: dict) -> list[str]:
+    return [
+        f"{k} {v:.4g}" for k, v in logs.items() if k.startswith("eval_") and isinstance(v, float)
+    ]
+
+
+def _status(loss: float | None, rate: float, evals: list[str], room: int) -> str:
+    """Loss and steps/s, then as many eval metrics as fit in ``room`` characters."""
+    parts = [] if loss is None else [f"loss {loss:.4g}"]
+    parts.append(f"{rate:,.0f} steps/s")
+    for text in evals:
+        if len("  ".join([*parts, text])) > room:
+            break
+        parts.append(text)
+    return "  ".join(parts)
 
 
 class RunProgress:
@@ -63,17 +85,30 @@ class RunProgress:
         self._last_epoch: int | None = None
         if not enabled or not self._console.is_terminal:
             return
+        total = None if calls_per_epoch is None else epochs * calls_per_epoch
+        # Fixed-width columns, so that the status text can be fitted to what is left of the
+        # line: rich would otherwise squeeze the bar, the count and the times out of it.
+        time_column = (
+            TimeElapsedColumn()
+            if total is None
+            else TimeRemainingColumn(compact=True, elapsed_when_finished=True)
+        )
         self._progress = Progress(
             TextColumn("[bold]epoch {task.fields[epoch]}"),
-            BarColumn(),
+            BarColumn(bar_width=BAR_WIDTH),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True)),
+            time_column,
             console=self._console,
         )
-        total = None if calls_per_epoch is None else epochs * calls_per_epoch
+        self._count_width = 2 * len(str(total)) + 1 if total is not None else 12
+        self._evals: list[str] = []
         self._task = self._progress.add_task("fit", total=total, status="", epoch=0)
+
+    def _status_room(self, epoch: int) -> int:
+        """Characters left for the status text on one line of the terminal."""
+        fixed = len(f"epoch {epoch}") + BAR_WIDTH + self._count_width + TIME_WIDTH + 4
+        return self._console.width - fixed - 1
 
     def __enter__(self) -> RunProgress:
         if self._progress is not None:
@@ -101,30 +136,24 @@ class RunProgress:
         loss = _ready_loss(out, self._has_aux)
         self._loss = self._loss if loss is None else loss
         rate = self._steps / max(time.perf_counter() - self._start, 1e-9)
-        loss_text = "" if self._loss is None else f"loss {self._loss:.4g}  "
-        self._progress.update(
-            self._task, advance=1, epoch=epoch, status=f"{loss_text}{rate:,.0f} steps/s"
-        )
+        status = _status(self._loss, rate, self._evals, self._status_room(epoch))
+        self._progress.update(self._task, advance=1, epoch=epoch, status=status)
 
     def epoch_done(self, epoch: int, logs: dict) -> None:
         if not self._enabled:
             return
-        extras = "".join(
-            f"  {k} {v:.4g}"
-            for k, v in logs.items()
-            if k.startswith("eval_") and isinstance(v, float)
-        )
-        line = (
-            f"epoch {epoch}  loss {logs['loss']:.4g}{extras}  {logs['steps_per_sec']:,.0f} steps/s"
-        )
+        evals, rate = _eval_texts(logs), logs["steps_per_sec"]
         if self._progress is None:
             # Off a terminal (CI logs), at most a line every LINE_EVERY_S seconds, and the
             # last epoch's: a long run of short epochs must not flood the log.
             now = time.perf_counter()
             last = epoch == self._last_epoch
             if last or now - self._printed >= LINE_EVERY_S or self._printed < 0:
+                extras = "".join(f"  {text}" for text in evals)
+                line = f"epoch {epoch}  loss {logs['loss']:.4g}{extras}  {rate:,.0f} steps/s"
                 self._console.print(line, highlight=False, markup=False)
                 self._printed = now
         else:
-            self._loss = logs["loss"]
-            self._progress.update(self._task, epoch=epoch, status=line.split("  ", 1)[1])
+            self._loss, self._evals = logs["loss"], evals
+            status = _status(self._loss, rate, evals, self._status_room(epoch))
+            self._progress.update(self._task, epoch=epoch, status=status)

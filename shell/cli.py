@@ -1,28 +1,76 @@
-"""The ``nnxscan`` command line."""
+"""The ``nnxscan`` command line: ``nnxscan demo [digits|hypernet]`` and ``nnxscan --version``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 from collections.abc import Sequence
 
 __all__ = ["main"]
 
+DESCRIPTION = "Train Flax NNX models with jax.lax.scan, and run networks on generated weights."
+DEMOS = {
+    "digits": "an MLP on scikit-learn's digits (the default)",
+    "hypernet": "one hypernetwork learns a family of sine functions",
+}
+DEMO_LIST = "demos:\n" + "".join(f"  {name:<10}{text}\n" for name, text in DEMOS.items())
+DEMO_DESCRIPTION = (
+    "Trains a small model with scanned epochs, prints how well and how fast it\n"
+    "trained, and writes a plot to OUT/nnxscan_demo_NAME.png.\n"
+    "Needs the demo extra: pip install 'nnxscan[demo]'.\n\n" + DEMO_LIST
+)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("nnxscan")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The argument parser of ``nnxscan``; its help is plain text that fits 80 columns."""
+    parser = argparse.ArgumentParser(
+        prog="nnxscan",
+        description=DESCRIPTION,
+        epilog=DEMO_LIST + "\nRun 'nnxscan demo --help' for the demo's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"nnxscan {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, title="commands")
+    demo = commands.add_parser(
+        "demo",
+        help="train a small model and write a plot",
+        description=DEMO_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument(
+        "name", nargs="?", default="digits", choices=list(DEMOS), metavar="NAME",
+        help="which demo to run: " + " or ".join(DEMOS) + " (default: digits)",
+    )  # fmt: skip
+    demo.add_argument(
+        "--out", default=".", metavar="OUT",
+        help="folder to write the PNG to, created if missing (default: .)",
+    )  # fmt: skip
+    demo.add_argument(
+        "--seed", type=int, default=0, metavar="N",
+        help="seeds the data, the initial weights and the shuffling (default: 0)",
+    )  # fmt: skip
+    demo.add_argument(
+        "--no-progress", action="store_true",
+        help="show no progress bar (and, off a terminal, no line per epoch)",
+    )  # fmt: skip
+    return parser
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``nnxscan``: ``nnxscan demo [digits|hypernet] [--out DIR]``.
+    """Entry point of ``nnxscan``: parses ``argv`` (default: the command line), runs the demo.
 
     Example:
-      >>> main(["demo", "--out", "/tmp"])
+      >>> main(["demo", "hypernet", "--out", "/tmp/plots"])
+      0
     """
-    parser = argparse.ArgumentParser(prog="nnxscan", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train a small model and write a plot")
-    demo.add_argument("name", nargs="?", default="digits", choices=["digits", "hypernet"])
-    demo.add_argument("--out", default=".", help="folder for the PNG (default: .)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    args = parser.parse_args(argv)
-
+    args = _parser().parse_args(argv)
     if args.name == "digits":
         from nnxscan.shell.demos.digits import run_digits_demo
 

@@ -50,11 +50,15 @@ class History:
 
         Args:
           path: where to write the PNG.
-          smooth: a float in [0, 1) is an exponential moving average's weight (TensorBoard's
-            smoothing slider, bias-corrected so the curve starts at the first loss); an int
-            >= 1 is a trailing moving-average window in steps. 0 or 1 plots no smoothing.
-            Either is capped to average over at most a tenth of the steps, so the default
-            does not lag a short run's curve far behind its losses.
+          smooth: how much noise to average away. A float ``w`` in [0, 1) removes as much
+            as TensorBoard's smoothing slider at ``w`` (an exponential moving average of
+            weight ``w``), but without its lag, by averaging over ``(1 + w) / (1 - w)``
+            steps; an int >= 1 is that number of steps. 0 or 1 plots no smoothing. The
+            average is centred on each step (half the steps before it, half after), so a
+            falling loss is not drawn above where it is; it spans at most a tenth of the
+            run, and fewer steps near the start, where losses fall fastest. In the last
+            steps, short of steps ahead, the curve follows a straight line fitted to the
+            losses around them.
 
         Returns:
           ``path`` as a ``pathlib.Path``.
@@ -70,7 +74,7 @@ class History:
         losses = np.asarray(self.losses, np.float64).reshape(-1)
         if losses.size == 0:
             raise ValueError("nothing to plot: this History holds no training losses")
-        smoothed = _smooth(losses, _cap_smoothing(smooth, losses.size))
+        smoothed = _smooth(losses, _smoothing_window(smooth, losses.size))
         figure_mod = require_extra("matplotlib.figure", "demo", needed_by="History.plot")
         agg = require_extra("matplotlib.backends.backend_agg", "demo", needed_by="History.plot")
 
@@ -108,45 +112,71 @@ class History:
         return path
 
 
-def _cap_smoothing(smooth: float | int, n_steps: int) -> float | int:
-    """``smooth`` limited to an average over at most a tenth of ``n_steps`` steps."""
-    span = max(n_steps / 10, 1.0)
+def _smoothing_window(smooth: float | int, n_steps: int) -> int:
+    """How many steps ``smooth`` averages over, at most a tenth of ``n_steps``.
+
+    A float ``w`` gets the window that removes as much noise as an EMA of weight ``w``
+    (whose output variance is ``(1 - w) / (1 + w)`` of the input's): ``(1 + w) / (1 - w)``.
+    """
     if isinstance(smooth, numbers.Integral) and not isinstance(smooth, bool) and smooth >= 1:
-        return min(int(smooth), int(span))
-    if isinstance(smooth, numbers.Real) and not isinstance(smooth, bool) and 0 <= smooth < 1:
-        # An EMA of weight w averages over about 1 / (1 - w) steps.
-        return min(float(smooth), 1.0 - 1.0 / span)
-    return smooth  # out of range: _smooth says so
-
-
-def _smooth(losses: np.ndarray, smooth: float | int) -> np.ndarray:
-    """The smoothed loss curve; non-finite losses are skipped and the last value held."""
-    if isinstance(smooth, bool) or not isinstance(smooth, numbers.Real):
+        window = int(smooth)
+    elif isinstance(smooth, numbers.Real) and not isinstance(smooth, bool) and 0 <= smooth < 1:
+        window = round((1.0 + float(smooth)) / (1.0 - float(smooth)))
+    else:
         raise ValueError(f"smooth must be a float in [0, 1) or an int >= 1, got {smooth!r}")
+    return max(min(window, n_steps // 10), 1)
+
+
+def _smooth(losses: np.ndarray, window: int) -> np.ndarray:
+    """The smoothed loss curve: each step's mean over a window centred on it.
+
+    The window spans ``window // 2`` steps on either side of step ``k``, but at most
+    ``k // 3`` early on, where losses fall fastest. Centred, it does not lag: a falling loss
+    is not dragged up by the older, higher losses a trailing average or an EMA holds on to.
+    In the last steps, whose window reaches fewer steps ahead than behind, the value is a
+    least-squares line through the window read at ``k``, clipped to the window's losses, so
+    the curve keeps following the trend to the end. Non-finite losses are left out; NaN
+    where a window holds none.
+    """
+    n = losses.size
     finite = np.isfinite(losses)
-    if isinstance(smooth, numbers.Integral) and smooth >= 1:
-        smooth = int(smooth)
-        # Trailing window mean over the finite values in it, from running sums (O(n)).
-        sums = np.concatenate([[0.0], np.cumsum(np.where(finite, losses, 0.0))])
-        counts = np.concatenate([[0], np.cumsum(finite)])
-        hi = np.arange(1, losses.size + 1)
-        lo = np.maximum(hi - smooth, 0)
-        n = counts[hi] - counts[lo]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(n > 0, (sums[hi] - sums[lo]) / np.maximum(n, 1), np.nan)
-    if not 0 <= smooth < 1:
-        raise ValueError(f"smooth must be a float in [0, 1) or an int >= 1, got {smooth!r}")
-    out = np.full(losses.shape, np.nan)
-    average, seen, weight = 0.0, 0, float(smooth)
-    for i, (value, ok) in enumerate(zip(losses.tolist(), finite.tolist(), strict=True)):
-        if ok:
-            average = weight * average + (1.0 - weight) * value
-            seen += 1
-        if seen:
-            # Dividing out the weight of the zero start (Adam's bias correction) keeps the
-            # first steps from being dragged towards zero.
-            out[i] = average / (1.0 - weight**seen)
+    steps = np.arange(n)
+    half = np.minimum(window // 2, steps // 3)
+    lo, hi = steps - half, np.minimum(steps + half + 1, n)
+    # Window sums from running sums: O(n) whatever the window.
+    runs = np.cumsum([np.where(finite, losses, 0.0), finite], axis=1)
+    sums = np.concatenate([np.zeros((2, 1)), runs], axis=1)
+    total, count = sums[:, hi] - sums[:, lo]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+    tail = np.flatnonzero(steps + half > n - 1)  # the windows cut short by the run's end
+    out[tail] = _tail_lines(losses, finite, lo[tail], tail)
     return out
+
+
+def _tail_lines(losses: np.ndarray, finite: np.ndarray, lo: np.ndarray, at: np.ndarray):
+    """Lines fitted to the finite losses in ``[lo, end)``, read at ``at``, clipped to them."""
+    start = int(lo[0]) if lo.size else losses.size
+    ok = finite[start:]
+    x = np.where(ok, losses[start:], 0.0)
+    # Positions counted back from the end keep the sums of squares small.
+    pos = np.where(ok, np.arange(start, losses.size) - (losses.size - 1.0), 0.0)
+
+    def suffix_sum(values):  # sum over [lo, end) for each window
+        return np.cumsum(values[::-1])[::-1][lo - start]
+
+    count = suffix_sum(ok.astype(np.float64))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_p, mean_x = suffix_sum(pos) / count, suffix_sum(x) / count
+        var_p = suffix_sum(pos * pos) / count - mean_p**2
+        cov = suffix_sum(pos * x) / count - mean_p * mean_x
+        # Two or more finite losses sit at distinct steps, so var_p >= 1/4 then.
+        slope = np.where(count >= 2, cov / np.where(count >= 2, var_p, 1.0), 0.0)
+        line = mean_x + slope * (at - (losses.size - 1.0) - mean_p)
+    lowest = np.minimum.accumulate(np.where(ok, losses[start:], np.inf)[::-1])[::-1]
+    highest = np.maximum.accumulate(np.where(ok, losses[start:], -np.inf)[::-1])[::-1]
+    line = np.clip(line, lowest[lo - start], highest[lo - start])
+    return np.where(count > 0, line, np.nan)
 
 
 def _epoch_end_steps(epochs: list[dict[str, Any]], n_steps: int) -> np.ndarray:

@@ -8,9 +8,11 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from nnxscan.adapters._extras import require_extra
+from nnxscan.shell.demos._output import demo_plot_path
 
 
 def test_digits_demo_reaches_95_percent_and_writes_a_png(tmp_path):
@@ -30,8 +32,31 @@ def test_digits_demo_reaches_95_percent_and_writes_a_png(tmp_path):
     assert match, out.stdout
     assert float(match.group(1)) >= 95.0
     assert re.search(r"[\d,]+ steps/s", out.stdout)
-    png = tmp_path / "nnxscan_digits_loss.png"
+    png = tmp_path / "nnxscan_demo_digits.png"
+    assert f"wrote {png.resolve()}" in out.stdout.splitlines()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hypernet_demo_figure_labels_its_axes_and_names_each_task():
+    pytest.importorskip("matplotlib")
+    from nnxscan.shell.demos.hypernet import draw_held_out_tasks
+
+    x = np.linspace(-np.pi, np.pi, 50)
+    tasks = np.array([[0.5, -1.0], [1.0, 0.0], [1.5, 0.25], [2.0, 1.5]])
+    truth = tasks[:, :1] * np.sin(x + tasks[:, 1:])
+    fig = draw_held_out_tasks(x, tasks, truth, truth + 0.1)
+    axes = fig.get_axes()
+    assert len(axes) == 4
+    for ax, (a, b) in zip(axes, tasks, strict=True):
+        assert ax.get_xlabel() == "x" and ax.get_ylabel() == "y"
+        assert f"(a, b) = ({a:.2f}, {b:.2f})" in ax.get_title()
+
+
+def test_both_demos_write_nnxscan_demo_name_png_into_a_created_folder(tmp_path):
+    out = tmp_path / "new" / "folder"
+    for name in ("digits", "hypernet"):
+        path = demo_plot_path(out, name)
+        assert path == (out / f"nnxscan_demo_{name}.png").resolve() and out.is_dir()
 
 
 def test_missing_extra_names_what_to_install():

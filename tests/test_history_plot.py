@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nnxscan.shell.history import History, _cap_smoothing, _smooth
+from nnxscan.shell.history import History, _smooth, _smoothing_window
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -58,26 +58,68 @@ def test_plot_of_an_empty_history_raises(tmp_path):
     assert not (tmp_path / "empty.png").exists()
 
 
-def test_smoothing_ignores_non_finite_losses():
+def _decay(n: int = 500, noise: float = 0.1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A loss falling exponentially from 2.0 to 0.01 over ``n`` steps: (clean, noisy)."""
+    clean = 2.0 * (0.01 / 2.0) ** (np.arange(n) / (n - 1))
+    rng = np.random.default_rng(seed)
+    return clean, clean * (1 + noise * rng.standard_normal(n))
+
+
+def test_default_smoothing_follows_a_falling_loss_without_lag():
+    clean, noisy = _decay()
+    window = _smoothing_window(0.98, clean.size)  # plot's default
+    # Without noise the curve is the loss itself, to within the curvature of its fall (an
+    # EMA of weight 0.98, capped to a 50-step span, drew it 100% above, 50 steps behind).
+    np.testing.assert_allclose(_smooth(clean, window), clean, rtol=0.02)
+
+    smoothed = _smooth(noisy, window)
+    raw_error, error = (noisy - clean) / clean, (smoothed - clean) / clean
+    assert np.abs(raw_error).max() > 0.25  # the band below is tighter than the noise
+    assert np.abs(error[6:]).max() < 0.25, np.abs(error).argmax()
+    assert np.abs(error[6:]).mean() < 0.02
+    assert error.std() < 0.25 * raw_error.std()
+    assert (smoothed - clean).std() < 0.5 * (noisy - clean).std()
+
+
+def _reference_smooth(losses: np.ndarray, window: int) -> np.ndarray:
+    """_smooth, step by step: a centred mean, or a clipped line fit where the run ends."""
+    out = np.full(losses.size, np.nan)
+    for k in range(losses.size):
+        half = min(window // 2, k // 3)
+        steps = np.arange(k - half, min(k + half + 1, losses.size))
+        ok = np.isfinite(losses[steps])
+        values, steps = losses[steps][ok], steps[ok]
+        if k + half < losses.size:
+            out[k] = values.mean() if values.size else np.nan
+        elif values.size:
+            line = np.polyfit(steps, values, 1) if values.size > 1 else (0.0, values[0])
+            out[k] = np.clip(np.polyval(line, k), values.min(), values.max())
+    return out
+
+
+def test_smoothing_matches_a_step_by_step_reference_and_skips_non_finite_losses():
+    _, noisy = _decay(200, noise=0.3, seed=1)
+    noisy[[0, 50, 51, 120, 197]] = [np.nan, np.inf, np.nan, -np.inf, np.nan]
+    for window in (1, 4, 15, 20):
+        np.testing.assert_allclose(_smooth(noisy, window), _reference_smooth(noisy, window))
     x = np.array([4.0, np.nan, 2.0, 6.0, np.inf, 1.0, 3.0])
-    # Trailing window: the mean of the finite values among the last `w` steps.
-    expected = [np.nanmean(np.where(np.isfinite(x), x, np.nan)[max(0, i - 2) : i + 1])
-                for i in range(len(x))]  # fmt: skip
-    np.testing.assert_allclose(_smooth(x, 3), expected)
-    # A bias-corrected EMA of a constant is that constant from the first step, gaps included.
-    constant = np.where(np.isfinite(x), 2.5, x)
-    np.testing.assert_allclose(_smooth(constant, 0.9), np.full(len(x), 2.5))
-    # Hand-computed: weights 0.5 / 0.5, bias-corrected after each finite value.
-    ema = _smooth(np.array([2.0, np.nan, 4.0]), 0.5)
-    np.testing.assert_allclose(ema, [2.0, 2.0, (0.5 * 1.0 + 2.0) / 0.75])
-    np.testing.assert_array_equal(_smooth(x, 0.0)[np.isfinite(x)], x[np.isfinite(x)])
-    for bad in (1.0, -0.5, True, "0.9", -3):
+    assert np.isnan(_smooth(x, 3)[1])  # a window of one non-finite loss
+    np.testing.assert_array_equal(_smooth(x, 1)[np.isfinite(x)], x[np.isfinite(x)])
+    # A constant stays constant, gaps included; a straight line stays straight to the end.
+    constant = np.where(np.isfinite(noisy), 2.5, noisy)
+    np.testing.assert_allclose(_smooth(constant, 20)[1:], 2.5)
+    ramp = np.linspace(3.0, 1.0, 100)
+    np.testing.assert_allclose(_smooth(ramp, 30), ramp, rtol=1e-9)
+
+
+def test_smoothing_window_follows_the_smooth_argument_and_spans_at_most_a_tenth_of_the_run():
+    # A float w averages over (1 + w) / (1 - w) steps: an EMA of weight w's noise reduction.
+    assert _smoothing_window(0.98, 100_000) == 99 and _smoothing_window(0.9, 100_000) == 19
+    assert _smoothing_window(500, 100_000) == 500
+    assert _smoothing_window(0.98, 500) == 50 and _smoothing_window(50, 150) == 15
+    for no_smoothing in (0, 0.0, 1):
+        assert _smoothing_window(no_smoothing, 1000) == 1
+    assert _smoothing_window(0.98, 5) == 1 and _smoothing_window(3, 5) == 1
+    for bad in (1.0, -0.5, True, "0.9", -3, float("nan")):
         with pytest.raises(ValueError, match="smooth"):
-            _smooth(x, bad)
-
-
-def test_smoothing_spans_at_most_a_tenth_of_the_run():
-    assert _cap_smoothing(0.98, 100_000) == 0.98 and _cap_smoothing(500, 100_000) == 500
-    assert _cap_smoothing(0.98, 150) == pytest.approx(1 - 1 / 15)
-    assert _cap_smoothing(50, 150) == 15
-    assert _cap_smoothing(0.98, 5) == 0.0 and _cap_smoothing(3, 5) == 1  # no smoothing
+            _smoothing_window(bad, 100)

@@ -185,7 +185,8 @@ def test_hypernet_demo_trains_and_writes_a_png(tmp_path):
     from nnxscan.shell.demos.hypernet import run_hypernet_demo
 
     result = run_hypernet_demo(str(tmp_path), steps=32, seed=0, progress=False)
-    with open(result["png"], "rb") as f:
+    assert result["plot"] == str((tmp_path / "nnxscan_demo_hypernet.png").resolve())
+    with open(result["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert result["steps"] == 32
     assert result["loss"] < result["initial_loss"]

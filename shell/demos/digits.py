@@ -11,6 +11,7 @@ import optax
 from flax import nnx
 
 from nnxscan.adapters._extras import require_extra
+from nnxscan.shell.demos._output import demo_plot_path
 from nnxscan.shell.trainer import Trainer
 
 __all__ = ["run_digits_demo"]
@@ -50,12 +51,16 @@ def run_digits_demo(
 ) -> dict[str, Any]:
     """Trains an MLP on the digits, prints held-out accuracy and speed, writes a loss curve.
 
+    The curves (training loss per step, held-out accuracy every 5 epochs) go to
+    ``<out_dir>/nnxscan_demo_digits.png``; ``out_dir`` is created if missing.
+
     Returns a dict with ``accuracy``, ``steps_per_sec`` (median over epochs after the
-    first, which compiles) and ``plot`` (the PNG's path).
+    first, which compiles), ``steps``, ``plan`` and ``plot`` (the PNG's absolute path).
 
     Example:
-      >>> run_digits_demo("/tmp", epochs=30)["accuracy"] >= 0.95
-      True
+      >>> result = run_digits_demo("/tmp/demo", epochs=30)
+      >>> result["accuracy"] >= 0.95, result["plot"]
+      (True, '/tmp/demo/nnxscan_demo_digits.png')
     """
     train, test = digits_split(seed)
     model = DigitsMLP(rngs=nnx.Rngs(seed))
@@ -66,8 +71,7 @@ def run_digits_demo(
     )  # fmt: skip
     acc = trainer.evaluate(test, accuracy, batch_size=128)["accuracy"]
     speeds = [e["steps_per_sec"] for e in history.epochs[1:]] or [0.0]
-    plot = pathlib.Path(out_dir).resolve() / "nnxscan_digits_loss.png"
-    plot.parent.mkdir(parents=True, exist_ok=True)
+    plot = demo_plot_path(out_dir, "digits")
     history.plot(plot)
     result = {
         "accuracy": acc,
@@ -79,6 +83,7 @@ def run_digits_demo(
     print(
         f"digits MLP: held-out accuracy {acc:.2%} after {epochs} epochs "
         f"({result['steps']} steps, plan '{result['plan']}', "
-        f"{result['steps_per_sec']:,.0f} steps/s); loss curve: {plot}"
+        f"{result['steps_per_sec']:,.0f} steps/s)"
     )
+    print(f"wrote {plot}")
     return result

@@ -1,0 +1,110 @@
+"""What a newcomer sees first: ``nnxscan --help``, ``--version``, and the progress line."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+from rich.console import Console
+
+from nnxscan.shell._progress import RunProgress
+from nnxscan.shell.cli import main
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _help(argv: list[str], capsys, monkeypatch) -> str:
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_is_plain_text_that_describes_each_demo_and_option(capsys, monkeypatch):
+    top = _help(["--help"], capsys, monkeypatch)
+    demo = _help(["demo", "--help"], capsys, monkeypatch)
+    for text in (top, demo):
+        assert "`" not in text and ":class:" not in text
+        assert max(len(line) for line in text.splitlines()) <= 80
+        assert re.search(r"digits\s+an MLP on scikit-learn's digits", text)
+        assert re.search(r"hypernet\s+one hypernetwork learns a family of sine functions", text)
+    assert "--version" in top and "demo" in top
+    for option, words in [
+        ("--out OUT", "folder to write the PNG"),
+        ("--seed N", "seeds the data"),
+        ("--no-progress", "show no progress bar"),
+    ]:
+        assert re.search(rf"{option}\s+{words}", demo), option
+    assert "nnxscan_demo_NAME.png" in demo
+
+
+def test_version_prints_the_installed_distribution_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"nnxscan {importlib.metadata.version('nnxscan')}\n"
+    # The console script, as a user runs it.
+    beside = pathlib.Path(sys.executable).parent / "nnxscan"
+    exe = str(beside) if beside.exists() else shutil.which("nnxscan")
+    assert exe, "the nnxscan console script is not installed"
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True)
+    assert re.fullmatch(r"nnxscan \d+\.\d+\S*\n", out.stdout)
+
+
+EPOCH_LOGS = {"loss": 0.1234, "eval_loss": 0.05678, "eval_accuracy": 0.98123}
+
+
+def _terminal_frames(width: int, *, calls_per_epoch: int | None, rate: float, loss: float):
+    """Every frame a RunProgress draws in a terminal ``width`` columns wide, as plain text."""
+    out = io.StringIO()
+    console = Console(width=width, force_terminal=True, file=out)
+    with RunProgress(30, calls_per_epoch, True, console=console) as bar:
+        for epoch in (11, 12):
+            for _ in range(calls_per_epoch or 5):
+                bar.call_done(epoch, 10, jnp.array([0.5, loss]))
+            bar.epoch_done(epoch, {**EPOCH_LOGS, "loss": loss, "steps_per_sec": rate})
+    frames = re.split(r"[\r\n]", ANSI.sub("", out.getvalue()))
+    return [frame for frame in frames if frame.strip()]
+
+
+@pytest.mark.parametrize("calls_per_epoch", [100, None])
+@pytest.mark.parametrize(("rate", "loss"), [(12_345.0, 0.1234), (1_234_567.0, 1.2345e-5)])
+def test_terminal_progress_line_fits_80_columns_and_shows_the_key_fields(
+    calls_per_epoch, rate, loss
+):
+    frames = _terminal_frames(80, calls_per_epoch=calls_per_epoch, rate=rate, loss=loss)
+    assert frames and all(len(frame) <= 80 for frame in frames), frames
+    last = frames[-1]  # drawn on exit, after the last epoch
+    assert "epoch 12" in last and f"loss {loss:.4g}" in last and f"{rate:,.0f} steps/s" in last
+    assert "…" not in last  # nothing cut short
+    if calls_per_epoch is not None:
+        assert "200/3000" in last  # calls done / planned
+
+
+def test_terminal_progress_line_shows_eval_metrics_where_they_fit():
+    wide = _terminal_frames(120, calls_per_epoch=100, rate=12_345.0, loss=0.1234)[-1]
+    assert "eval_loss 0.05678" in wide and "eval_accuracy 0.9812" in wide
+    assert len(wide) <= 120
+
+
+def test_plain_epoch_lines_off_a_terminal_fit_80_columns():
+    out = io.StringIO()
+    console = Console(width=200, force_terminal=False, file=out)
+    with RunProgress(100, 10, True, console=console) as bar:
+        bar.set_last_epoch(12)
+        for epoch in (11, 12):  # the first line, then the last epoch's
+            bar.epoch_done(epoch, {**EPOCH_LOGS, "steps_per_sec": 12_345.0})
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "epoch 11  loss 0.1234  eval_loss 0.05678  eval_accuracy 0.9812  12,345 steps/s",
+        "epoch 12  loss 0.1234  eval_loss 0.05678  eval_accuracy 0.9812  12,345 steps/s",
+    ]
+    assert all(len(line) <= 80 for line in lines)
