@@ -203,6 +203,7 @@ def save_checkpoint(
     tree: dict[str, Any],
     *,
     max_to_keep: int = 3,
+    replace: bool = False,
 ) -> pathlib.Path:
     """Saves ``tree`` as checkpoint ``step`` under ``directory``; returns once it is on disk.
 
@@ -213,13 +214,16 @@ def save_checkpoint(
         or Python bool/int/float/str; ``nnx.State`` (with Variables) and optax states are
         fine.
       max_to_keep: after saving, only the newest ``max_to_keep`` checkpoints are kept.
+      replace: when checkpoint ``step`` exists, delete it and save anew (the earlier
+        checkpoints stay; a crash between the two leaves the latest one missing, never a
+        half-written one).
 
     Returns:
       The checkpoint's own directory, ``<directory>/<step>``.
 
     Raises:
       TypeError: a leaf of another type (its path is named).
-      FileExistsError: checkpoint ``step`` already exists.
+      FileExistsError: checkpoint ``step`` already exists (and not ``replace``).
       ValueError: ``step`` is older than the latest checkpoint, or not a non-negative int.
 
     Example:
@@ -250,6 +254,9 @@ def save_checkpoint(
     )
     with ocp.CheckpointManager(path, options=options) as manager:
         steps = sorted(manager.all_steps())
+        if step in steps and replace:
+            manager.delete(step)
+            steps.remove(step)
         if step in steps:
             raise FileExistsError(
                 f"checkpoint {step} already exists in {path}: save under a new step, or "

@@ -7,7 +7,9 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
 - :func:`scan_steps`: many steps over a stack of batches, in one ``lax.scan``.
 - :func:`make_epoch`, :func:`epoch_order`: an epoch over a data set, ordered as
   ``Trainer.fit`` orders it.
-- :func:`make_eval_step`, :func:`make_evaluate`: metrics over every example.
+- :func:`make_eval_step`, :func:`make_evaluate`: metric functions averaged over every
+  example; :func:`make_evaluate_metrics`: NNX metrics (``nnx.MultiMetric``) over every
+  example.
 - :func:`all_finite`, :func:`tree_select`, :func:`halt_after_nonfinite`: non-finite guards
   that stay inside the compiled loop.
 - :mod:`nnxscan.pure.hyper`: networks run on generated weights.
@@ -21,7 +23,7 @@ Example:
 """
 
 from nnxscan.pure.epoch import epoch_order, make_epoch
-from nnxscan.pure.evaluation import make_eval_step, make_evaluate
+from nnxscan.pure.evaluation import make_eval_step, make_evaluate, make_evaluate_metrics
 from nnxscan.pure.nonfinite import all_finite, halt_after_nonfinite, tree_select
 from nnxscan.pure.scan import scan_steps
 from nnxscan.pure.train_step import init_opt_state, make_train_step, split_wrt
@@ -34,8 +36,31 @@ __all__ = [
     "make_epoch",
     "make_eval_step",
     "make_evaluate",
+    "make_evaluate_metrics",
     "make_train_step",
     "scan_steps",
     "split_wrt",
     "tree_select",
 ]
+
+# Names the first release exported that are internals now. They stay importable from here
+# (not listed in __all__, not documented) so code written against 0.1 keeps running; the
+# core imports no warnings machinery, so docs/pure_core.md carries the deprecation notice.
+_MOVED = {
+    "batch_indices": "nnxscan.pure.epoch",
+    "take_batch": "nnxscan.pure.scan",
+    "scan_indexed_steps": "nnxscan.pure.scan",
+    "scan_loop": "nnxscan.pure.scan",
+    "shard_batch": "nnxscan.pure.scan",
+    "check_batch_size": "nnxscan.pure._checks",
+    "check_leading_size": "nnxscan.pure._checks",
+    "check_transform": "nnxscan.pure._checks",
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module 'nnxscan.pure' has no attribute {name!r}")

@@ -8,11 +8,14 @@ int, never a bool.
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any
 
 import jax
 import numpy as np
 import optax
+from flax import nnx
 
 
 def check_count(value: Any, name: str, minimum: int = 0, maximum: int | None = None) -> int:
@@ -148,3 +151,83 @@ def check_transform(tx: Any) -> optax.GradientTransformation:
         f"tx must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), got "
         f"{type(tx).__name__}.{hint}"
     )
+
+
+def _captured(fn: Any, depth: int = 2, seen: set[int] | None = None) -> list[tuple[str, Any]]:
+    """(description, value) of what ``fn`` captures: closure cells, referenced globals,
+    defaults and ``functools.partial`` arguments, following plain functions it refers to
+    ``depth`` levels down."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen or depth < 0:
+        return []
+    seen.add(id(fn))
+    found: list[tuple[str, Any]] = []
+    if isinstance(fn, functools.partial):
+        found += [(f"a functools.partial argument {i}", a) for i, a in enumerate(fn.args)]
+        found += [(f"the functools.partial keyword {k!r}", v) for k, v in fn.keywords.items()]
+        return found + _captured(fn.func, depth, seen)
+    if not isinstance(fn, types.FunctionType):
+        return found
+    code = fn.__code__
+    cells = zip(code.co_freevars, fn.__closure__ or (), strict=False)
+    for name, cell in cells:
+        try:
+            found.append((f"the closure variable {name!r}", cell.cell_contents))
+        except ValueError:  # an empty cell (a name assigned later)
+            continue
+    for name in code.co_names:
+        if name in fn.__globals__:
+            found.append((f"the global {name!r}", fn.__globals__[name]))
+    for i, value in enumerate(fn.__defaults__ or ()):
+        found.append((f"default argument {i}", value))
+    found += [(f"the default of {k!r}", v) for k, v in (fn.__kwdefaults__ or {}).items()]
+    nested = [
+        value
+        for _, value in found
+        if isinstance(value, types.FunctionType | functools.partial) and value is not fn
+    ]
+    for value in nested:
+        found += _captured(value, depth - 1, seen)
+    return found
+
+
+def check_no_captured_nnx(fn: Any, what: str = "loss_fn") -> None:
+    """Raises TypeError when ``fn`` captures an NNX object (Rngs, metric, module, Variable).
+
+    Inside a compiled step an object captured from outside is a trace-time constant: a
+    captured ``nnx.Rngs`` raises "Cannot mutate RngCount from a different trace level", a
+    captured metric never accumulates, a captured module's weights are baked in. The
+    message says how to pass each kind instead.
+
+    Example:
+      >>> rngs = nnx.Rngs(0)
+      >>> check_no_captured_nnx(lambda m, b: loss_fn(m, b, rngs))
+      Traceback (most recent call last):
+      TypeError: loss_fn captures an nnx.Rngs (the closure variable 'rngs') ...
+    """
+    for where, value in _captured(fn):
+        if isinstance(value, nnx.Rngs):
+            kind = "an nnx.Rngs"
+            fix = (
+                "Pass it to the Trainer (or scan_train) as rngs=... and write the loss as "
+                "loss_fn(model, batch, rngs); with the pure core, make_train_step(..., "
+                "with_rngs=True) and split (model, rngs). Its counts then advance every "
+                "step, as in Flax's own loop."
+            )
+        elif isinstance(value, nnx.Metric):
+            kind = "an NNX metric"
+            fix = (
+                "Pass it to the Trainer as metrics=... with update_metrics=fn, where "
+                "fn(metrics, loss, aux, batch) updates it; with the pure core, "
+                "make_train_step(..., update_metrics=fn) and split (model, metrics)."
+            )
+        elif isinstance(value, nnx.Pytree | nnx.Variable):
+            kind = f"an NNX object ({type(value).__name__})"
+            fix = (
+                "Inside the compiled step it would be a constant: its weights baked in, its "
+                "state never updated. Make it part of the model (an attribute of the module "
+                "you train; keep it frozen with wrt=...), or use the model argument."
+            )
+        else:
+            continue
+        raise TypeError(f"{what} captures {kind} ({where}). {fix}")

@@ -64,14 +64,24 @@ def batches_from_order(
     return full, tail
 
 
+def batch_indices(
+    key: jax.Array | None, num_examples: int, batch_size: int, *, drop_remainder: bool = True
+) -> tuple[jax.Array, jax.Array | None]:
+    """Deprecated: ``batches_from_order`` of a key's permutation (``None``: stored order)."""
+    batch_size = check_batch_size(batch_size, num_examples, drop_remainder=drop_remainder)
+    order = _epoch_order(key, num_examples, shuffle=key is not None)
+    return batches_from_order(order, batch_size, drop_remainder=drop_remainder)
+
+
 def _is_key(x: Any) -> bool:
-    """A typed PRNG key, or a legacy ``jax.random.PRNGKey`` (uint32 of shape (2,))."""
+    """A typed PRNG key, or a raw one (``jax.random.PRNGKey``: unsigned ints). Orders are
+    signed ints, so the two never mix up."""
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return False
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return True
-    return np.dtype(dtype) == np.uint32 and tuple(np.shape(x)) == (2,)
+    return jnp.issubdtype(dtype, jnp.unsignedinteger)
 
 
 def _epoch_order(key_or_order: Any, n: int, shuffle: bool) -> jax.Array:

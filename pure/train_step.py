@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnxscan.pure._checks import check_count, check_transform
+from nnxscan.pure._checks import check_count, check_no_captured_nnx, check_transform
+from nnxscan.pure._node import Parts, unpack
 from nnxscan.pure.nonfinite import all_finite, tree_select
 
 __all__ = ["init_opt_state", "make_train_step", "split_wrt"]
@@ -70,12 +71,15 @@ def make_train_step(
     has_aux: bool = False,
     skip_nonfinite: bool = False,
     accumulate: int = 1,
+    with_rngs: bool = False,
+    update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
 ) -> StepFn:
     """Builds a pure training step for an NNX model.
 
     Args:
       loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or ``(loss, aux)`` with
-        ``has_aux=True``. ``model`` is a live NNX module merged inside the traced function.
+        ``has_aux=True``; ``loss_fn(model, batch, rngs)`` with ``with_rngs``. ``model`` is
+        a live NNX module merged inside the traced function.
       tx: the optax transform that updates the ``wrt`` variables.
       wrt: an NNX filter choosing the variables to differentiate and update.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
@@ -91,6 +95,14 @@ def make_train_step(
         is skipped only when all are), so one bad micro-batch never poisons later steps
         (unlike ``optax.MultiSteps(optax.apply_if_finite(...))``, whose accumulator keeps
         the NaN).
+      with_rngs: the loss takes call-time ``nnx.Rngs`` as its third argument, as in Flax's
+        MNIST tutorial. The Rngs travel in the state: split ``(model, rngs)``. Its counts
+        advance every step exactly as in the plain loop that passes ``rngs`` to each step.
+      update_metrics: ``update_metrics(metrics, loss, aux, batch)`` updates NNX metrics
+        (an ``nnx.Metric`` or ``nnx.MultiMetric``) inside the step, with the loss and aux
+        of the step (gradients stopped). The metrics travel in the state: split
+        ``(model, metrics)`` or ``(model, rngs, metrics)``. A skipped (non-finite) step
+        leaves them as they were; with ``accumulate`` they are updated per micro-batch.
 
     Returns:
       ``step(graphdef, state, opt_state, batch) -> (state, opt_state, loss)``, or with
@@ -102,28 +114,35 @@ def make_train_step(
       >>> graphdef, state = nnx.split(model)
       >>> opt_state = init_opt_state(tx, state)
       >>> state, opt_state, loss = jax.jit(step)(graphdef, state, opt_state, batch)
+
+      With call-time Rngs and metrics (the Flax NNX MNIST tutorial's loss and MultiMetric):
+
+      >>> step = make_train_step(loss_fn, tx, has_aux=True, with_rngs=True,
+      ...     update_metrics=lambda m, loss, logits, b: m.update(
+      ...         loss=loss, logits=logits, labels=b["label"]))
+      >>> graphdef, state = nnx.split((model, rngs, metrics))
     """
     tx = check_transform(tx)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
     accumulate = check_count(accumulate, "accumulate", 1)
+    if update_metrics is not None and not callable(update_metrics):
+        raise TypeError(f"update_metrics must be callable, got {type(update_metrics).__name__}.")
+    check_no_captured_nnx(loss_fn, "loss_fn")
 
     def value_and_grad(graphdef, params, rest, batch):
         def forward(params):
             # copy=True: merging without a copy breaks Dropout under grad outside jit
             # (flax#5050), and copying is free under jit.
-            model = nnx.merge(graphdef, params, rest, copy=True)
-            out = loss_fn(model, batch)
-            if has_aux and not (isinstance(out, tuple | list) and len(out) == 2):
-                raise ValueError(
-                    f"has_aux=True, so loss_fn must return (loss, aux); it returned a "
-                    f"{type(out).__name__}. Pass has_aux=False for a plain scalar loss."
-                )
-            loss, aux = out if has_aux else (out, None)
-            _check_scalar_loss(loss, has_aux)
-            # The whole state after the forward pass carries the moved batch statistics
-            # and advanced RNG counts back out of the trace.
-            return loss, (aux, nnx.state(model))
+            node = nnx.merge(graphdef, params, rest, copy=True)
+            parts = unpack(node, with_rngs=with_rngs, with_metrics=update_metrics is not None)
+            loss, aux = call_loss(loss_fn, parts, batch, has_aux)
+            if update_metrics is not None:
+                stopped = jax.lax.stop_gradient((loss, aux))
+                update_metrics(parts.metrics, *stopped, batch)
+            # The whole state after the forward pass carries the moved batch statistics,
+            # advanced RNG counts and updated metrics back out of the trace.
+            return loss, (aux, nnx.state(node))
 
         (loss, (aux, new_state)), grads = jax.value_and_grad(forward, has_aux=True)(params)
         _, new_rest = nnx.split_state(new_state, wrt, ...)
@@ -171,6 +190,22 @@ def make_train_step(
 
     step.__doc__ = f"Pure training step of {getattr(loss_fn, '__name__', 'loss_fn')}."
     return step
+
+
+def call_loss(loss_fn: Callable, parts: Parts, batch: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``loss_fn`` on the merged parts; returns ``(loss, aux)`` after checking their form."""
+    if parts.rngs is None:
+        out = loss_fn(parts.model, batch)
+    else:
+        out = loss_fn(parts.model, batch, parts.rngs)
+    if has_aux and not (isinstance(out, tuple | list) and len(out) == 2):
+        raise ValueError(
+            f"has_aux=True, so loss_fn must return (loss, aux); it returned a "
+            f"{type(out).__name__}. Pass has_aux=False for a plain scalar loss."
+        )
+    loss, aux = out if has_aux else (out, None)
+    _check_scalar_loss(loss, has_aux)
+    return loss, aux
 
 
 def _keep_unless(ok: jax.Array, old: nnx.State, new: nnx.State) -> nnx.State:

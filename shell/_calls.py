@@ -68,6 +68,18 @@ class LiveState:
         self._runner: tuple | None = None
         self._write = write
         self.unwritten_steps = 0
+        # Whether the leaves differ from what the user's objects hold. Not the same as
+        # unwritten_steps > 0: a call that halted at its first step trained 0 steps, yet
+        # consumed (donated) the buffers the objects hold, so its output must be written.
+        self.unwritten = False
+
+    def reload(self, state: nnx.State, opt_state: Any) -> None:
+        """Carries on from ``(state, opt_state)`` read anew from the user's objects (after
+        they were changed between calls, e.g. metrics reset); every write is flushed."""
+        assert not self.unwritten, "reload would lose unwritten steps"
+        leaves, treedef = jax.tree.flatten((state, opt_state))
+        assert treedef == self.treedef, "the carry's structure changed"
+        self.leaves = _unaliased(self.placement.put_carry(leaves), key=_buffer_key)
 
     def runner(self, program: TrainProgram, graphdef: nnx.GraphDef, donate: bool) -> Any:
         """The compiled runner for this carry, looked up once per fit, not per epoch:
@@ -83,10 +95,11 @@ class LiveState:
     def advance(self, leaves: list, steps: int) -> None:
         self.leaves = leaves
         self.unwritten_steps += steps
+        self.unwritten = True
 
     def flush(self) -> None:
-        if self.unwritten_steps:
-            steps, self.unwritten_steps = self.unwritten_steps, 0
+        if self.unwritten:
+            steps, self.unwritten_steps, self.unwritten = self.unwritten_steps, 0, False
             state, opt_state = jax.tree.unflatten(self.treedef, self.leaves)
             self._write(state, opt_state, steps)
 
@@ -180,16 +193,21 @@ def run_calls(
     calls: Iterable[Call],
     on_call: Callable[[int, Any], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    *,
+    write_every_call: bool = False,
 ) -> list[Any]:
     """Runs the compiled calls in order; returns each call's stacked outputs.
 
     ``on_call(steps, out)`` runs after each call (the model written back, except under the
-    per-step plan); when ``should_stop()`` then says so, the remaining calls are skipped.
+    per-step plan without ``write_every_call``); when ``should_stop()`` then says so, the
+    remaining calls are skipped.
     The user's objects hold the final state when this returns, and the last completed
     state when it raises (whether the call, the data source or an interrupt raised).
     """
     plan, donate = execution
-    write_each_call = plan.kind != "step"
+    # The per-step plan writes back once per stretch of calls (per-step Python would cost
+    # more than the step) unless something looks at the objects after every call.
+    write_each_call = plan.kind != "step" or write_every_call
     run = live.runner(program, graphdef, donate)
     outs = []
     try:

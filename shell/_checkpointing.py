@@ -29,9 +29,15 @@ def save(owner: Owner, directory: str | os.PathLike[str], *, max_to_keep: int = 
     ckpt = _adapter()
     path = pathlib.Path(directory).resolve()
     step = owner.step
-    if ckpt.latest_step(path) == step:  # e.g. save() right after restore()
+    existing = ckpt.latest_step(path) == step
+    if existing and not owner.loaded_since_checkpoint:  # e.g. save() right after restore()
         return path / str(step)
-    return ckpt.save_checkpoint(path, step, owner.checkpoint_tree(), max_to_keep=max_to_keep)
+    # A state loaded at the same step (EarlyStopping's best epoch) replaces the checkpoint.
+    saved = ckpt.save_checkpoint(
+        path, step, owner.checkpoint_tree(), max_to_keep=max_to_keep, replace=existing
+    )
+    owner.loaded_since_checkpoint = False
+    return saved
 
 
 def restore(

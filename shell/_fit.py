@@ -94,6 +94,11 @@ class FitLoop:
         history = History()
         if epochs == 0:
             return history
+        if self.owner.metrics is not None:
+            # An epoch's train_<metric> logs cover exactly that epoch's steps: start the
+            # metrics afresh, and carry their reset state (read again after the reset).
+            self.owner.reset_metrics()
+            _, state, opt_state = self.owner.read()
         live = LiveState(state, opt_state, self.owner.writer(), self.placement)
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
         injected = learning_rate(opt_state) is not None
@@ -118,18 +123,19 @@ class FitLoop:
         if self._stop_requested:
             return False
         start = time.perf_counter()
-        step_now = [first_step]  # a Python int: callbacks reading it force no host sync
 
         def on_call(steps: int, out: Any) -> None:
-            step_now[0] += steps
             bar.call_done(epoch, steps, out)
             if callbacks.has_call_hooks:
-                callbacks("on_call_end", {"epoch": epoch, "step": step_now[0]})
+                # Written back after every call when there are hooks: owner.step is a
+                # Python int, so reading it forces no host sync.
+                callbacks("on_call_end", {"epoch": epoch, "step": owner.step})
 
         try:
             outs = run_calls(
                 self.program, self.execution, graphdef, live, epoch_calls(epoch, stats),
                 on_call, lambda: self._stop_requested,
+                write_every_call=callbacks.has_call_hooks,  # hooks see the trained model
             )  # fmt: skip
         except NonFiniteStop as stop:
             raise self._nonfinite_error(history, epoch, first_step, stop, start, stats) from None
@@ -143,6 +149,11 @@ class FitLoop:
             return False
         skipping = self.program.skips_nonfinite
         logs, losses = epoch_logs(epoch, outs, start, self.program.has_aux, stats, skipping)
+        if owner.metrics is not None:
+            logs.update({f"train_{k}": v for k, v in owner.take_metrics().items()})
+            # take_metrics reset the user's metrics: the next epoch starts from them.
+            _, state, opt_state = owner.read()
+            live.reload(state, opt_state)
         if injected:
             logs["learning_rate"] = learning_rate(owner.opt_state)
         if not complete:

@@ -11,13 +11,39 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from nnxscan.adapters.nnx_optimizer import optax_state_from_optimizer, optimizer_state_writer
 from nnxscan.pure import init_opt_state, split_wrt
 from nnxscan.pure._checks import check_transform
+from nnxscan.pure._node import node_of
+
+
+def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
+    """``metrics.compute()``'s result as flat logs of host values (floats for scalars).
+
+    An ``nnx.MultiMetric`` gives one entry per metric; a single metric is named by its
+    ``argname`` (``Average("loss")`` -> ``loss``) or its class; a named tuple of
+    statistics (``Welford``) gives ``<name>_<field>``.
+
+    Example:
+      >>> metric_logs(metrics.compute(), metrics)
+      {'accuracy': 0.5, 'loss': 1.2}
+    """
+    name = getattr(metrics, "argname", None) or type(metrics).__name__.lower()
+    if isinstance(computed, dict):
+        items = dict(computed)
+    elif hasattr(computed, "_asdict"):
+        items = {f"{name}_{k}": v for k, v in computed._asdict().items()}
+    else:
+        items = {name: computed}
+    host = jax.device_get(items)
+    return {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in host.items()}
+
 
 Writer = Callable[[nnx.State, Any, int], None]
 
@@ -31,6 +57,9 @@ class Owner:
         or an ``nnx.Optimizer`` built on ``model`` (its state and ``step`` are then the
         truth, kept up to date after every compiled call).
       wrt: the filter of the trained variables (an optimizer brings its own).
+      rngs, metrics: call-time ``nnx.Rngs`` and NNX metrics that travel with the model
+        through every compiled call (the step splits ``(model, rngs, metrics)``) and are
+        written back with it.
     """
 
     def __init__(
@@ -38,10 +67,21 @@ class Owner:
         model: nnx.Module,
         tx_or_optimizer: optax.GradientTransformation | nnx.Optimizer,
         wrt: nnx.filterlib.Filter = nnx.Param,
+        *,
+        rngs: nnx.Rngs | None = None,
+        metrics: nnx.Metric | None = None,
     ):
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
-        self.model = model
+        if rngs is not None and not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}.")
+        if metrics is not None and not isinstance(metrics, nnx.Metric):
+            raise TypeError(
+                f"metrics must be an nnx.Metric or nnx.MultiMetric, got {type(metrics).__name__}."
+            )
+        self.model, self.rngs, self.metrics = model, rngs, metrics
+        # What every compiled call carries: the model, or (model, rngs, metrics).
+        self.node = node_of(model, rngs, metrics)
         self.optimizer: nnx.Optimizer | None = None
         if isinstance(tx_or_optimizer, nnx.Optimizer):
             if wrt is not nnx.Param and wrt != tx_or_optimizer.wrt:
@@ -52,16 +92,19 @@ class Owner:
             self.optimizer = tx_or_optimizer
             self.wrt = tx_or_optimizer.wrt
             self.tx = check_transform(tx_or_optimizer.tx)
-            params, _ = split_wrt(nnx.state(model), self.wrt)
+            params, _ = split_wrt(nnx.state(self.node), self.wrt)
             optax_state_from_optimizer(self.optimizer, params)  # validates, raises early
             self._opt_state = None
         else:
             self.tx = check_transform(tx_or_optimizer)
             self.wrt = wrt
-            self._opt_state = init_opt_state(self.tx, nnx.state(model), wrt)
+            self._opt_state = init_opt_state(self.tx, nnx.state(self.node), wrt)
         self.epoch = 0
         self.seed = 0
         self._own_step = 0
+        # A state loaded into the model without a step (load()) makes a checkpoint at the
+        # current step stale.
+        self.loaded_since_checkpoint = False
         # The optimizer's step array as last read or written, and its value: reading
         # ``step`` then needs no device sync unless the user stepped the optimizer since.
         self._step_cache: tuple[Any, int] | None = None
@@ -83,13 +126,30 @@ class Owner:
         """The optax state, in the structure ``tx.init(params)`` gives."""
         if self.optimizer is None:
             return self._opt_state
-        params, _ = split_wrt(nnx.state(self.model), self.wrt)
+        params, _ = split_wrt(nnx.state(self.node), self.wrt)
         return optax_state_from_optimizer(self.optimizer, params)
 
     def read(self) -> tuple[nnx.GraphDef, nnx.State, Any]:
         """``(graphdef, state, opt_state)`` of the user's objects (their own buffers)."""
-        graphdef, state = nnx.split(self.model)
+        graphdef, state = nnx.split(self.node)
         return graphdef, state, self.opt_state
+
+    def reset_metrics(self) -> None:
+        """Starts the training metrics afresh (at the start of a fit)."""
+        if self.metrics is not None:
+            self.metrics.reset()
+
+    def take_metrics(self) -> dict[str, Any]:
+        """The training metrics accumulated since the last call, then reset (one host read).
+
+        ``compute()`` of an ``nnx.MultiMetric`` gives one entry per metric; a single metric
+        is named by its ``argname`` (``Average("loss")`` -> ``loss``) or its class.
+        """
+        if self.metrics is None:
+            return {}
+        values = metric_logs(self.metrics.compute(), self.metrics)
+        self.metrics.reset()
+        return values
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -100,7 +160,7 @@ class Owner:
         if self.optimizer is None:
 
             def write(state: nnx.State, opt_state: Any, steps: int) -> None:
-                nnx.update(self.model, state)
+                nnx.update(self.node, state)
                 self._opt_state = opt_state
                 self._own_step += steps
 
@@ -112,7 +172,7 @@ class Owner:
         def write_with_optimizer(state: nnx.State, opt_state: Any, steps: int) -> None:
             new_step = self.step + steps
             step_array = jnp.asarray(new_step, jnp.uint32)
-            nnx.update(self.model, state)
+            nnx.update(self.node, state)
             nnx.update(optimizer, build(opt_state, step_array))
             self._step_cache = (optimizer.step.get_value(), new_step)
 
@@ -121,11 +181,12 @@ class Owner:
     def load(self, state: nnx.State) -> None:
         """Writes a module state (e.g. a kept copy of the best epoch) into the model only."""
         nnx.update(self.model, state)
+        self.loaded_since_checkpoint = True
 
     def checkpoint_tree(self) -> dict[str, Any]:
         """What a checkpoint holds: module state, optax state, and the counters."""
         meta = {"epoch": self.epoch, "step": self.step, "seed": self.seed}
-        return {"state": nnx.state(self.model), "opt_state": self.opt_state, "meta": meta}
+        return {"state": nnx.state(self.node), "opt_state": self.opt_state, "meta": meta}
 
     def restore(self, tree: dict[str, Any]) -> None:
         """Writes a checkpoint tree (as :meth:`checkpoint_tree` made it) into the objects.
@@ -134,10 +195,10 @@ class Owner:
         """
         meta = tree["meta"]
         for name in ("epoch", "step", "seed"):
-            if not isinstance(meta[name], int):
+            if isinstance(meta[name], bool) or not isinstance(meta[name], int):
                 raise ValueError(f"checkpoint meta {name}={meta[name]!r} is not an int.")
         if self.optimizer is None:
-            nnx.update(self.model, tree["state"])
+            nnx.update(self.node, tree["state"])
             self._opt_state = tree["opt_state"]
             self._own_step = meta["step"]
         else:
@@ -145,7 +206,8 @@ class Owner:
             update = optimizer_state_writer(self.optimizer)(
                 tree["opt_state"], jnp.asarray(meta["step"], jnp.uint32)
             )
-            nnx.update(self.model, tree["state"])
+            nnx.update(self.node, tree["state"])
             nnx.update(self.optimizer, update)
             self._step_cache = None
         self.epoch, self.seed = meta["epoch"], meta["seed"]
+        self.loaded_since_checkpoint = False

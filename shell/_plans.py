@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from nnxscan.pure._checks import abstract_batch
+from nnxscan.pure._checks import abstract_batch, check_count
 
 # Chunks of 4 unrolled steps measured best for the NNX MNIST tutorial CNN on this CPU
 # (1.07 ms/step vs 1.48 for 8 and 1.65 for one step per call).
@@ -78,10 +78,8 @@ def resolve_plan(execution: str | Plan) -> Plan | None:
         )
     if plan.kind not in _KINDS:
         raise ValueError(f"Plan kind {plan.kind!r} is not one of {_KINDS}.")
-    if plan.steps_per_call is not None and (
-        not isinstance(plan.steps_per_call, int) or plan.steps_per_call < 1
-    ):
-        raise ValueError(f"steps_per_call must be None or an int >= 1, got {plan.steps_per_call}.")
+    if plan.steps_per_call is not None:
+        plan = plan._replace(steps_per_call=check_count(plan.steps_per_call, "steps_per_call", 1))
     if plan.kind == "step" and plan.steps_per_call != 1:
         raise ValueError("Plan('step') runs one step per call; use Plan('unrolled', k) for k.")
     return plan

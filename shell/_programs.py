@@ -16,7 +16,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from nnxscan.pure import halt_after_nonfinite, make_evaluate, make_train_step
+from nnxscan.pure import (
+    halt_after_nonfinite,
+    make_evaluate,
+    make_evaluate_metrics,
+    make_train_step,
+)
 from nnxscan.pure.scan import scan_indexed_steps
 from nnxscan.shell._plans import StepTraits, step_traits
 
@@ -85,6 +90,8 @@ class TrainProgram:
         has_aux: bool,
         on_nonfinite: str = "ignore",
         accumulate: int = 1,
+        with_rngs: bool = False,
+        update_metrics: Callable | None = None,
     ):
         self.step = make_train_step(
             loss_fn,
@@ -93,6 +100,8 @@ class TrainProgram:
             has_aux=has_aux,
             skip_nonfinite=on_nonfinite != "ignore",
             accumulate=accumulate,
+            with_rngs=with_rngs,
+            update_metrics=update_metrics,
         )
         self.has_aux = has_aux
         # "stop": every call halts at its first non-finite step and reports whether it did.
@@ -168,6 +177,8 @@ def train_program(
     has_aux: bool,
     on_nonfinite: str = "ignore",
     accumulate: int = 1,
+    with_rngs: bool = False,
+    update_metrics: Callable | None = None,
 ) -> TrainProgram:
     """The cached :class:`TrainProgram` for these objects (built on first use)."""
     key = (
@@ -177,9 +188,15 @@ def train_program(
         bool(has_aux),
         on_nonfinite,
         accumulate,
+        with_rngs,
+        _identity_key(update_metrics),
     )
     return _lookup(
-        _TRAIN, key, lambda: TrainProgram(loss_fn, tx, wrt, has_aux, on_nonfinite, accumulate)
+        _TRAIN,
+        key,
+        lambda: TrainProgram(
+            loss_fn, tx, wrt, has_aux, on_nonfinite, accumulate, with_rngs, update_metrics
+        ),
     )
 
 
@@ -190,4 +207,21 @@ def evaluator(metric_fn: Callable, batch_size: int, eval_mode: bool = True) -> C
         _EVAL,
         key,
         lambda: jax.jit(make_evaluate(metric_fn, batch_size=batch_size, eval_mode=eval_mode)),
+    )
+
+
+def metrics_evaluator(
+    loss_fn: Callable,
+    update_metrics: Callable,
+    batch_size: int,
+    *,
+    has_aux: bool,
+    with_rngs: bool,
+    eval_mode: bool = True,
+) -> Callable:
+    """The cached, jitted ``evaluate(graphdef, state, data) -> metrics.compute()``."""
+    options = dict(batch_size=batch_size, has_aux=has_aux, with_rngs=with_rngs, eval_mode=eval_mode)
+    key = ("metrics", _identity_key(loss_fn), _identity_key(update_metrics), *options.items())
+    return _lookup(
+        _EVAL, key, lambda: jax.jit(make_evaluate_metrics(loss_fn, update_metrics, **options))
     )

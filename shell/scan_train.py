@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from nnxscan.pure._checks import abstract_batch, check_leading_size
+from nnxscan.pure._checks import abstract_batch, check_batch_size, check_leading_size
 from nnxscan.shell._calls import LiveState, plan_calls, prepare_execution, run_calls
+from nnxscan.shell._epochs import EpochStats, array_epochs
 from nnxscan.shell._owner import Owner
-from nnxscan.shell._placement import Placement
+from nnxscan.shell._placement import Placement, device_of
 from nnxscan.shell._plans import Plan, resolve_plan
 from nnxscan.shell._programs import train_program
 
@@ -22,12 +25,15 @@ __all__ = ["scan_train"]
 def scan_train(
     model: nnx.Module,
     optimizer: nnx.Optimizer,
-    loss_fn: Callable[[nnx.Module, Any], Any],
+    loss_fn: Callable[..., Any],
     batches: Any,
     *,
+    batch_size: int | None = None,
+    drop_remainder: bool = True,
+    rngs: nnx.Rngs | None = None,
     execution: str | Plan = "auto",
 ) -> jax.Array:
-    """Trains one step per entry of the leading axis of ``batches``, compiled as one scan.
+    """Trains one step per batch, compiled as one scan, on the user's model and optimizer.
 
     ``model`` and ``optimizer`` (its optax state and ``step`` counter) are updated in place,
     exactly as ``optimizer.update(model, grads)`` in a per-step loop would. A second call with
@@ -36,8 +42,16 @@ def scan_train(
     Args:
       model: the ``nnx.Module`` to train.
       optimizer: an ``nnx.Optimizer`` built on ``model`` (its ``tx`` and ``wrt`` are used).
-      loss_fn: ``loss_fn(model, batch)`` returning a scalar.
-      batches: a pytree whose leaves share a leading steps axis: ``(steps, batch, ...)``.
+      loss_fn: ``loss_fn(model, batch)`` returning a scalar; ``loss_fn(model, batch, rngs)``
+        with ``rngs``.
+      batches: without ``batch_size``, a pytree whose leaves share a leading steps axis:
+        ``(steps, batch, ...)``. With ``batch_size``, flat data ``(examples, ...)``, cut in
+        order into steps of ``batch_size`` examples.
+      batch_size: cut flat data into steps of this many examples (no shuffling: the
+        examples are used in their order).
+      drop_remainder: with ``batch_size``, drop the ``examples % batch_size`` examples that
+        do not fill a step; ``False`` trains them as one more, shorter step.
+      rngs: call-time ``nnx.Rngs`` passed to ``loss_fn`` and advanced as in a plain loop.
       execution: the plan, as for :class:`Trainer` (``"auto"`` by default).
 
     Returns:
@@ -46,24 +60,52 @@ def scan_train(
     Example:
       >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
       >>> losses = scan_train(model, optimizer, loss_fn, {"x": xs, "y": ys})  # (steps, B, ..)
+      >>> losses = scan_train(model, optimizer, loss_fn, {"x": x, "y": y}, batch_size=32)
     """
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
     if not isinstance(optimizer, nnx.Optimizer):
         raise TypeError(
             f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}. For a plain "
             f"optax transform use Trainer or nnxscan.pure.scan_steps."
         )
-    num_steps = check_leading_size(batches, "batches")
+    num = check_leading_size(batches, "batches")
+    if batch_size is None:
+        _check_steps_axis(batches)
+    else:
+        batch_size = check_batch_size(batch_size, num, drop_remainder=drop_remainder)
     explicit = resolve_plan(execution)
-    owner = Owner(model, optimizer)
+    owner = Owner(model, optimizer, rngs=rngs)
     graphdef, state, opt_state = owner.read()
-    program = train_program(loss_fn, owner.tx, owner.wrt, False)
-    batches = Placement().put_data(batches, state)
-    one_batch = abstract_batch(batches, drop_leading=True)
+    program = train_program(loss_fn, owner.tx, owner.wrt, False, with_rngs=rngs is not None)
+    placement = Placement()
+    batches = placement.put_data(batches, state)
+    if batch_size is None:
+        one_batch = abstract_batch(batches, drop_leading=True)
+    else:
+        one_batch = abstract_batch(batches, leading=batch_size)
     execution = prepare_execution(program, explicit, graphdef, state, opt_state, one_batch)
+    if batch_size is None:
+        calls = plan_calls(execution.plan, batches, jnp.arange(num, dtype=jnp.int32), num)
+    else:
+        # The same cut as an unshuffled epoch of Trainer.fit.
+        epoch_calls, _ = array_epochs(
+            execution.plan, batches, functools.partial(placement.put_data, device=device_of(state)),
+            num_examples=num,
+            batch_size=batch_size, seed=0, shuffle=False,
+            keep_tail=not drop_remainder and num % batch_size > 0,
+        )  # fmt: skip
+        calls = epoch_calls(0, EpochStats())
     live = LiveState(state, opt_state, owner.writer())
-    indices = jnp.arange(num_steps, dtype=jnp.int32)
-    calls = plan_calls(execution.plan, batches, indices, num_steps)
     outs = run_calls(program, execution, graphdef, live, calls)
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+
+
+def _check_steps_axis(batches: Any) -> None:
+    """Stacked batches need a steps axis AND a batch axis: flat data is a likely mistake."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batches):
+        if np.ndim(leaf) < 2:
+            raise ValueError(
+                f"batches leaf {jax.tree_util.keystr(path)} has shape {tuple(np.shape(leaf))}, "
+                f"but scan_train expects stacked batches (steps, batch, ...): every leaf needs "
+                f"a steps axis and a batch axis. For flat data (examples, ...), pass "
+                f"batch_size=B to cut it into steps of B examples."
+            )

@@ -18,19 +18,40 @@ import jax
 import optax
 from flax import nnx
 
-from nnxscan.pure._checks import abstract_batch, check_batch_size, check_count, check_leading_size
+from nnxscan.pure._checks import (
+    abstract_batch,
+    check_batch_size,
+    check_count,
+    check_leading_size,
+    check_no_captured_nnx,
+)
+from nnxscan.pure._node import node_of
 from nnxscan.shell import _checkpointing
 from nnxscan.shell._calls import Execution, prepare_execution
 from nnxscan.shell._epochs import array_epochs, peek_stream, stream_epochs, with_steps_per_call
 from nnxscan.shell._fit import CallbackList, Evaluation, FitLoop
-from nnxscan.shell._owner import Owner
+from nnxscan.shell._owner import Owner, metric_logs
 from nnxscan.shell._placement import Placement, device_of, to_host
 from nnxscan.shell._plans import Plan, resolve_plan
-from nnxscan.shell._programs import evaluator, train_program
+from nnxscan.shell._programs import evaluator, metrics_evaluator, train_program
 from nnxscan.shell._streaming import EpochSource, default_chunk_size, is_stream
 from nnxscan.shell.history import History
 
 __all__ = ["Trainer"]
+
+
+def _check_positional(tx_or_optimizer: Any, loss_fn: Any, extra: tuple) -> None:
+    """Explains the usual mix-up: an nnx.Optimizer AND an optax transform, or no loss."""
+    transform = optax.GradientTransformation | optax.MultiSteps
+    if extra or isinstance(loss_fn, transform):
+        got = ", ".join(type(x).__name__ for x in (tx_or_optimizer, loss_fn, *extra))
+        raise TypeError(
+            f"Trainer(model, tx_or_optimizer, loss_fn) takes ONE of an nnx.Optimizer or an "
+            f"optax transform, then the loss; got (model, {got}). An nnx.Optimizer already "
+            f"holds its transform: Trainer(model, nnx.Optimizer(model, optax.adam(1e-3), "
+            f"wrt=nnx.Param), loss_fn), or Trainer(model, optax.adam(1e-3), loss_fn). "
+            f"Options such as has_aux= are keyword-only."
+        )
 
 
 _MAX_SEED = 2**31 - 1  # the seed enters numpy's generator and checkpoints as an int32
@@ -48,12 +69,12 @@ class Trainer:
         ``step`` is the one step counter (``trainer.step`` reads it; checkpoints save and
         restore it).
       loss_fn: ``loss_fn(model, batch)`` returning a scalar, or ``(loss, aux)`` with
-        ``has_aux=True``.
+        ``has_aux=True``; with ``rngs``, ``loss_fn(model, batch, rngs)``.
       wrt: the NNX filter of the variables to train (an ``nnx.Optimizer`` brings its own).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; scalar aux leaves are averaged
         into the epoch logs.
       execution: ``"auto"``, ``"scan"``, ``"unrolled"``, ``"step"`` or a ``Plan`` (see
-        :mod:`nnxscan.shell._plans` for the rule ``"auto"`` follows).
+        ``docs/performance.md`` for the rule ``"auto"`` follows).
       on_nonfinite: what a step with a non-finite loss or gradient does. ``"ignore"`` (the
         default, the plain loop's behaviour): it is applied. ``"skip"``: it leaves the
         model and optax state unchanged (inside the compiled loop, no host sync), reports
@@ -68,21 +89,36 @@ class Trainer:
         number of devices on that axis.
       fsdp_min_size: with a mesh, also shard every carry array (parameters, optax
         moments) of at least this many elements along its largest dimension that the
-        axis size divides (FSDP-style; see :func:`nnxscan.shell._placement.fsdp_spec`).
+        axis size divides (FSDP-style; see ``docs/scaling.md``).
+      rngs: call-time ``nnx.Rngs``, as the Flax NNX tutorial passes to each step: the loss
+        is called as ``loss_fn(model, batch, rngs)``, the Rngs' state travels through every
+        compiled call and is written back, advancing exactly as in the tutorial's loop.
+      metrics, update_metrics: an ``nnx.Metric`` / ``nnx.MultiMetric`` and
+        ``update_metrics(metrics, loss, aux, batch)`` that updates it inside the compiled
+        step (no host sync per step). Each epoch's logs gain ``train_<name>`` from
+        ``metrics.compute()``, then the metrics are reset. ``evaluate`` and ``fit``'s
+        evaluation use them too when no ``metric_fn`` is given.
 
     Example:
       >>> trainer = Trainer(model, optax.adam(1e-3), loss_fn)
       >>> history = trainer.fit({"x": x, "y": y}, epochs=10, batch_size=32)
       >>> trainer.evaluate({"x": x_test, "y": y_test}, accuracy, batch_size=256)
       {'accuracy': 0.97}
+
+      The Flax NNX MNIST tutorial's own model, loss and metrics, unchanged:
+
+      >>> trainer = Trainer(model, optimizer, loss_fn, has_aux=True, rngs=nnx.Rngs(0),
+      ...     metrics=metrics, update_metrics=lambda m, loss, logits, b: m.update(
+      ...         loss=loss, logits=logits, labels=b["label"]))
+      >>> trainer.fit(train, epochs=3, batch_size=32, eval_data=test)  # train_/eval_ metrics
     """
 
     def __init__(
         self,
         model: nnx.Module,
         tx_or_optimizer: optax.GradientTransformation | nnx.Optimizer,
-        loss_fn: Callable[[nnx.Module, Any], Any],
-        *,
+        loss_fn: Callable[..., Any],
+        *mixed_up: Any,
         wrt: nnx.filterlib.Filter = nnx.Param,
         has_aux: bool = False,
         execution: str | Plan = "auto",
@@ -91,9 +127,25 @@ class Trainer:
         mesh: jax.sharding.Mesh | None = None,
         data_axis: str = "data",
         fsdp_min_size: int | None = None,
+        rngs: nnx.Rngs | None = None,
+        metrics: nnx.Metric | None = None,
+        update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
     ):
+        # ``*mixed_up`` only catches extra positional arguments to explain them: Python's
+        # own "takes 4 positional arguments but 5 were given" says nothing useful.
+        _check_positional(tx_or_optimizer, loss_fn, mixed_up)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+        check_no_captured_nnx(loss_fn, "loss_fn")  # first: nothing may compile before it
+        if (metrics is None) != (update_metrics is None):
+            raise ValueError(
+                "metrics and update_metrics go together: metrics=nnx.MultiMetric(...) and "
+                "update_metrics=lambda metrics, loss, aux, batch: metrics.update(...)."
+            )
+        if update_metrics is not None and not callable(update_metrics):
+            raise TypeError(
+                f"update_metrics must be callable, got {type(update_metrics).__name__}."
+            )
         if on_nonfinite not in _NONFINITE_POLICIES:
             raise ValueError(
                 f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(_NONFINITE_POLICIES)}."
@@ -101,14 +153,16 @@ class Trainer:
         accumulate = check_count(accumulate, "accumulate", 1)
         self._explicit_plan = resolve_plan(execution)
         self._placement = Placement(mesh, data_axis, fsdp_min_size)
-        self._owner = Owner(model, tx_or_optimizer, wrt)
+        self._owner = Owner(model, tx_or_optimizer, wrt, rngs=rngs, metrics=metrics)
         self.loss_fn = loss_fn
         self.has_aux = bool(has_aux)
+        self.update_metrics = update_metrics
         self.on_nonfinite = on_nonfinite
         self.stop_training = False
         self._program = train_program(
-            loss_fn, self.tx, self.wrt, self.has_aux, on_nonfinite, accumulate
-        )
+            loss_fn, self.tx, self.wrt, self.has_aux, on_nonfinite, accumulate,
+            rngs is not None, update_metrics,
+        )  # fmt: skip
 
     # -- the user's objects and the counters (all held by the owner) ----------------------
 
@@ -131,6 +185,16 @@ class Trainer:
     def wrt(self) -> nnx.filterlib.Filter:
         """The filter of the trained variables."""
         return self._owner.wrt
+
+    @property
+    def rngs(self) -> nnx.Rngs | None:
+        """The call-time ``nnx.Rngs`` the loss receives, when one was given."""
+        return self._owner.rngs
+
+    @property
+    def metrics(self) -> nnx.Metric | None:
+        """The training metrics, when given (reset after each epoch's logs read them)."""
+        return self._owner.metrics
 
     @property
     def opt_state(self) -> Any:
@@ -284,15 +348,24 @@ class Trainer:
         )
 
     def _evaluation(self, data, metric_fn, every, eval_batch_size, batch_size) -> Evaluation:
-        if data is None or metric_fn is None or not callable(metric_fn):
-            raise ValueError("evaluation during fit needs both eval_data and a metric_fn.")
+        if data is None:
+            raise ValueError(
+                "evaluation during fit needs both eval_data and a metric_fn (or the "
+                "trainer's metrics=/update_metrics=)."
+            )
+        if metric_fn is None and self.metrics is None:
+            raise ValueError(
+                "evaluation during fit needs both eval_data and a metric_fn, or NNX "
+                "metrics given to the Trainer as metrics=/update_metrics=."
+            )
         n = check_leading_size(data, "eval_data")
         every = check_count(every, "eval_every", 1)
         size = eval_batch_size or (batch_size if isinstance(batch_size, int) else 256)
         size = check_batch_size(
             min(check_count(size, "eval_batch_size", 1), n), n, drop_remainder=False
         )
-        return Evaluation(every, lambda: self.evaluate(data, metric_fn, batch_size=size))
+        run = self._evaluator(metric_fn, None, None, size, True)
+        return Evaluation(every, lambda: run(data))
 
     def _loop(self, execution: Execution, *, callbacks, progress, evaluation) -> FitLoop:
         return FitLoop(
@@ -386,31 +459,78 @@ class Trainer:
     def evaluate(
         self,
         data: Any,
-        metric_fn: Callable[[nnx.Module, Any], Any],
+        metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
         *,
         batch_size: int,
         eval_mode: bool = True,
-    ) -> dict[str, float]:
-        """Averages ``metric_fn(model, batch)`` over EVERY example of ``data``.
+        metrics: nnx.Metric | None = None,
+        update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
+    ) -> dict[str, Any]:
+        """Evaluates the model over EVERY example of ``data``; returns ``{name: value}``.
 
-        ``metric_fn`` returns a scalar (reported under its function name, or ``"metric"``)
-        or a dict of scalars, each the mean over the batch. A final short batch counts with
-        its true size. With ``eval_mode`` the model runs after ``model.eval()`` (Dropout
-        off, BatchNorm on running statistics); the model itself is not changed.
+        Two ways, one per call:
+
+        - ``metric_fn(model, batch)`` returns a scalar (reported under its function name,
+          or ``"metric"``) or a dict of scalars, each the mean over the batch; the result
+          averages them over all examples (a final short batch counts with its true size).
+        - NNX metrics: ``metrics`` (an ``nnx.Metric`` / ``nnx.MultiMetric``) and
+          ``update_metrics(metrics, loss, aux, batch)``, fed with ``loss_fn`` — the Flax
+          tutorial's ``eval_step``. They default to the trainer's own; the result is
+          ``metrics.compute()`` from a fresh (reset) copy, and the given object is not
+          changed.
+
+        With ``eval_mode`` the model runs after ``model.eval()`` (Dropout off, BatchNorm
+        on running statistics). Nothing in the model, its RNG state or the metrics
+        changes.
 
         Example:
           >>> def accuracy(model, batch):
           ...     return jnp.mean(model(batch["x"]).argmax(-1) == batch["y"])
           >>> trainer.evaluate(test_data, accuracy, batch_size=500)
           {'accuracy': 0.975}
+          >>> trainer.evaluate(test_data, batch_size=500)  # the trainer's NNX metrics
+          {'accuracy': 0.975, 'loss': 0.08}
         """
         n = check_leading_size(data, "data")
         batch_size = check_batch_size(batch_size, n, drop_remainder=False)
-        if not callable(metric_fn):
-            raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
-        graphdef, state = nnx.split(self.model)
-        leaves, treedef = jax.tree.flatten(state)
-        state = jax.tree.unflatten(treedef, self._placement.put_carry(leaves))
-        data = self._placement.put_data(data, state)
-        metrics = evaluator(metric_fn, batch_size, eval_mode)(graphdef, state, data)
-        return {k: float(v) for k, v in to_host(metrics).items()}
+        run = self._evaluator(metric_fn, metrics, update_metrics, batch_size, eval_mode)
+        return run(data)
+
+    def _evaluator(
+        self, metric_fn, metrics, update_metrics, batch_size, eval_mode
+    ) -> Callable[[Any], dict[str, Any]]:
+        """Checks the evaluation arguments (before anything compiles); returns ``run(data)``."""
+        if metric_fn is not None:
+            if metrics is not None or update_metrics is not None:
+                raise ValueError("pass either metric_fn or metrics/update_metrics, not both.")
+            if not callable(metric_fn):
+                raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
+            program = evaluator(metric_fn, batch_size, eval_mode)
+            node = self.model
+        else:
+            metrics = self.metrics if metrics is None else metrics
+            update_metrics = self.update_metrics if update_metrics is None else update_metrics
+            if metrics is None or update_metrics is None:
+                raise ValueError(
+                    "evaluate needs a metric_fn, or NNX metrics: metrics= and "
+                    "update_metrics= here or on the Trainer."
+                )
+            if not isinstance(metrics, nnx.Metric):
+                raise TypeError(f"metrics must be an nnx.Metric, got {type(metrics).__name__}.")
+            program = metrics_evaluator(
+                self.loss_fn, update_metrics, batch_size, has_aux=self.has_aux,
+                with_rngs=self.rngs is not None, eval_mode=eval_mode,
+            )  # fmt: skip
+            node = node_of(self.model, self.rngs, metrics)
+
+        def run(data: Any) -> dict[str, Any]:
+            graphdef, state = nnx.split(node)
+            leaves, treedef = jax.tree.flatten(state)
+            state = jax.tree.unflatten(treedef, self._placement.put_carry(leaves))
+            data = self._placement.put_data(data, state)
+            values = to_host(program(graphdef, state, data))
+            if metric_fn is None:
+                return metric_logs(values, metrics)
+            return {k: float(v) for k, v in values.items()}
+
+        return run

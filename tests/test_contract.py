@@ -182,3 +182,58 @@ def test_counters_are_read_only_views_of_the_owner(data):
     for name in ("step", "epoch", "seed", "model", "optimizer", "opt_state"):
         with pytest.raises(AttributeError):
             setattr(trainer, name, 0)
+
+
+# -- what the review of the reshape found ----------------------------------------------------
+
+
+def test_a_stop_at_the_first_step_of_a_call_leaves_the_objects_readable(data):
+    """The halted call trained 0 steps but consumed the donated buffers: its output (the
+    state before the bad step) must still be written back."""
+    bad = {k: v.copy() for k, v in data.items()}
+    model = MLP(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    trainer = Trainer(model, optimizer, xent, on_nonfinite="stop", execution="scan")
+    order = epoch_order(0, 0, 64)
+    bad["x"][order[4 * BS]] = np.nan  # the first example of step 4: a call boundary
+    with pytest.raises(FloatingPointError, match="global step 4"):
+        trainer.fit(bad, epochs=1, batch_size=BS, steps_per_call=4, progress=False)
+    assert trainer.step == 4 == int(optimizer.step[...])
+    ref = MLP(rngs=nnx.Rngs(0))
+    reference_loop(ref, nnx.Optimizer(ref, TX, wrt=nnx.Param), xent,
+                   epoch_batches(data, BS, 0, 0)[:4])  # fmt: skip
+    assert_trees_close(model, ref)  # readable, and at the state before the bad step
+    trainer.fit(data, epochs=1, batch_size=BS, progress=False)  # and trainable again
+
+
+def test_call_hooks_see_the_trained_model_under_the_step_plan(data):
+    seen = []
+
+    def look(trainer, logs):
+        kernel = np.asarray(nnx.state(trainer.model)["l1"]["kernel"][...])  # not deleted
+        seen.append((logs["step"], trainer.step, float(kernel.sum())))
+
+    from nnxscan.shell import LambdaCallback
+
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent, execution="step")
+    trainer.fit(data, epochs=1, batch_size=BS, progress=False,
+                callbacks=[LambdaCallback(on_call_end=look)])  # fmt: skip
+    assert [s[:2] for s in seen] == [(i, i) for i in range(1, 9)]
+    assert len({s[2] for s in seen}) == 8  # the model moved every step
+
+
+def test_saving_after_early_stopping_restored_the_best_epoch_keeps_the_best(data, tmp_path):
+    from nnxscan.shell import EarlyStopping
+
+    model = MLP(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, optax.sgd(5.0), xent)  # diverges after a few epochs
+    stop = EarlyStopping("loss", patience=1, verbose=False)
+    trainer.fit(data, epochs=8, batch_size=BS, progress=False, checkpoint_dir=tmp_path,
+                callbacks=[stop])  # fmt: skip
+    assert stop.best_epoch < trainer.epoch - 1  # it did rewind past the last checkpoint
+    best = [np.array(x) for x in jax.tree.leaves(nnx.state(model))]
+    trainer.save(tmp_path)
+    fresh = Trainer(MLP(rngs=nnx.Rngs(1)), optax.sgd(5.0), xent)
+    fresh.restore(tmp_path)
+    for a, b in zip(best, jax.tree.leaves(nnx.state(fresh.model)), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))

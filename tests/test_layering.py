@@ -249,8 +249,8 @@ def test_only_the_owner_calls_nnx_update_in_the_shell():
 PUBLIC = {
     "nnxscan.pure": {
         "make_train_step", "init_opt_state", "scan_steps", "make_epoch", "epoch_order",
-        "make_eval_step", "make_evaluate", "split_wrt", "all_finite", "tree_select",
-        "halt_after_nonfinite",
+        "make_eval_step", "make_evaluate", "make_evaluate_metrics", "split_wrt",
+        "all_finite", "tree_select", "halt_after_nonfinite",
     },
     "nnxscan.shell": {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
