@@ -8,6 +8,8 @@ It compiles the pure core, writes trained state back into the user's ``nnx.Modul
   ``nnx.Optimizer``.
 - :class:`History`: what ``fit`` returns (losses, epoch logs, ``plot``).
 - :class:`Plan`: how the steps are executed (``"scan"``, ``"unrolled"``, ``"step"``).
+- :func:`enable_compilation_cache`: keep compiled programs on disk, so a second process
+  compiles nothing.
 - :class:`EarlyStopping`, :class:`LambdaCallback`: built-in callbacks (the metric writers
   live in :mod:`nnxscan.adapters.writers`).
 
@@ -16,10 +18,19 @@ Example:
   >>> history = Trainer(model, optax.adam(1e-3), loss_fn).fit(data, epochs=5, batch_size=32)
 """
 
+from nnxscan.shell._compile_cache import enable_compilation_cache
 from nnxscan.shell._plans import Plan
 from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
 from nnxscan.shell.history import History
 from nnxscan.shell.scan_train import scan_train
 from nnxscan.shell.trainer import Trainer
 
-__all__ = ["EarlyStopping", "History", "LambdaCallback", "Plan", "Trainer", "scan_train"]
+__all__ = [
+    "EarlyStopping",
+    "History",
+    "LambdaCallback",
+    "Plan",
+    "Trainer",
+    "enable_compilation_cache",
+    "scan_train",
+]

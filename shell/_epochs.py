@@ -76,35 +76,59 @@ def _arange(length: int) -> jax.Array:
     return jnp.arange(length, dtype=jnp.int32)
 
 
-def array_epochs(
-    plan: Plan,
-    data: Any,
-    put: Callable[[Any], Any],
-    *,
-    num_examples: int,
-    batch_size: int,
-    seed: int,
-    shuffle: bool,
-    keep_tail: bool,
-) -> tuple[EpochCalls, int]:
-    """An epoch's calls over a device-resident data set, and the number of calls.
+class ArrayEpochs:
+    """The calls of one or more epochs over a device-resident data set.
+
+    ``epochs(epoch, stats)`` yields epoch ``epoch``'s calls; ``epochs(epoch, stats,
+    count=k)`` yields the calls of ``k`` consecutive epochs FUSED: their orders are joined
+    into one index array, so the scan plan trains them in one compiled call (the same
+    steps in the same order: bitwise what ``k`` separate epochs train). Fusing needs
+    every epoch to have the same batch shape: not with a kept short final batch.
 
     ``put`` places the index arrays next to the data (replicated on a mesh).
     """
-    num_steps = num_examples // batch_size
 
-    def epoch_calls(epoch: int, stats: EpochStats) -> Iterator[Call]:
-        # The same order and cut as pure.make_epoch: a loop of make_epoch calls fed
-        # epoch_order(seed, e, n) trains exactly what fit trains.
-        order = epoch_order(seed, epoch, num_examples, shuffle=shuffle)
-        full, tail = batches_from_order(order, batch_size, drop_remainder=not keep_tail)
-        full, tail = put((full, None if tail is None else tail[None]))
-        stats.expected_steps = num_steps + keep_tail
-        yield from plan_calls(plan, data, full, num_steps)
-        if keep_tail:
-            yield Call(data, tail, 0, 1)
+    def __init__(
+        self,
+        plan: Plan,
+        data: Any,
+        put: Callable[[Any], Any],
+        *,
+        num_examples: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool,
+        keep_tail: bool,
+    ):
+        self.plan, self.data, self.put = plan, data, put
+        self.num_examples, self.batch_size = num_examples, batch_size
+        self.seed, self.shuffle, self.keep_tail = seed, shuffle, keep_tail
+        self.steps_per_epoch = num_examples // batch_size + keep_tail
+        self.fusable = not keep_tail
 
-    return epoch_calls, len(plan.chunks(num_steps)) + keep_tail
+    def calls(self, count: int = 1) -> int:
+        """How many compiled calls ``count`` fused epochs take."""
+        full_steps = count * (self.num_examples // self.batch_size)
+        return len(self.plan.chunks(full_steps)) + self.keep_tail
+
+    def __call__(self, epoch: int, stats: EpochStats, count: int = 1) -> Iterator[Call]:
+        if count > 1 and not self.fusable:
+            raise ValueError("epochs with a kept short batch cannot be fused")
+        fulls, tail = [], None
+        for e in range(epoch, epoch + count):
+            # The same order and cut as pure.make_epoch: a loop of make_epoch calls fed
+            # epoch_order(seed, e, n) trains exactly what fit trains.
+            order = epoch_order(self.seed, e, self.num_examples, shuffle=self.shuffle)
+            full, tail = batches_from_order(
+                order, self.batch_size, drop_remainder=not self.keep_tail
+            )
+            fulls.append(full)
+        full = fulls[0] if count == 1 else np.concatenate(fulls)
+        full, tail = self.put((full, None if tail is None else tail[None]))
+        stats.expected_steps = count * self.steps_per_epoch
+        yield from plan_calls(self.plan, self.data, full, full.shape[0])
+        if tail is not None:
+            yield Call(self.data, tail, 0, 1)
 
 
 def peek_stream(source: EpochSource) -> tuple[Any, Iterator]:
@@ -198,20 +222,31 @@ def _scalar_means(tree: Any) -> dict[str, float]:
     return logs
 
 
+def host_outputs(outs: list[Any], start: float) -> tuple[Any, float]:
+    """The calls' stacked outputs joined on the host, and the seconds since ``start``.
+
+    One host transfer per epoch (or fused group of epochs): the only sync fit makes. The
+    clock stops after it, so steps/s counts the work, not just its asynchronous dispatch.
+    """
+    outs = to_host(outs)
+    wall_time = time.perf_counter() - start
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *outs), wall_time
+
+
+def split_steps(stacked: Any, count: int) -> list[Any]:
+    """``stacked`` outputs of ``count`` fused epochs of equal length, one per epoch."""
+    return [jax.tree.map(lambda x, i=i: np.array_split(x, count)[i], stacked) for i in range(count)]
+
+
 def epoch_logs(
     epoch: int,
-    outs: list[Any],
-    start: float,
+    stacked: Any,
+    wall_time: float,
     has_aux: bool,
     stats: EpochStats,
     skipping: bool = False,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """The epoch's logs and its per-step losses, from the calls' stacked outputs."""
-    # One host transfer per epoch: the only sync fit makes. The clock stops after it, so
-    # steps/s counts the work, not just its asynchronous dispatch.
-    outs = to_host(outs)
-    wall_time = time.perf_counter() - start
-    stacked = jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
+    """The epoch's logs and its per-step losses, from its outputs on the host."""
     losses, aux = stacked if has_aux else (stacked, None)
     logs: dict[str, Any] = {"epoch": epoch, "loss": float(np.mean(losses))}
     if skipping:
@@ -221,9 +256,8 @@ def epoch_logs(
         logs["skipped_steps"] = int(np.sum(~finite))
     if aux is not None:
         logs.update(_scalar_means(aux))
-    logs.update(
-        steps=int(losses.shape[0]), steps_per_sec=losses.shape[0] / wall_time, wall_time=wall_time
-    )
+    steps = int(losses.shape[0])
+    logs.update(steps=steps, steps_per_sec=steps / max(wall_time, 1e-9), wall_time=wall_time)
     if stats.dropped:
         logs["dropped_examples"] = stats.dropped
     return logs, losses

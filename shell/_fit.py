@@ -21,13 +21,23 @@ from flax import nnx
 
 from nnxscan.adapters.distributed import is_primary
 from nnxscan.shell._calls import Execution, LiveState, NonFiniteStop, run_calls
-from nnxscan.shell._epochs import EpochCalls, EpochStats, epoch_logs, learning_rate
+from nnxscan.shell._epochs import (
+    EpochCalls,
+    EpochStats,
+    epoch_logs,
+    host_outputs,
+    learning_rate,
+    split_steps,
+)
 from nnxscan.shell._owner import Owner
 from nnxscan.shell._placement import Placement
 from nnxscan.shell._programs import TrainProgram
 from nnxscan.shell._progress import RunProgress
 from nnxscan.shell.history import History
 
+# At most this many steps in one fused call of several epochs: the progress bar still
+# moves, and a Ctrl-C (held while a call runs) is still answered within seconds.
+FUSED_STEPS = 10_000
 _HOOKS = ("on_train_begin", "on_epoch_begin", "on_call_end", "on_epoch_end", "on_train_end")
 
 
@@ -41,6 +51,7 @@ class CallbackList:
         }
         self.subject = subject
         self.has_call_hooks = bool(self._hooks["on_call_end"])
+        self.has_epoch_hooks = bool(self._hooks["on_epoch_begin"] or self._hooks["on_epoch_end"])
 
     def __call__(self, hook: str, *args: Any) -> None:
         for method in self._hooks[hook]:
@@ -87,8 +98,6 @@ class FitLoop:
         state: nnx.State,
         opt_state: Any,
         epoch_calls: EpochCalls,
-        *,
-        calls_per_epoch: int | None,
     ) -> History:
         """Trains ``epochs`` epochs of ``epoch_calls`` from ``(state, opt_state)``."""
         history = History()
@@ -102,21 +111,49 @@ class FitLoop:
         live = LiveState(state, opt_state, self.owner.writer(), self.placement)
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
         injected = learning_rate(opt_state) is not None
+        groups = self._fused_groups(self.owner.epoch, epochs, epoch_calls, injected)
         self.callbacks.subject.stop_training = False
         self.callbacks("on_train_begin")
-        bar = RunProgress(epochs, calls_per_epoch, self.progress, has_aux=self.program.has_aux)
+        calls = getattr(epoch_calls, "calls", None)
+        total = None if calls is None else sum(calls(count) for count in groups)
+        bar = RunProgress(1, total, self.progress, has_aux=self.program.has_aux)
         bar.set_last_epoch(self.owner.epoch + epochs - 1)
         with bar:
-            for _ in range(epochs):
+            for count in groups:
                 if self._stop_requested:  # set in on_train_begin or the last epoch's hooks
                     break
-                if not self._epoch(history, graphdef, live, epoch_calls, bar, injected):
+                if not self._epochs(history, graphdef, live, epoch_calls, count, bar, injected):
                     break
         self.callbacks("on_train_end", history)
         return history
 
-    def _epoch(self, history, graphdef, live, epoch_calls, bar, injected) -> bool:
-        """Trains one epoch; False when fit should end (stopped, or nothing ran)."""
+    def _fused_groups(self, first: int, epochs: int, epoch_calls: Any, injected: bool) -> list:
+        """How many epochs each compiled stretch trains: 1, or several fused into one call
+        when nothing needs the host between them (see ``docs/performance.md``)."""
+        hooks = self.callbacks.has_epoch_hooks or self.callbacks.has_call_hooks
+        per_epoch = getattr(epoch_calls, "steps_per_epoch", 0)
+        if (
+            not getattr(epoch_calls, "fusable", False)
+            or hooks
+            or injected  # the learning rate is logged per epoch
+            or self.owner.metrics is not None  # train_<metric> is computed per epoch
+            or self.program.halts  # the non-finite stop names its epoch
+            or not self.execution.donate  # host callbacks: a failure keeps the last epoch
+        ):
+            return [1] * epochs
+        most = max(1, FUSED_STEPS // max(per_epoch, 1))
+        every = self.evaluation.every if self.evaluation is not None else None
+        groups, epoch, end = [], first, first + epochs
+        while epoch < end:
+            # A group ends where evaluation runs, and at most FUSED_STEPS steps long.
+            stop = end if every is None else min(end, (epoch // every + 1) * every)
+            count = min(stop - epoch, most)
+            groups.append(count)
+            epoch += count
+        return groups
+
+    def _epochs(self, history, graphdef, live, epoch_calls, count, bar, injected) -> bool:
+        """Trains ``count`` epochs (one compiled stretch); False when fit should end."""
         owner, callbacks = self.owner, self.callbacks
         epoch, first_step, stats = owner.epoch, owner.step, EpochStats()
         callbacks("on_epoch_begin", epoch)
@@ -131,24 +168,35 @@ class FitLoop:
                 # Python int, so reading it forces no host sync.
                 callbacks("on_call_end", {"epoch": epoch, "step": owner.step})
 
+        calls = epoch_calls(epoch, stats) if count == 1 else epoch_calls(epoch, stats, count)
         try:
             outs = run_calls(
-                self.program, self.execution, graphdef, live, epoch_calls(epoch, stats),
+                self.program, self.execution, graphdef, live, calls,
                 on_call, lambda: self._stop_requested,
                 write_every_call=callbacks.has_call_hooks,  # hooks see the trained model
             )  # fmt: skip
         except NonFiniteStop as stop:
             raise self._nonfinite_error(history, epoch, first_step, stop, start, stats) from None
         finally:
-            # The epoch counts as soon as all its steps are in the model, even if an
+            # The epochs count as soon as all their steps are in the model, even if an
             # interrupt lands later (in the progress bar or the host sync).
             complete = stats.complete(owner.step - first_step)
             if complete:
-                owner.epoch = epoch + 1
+                owner.epoch = epoch + count
         if not outs:  # stopped before the epoch's first call
             return False
+        stacked, wall_time = host_outputs(outs, start)
+        pieces = [stacked] if count == 1 else split_steps(stacked, count)
+        for i, piece in enumerate(pieces):
+            self._log_epoch(history, epoch + i, piece, wall_time / count, stats, complete, live,
+                            injected, bar)  # fmt: skip
+        return not self._stop_requested
+
+    def _log_epoch(self, history, epoch, outputs, wall_time, stats, complete, live, injected, bar):
+        """One epoch's logs: losses, metrics, evaluation; then the on_epoch_end hooks."""
+        owner = self.owner
         skipping = self.program.skips_nonfinite
-        logs, losses = epoch_logs(epoch, outs, start, self.program.has_aux, stats, skipping)
+        logs, losses = epoch_logs(epoch, outputs, wall_time, self.program.has_aux, stats, skipping)
         if owner.metrics is not None:
             logs.update({f"train_{k}": v for k, v in owner.take_metrics().items()})
             # take_metrics reset the user's metrics: the next epoch starts from them.
@@ -164,11 +212,11 @@ class FitLoop:
         history._append(losses, logs)
         bar.epoch_done(epoch, logs)
         if complete:
-            callbacks("on_epoch_end", epoch, logs)
-        return not self._stop_requested
+            self.callbacks("on_epoch_end", epoch, logs)
 
     def _nonfinite_error(self, history, epoch, first_step, stop, start, stats) -> Exception:
-        logs, losses = epoch_logs(epoch, stop.outs, start, self.program.has_aux, stats, True)
+        stacked, wall_time = host_outputs(stop.outs, start)
+        logs, losses = epoch_logs(epoch, stacked, wall_time, self.program.has_aux, stats, True)
         history._append(losses, logs)
         step = self.owner.step
         error = FloatingPointError(
@@ -187,5 +235,5 @@ class FitLoop:
                 f"epoch {epoch} (and will in every epoch that has one; see "
                 f"History.epochs[i]['dropped_examples']); pass drop_remainder=False to "
                 f"train on it.",
-                stacklevel=6,
+                stacklevel=7,
             )

@@ -9,9 +9,14 @@ in a scan (jax#12868). Three plans cover it:
   loop left), one compiled call per chunk.
 - ``"step"``: one compiled step per call, dispatched asynchronously, no per-step host sync.
 
-The ``"auto"`` rule is deterministic (no timing race, so every process picks the same plan):
-on the CPU, if the step's jaxpr contains a convolution, pick ``"unrolled"`` with chunks of
-4; otherwise (and on GPU/TPU) pick ``"scan"``.
+The ``"auto"`` rule is deterministic (no timing race, so every process picks the same plan
+and a run is reproducible): on the CPU, if the step's jaxpr contains a convolution, pick
+``"step"``; otherwise (and on GPU/TPU) pick ``"scan"``, with consecutive epochs fused into
+one call when nothing needs the host between them. It minimizes the WHOLE run, compile
+included: on the CPU a convolution's gradient inside a loop body runs many times slower, so
+a scan loses; unrolled chunks run as fast per step as single steps but compile several
+times longer, which a run of a few thousand steps never pays back. The measurements behind
+it are in ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -106,14 +111,14 @@ def primitive_names(jaxpr: Any) -> set[str]:
 
 
 def choose_plan(traits: StepTraits, backend: str) -> Plan:
-    """The ``"auto"`` rule: unrolled chunks for convolutions on the CPU, else one scan.
+    """The ``"auto"`` rule: one step per call for convolutions on the CPU, else one scan.
 
     Example:
       >>> choose_plan(step_traits(step, graphdef, state, opt_state, batch), "cpu")
       Plan(kind='scan', steps_per_call=None)
     """
     if backend == "cpu" and traits.has_convolution:
-        return Plan("unrolled", UNROLLED_STEPS_PER_CALL)
+        return Plan("step", 1)
     return Plan("scan")
 
 

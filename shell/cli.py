@@ -6,6 +6,8 @@ import argparse
 import importlib.metadata
 from collections.abc import Sequence
 
+from nnxscan.shell._compile_cache import DEFAULT_DIR
+
 __all__ = ["main"]
 
 DESCRIPTION = "Train Flax NNX models with jax.lax.scan, and run networks on generated weights."
@@ -60,6 +62,15 @@ def _parser() -> argparse.ArgumentParser:
         "--no-progress", action="store_true",
         help="show no progress bar (and, off a terminal, no line per epoch)",
     )  # fmt: skip
+    demo.add_argument(
+        "--compile-cache", default=DEFAULT_DIR, metavar="DIR",
+        help="keep compiled programs here, so the next run skips compiling "
+        f"(default: {DEFAULT_DIR})",
+    )  # fmt: skip
+    demo.add_argument(
+        "--no-compile-cache", action="store_true",
+        help="compile everything afresh and keep nothing",
+    )  # fmt: skip
     return parser
 
 
@@ -71,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       0
     """
     args = _parser().parse_args(argv)
+    if not args.no_compile_cache:
+        from nnxscan.shell import enable_compilation_cache
+
+        enable_compilation_cache(args.compile_cache)
     if args.name == "digits":
         from nnxscan.shell.demos.digits import run_digits_demo
 

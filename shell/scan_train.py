@@ -13,7 +13,7 @@ from flax import nnx
 
 from nnxscan.pure._checks import abstract_batch, check_batch_size, check_leading_size
 from nnxscan.shell._calls import LiveState, plan_calls, prepare_execution, run_calls
-from nnxscan.shell._epochs import EpochStats, array_epochs
+from nnxscan.shell._epochs import ArrayEpochs, EpochStats
 from nnxscan.shell._owner import Owner
 from nnxscan.shell._placement import Placement, device_of
 from nnxscan.shell._plans import Plan, resolve_plan
@@ -87,7 +87,7 @@ def scan_train(
         calls = plan_calls(execution.plan, batches, jnp.arange(num, dtype=jnp.int32), num)
     else:
         # The same cut as an unshuffled epoch of Trainer.fit.
-        epoch_calls, _ = array_epochs(
+        epoch_calls = ArrayEpochs(
             execution.plan, batches, functools.partial(placement.put_data, device=device_of(state)),
             num_examples=num,
             batch_size=batch_size, seed=0, shuffle=False,

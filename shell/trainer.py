@@ -28,7 +28,7 @@ from nnxscan.pure._checks import (
 from nnxscan.pure._node import node_of
 from nnxscan.shell import _checkpointing
 from nnxscan.shell._calls import Execution, prepare_execution
-from nnxscan.shell._epochs import array_epochs, peek_stream, stream_epochs, with_steps_per_call
+from nnxscan.shell._epochs import ArrayEpochs, peek_stream, stream_epochs, with_steps_per_call
 from nnxscan.shell._fit import CallbackList, Evaluation, FitLoop
 from nnxscan.shell._owner import Owner, metric_logs
 from nnxscan.shell._placement import Placement, device_of, to_host
@@ -388,16 +388,14 @@ class Trainer:
             graphdef, state, opt_state, abstract_batch(data, leading=batch_size)
         )
         execution = execution._replace(plan=with_steps_per_call(execution.plan, steps_per_call))
-        epoch_calls, calls_per_epoch = array_epochs(
+        epoch_calls = ArrayEpochs(
             execution.plan, data,
             functools.partial(self._placement.put_data, device=device_of(state)),
             num_examples=n, batch_size=batch_size, seed=seed, shuffle=shuffle,
             keep_tail=not drop_remainder and n % batch_size > 0,
         )  # fmt: skip
         self._owner.seed = seed  # only once every input is known good: a failed fit changes nothing
-        return self._loop(execution, **loop).run(
-            epochs, graphdef, state, opt_state, epoch_calls, calls_per_epoch=calls_per_epoch
-        )
+        return self._loop(execution, **loop).run(epochs, graphdef, state, opt_state, epoch_calls)
 
     def _fit_stream(
         self, data, epochs, batch_size, steps_per_call, drop_remainder, prefetch, **loop
@@ -418,9 +416,7 @@ class Trainer:
             tail_divisor=self._placement.local_data_parallel(),
             prefetch=prefetch,
         )  # fmt: skip
-        return self._loop(execution, **loop).run(
-            epochs, graphdef, state, opt_state, epoch_calls, calls_per_epoch=None
-        )
+        return self._loop(execution, **loop).run(epochs, graphdef, state, opt_state, epoch_calls)
 
     # -- checkpoints ----------------------------------------------------------------------
 

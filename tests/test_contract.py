@@ -237,3 +237,53 @@ def test_saving_after_early_stopping_restored_the_best_epoch_keeps_the_best(data
     fresh.restore(tmp_path)
     for a, b in zip(best, jax.tree.leaves(nnx.state(fresh.model)), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
+
+
+# -- fused epochs: the same steps, fewer host round trips ---------------------------------------
+
+
+def test_fused_epochs_train_bitwise_what_separate_epochs_train(data):
+    from nnxscan.shell import LambdaCallback
+
+    per_epoch = LambdaCallback(on_epoch_end=lambda t, e, logs: None)  # forbids fusing
+    separate, fused, halves = (MLP(rngs=nnx.Rngs(0)) for _ in range(3))
+    h_sep = Trainer(separate, TX, xent).fit(
+        data, epochs=4, batch_size=BS, progress=False, callbacks=[per_epoch]
+    )
+    h_fused = Trainer(fused, TX, xent).fit(data, epochs=4, batch_size=BS, progress=False)
+    t = Trainer(halves, TX, xent)
+    t.fit(data, epochs=2, batch_size=BS, progress=False)
+    t.fit(data, epochs=2, batch_size=BS, progress=False)
+    assert_trees_close(fused, separate, exact=True)
+    assert_trees_close(halves, separate, exact=True)
+    np.testing.assert_array_equal(h_fused.losses, h_sep.losses)
+    assert [e["epoch"] for e in h_fused.epochs] == [0, 1, 2, 3]
+    assert all(e["steps"] == 8 for e in h_fused.epochs)
+    for a, b in zip(h_fused.epochs, h_sep.epochs, strict=True):
+        assert a["loss"] == b["loss"]
+
+
+def test_fused_groups_end_where_evaluation_runs(data, compile_count):
+    from nnxscan.shell import LambdaCallback
+
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
+    begun = []
+    trainer.fit(data, epochs=1, batch_size=BS, progress=False)  # compiles
+    before = compile_count()
+    history = trainer.fit(
+        data, epochs=6, batch_size=BS, progress=False, eval_data=data,
+        metric_fn=accuracy_metric, eval_every=2,
+        callbacks=[LambdaCallback(on_train_begin=lambda t: begun.append(t.epoch))],
+    )  # fmt: skip
+    assert begun == [1]
+    # Evaluation runs after global epochs 1, 3, 5 (every 2nd, counted across fits).
+    assert [("eval_accuracy_metric" in e) for e in history.epochs] == [
+        True, False, True, False, True, False,
+    ]  # fmt: skip
+    # Groups: epoch 1 alone, then 2-3, 4-5 fused, then 6: one new program for the pairs,
+    # one for the evaluation, none per epoch.
+    assert compile_count() - before <= 2
+
+
+def accuracy_metric(model, batch):
+    return (model(batch["x"]).argmax(-1) == batch["y"]).mean()

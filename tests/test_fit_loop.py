@@ -180,6 +180,12 @@ def test_no_host_sync_per_step_only_one_per_epoch(data, monkeypatch):
     trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
     trainer.fit(data, epochs=1, batch_size=BS, progress=False)  # compile outside the count
     gets["n"] = 0
+    epoch_hook = LambdaCallback(on_epoch_end=lambda t, e, logs: None)
     with jax.transfer_guard_device_to_host("disallow"):  # no implicit transfer anywhere
-        trainer.fit(data, epochs=3, batch_size=BS, steps_per_call=1, progress=False)
+        trainer.fit(data, epochs=3, batch_size=BS, steps_per_call=1, progress=False,
+                    callbacks=[epoch_hook])  # fmt: skip
     assert gets["n"] == 3  # one explicit read per epoch (its losses), for 24 steps
+    gets["n"] = 0
+    with jax.transfer_guard_device_to_host("disallow"):
+        trainer.fit(data, epochs=3, batch_size=BS, steps_per_call=1, progress=False)
+    assert gets["n"] == 1  # nothing needs the host between epochs: one read for all three

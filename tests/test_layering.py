@@ -254,6 +254,7 @@ PUBLIC = {
     },
     "nnxscan.shell": {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
+        "enable_compilation_cache",
     },
 }  # fmt: skip
 

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import nnxscan.shell.trainer as trainer_module
-from nnxscan.shell import Trainer, scan_train
+from nnxscan.shell import LambdaCallback, Trainer, scan_train
 
 from conftest import (
     MLP,
@@ -110,8 +110,11 @@ def test_interrupt_in_the_epochs_host_sync_still_counts_the_epoch(data, monkeypa
         raise KeyboardInterrupt
 
     monkeypatch.setattr(trainer_module.jax, "device_get", interrupted_get)
+    # An epoch hook keeps one compiled call per epoch (no fusing), so the interrupt lands
+    # in epoch 0's sync.
+    per_epoch = LambdaCallback(on_epoch_end=lambda t, e, logs: None)
     with pytest.raises(KeyboardInterrupt):
-        trainer.fit(data, epochs=3, batch_size=BS, progress=False)
+        trainer.fit(data, epochs=3, batch_size=BS, progress=False, callbacks=[per_epoch])
     assert (trainer.epoch, trainer.step) == (1, 8)
     trainer.fit(data, epochs=1, batch_size=BS, progress=False)  # epoch 1's shuffle, not 0's
     ref, _ = reference_steps(MLP, data, 16)
