@@ -21,9 +21,10 @@ Every variant trains the same number of steps on the same batches (the permutati
 agree up to rounding. The loops gather each batch on the host from the numpy data set, as
 a data loader hands batches to a loop; ``fit`` and ``one_scan`` get the numpy data set.
 
-Timing. Each repetition runs every variant once, in a new shuffled order. Before each
-variant's run, ``jax.clear_caches()`` empties every compilation cache and fresh nodes
-(model, optimizer, ...) are built (untimed), so each run compiles everything again:
+Timing. Each repetition runs every variant once, in a new shuffled order. Each run gets
+fresh, untrained nodes (model, optimizer, ...: a copy of one untrained set, with a new
+optax transform; untimed), then ``jax.clear_caches()`` empties every compilation cache, so
+each run traces and compiles everything again, as a new process does:
 
   whole   from building the step function (``nnx.jit(...)``, ``Trainer(...)``, ...) to the
           trained model with every step done (blocked on), compile included;
@@ -46,6 +47,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import os
 import platform
 import random
 import statistics
@@ -244,7 +246,7 @@ def bench(workload: Workload, names: list[str], reps: int, shuffler: random.Rand
             runs[name].append(run)
             log(
                 f"  {workload.name} rep {rep + 1}/{reps} {name:<16} whole {run.whole:7.3f} s  "
-                f"steady {run.steady:7.3f} s  loss {run.loss:.4f}"
+                f"steady {run.steady:7.3f} s  loss {run.loss:.5g}"
             )
     return runs
 
@@ -304,7 +306,7 @@ def workload_table(workload: Workload, result: dict[str, Medians], plan: Plan, r
     for name, m in result.items():
         lines.append(
             f"| {variant_label(name, plan)} | {m.whole:.3f} | {m.steady:.3f} | "
-            f"{m.compile:.3f} | {m.whole / best:.2f}× | {m.loss:.4f} |"
+            f"{m.compile:.3f} | {m.whole / best:.2f}× | {m.loss:.5g} |"
         )
     return "\n".join(lines)
 
@@ -346,7 +348,7 @@ def header(args: argparse.Namespace) -> str:
     import flax
     import optax
 
-    cpu = platform.processor() or platform.machine()
+    cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     device = jax.devices()[0]
     mode = "quick mode (tiny sizes, NOT a measurement)" if args.quick else "full sizes"
     return (
@@ -354,8 +356,10 @@ def header(args: argparse.Namespace) -> str:
         f"optax {optax.__version__}, Python {platform.python_version()}, backend "
         f"{jax.default_backend()} ({device.device_kind}), {cpu}. Each repetition runs every "
         f"variant once in a shuffled order, from empty compilation caches. whole = build the "
-        f"step/Trainer + train every step, compile included; steady = the same run again "
-        f"in the same process, compiled; final loss = the last epoch's mean training loss."
+        f"step function or Trainer + train every step, compile included (the model's own "
+        f"construction excluded); steady = the same run again in the same process, compiled; "
+        f"final loss = the last epoch's mean training loss. The loops gather each batch from "
+        f"the host data set; fit and one_scan take the whole host data set."
     )
 
 
@@ -392,6 +396,9 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     variant_names = parse_names(args.variants, list(VARIANTS), {"all": list(VARIANTS)}, "variant")
     reps = 1 if args.quick else args.reps
+    # A persistent compilation cache (JAX_COMPILATION_CACHE_DIR, or nnxscan's opt-in one)
+    # would survive jax.clear_caches() and turn every run after the first into a warm one.
+    jax.config.update("jax_enable_compilation_cache", False)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -123,8 +123,12 @@ def choose_plan(traits: StepTraits, backend: str) -> Plan:
 
 
 def step_traits(step: Any, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> StepTraits:
-    """Traces (does not compile) ``step`` on these inputs and reports its traits."""
-    names = primitive_names(jax.make_jaxpr(step)(graphdef, state, opt_state, abstract_batch(batch)))
+    """Traces (does not compile) a jitted ``step`` on these inputs and reports its traits.
+
+    The trace lands in jit's cache, so the compiled call that runs the step reuses it.
+    """
+    jaxpr = jax.make_jaxpr(step)(graphdef, state, opt_state, abstract_batch(batch))
+    names = primitive_names(jaxpr)
     return StepTraits(
         has_convolution="conv_general_dilated" in names,
         has_callback=bool(names & CALLBACK_PRIMITIVES),

@@ -93,7 +93,7 @@ class TrainProgram:
         with_rngs: bool = False,
         update_metrics: Callable | None = None,
     ):
-        self.step = make_train_step(
+        step = make_train_step(
             loss_fn,
             tx,
             wrt=wrt,
@@ -103,6 +103,8 @@ class TrainProgram:
             with_rngs=with_rngs,
             update_metrics=update_metrics,
         )
+        self.step = step
+        self._jitted: OrderedDict[Hashable, Callable] = OrderedDict()
         self.has_aux = has_aux
         # "stop": every call halts at its first non-finite step and reports whether it did.
         self.halts = on_nonfinite == "stop"
@@ -133,7 +135,7 @@ class TrainProgram:
         constrained to ``carry_shardings`` (the input's), so the state stays where it was
         placed, call after call, and its buffers can be donated.
         """
-        step, halts = self.step, self.halts
+        step, halts = self.jitted_step(graphdef), self.halts
         if halts:
             step = halt_after_nonfinite(step, has_aux=self.has_aux)
 
@@ -166,8 +168,24 @@ class TrainProgram:
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch))
         key = (graphdef, shapes, jax.tree.structure(batch))
         return _lookup(
-            self._traits, key, lambda: step_traits(self.step, graphdef, state, opt_state, batch)
+            self._traits,
+            key,
+            lambda: step_traits(self.jitted_step(graphdef), graphdef, state, opt_state, batch),
         )
+
+    def jitted_step(self, graphdef: Any) -> Callable:
+        """The step for this graphdef under ``jax.jit`` (XLA inlines it in the compiled
+        calls), so that it is traced ONCE: the plan probe's trace is cached and reused when
+        a compiled call traces its loop body. The graphdef is closed over, not a static
+        argument: a Variable with dict metadata makes it unhashable."""
+
+        def build():
+            jitted = jax.jit(
+                lambda state, opt_state, batch: self.step(graphdef, state, opt_state, batch)
+            )
+            return lambda _graphdef, state, opt_state, batch: jitted(state, opt_state, batch)
+
+        return _lookup(self._jitted, graphdef, build)
 
 
 def train_program(
