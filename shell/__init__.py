@@ -10,6 +10,8 @@ It compiles the pure core, writes trained state back into the user's ``nnx.Modul
 - :class:`Plan`: how the steps are executed (``"scan"``, ``"unrolled"``, ``"step"``).
 - :func:`enable_compilation_cache`: keep compiled programs on disk, so a second process
   compiles nothing.
+- :class:`Preempted`: what ``fit`` raises after saving on SIGTERM (resume with
+  ``fit(..., resume=True)``).
 - :class:`EarlyStopping`, :class:`LambdaCallback`: built-in callbacks (the metric writers
   live in :mod:`nnxscan.adapters.writers`).
 
@@ -19,6 +21,7 @@ Example:
 """
 
 from nnxscan.shell._compile_cache import enable_compilation_cache
+from nnxscan.shell._fit import Preempted
 from nnxscan.shell._plans import Plan
 from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
 from nnxscan.shell.history import History
@@ -30,6 +33,7 @@ __all__ = [
     "History",
     "LambdaCallback",
     "Plan",
+    "Preempted",
     "Trainer",
     "enable_compilation_cache",
     "scan_train",

@@ -111,7 +111,11 @@ class ArrayEpochs:
         full_steps = count * (self.num_examples // self.batch_size)
         return len(self.plan.chunks(full_steps)) + self.keep_tail
 
-    def __call__(self, epoch: int, stats: EpochStats, count: int = 1) -> Iterator[Call]:
+    def __call__(
+        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
+    ) -> Iterator[Call]:
+        """The calls of epochs ``epoch .. epoch + count - 1``, less their first ``skip``
+        steps (trained before a resume)."""
         if count > 1 and not self.fusable:
             raise ValueError("epochs with a kept short batch cannot be fused")
         fulls, tail = [], None
@@ -124,9 +128,15 @@ class ArrayEpochs:
             )
             fulls.append(full)
         full = fulls[0] if count == 1 else np.concatenate(fulls)
+        if skip > len(full) + (tail is not None):
+            raise ValueError(f"cannot skip {skip} steps of a {self.steps_per_epoch}-step epoch")
+        if skip > len(full):  # every full batch and the tail were trained
+            tail = None
+        full = full[min(skip, len(full)) :]
         full, tail = self.put((full, None if tail is None else tail[None]))
-        stats.expected_steps = count * self.steps_per_epoch
-        yield from plan_calls(self.plan, self.data, full, full.shape[0])
+        stats.expected_steps = count * self.steps_per_epoch - skip
+        if full.shape[0]:
+            yield from plan_calls(self.plan, self.data, full, full.shape[0])
         if tail is not None:
             yield Call(self.data, tail, 0, 1)
 
@@ -166,9 +176,12 @@ def stream_epochs(
     pending = [first_epoch]
     checker = BatchChecker(batch_size)  # one for the whole fit: the step was traced once
 
-    def epoch_calls(epoch: int, stats: EpochStats) -> Iterator[Call]:
+    def epoch_calls(epoch: int, stats: EpochStats, skip: int = 0) -> Iterator[Call]:
+        batches = pending.pop() if pending else source.epoch()
+        if skip:  # a resumed epoch: the batches trained before the interruption
+            batches = itertools.islice(batches, skip, None)
         stream = ChunkStream(
-            pending.pop() if pending else source.epoch(),
+            batches,
             prefetch=prefetch,
             chunk_size=chunk_size,
             checker=checker,

@@ -12,11 +12,15 @@ reads.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 from flax import nnx
 
 from nnxscan.adapters.distributed import is_primary
@@ -50,12 +54,22 @@ class CallbackList:
             hook: [getattr(cb, hook) for cb in callbacks if hasattr(cb, hook)] for hook in _HOOKS
         }
         self.subject = subject
+        self.callbacks = list(callbacks)
         self.has_call_hooks = bool(self._hooks["on_call_end"])
         self.has_epoch_hooks = bool(self._hooks["on_epoch_begin"] or self._hooks["on_epoch_end"])
 
     def __call__(self, hook: str, *args: Any) -> None:
         for method in self._hooks[hook]:
             method(self.subject, *args)
+
+    def close(self) -> None:
+        """Closes every callback that can be closed (writers' files), ignoring failures:
+        called while another exception is on its way out."""
+        for callback in self.callbacks:
+            close = getattr(callback, "close", None)
+            if callable(close):
+                with contextlib.suppress(Exception):
+                    close()
 
 
 class Evaluation(NamedTuple):
@@ -64,6 +78,62 @@ class Evaluation(NamedTuple):
 
     every: int
     run: Callable[[], dict[str, float]]
+
+
+class Checkpoints(NamedTuple):
+    """Where and when ``fit`` saves: ``save(history, partial_losses)`` writes a checkpoint
+    of the owner's objects with the run so far; every ``every_epochs`` epochs, every
+    ``every_steps`` steps (at call boundaries; None: never mid-epoch), and on SIGTERM or
+    SIGINT."""
+
+    every_epochs: int
+    every_steps: int | None
+    save: Callable[[History, np.ndarray], Any]
+
+
+class Preempted(Exception):
+    """``fit`` received SIGTERM (a preemption notice): it finished the compiled call in
+    flight, saved a checkpoint, closed its writers and stopped. Run the same ``fit`` with
+    ``resume=True`` to go on from there.
+
+    Example:
+      >>> try:
+      ...     trainer.fit(data, epochs=100, batch_size=32, checkpoint_dir=d, resume=True)
+      ... except Preempted:
+      ...     sys.exit(143)   # the scheduler restarts the job, which resumes
+    """
+
+
+@contextlib.contextmanager
+def caught_signals(enabled: bool) -> Iterator[list[int]]:
+    """While active, SIGINT and SIGTERM are recorded in the yielded list instead of
+    interrupting (the fit loop stops after the call in flight and saves).
+
+    Only in the main thread, and only for signals whose handler is Python's default: a host
+    program's own handlers are left alone.
+    """
+    received: list[int] = []
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    previous = {}
+    for signum, default in defaults.items():
+        if signal.getsignal(signum) is default:
+            previous[signum] = signal.signal(signum, lambda s, frame: received.append(s))
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _prepend_losses(partial: np.ndarray, stacked: Any, has_aux: bool) -> Any:
+    """The resumed epoch's outputs with the losses trained before the interruption first."""
+    if has_aux:
+        losses, aux = stacked
+        return np.concatenate([partial, np.asarray(losses, np.float32)]), aux
+    return np.concatenate([partial, np.asarray(stacked, np.float32)])
 
 
 class FitLoop:
@@ -79,10 +149,14 @@ class FitLoop:
         callbacks: CallbackList,
         progress: bool,
         evaluation: Evaluation | None,
+        checkpoints: Checkpoints | None = None,
     ):
         self.program, self.execution = program, execution
         self.owner, self.placement = owner, placement
         self.callbacks, self.evaluation = callbacks, evaluation
+        self.checkpoints = checkpoints
+        self._signals: list[int] = []
+        self._partial = np.zeros((0,), np.float32)
         # Several processes train one model: only the first one reports.
         self.progress = progress and is_primary()
         self._warned_drop = False
@@ -98,9 +172,17 @@ class FitLoop:
         state: nnx.State,
         opt_state: Any,
         epoch_calls: EpochCalls,
+        *,
+        history: History | None = None,
+        partial: np.ndarray | None = None,
     ) -> History:
-        """Trains ``epochs`` epochs of ``epoch_calls`` from ``(state, opt_state)``."""
-        history = History()
+        """Trains ``epochs`` epochs of ``epoch_calls`` from ``(state, opt_state)``.
+
+        ``history`` and ``partial`` carry on a resumed run: the History so far, and the
+        losses of the unfinished epoch's steps that were trained before the interruption
+        (``owner.epoch_step`` of them).
+        """
+        history = History() if history is None else history
         if epochs == 0:
             return history
         if self.owner.metrics is not None:
@@ -112,18 +194,28 @@ class FitLoop:
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
         injected = learning_rate(opt_state) is not None
         groups = self._fused_groups(self.owner.epoch, epochs, epoch_calls, injected)
+        self._partial = np.zeros((0,), np.float32) if partial is None else partial
         self.callbacks.subject.stop_training = False
-        self.callbacks("on_train_begin")
         calls = getattr(epoch_calls, "calls", None)
         total = None if calls is None else sum(calls(count) for count in groups)
         bar = RunProgress(1, total, self.progress, has_aux=self.program.has_aux)
         bar.set_last_epoch(self.owner.epoch + epochs - 1)
-        with bar:
-            for count in groups:
-                if self._stop_requested:  # set in on_train_begin or the last epoch's hooks
-                    break
-                if not self._epochs(history, graphdef, live, epoch_calls, count, bar, injected):
-                    break
+        preemptible = self.checkpoints is not None
+        try:
+            with caught_signals(preemptible) as self._signals, bar:
+                self.callbacks("on_train_begin")
+                for count in groups:
+                    if self._stop_requested:  # from on_train_begin or the last epoch's hooks
+                        break
+                    if not self._epochs(history, graphdef, live, epoch_calls, count, bar,
+                                        injected):  # fmt: skip
+                        break
+        except BaseException as error:
+            # The epochs trained so far stay reachable, and files the callbacks opened
+            # are closed: an exception must not lose the run's record.
+            error.history = history
+            self.callbacks.close()
+            raise
         self.callbacks("on_train_end", history)
         return history
 
@@ -139,8 +231,11 @@ class FitLoop:
             or self.owner.metrics is not None  # train_<metric> is computed per epoch
             or self.program.halts  # the non-finite stop names its epoch
             or not self.execution.donate  # host callbacks: a failure keeps the last epoch
+            or self.checkpoints is not None  # saves at epoch boundaries (and within)
         ):
             return [1] * epochs
+        if self.owner.epoch_step:  # a resumed, unfinished epoch trains alone
+            return [1, *self._fused_groups(first + 1, epochs - 1, epoch_calls, injected)]
         most = max(1, FUSED_STEPS // max(per_epoch, 1))
         every = self.evaluation.every if self.evaluation is not None else None
         groups, epoch, end = [], first, first + epochs
@@ -154,26 +249,38 @@ class FitLoop:
 
     def _epochs(self, history, graphdef, live, epoch_calls, count, bar, injected) -> bool:
         """Trains ``count`` epochs (one compiled stretch); False when fit should end."""
-        owner, callbacks = self.owner, self.callbacks
+        owner, callbacks, checkpoints = self.owner, self.callbacks, self.checkpoints
         epoch, first_step, stats = owner.epoch, owner.step, EpochStats()
+        skip = owner.epoch_step  # steps of this epoch a resumed run trained already
         callbacks("on_epoch_begin", epoch)
         if self._stop_requested:
             return False
         start = time.perf_counter()
+        outs: list = []
+        every_steps = checkpoints.every_steps if checkpoints is not None else None
+        next_save = [(first_step // every_steps + 1) * every_steps if every_steps else None]
 
         def on_call(steps: int, out: Any) -> None:
+            outs.append(out)
             bar.call_done(epoch, steps, out)
             if callbacks.has_call_hooks:
                 # Written back after every call when there are hooks: owner.step is a
                 # Python int, so reading it forces no host sync.
                 callbacks("on_call_end", {"epoch": epoch, "step": owner.step})
+            if next_save[0] is not None and owner.step >= next_save[0]:
+                # At the first call boundary at or after each multiple of every_steps.
+                self._save_mid_epoch(history, outs, skip + owner.step - first_step)
+                next_save[0] = (owner.step // every_steps + 1) * every_steps
 
-        calls = epoch_calls(epoch, stats) if count == 1 else epoch_calls(epoch, stats, count)
+        if count > 1:
+            calls = epoch_calls(epoch, stats, count)
+        else:
+            calls = epoch_calls(epoch, stats, skip=skip) if skip else epoch_calls(epoch, stats)
         try:
-            outs = run_calls(
+            run_calls(
                 self.program, self.execution, graphdef, live, calls,
-                on_call, lambda: self._stop_requested,
-                write_every_call=callbacks.has_call_hooks,  # hooks see the trained model
+                on_call, lambda: self._stop_requested or bool(self._signals),
+                write_every_call=callbacks.has_call_hooks or every_steps is not None,
             )  # fmt: skip
         except NonFiniteStop as stop:
             raise self._nonfinite_error(history, epoch, first_step, stop, start, stats) from None
@@ -182,15 +289,60 @@ class FitLoop:
             # interrupt lands later (in the progress bar or the host sync).
             complete = stats.complete(owner.step - first_step)
             if complete:
-                owner.epoch = epoch + count
+                owner.epoch, owner.epoch_step = epoch + count, 0
+            else:
+                owner.epoch_step = skip + owner.step - first_step
+        if self._signals:
+            self._preempted(history, outs, complete)
         if not outs:  # stopped before the epoch's first call
             return False
         stacked, wall_time = host_outputs(outs, start)
+        if skip:  # the resumed epoch's first steps were trained before the interruption
+            stacked = _prepend_losses(self._partial, stacked, self.program.has_aux)
+        self._partial = np.zeros((0,), np.float32)
         pieces = [stacked] if count == 1 else split_steps(stacked, count)
         for i, piece in enumerate(pieces):
             self._log_epoch(history, epoch + i, piece, wall_time / count, stats, complete, live,
                             injected, bar)  # fmt: skip
         return not self._stop_requested
+
+    def _losses_so_far(self, outs: list) -> np.ndarray:
+        """The unfinished epoch's losses: before a resume, and from ``outs`` since."""
+        if not outs:
+            return self._partial
+        stacked, _ = host_outputs(outs, time.perf_counter())
+        losses = stacked[0] if self.program.has_aux else stacked
+        return np.concatenate([self._partial, np.asarray(losses, np.float32)])
+
+    def _save_mid_epoch(self, history: History, outs: list, epoch_step: int) -> None:
+        """A checkpoint inside an epoch: the model and counters as they are, the epoch's
+        losses so far, and how many of its steps are done (what a resume skips)."""
+        owner = self.owner
+        complete_epoch_step, owner.epoch_step = owner.epoch_step, epoch_step
+        try:
+            self.checkpoints.save(history, self._losses_so_far(outs))
+        finally:
+            owner.epoch_step = complete_epoch_step
+
+    def _preempted(self, history: History, outs: list, complete: bool) -> None:
+        """A SIGTERM or SIGINT arrived: the current call finished; save, then raise."""
+        partial = np.zeros((0,), np.float32) if complete else self._losses_so_far(outs)
+        if complete and outs:
+            # The epoch ended with the call: log it first, so the History holds it.
+            stacked, wall_time = host_outputs(outs, time.perf_counter())
+            logs, losses = epoch_logs(self.owner.epoch - 1, stacked, wall_time,
+                                      self.program.has_aux, EpochStats(),
+                                      self.program.skips_nonfinite)  # fmt: skip
+            history._append(losses, logs)
+        self.checkpoints.save(history, partial)
+        signum = self._signals[0]
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Preempted(
+            f"fit stopped on signal {signal.Signals(signum).name} after the compiled call in "
+            f"flight; a checkpoint at step {self.owner.step} holds everything: run the same "
+            f"fit with resume=True to go on."
+        )
 
     def _log_epoch(self, history, epoch, outputs, wall_time, stats, complete, live, injected, bar):
         """One epoch's logs: losses, metrics, evaluation; then the on_epoch_end hooks."""
@@ -213,6 +365,9 @@ class FitLoop:
         bar.epoch_done(epoch, logs)
         if complete:
             self.callbacks("on_epoch_end", epoch, logs)
+            checkpoints = self.checkpoints
+            if checkpoints is not None and (epoch + 1) % checkpoints.every_epochs == 0:
+                checkpoints.save(history, np.zeros((0,), np.float32))
 
     def _nonfinite_error(self, history, epoch, first_step, stop, start, stats) -> Exception:
         stacked, wall_time = host_outputs(stop.outs, start)

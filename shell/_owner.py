@@ -101,6 +101,10 @@ class Owner:
             self._opt_state = init_opt_state(self.tx, nnx.state(self.node), wrt)
         self.epoch = 0
         self.seed = 0
+        # Steps trained of epoch ``epoch`` when a run stopped inside it (0 at boundaries).
+        self.epoch_step = 0
+        # The History JSON the last restored checkpoint carried ("" if none).
+        self.restored_run = ""
         self._own_step = 0
         # A state loaded into the model without a step (load()) makes a checkpoint at the
         # current step stale.
@@ -183,9 +187,16 @@ class Owner:
         nnx.update(self.model, state)
         self.loaded_since_checkpoint = True
 
-    def checkpoint_tree(self) -> dict[str, Any]:
-        """What a checkpoint holds: module state, optax state, and the counters."""
-        meta = {"epoch": self.epoch, "step": self.step, "seed": self.seed}
+    def checkpoint_tree(self, run: str = "") -> dict[str, Any]:
+        """What a checkpoint holds: module state, optax state, the counters, and ``run``
+        (the fit's History so far, as JSON: what a resume needs to go on)."""
+        meta = {
+            "epoch": self.epoch,
+            "step": self.step,
+            "seed": self.seed,
+            "epoch_step": self.epoch_step,
+            "run": run,
+        }
         return {"state": nnx.state(self.node), "opt_state": self.opt_state, "meta": meta}
 
     def restore(self, tree: dict[str, Any]) -> None:
@@ -193,8 +204,8 @@ class Owner:
 
         The tree is checked first: a bad one raises and changes nothing.
         """
-        meta = tree["meta"]
-        for name in ("epoch", "step", "seed"):
+        meta = {"epoch_step": 0, "run": "", **tree["meta"]}  # 0.1 checkpoints lack the last two
+        for name in ("epoch", "step", "seed", "epoch_step"):
             if isinstance(meta[name], bool) or not isinstance(meta[name], int):
                 raise ValueError(f"checkpoint meta {name}={meta[name]!r} is not an int.")
         if self.optimizer is None:
@@ -210,4 +221,5 @@ class Owner:
             nnx.update(self.optimizer, update)
             self._step_cache = None
         self.epoch, self.seed = meta["epoch"], meta["seed"]
+        self.epoch_step, self.restored_run = meta["epoch_step"], meta["run"]
         self.loaded_since_checkpoint = False

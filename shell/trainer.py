@@ -15,9 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
+from nnxscan.adapters.data import GrainEpochs
 from nnxscan.pure._checks import (
     abstract_batch,
     check_batch_size,
@@ -29,7 +31,7 @@ from nnxscan.pure._node import node_of
 from nnxscan.shell import _checkpointing
 from nnxscan.shell._calls import Execution, prepare_execution
 from nnxscan.shell._epochs import ArrayEpochs, peek_stream, stream_epochs, with_steps_per_call
-from nnxscan.shell._fit import CallbackList, Evaluation, FitLoop
+from nnxscan.shell._fit import CallbackList, Checkpoints, Evaluation, FitLoop
 from nnxscan.shell._owner import Owner, metric_logs
 from nnxscan.shell._placement import Placement, device_of, to_host
 from nnxscan.shell._plans import Plan, resolve_plan
@@ -259,6 +261,8 @@ class Trainer:
         prefetch: bool = True,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 1,
+        checkpoint_every_steps: int | None = None,
+        resume: bool = False,
         eval_data: Any = None,
         metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
         eval_every: int = 1,
@@ -310,6 +314,14 @@ class Trainer:
             last batch, with a one-line warning giving the count. ``False`` trains on it
             as one more step of its own size (one extra compile, cached).
           prefetch: prepare a stream's next chunk in a background thread.
+          checkpoint_every_steps: also save every this many global steps, at the first
+            compiled-call boundary at or after each multiple (the scan plan then runs
+            calls of at most this many steps).
+          resume: with a ``checkpoint_dir``, ``epochs`` counts the WHOLE run: if the
+            directory holds a checkpoint, restore it (the History so far included) and
+            train only what remains, finishing a partly trained epoch first; with none,
+            train from the start. Rerunning the same command after a kill or a
+            preemption gives bitwise the model an uninterrupted run gives.
           checkpoint_dir: save a checkpoint (:meth:`save`) here every ``checkpoint_every``
             epochs, counted by the global epoch index.
           eval_data, metric_fn, eval_every, eval_batch_size: every ``eval_every`` epochs,
@@ -322,19 +334,30 @@ class Trainer:
           >>> history = trainer.fit(lambda: loader_batches(), epochs=5, steps_per_call=50)
         """
         epochs = check_count(epochs, "epochs", 0)
-        seed = self.seed if seed is None else check_count(seed, "seed", 0, _MAX_SEED)
-        checkpoint_every = check_count(checkpoint_every, "checkpoint_every", 1)
-        callbacks = list(callbacks)
-        if checkpoint_dir is not None:
-            callbacks.append(_checkpointing.EpochCheckpointer(checkpoint_dir, checkpoint_every))
+        if seed is not None:
+            seed = check_count(seed, "seed", 0, _MAX_SEED)
+        checkpoints = self._checkpoints(
+            checkpoint_dir, checkpoint_every, checkpoint_every_steps, resume
+        )
         if steps_per_call is not None:
             steps_per_call = check_count(steps_per_call, "steps_per_call", 1)
+        elif checkpoints is not None and checkpoints.every_steps:
+            steps_per_call = checkpoints.every_steps  # call boundaries to save at
         evaluation = None
         if eval_data is not None or metric_fn is not None:
             evaluation = self._evaluation(
                 eval_data, metric_fn, eval_every, eval_batch_size, batch_size
             )
-        loop_inputs = dict(callbacks=callbacks, progress=progress, evaluation=evaluation)
+        run = {}
+        if resume:  # the last step that may change the objects before training
+            epochs, run = self._resume(checkpoint_dir, epochs, seed, data)
+            if epochs == 0:
+                return run["history"]
+        seed = self.seed if seed is None else seed
+        loop_inputs = dict(
+            callbacks=callbacks, progress=progress, evaluation=evaluation,
+            checkpoints=checkpoints, run=run,
+        )  # fmt: skip
         if is_stream(data):
             if batch_size is not None:
                 batch_size = check_count(batch_size, "batch_size", 1)
@@ -367,12 +390,50 @@ class Trainer:
         run = self._evaluator(metric_fn, None, None, size, True)
         return Evaluation(every, lambda: run(data))
 
-    def _loop(self, execution: Execution, *, callbacks, progress, evaluation) -> FitLoop:
-        return FitLoop(
+    def _checkpoints(self, directory, every, every_steps, resume) -> Checkpoints | None:
+        every = check_count(every, "checkpoint_every", 1)
+        if every_steps is not None:
+            every_steps = check_count(every_steps, "checkpoint_every_steps", 1)
+        if directory is None:
+            if resume or every_steps is not None:
+                raise ValueError(
+                    "resume=True and checkpoint_every_steps need a checkpoint_dir to save "
+                    "to and resume from."
+                )
+            return None
+        directory = pathlib.Path(directory).resolve()
+
+        def save(history: History, partial: np.ndarray) -> None:
+            run = _checkpointing.run_json(history, partial)
+            _checkpointing.save(self._owner, directory, run=run)
+
+        return Checkpoints(every, every_steps, save)
+
+    def _resume(self, directory, epochs: int, seed: int | None, data: Any):
+        """Restores the latest checkpoint, if any; returns the epochs left and the run."""
+        history, partial = History(), None
+        if _checkpointing.latest_step(directory) is not None:
+            self.restore(directory)
+            history, partial = _checkpointing.parse_run(self._owner.restored_run)
+            if seed is not None and seed != self.seed:
+                raise ValueError(
+                    f"resume=True with seed={seed}, but the checkpoint's run used seed "
+                    f"{self.seed}: pass the same seed (or none) to resume it."
+                )
+        if isinstance(data, GrainEpochs):
+            data.epoch = self.epoch  # grain draws each epoch's order from its index
+        left = max(epochs - self.epoch, 0)
+        return left, {"history": history, "partial": partial}
+
+    def _loop(
+        self, execution: Execution, *, callbacks, progress, evaluation, checkpoints, run
+    ) -> tuple[FitLoop, dict]:
+        loop = FitLoop(
             program=self._program, execution=execution, owner=self._owner,
             placement=self._placement, callbacks=CallbackList(callbacks, self),
-            progress=progress, evaluation=evaluation,
+            progress=progress, evaluation=evaluation, checkpoints=checkpoints,
         )  # fmt: skip
+        return loop, run
 
     def _fit_arrays(
         self, data, epochs, batch_size, seed, shuffle, steps_per_call, drop_remainder, **loop
@@ -395,7 +456,8 @@ class Trainer:
             keep_tail=not drop_remainder and n % batch_size > 0,
         )  # fmt: skip
         self._owner.seed = seed  # only once every input is known good: a failed fit changes nothing
-        return self._loop(execution, **loop).run(epochs, graphdef, state, opt_state, epoch_calls)
+        fit_loop, run = self._loop(execution, **loop)
+        return fit_loop.run(epochs, graphdef, state, opt_state, epoch_calls, **run)
 
     def _fit_stream(
         self, data, epochs, batch_size, steps_per_call, drop_remainder, prefetch, **loop
@@ -416,7 +478,8 @@ class Trainer:
             tail_divisor=self._placement.local_data_parallel(),
             prefetch=prefetch,
         )  # fmt: skip
-        return self._loop(execution, **loop).run(epochs, graphdef, state, opt_state, epoch_calls)
+        fit_loop, run = self._loop(execution, **loop)
+        return fit_loop.run(epochs, graphdef, state, opt_state, epoch_calls, **run)
 
     # -- checkpoints ----------------------------------------------------------------------
 

@@ -254,7 +254,7 @@ PUBLIC = {
     },
     "nnxscan.shell": {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
-        "enable_compilation_cache",
+        "enable_compilation_cache", "Preempted",
     },
 }  # fmt: skip
 
