@@ -1,0 +1,96 @@
+"""What preemption safety costs: the time per checkpoint save, and the overhead of a resume.
+
+On the digits MLP of ``_workloads.py`` (and the byte-level LM, a model 30x larger):
+
+- per save: ``fit`` with ``checkpoint_every_steps=k`` against the same ``fit`` without
+  checkpoints (interleaved, medians), the difference divided by the number of saves;
+- resume: ``fit(..., resume=True)`` of a finished run (restore, nothing left to train),
+  i.e. what a restarted process pays before it trains again, besides compiling.
+
+    python benchmarks/bench_checkpoint.py --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+from _workloads import WORKLOADS
+
+from nnxscan.adapters.checkpoint import all_steps
+from nnxscan.shell import LambdaCallback, Trainer
+
+
+def timed_fit(workload, every: int, **fit) -> tuple[float, Trainer]:
+    """Seconds of a warm fit whose calls are ``every`` steps long, one epoch at a time (an
+    epoch hook keeps epochs apart, as checkpoints do)."""
+    nodes = workload.nodes()
+    trainer = Trainer(nodes[0], nodes[1], workload.loss_fn, **workload.trainer_options(nodes))
+    options = dict(steps_per_call=every, callbacks=[LambdaCallback(on_epoch_end=_nothing)])
+    # Compile outside the timing: what a save costs is measured on a warm run.
+    trainer.fit(workload.data, epochs=1, batch_size=workload.batch_size, progress=False,
+                **options)  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(workload.data, epochs=workload.epochs, batch_size=workload.batch_size,
+                progress=False, **options, **fit)  # fmt: skip
+    return time.perf_counter() - start, trainer
+
+
+def _nothing(*args) -> None:
+    pass
+
+
+def per_save(name: str, every: int, reps: int) -> str:
+    workload = WORKLOADS[name](False)
+    plain, saving, saves = [], [], 0
+    for _ in range(reps):
+        plain.append(timed_fit(workload, every)[0])
+        with tempfile.TemporaryDirectory() as folder:
+            seconds, _ = timed_fit(workload, every, checkpoint_dir=folder,
+                                   checkpoint_every_steps=every, checkpoint_every=10**6)  # fmt: skip
+            saving.append(seconds)
+            saves = (workload.steps) // every
+    extra = statistics.median(saving) - statistics.median(plain)
+    return (
+        f"| {name} | {workload.steps} | {every} | {statistics.median(plain):.3f} | "
+        f"{statistics.median(saving):.3f} | {saves} | {1000 * extra / max(saves, 1):.1f} |"
+    )
+
+
+def resume_cost(name: str, reps: int) -> str:
+    workload = WORKLOADS[name](False)
+    costs = []
+    for _ in range(reps):
+        with tempfile.TemporaryDirectory() as folder:
+            nodes = workload.nodes()
+            trainer = Trainer(nodes[0], nodes[1], workload.loss_fn)
+            trainer.fit(workload.data, epochs=1, batch_size=workload.batch_size,
+                        progress=False, checkpoint_dir=folder)  # fmt: skip
+            assert all_steps(folder)
+            nodes = workload.nodes()
+            again = Trainer(nodes[0], nodes[1], workload.loss_fn)
+            start = time.perf_counter()
+            again.fit(workload.data, epochs=1, batch_size=workload.batch_size,
+                      progress=False, checkpoint_dir=folder, resume=True)  # fmt: skip
+            costs.append(time.perf_counter() - start)
+    return f"| {name} | {1000 * statistics.median(costs):.0f} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    print("| workload | steps | save every | fit s | fit with saves s | saves | ms per save |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, every in (("mlp_digits", 100), ("lm_200", 50)):
+        print(per_save(name, every, args.reps), flush=True)
+    print("\n| workload | resume (restore) ms |\n|---|---:|")
+    for name in ("mlp_digits", "lm_200"):
+        print(resume_cost(name, args.reps), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
