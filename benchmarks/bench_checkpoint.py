@@ -49,8 +49,8 @@ def per_save(name: str, every: int, reps: int) -> str:
     for _ in range(reps):
         plain.append(timed_fit(workload, every)[0])
         with tempfile.TemporaryDirectory() as folder:
-            seconds, _ = timed_fit(workload, every, checkpoint_dir=folder,
-                                   checkpoint_every_steps=every, checkpoint_every=10**6)  # fmt: skip
+            options = dict(checkpoint_every_steps=every, checkpoint_every=10**6)
+            seconds, _ = timed_fit(workload, every, checkpoint_dir=folder, **options)
             saving.append(seconds)
             saves = (workload.steps) // every
     extra = statistics.median(saving) - statistics.median(plain)
