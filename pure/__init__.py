@@ -12,6 +12,8 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
   example.
 - :func:`all_finite`, :func:`tree_select`, :func:`halt_after_nonfinite`: non-finite guards
   that stay inside the compiled loop.
+- :func:`stack_states`, :func:`unstack_states`, :func:`with_hyperparams`,
+  :func:`make_population_epoch`: many models trained side by side (a population).
 - :mod:`nnxscan.pure.hyper`: networks run on generated weights.
 
 Example:
@@ -25,6 +27,12 @@ Example:
 from nnxscan.pure.epoch import epoch_order, make_epoch
 from nnxscan.pure.evaluation import make_eval_step, make_evaluate, make_evaluate_metrics
 from nnxscan.pure.nonfinite import all_finite, halt_after_nonfinite, tree_select
+from nnxscan.pure.population import (
+    make_population_epoch,
+    stack_states,
+    unstack_states,
+    with_hyperparams,
+)
 from nnxscan.pure.scan import scan_steps
 from nnxscan.pure.train_step import init_opt_state, make_train_step, split_wrt
 
@@ -37,10 +45,14 @@ __all__ = [
     "make_eval_step",
     "make_evaluate",
     "make_evaluate_metrics",
+    "make_population_epoch",
     "make_train_step",
     "scan_steps",
     "split_wrt",
+    "stack_states",
     "tree_select",
+    "unstack_states",
+    "with_hyperparams",
 ]
 
 # Names the first release exported that are internals now. They stay importable from here

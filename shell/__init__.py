@@ -6,6 +6,8 @@ It compiles the pure core, writes trained state back into the user's ``nnx.Modul
 - :class:`Trainer`: ``fit`` / ``evaluate`` / ``save`` / ``restore`` on your module.
 - :func:`scan_train`: one compiled scan over a stack of batches, on your module and
   ``nnx.Optimizer``.
+- :class:`Population`: N models (seeds, hyperparameter sweeps) trained in one compiled
+  program.
 - :class:`History`: what ``fit`` returns (losses, epoch logs, ``plot``).
 - :class:`Plan`: how the steps are executed (``"scan"``, ``"unrolled"``, ``"step"``).
 - :func:`enable_compilation_cache`: keep compiled programs on disk, so a second process
@@ -25,6 +27,7 @@ from nnxscan.shell._fit import Preempted
 from nnxscan.shell._plans import Plan
 from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
 from nnxscan.shell.history import History
+from nnxscan.shell.population import Population
 from nnxscan.shell.scan_train import scan_train
 from nnxscan.shell.trainer import Trainer
 
@@ -33,6 +36,7 @@ __all__ = [
     "History",
     "LambdaCallback",
     "Plan",
+    "Population",
     "Preempted",
     "Trainer",
     "enable_compilation_cache",

@@ -251,10 +251,12 @@ PUBLIC = {
         "make_train_step", "init_opt_state", "scan_steps", "make_epoch", "epoch_order",
         "make_eval_step", "make_evaluate", "make_evaluate_metrics", "split_wrt",
         "all_finite", "tree_select", "halt_after_nonfinite",
+        "stack_states", "unstack_states", "with_hyperparams", "make_population_epoch",
     },
     "nnxscan.shell": {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
         "enable_compilation_cache", "Preempted",
+        "Population",
     },
 }  # fmt: skip
 
