@@ -347,9 +347,11 @@ def _rebuild_leaf(saved: _Leaf, template: Any, arrays: dict[str, Any]) -> Any:
         return _PYTHON_KINDS[saved.kind](saved.value)
     data = arrays[saved.name]
     if saved.kind == "key":
-        key = jax.random.wrap_key_data(data, impl=saved.impl)
         sharding = getattr(template, "sharding", None)
-        return key if sharding is None else jax.device_put(key, sharding)
+        if sharding is not None:
+            # A typed key cannot be put on a mesh spanning processes; its raw data can.
+            data = jax.device_put(np.asarray(jax.device_get(data)), sharding)
+        return jax.random.wrap_key_data(data, impl=saved.impl)
     if isinstance(template, np.generic):
         return np.asarray(data)[()]
     return data

@@ -190,6 +190,7 @@ def stream_epochs(
             put=put,
             tail_divisor=tail_divisor,
             on_dropped=stats.drop,
+            resumed=bool(skip),
         )
         stats.at_end = stream.at_end
         previous: list | None = None

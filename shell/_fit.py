@@ -157,6 +157,7 @@ class FitLoop:
         self.checkpoints = checkpoints
         self._signals: list[int] = []
         self._partial = np.zeros((0,), np.float32)
+        self._save_at_epoch_end = False
         # Several processes train one model: only the first one reports.
         self.progress = progress and is_primary()
         self._warned_drop = False
@@ -263,14 +264,20 @@ class FitLoop:
         def on_call(steps: int, out: Any) -> None:
             outs.append(out)
             bar.call_done(epoch, steps, out)
+            if next_save[0] is not None and owner.step >= next_save[0]:
+                # At the first call boundary at or after each multiple of every_steps
+                # (before the hooks: a hook that raises finds the call saved). A call that
+                # ends the epoch leaves the save to the epoch's end, once it is counted.
+                expected = stats.expected_steps
+                if expected is not None and owner.step - first_step >= expected:
+                    self._save_at_epoch_end = True
+                else:
+                    self._save_mid_epoch(history, outs, skip + owner.step - first_step)
+                next_save[0] = (owner.step // every_steps + 1) * every_steps
             if callbacks.has_call_hooks:
                 # Written back after every call when there are hooks: owner.step is a
                 # Python int, so reading it forces no host sync.
                 callbacks("on_call_end", {"epoch": epoch, "step": owner.step})
-            if next_save[0] is not None and owner.step >= next_save[0]:
-                # At the first call boundary at or after each multiple of every_steps.
-                self._save_mid_epoch(history, outs, skip + owner.step - first_step)
-                next_save[0] = (owner.step // every_steps + 1) * every_steps
 
         if count > 1:
             calls = epoch_calls(epoch, stats, count)
@@ -294,9 +301,13 @@ class FitLoop:
                 owner.epoch_step = skip + owner.step - first_step
         if self._signals:
             self._preempted(history, outs, complete)
-        if not outs:  # stopped before the epoch's first call
+        if not outs and not (skip and complete):  # stopped before the epoch's first call
             return False
-        stacked, wall_time = host_outputs(outs, start)
+        if outs:
+            stacked, wall_time = host_outputs(outs, start)
+        else:  # a resumed stream epoch whose every batch was trained before the interruption
+            empty = np.zeros((0,), np.float32)
+            stacked, wall_time = ((empty, None) if self.program.has_aux else empty), 0.0
         if skip:  # the resumed epoch's first steps were trained before the interruption
             stacked = _prepend_losses(self._partial, stacked, self.program.has_aux)
         self._partial = np.zeros((0,), np.float32)
@@ -330,6 +341,7 @@ class FitLoop:
         if complete and outs:
             # The epoch ended with the call: log it first, so the History holds it.
             stacked, wall_time = host_outputs(outs, time.perf_counter())
+            stacked = _prepend_losses(self._partial, stacked, self.program.has_aux)
             logs, losses = epoch_logs(self.owner.epoch - 1, stacked, wall_time,
                                       self.program.has_aux, EpochStats(),
                                       self.program.skips_nonfinite)  # fmt: skip
@@ -366,8 +378,10 @@ class FitLoop:
         if complete:
             self.callbacks("on_epoch_end", epoch, logs)
             checkpoints = self.checkpoints
-            if checkpoints is not None and (epoch + 1) % checkpoints.every_epochs == 0:
+            due = self._save_at_epoch_end
+            if checkpoints is not None and (due or (epoch + 1) % checkpoints.every_epochs == 0):
                 checkpoints.save(history, np.zeros((0,), np.float32))
+            self._save_at_epoch_end = False
 
     def _nonfinite_error(self, history, epoch, first_step, stop, start, stats) -> Exception:
         stacked, wall_time = host_outputs(stop.outs, start)

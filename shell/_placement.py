@@ -107,7 +107,7 @@ class Placement:
         shardings = self.carry_shardings(leaves)
         if shardings is None:
             return _commit(leaves, device_of(leaves))
-        return [jax.device_put(x, s) for x, s in zip(leaves, shardings, strict=True)]
+        return [_put(x, s) for x, s in zip(leaves, shardings, strict=True)]
 
     def put_data(self, tree: Any, like: Any = None, *, device: Any = None) -> Any:
         """A whole data set: next to the model (``like``'s device, or ``device``), or
@@ -127,6 +127,15 @@ class Placement:
             # Each process holds its own share of every batch: assemble the global chunk.
             return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
         return jax.device_put(tree, sharding)
+
+
+def _put(x: Any, sharding: Any) -> Any:
+    """``jax.device_put`` that also places typed PRNG keys on a mesh spanning processes:
+    JAX refuses a key there, so its raw data travels and is wrapped again."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = jax.device_put(np.asarray(jax.device_get(jax.random.key_data(x))), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.device_put(x, sharding)
 
 
 def _commit(tree: Any, device: Any) -> Any:

@@ -181,8 +181,13 @@ def _chunks(
     tail_divisor: int = 1,
     check_stop: Callable[[], None],
     on_dropped: Callable[[int], None],
+    resumed: bool = False,
 ) -> Iterator[Chunk]:
-    """Pulls, checks, stacks and transfers (``put``) chunks of ``chunk_size`` batches."""
+    """Pulls, checks, stacks and transfers (``put``) chunks of ``chunk_size`` batches.
+
+    ``resumed``: the iterator starts past batches trained before a resume, so it may hold
+    none at all (the interruption came after the epoch's last batch).
+    """
     index, pending = 0, []
 
     def pull() -> Any:
@@ -215,7 +220,7 @@ def _chunks(
             yield Chunk(put(_stack(pending)), len(pending))
             pending = []
             acquire()
-    if index == 0:
+    if index == 0 and not resumed:
         hint = (
             " A re-iterable must give a fresh pass every epoch; pass a zero-argument "
             "callable that returns a new iterator."

@@ -1,13 +1,14 @@
 """Run by tests/test_chaos.py in subprocesses (not collected by pytest).
 
-``python chaos_worker.py CHECKPOINT_DIR OUT.npz CACHE_DIR``: the preemptible training
-script of docs' "long runs" guide, on a small model whose forward pass moves batch
-statistics and RNG counts. It trains the WHOLE run with ``resume=True``: rerunning the same
-command after a kill goes on from the newest checkpoint. It prints "ready" just before
-``fit`` (imports done, model built: what the test times its kills from), then, once the run
-is complete, writes every array of the final state to OUT.npz and prints "done".
-A SIGTERM makes ``fit`` save and raise ``Preempted``, which ends the process with a
-traceback (exit status 1).
+``python chaos_worker.py CHECKPOINT_DIR OUT.npz CACHE_DIR``: a preemptible training script
+on a small model whose forward pass moves batch statistics and RNG counts. It asks for the
+WHOLE run with ``resume=True``: rerunning the same command after a kill goes on from the
+newest checkpoint. On stdout it reports "ready" just before ``fit`` (imports done, model
+built), "training" when ``fit``'s loop begins (after any restore) and "step N" after every
+compiled call: what the test times its signals from. Once the run is complete it writes
+every array of the final state (and the History) to OUT.npz and prints "done". A SIGTERM
+makes ``fit`` save and raise ``Preempted``, which ends the process with a traceback (exit
+status 1).
 """
 
 from __future__ import annotations
@@ -50,11 +51,17 @@ def main(checkpoint_dir: str, out: str, cache_dir: str) -> None:
 
     model = BNDropout(rngs=nnx.Rngs(0))
     trainer = Trainer(model, optax.adam(1e-2), xent)
+    # What the test times its signals from. The hooks change nothing in what is trained: a
+    # run with checkpoint_every_steps writes back after every call and fuses no epochs anyway.
+    report = LambdaCallback(
+        on_train_begin=lambda trainer: print("training", flush=True),
+        on_call_end=lambda trainer, logs: print(f"step {logs['step']}", flush=True),
+    )
     print("ready", flush=True)
-    trainer.fit(
+    history = trainer.fit(
         data, epochs=EPOCHS, batch_size=BATCH, seed=SEED, checkpoint_dir=checkpoint_dir,
         checkpoint_every_steps=EVERY_STEPS, resume=True, progress=False,
-        callbacks=[LambdaCallback(on_train_begin=lambda trainer: print("training", flush=True))],
+        callbacks=[report],
     )  # fmt: skip
 
     def host(leaf) -> np.ndarray:
@@ -69,6 +76,10 @@ def main(checkpoint_dir: str, out: str, cache_dir: str) -> None:
         arrays["opt_state" + jax.tree_util.keystr(path)] = host(leaf)
     arrays["step"] = np.asarray(trainer.step)
     arrays["epoch"] = np.asarray(trainer.epoch)
+    # Losses are reductions XLA may fuse differently in calls of another length: the test
+    # compares them closely, not bitwise (the states above are compared bitwise).
+    arrays["history_losses"] = np.asarray(history.losses)
+    arrays["history_epochs"] = np.asarray([logs["epoch"] for logs in history.epochs])
     np.savez(out, **arrays)
     print("done", flush=True)
 

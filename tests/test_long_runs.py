@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
+from nnxscan.adapters.checkpoint import all_steps
 from nnxscan.shell import LambdaCallback, Preempted, Trainer
 
 from conftest import BNDropout, assert_trees_close, make_data, xent
@@ -95,8 +96,6 @@ def test_resume_without_a_checkpoint_trains_from_the_start_and_a_finished_run_is
 
 
 def test_mid_epoch_checkpoints_land_at_the_first_call_boundary_after_each_multiple(tmp_path):
-    from nnxscan.adapters.checkpoint import all_steps
-
     Trainer(BNDropout(rngs=nnx.Rngs(0)), TX, xent).fit(
         DATA, epochs=2, batch_size=BS, progress=False, checkpoint_dir=tmp_path,
         checkpoint_every_steps=5, checkpoint_every=100,
@@ -185,3 +184,53 @@ def test_resume_and_step_checkpoints_need_a_directory_and_a_matching_seed(tmp_pa
     with pytest.raises(ValueError, match="seed 3"):
         other.fit(DATA, epochs=2, batch_size=BS, progress=False, checkpoint_dir=tmp_path,
                   resume=True, seed=4)  # fmt: skip
+
+
+def test_a_step_checkpoint_that_lands_on_an_epochs_last_step_resumes_the_next_epoch(tmp_path):
+    """Found by the chaos test: the save at step 8 (= the end of epoch 0) must count the
+    epoch, or the resumed run would find it empty and end early."""
+    data = make_data(64)  # 8 steps an epoch
+
+    def run(callbacks=()):
+        model = BNDropout(rngs=nnx.Rngs(0))
+        trainer = Trainer(model, TX, xent)
+        history = trainer.fit(data, epochs=3, batch_size=BS, progress=False,
+                              checkpoint_dir=tmp_path, checkpoint_every_steps=4, resume=True,
+                              callbacks=callbacks)  # fmt: skip
+        return model, trainer, history
+
+    def stop_in_epoch_1(trainer, epoch):
+        if epoch == 1:
+            raise Interrupt(epoch)
+
+    with pytest.raises(Interrupt):
+        run([LambdaCallback(on_epoch_begin=stop_in_epoch_1)])
+    assert all_steps(tmp_path) == [4, 8]  # the newest: the step save at the end of epoch 0
+    model, trainer, history = run()
+    ref = BNDropout(rngs=nnx.Rngs(0))
+    Trainer(ref, TX, xent).fit(data, epochs=3, batch_size=BS, progress=False, steps_per_call=4)
+    assert (trainer.step, trainer.epoch) == (24, 3)
+    assert [e["epoch"] for e in history.epochs] == [0, 1, 2]
+    assert_trees_close(model, ref, exact=True)
+
+
+def test_a_stream_checkpointed_after_its_last_batch_resumes_with_the_next_epoch(tmp_path):
+    batches = [{k: v[i * BS : (i + 1) * BS] for k, v in DATA.items()} for i in range(7)]
+
+    def run(callbacks=()):
+        model = BNDropout(rngs=nnx.Rngs(0))
+        trainer = Trainer(model, TX, xent)
+        history = trainer.fit(batches, epochs=2, progress=False, checkpoint_dir=tmp_path,
+                              checkpoint_every_steps=7, checkpoint_every=100, resume=True,
+                              callbacks=callbacks)  # fmt: skip
+        return model, trainer, history
+
+    with pytest.raises(Interrupt):
+        run([cut_at(7)])  # a stream cannot tell the call ended the epoch: saved mid-epoch
+    assert all_steps(tmp_path) == [7]
+    model, trainer, history = run()
+    ref = BNDropout(rngs=nnx.Rngs(0))
+    Trainer(ref, TX, xent).fit(batches, epochs=2, progress=False, steps_per_call=7)
+    assert (trainer.step, trainer.epoch) == (14, 2)
+    assert [e["epoch"] for e in history.epochs] == [0, 1]
+    assert_trees_close(model, ref, exact=True)

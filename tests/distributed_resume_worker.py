@@ -1,0 +1,119 @@
+"""Run by tests/test_distributed_resume.py in subprocesses (not collected by pytest).
+
+``python distributed_resume_worker.py PID PORT MODEL PHASE CHECKPOINT_DIR OUT CACHE``: one
+of two processes on 127.0.0.1 (jax.distributed, gloo) training one data-parallel model over
+the mesh of both processes' devices. Both processes hold the whole data set; every batch is
+split over the two devices. MODEL is ``bn`` (Linear, BatchNorm, Linear: batch statistics
+move) or ``bn_dropout`` (with Dropout too: its RNG key and count move). The phases:
+
+- ``straight``: ``EPOCHS`` epochs, no checkpoints (the reference).
+- ``first``: ``FIRST_EPOCHS`` epochs with a checkpoint at each epoch's end, then exit.
+- ``cut``: ``fit(epochs=EPOCHS, resume=True)`` with a checkpoint every ``EVERY_STEPS``
+  steps, stopped by a callback right after the call that reaches ``CUT_STEP`` (before its
+  save, as a crash would): the newest checkpoint is then in the middle of an epoch.
+- ``resume``: the same ``fit`` as ``cut``, without the cut: it finishes the run.
+
+Each process writes the final arrays it holds (its copy of the replicated state) to
+``OUT``, and prints ``done``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+EPOCHS, FIRST_EPOCHS, BATCH, EXAMPLES, EVERY_STEPS, SEED = 3, 1, 8, 64, 3, 5  # 8 steps an epoch
+CUT_STEP = 13  # the call 11..14 of epoch 1 reaches it; it saves at 14, then the cut
+
+
+class Cut(Exception):
+    """What the ``cut`` phase raises to stop the run mid-epoch."""
+
+
+def main(
+    pid: int, port: str, model_name: str, phase: str, checkpoint_dir: str, out: str, cache: str
+) -> None:
+    from nnxscan.adapters.distributed import initialize
+
+    initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from nnxscan.shell import LambdaCallback, Trainer, enable_compilation_cache
+
+    enable_compilation_cache(cache)  # one folder per process index: no two writers
+
+    class BNDropout(nnx.Module):
+        """tests/conftest.py's model: BatchNorm statistics (and Dropout RNG counts) move."""
+
+        def __init__(self, dropout: bool, *, rngs: nnx.Rngs):
+            self.l1 = nnx.Linear(4, 16, use_bias=False, rngs=rngs)
+            self.bn = nnx.BatchNorm(16, rngs=rngs)
+            self.drop = nnx.Dropout(0.3, rngs=rngs) if dropout else None
+            self.l2 = nnx.Linear(16, 3, rngs=rngs)
+
+        def __call__(self, x):
+            h = nnx.relu(self.bn(self.l1(x)))
+            return self.l2(self.drop(h) if self.drop is not None else h)
+
+    def xent(model, batch):
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(EXAMPLES, 4)).astype(np.float32)
+    data = {"x": x, "y": np.argmax(x @ rng.normal(size=(4, 3)), axis=-1).astype(np.int32)}
+
+    assert jax.process_count() == 2 and len(jax.devices()) == 2, jax.devices()
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    model = BNDropout({"bn": False, "bn_dropout": True}[model_name], rngs=nnx.Rngs(0))
+    trainer = Trainer(model, optax.adam(1e-2), xent, mesh=mesh)
+    fit = dict(batch_size=BATCH, seed=SEED, progress=False)
+    if phase == "straight":
+        history = trainer.fit(data, epochs=EPOCHS, **fit)
+    elif phase == "first":
+        history = trainer.fit(
+            data, epochs=FIRST_EPOCHS, checkpoint_dir=checkpoint_dir, resume=True, **fit
+        )
+    else:
+        callbacks = []
+        if phase == "cut":
+
+            def cut(trainer, logs):
+                if logs["step"] >= CUT_STEP:
+                    raise Cut(logs["step"])
+
+            callbacks = [LambdaCallback(on_call_end=cut)]
+        try:
+            history = trainer.fit(
+                data, epochs=EPOCHS, checkpoint_dir=checkpoint_dir,
+                checkpoint_every_steps=EVERY_STEPS, resume=True, callbacks=callbacks, **fit,
+            )  # fmt: skip
+        except Cut as stop:
+            history = stop.history
+
+    def host(leaf) -> np.ndarray:
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = leaf.addressable_shards[0].data  # replicated: the local copy is whole
+        return np.asarray(leaf)
+
+    arrays = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
+        arrays["state" + jax.tree_util.keystr(path)] = host(leaf)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.opt_state):
+        arrays["opt_state" + jax.tree_util.keystr(path)] = host(leaf)
+    arrays["step"] = np.asarray(trainer.step)
+    arrays["epoch"] = np.asarray(trainer.epoch)
+    arrays["history_losses"] = np.asarray(history.losses)
+    arrays["history_epochs"] = np.asarray([logs["epoch"] for logs in history.epochs])
+    np.savez(out, **arrays)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), *sys.argv[2:8])
