@@ -36,13 +36,14 @@ def main(
 
     initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60)
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
     from jax.sharding import Mesh
 
     from nnxscan.shell import LambdaCallback, Trainer, enable_compilation_cache
+
+    from run_record import save_run
 
     enable_compilation_cache(cache)  # one folder per process index: no two writers
 
@@ -95,23 +96,7 @@ def main(
         except Cut as stop:
             history = stop.history
 
-    def host(leaf) -> np.ndarray:
-        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            leaf = leaf.addressable_shards[0].data  # replicated: the local copy is whole
-        return np.asarray(leaf)
-
-    arrays = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
-        arrays["state" + jax.tree_util.keystr(path)] = host(leaf)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.opt_state):
-        arrays["opt_state" + jax.tree_util.keystr(path)] = host(leaf)
-    arrays["step"] = np.asarray(trainer.step)
-    arrays["epoch"] = np.asarray(trainer.epoch)
-    arrays["history_losses"] = np.asarray(history.losses)
-    arrays["history_epochs"] = np.asarray([logs["epoch"] for logs in history.epochs])
-    np.savez(out, **arrays)
+    save_run(out, model, trainer, history)
     print("done", flush=True)
 
 
