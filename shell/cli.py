@@ -1,4 +1,4 @@
-"""The ``nnxscan`` command line: ``nnxscan demo [digits|hypernet]`` and ``nnxscan --version``."""
+"""The ``nnxscan`` command line: ``nnxscan demo [NAME]`` and ``nnxscan --version``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ DESCRIPTION = "Train Flax NNX models with jax.lax.scan, and run networks on gene
 DEMOS = {
     "digits": "an MLP on scikit-learn's digits (the default)",
     "hypernet": "one hypernetwork learns a family of sine functions",
+    "sweep": "a learning-rate x seed sweep: 16 MLPs in one compiled program",
 }
 DEMO_LIST = "demos:\n" + "".join(f"  {name:<10}{text}\n" for name, text in DEMOS.items())
 DEMO_DESCRIPTION = (
@@ -90,6 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nnxscan.shell.demos.digits import run_digits_demo
 
         run_digits_demo(args.out, seed=args.seed, progress=not args.no_progress)
+    elif args.name == "sweep":
+        from nnxscan.shell.demos.sweep import run_sweep_demo
+
+        run_sweep_demo(args.out, seed=args.seed, progress=not args.no_progress)
     else:
         from nnxscan.shell.demos.hypernet import run_hypernet_demo
 

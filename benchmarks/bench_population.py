@@ -1,0 +1,110 @@
+"""Many small models at once: one Population against N separate trainings.
+
+N members of the digits MLP (``_workloads.mlp_digits``: 64→128→128→10, batch 32), each with
+its own seed (initialization and data order), trained for E epochs, whole run with compile
+included (from empty compilation caches):
+
+  population   ``nnxscan.shell.Population(model_fn, tx, loss_fn, seeds=...)``: one compiled
+               call per epoch trains all N members (the pure step vmapped over members)
+  trainers     N ``Trainer.fit`` runs one after another with one optax transform (the
+               program compiles once and is reused by the next members)
+  nnx_jit      N of the Flax tutorial's per-step ``nnx.jit`` loops one after another
+
+Reported per N: seconds per variant and the ratios. Medians over ``--reps`` repetitions in a
+shuffled order.
+
+    python benchmarks/bench_population.py --sizes 1,4,16,64 --epochs 5 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import jax
+import optax
+from _workloads import MLP, cross_entropy, digits, plain_train_step
+from flax import nnx
+
+from nnxscan.pure import epoch_order
+from nnxscan.shell import Population, Trainer
+
+BATCH = 32
+SIZES = (64, 128, 128, 10)
+
+
+def mlp(rngs: nnx.Rngs) -> MLP:
+    return MLP(SIZES, rngs=rngs)
+
+
+def data_set() -> dict:
+    images, labels = digits(1408)
+    return {"x": images.reshape(len(images), -1), "y": labels}
+
+
+def population(data: dict, n: int, epochs: int) -> float:
+    start = time.perf_counter()
+    members = Population(mlp, optax.adam(1e-3), cross_entropy,
+                         seeds=list(range(n)))  # fmt: skip
+    history = members.fit(data, epochs=epochs, batch_size=BATCH)
+    jax.block_until_ready(history.losses)
+    return time.perf_counter() - start
+
+
+def trainers(data: dict, n: int, epochs: int) -> float:
+    start = time.perf_counter()
+    tx = optax.adam(1e-3)  # one transform: every member reuses the first one's program
+    for seed in range(n):
+        trainer = Trainer(mlp(nnx.Rngs(seed)), tx, cross_entropy)
+        trainer.fit(data, epochs=epochs, batch_size=BATCH, seed=seed, progress=False)
+    return time.perf_counter() - start
+
+
+def nnx_jit(data: dict, n: int, epochs: int) -> float:
+    start = time.perf_counter()
+    step = nnx.jit(plain_train_step(cross_entropy))
+    examples = len(data["y"])
+    for seed in range(n):
+        model = mlp(nnx.Rngs(seed))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        for epoch in range(epochs):
+            order = epoch_order(seed, epoch, examples)
+            for i in range(examples // BATCH):
+                idx = order[i * BATCH : (i + 1) * BATCH]
+                loss = step(model, optimizer, {k: v[idx] for k, v in data.items()})
+        jax.block_until_ready(loss)
+    return time.perf_counter() - start
+
+
+VARIANTS = {"population": population, "trainers": trainers, "nnx_jit": nnx_jit}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,4,16,64")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    data = data_set()
+    rng = random.Random(0)
+    print(f"digits MLP, {args.epochs} epochs × {len(data['y']) // BATCH} steps, batch {BATCH}; "
+          f"whole run with compile, medians of {args.reps}\n")  # fmt: skip
+    print("| members | population s | N × Trainer.fit s | N × nnx.jit loop s | "
+          "N × Trainer.fit ÷ population | N × nnx.jit ÷ population |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n in (int(s) for s in args.sizes.split(",")):
+        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        for _ in range(args.reps):
+            for name in rng.sample(list(VARIANTS), len(VARIANTS)):
+                jax.clear_caches()
+                times[name].append(VARIANTS[name](data, n, args.epochs))
+        med = {name: statistics.median(values) for name, values in times.items()}
+        print(f"| {n} | {med['population']:.2f} | {med['trainers']:.2f} | {med['nnx_jit']:.2f} | "
+              f"{med['trainers'] / med['population']:.2f}× | "
+              f"{med['nnx_jit'] / med['population']:.2f}× |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
