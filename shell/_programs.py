@@ -20,6 +20,7 @@ from nnxscan.pure import (
     halt_after_nonfinite,
     make_evaluate,
     make_evaluate_metrics,
+    make_population_epoch,
     make_train_step,
 )
 from nnxscan.pure.scan import scan_indexed_steps
@@ -28,6 +29,7 @@ from nnxscan.shell._plans import StepTraits, step_traits
 _MAX_CACHED = 32
 _TRAIN: OrderedDict[Hashable, TrainProgram] = OrderedDict()
 _EVAL: OrderedDict[Hashable, Callable] = OrderedDict()
+_POPULATION_EPOCHS: OrderedDict[Hashable, Callable] = OrderedDict()
 
 
 def _identity_key(obj: Any) -> Hashable:
@@ -243,3 +245,39 @@ def metrics_evaluator(
     return _lookup(
         _EVAL, key, lambda: jax.jit(make_evaluate_metrics(loss_fn, update_metrics, **options))
     )
+
+
+def population_runner(
+    step: Callable, key: Hashable, graphdef: Any, carry_def: Any, batch_size: int, drop: bool
+) -> Callable:
+    """The jitted ``run(leaves, data, orders) -> (leaves, outs)`` of one population epoch,
+    cached by what it closes over. The carry crosses the call as flat leaves (donated), as
+    in ``Trainer``'s runner: flattening a State costs more than a list."""
+
+    def build():
+        epoch = make_population_epoch(step, batch_size=batch_size, drop_remainder=drop)
+
+        def run(leaves, data, orders):
+            states, opt_states = jax.tree.unflatten(carry_def, leaves)
+            states, opt_states, outs = epoch(graphdef, states, opt_states, data, orders)
+            return jax.tree.leaves((states, opt_states)), outs
+
+        return jax.jit(run, donate_argnums=0)
+
+    return _lookup(_POPULATION_EPOCHS, (key, graphdef, carry_def, batch_size, drop), build)
+
+
+def population_evaluator(metric_fn: Callable, batch_size: int, eval_mode: bool) -> Callable:
+    """The jitted ``evaluate(graphdef, states, data)``: ``make_evaluate`` vmapped over the
+    members (the data shared)."""
+
+    def build():
+        evaluate = make_evaluate(metric_fn, batch_size=batch_size, eval_mode=eval_mode)
+
+        def run(graphdef, states, data):
+            return jax.vmap(lambda state: evaluate(graphdef, state, data))(states)
+
+        return jax.jit(run)
+
+    key = ("population", _identity_key(metric_fn), batch_size, eval_mode)
+    return _lookup(_EVAL, key, build)

@@ -14,8 +14,7 @@ out a fresh, live ``nnx.Module`` holding member ``i``.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,7 +23,7 @@ import optax
 from flax import nnx
 from rich.console import Console
 
-from nnxscan.pure import epoch_order, init_opt_state, make_evaluate, make_population_epoch
+from nnxscan.pure import epoch_order, init_opt_state
 from nnxscan.pure._checks import (
     check_batch_size,
     check_count,
@@ -41,15 +40,13 @@ from nnxscan.pure.population import (
 from nnxscan.shell._calls import held_interrupts
 from nnxscan.shell._epochs import _RESERVED_LOGS
 from nnxscan.shell._placement import Placement, to_host
-from nnxscan.shell._programs import _identity_key, _lookup, train_program
+from nnxscan.shell._programs import population_evaluator, population_runner, train_program
 from nnxscan.shell.history import History
 
 __all__ = ["Population"]
 
 _MAX_SEED = 2**31 - 1  # as Trainer: the seed enters numpy's generator as an int32
 _MODES = ("min", "max")
-_EPOCHS: OrderedDict[Hashable, Callable] = OrderedDict()
-_EVALS: OrderedDict[Hashable, Callable] = OrderedDict()
 
 
 def _check_seeds(seeds: Any) -> tuple[int, ...]:
@@ -89,41 +86,6 @@ def _check_hyperparams(hyperparams: Any, members: int) -> dict[str, tuple]:
                 raise ValueError(f"hyperparams[{name!r}][{i}] must be a number, got {value!r}.")
         checked[name] = tuple(values)
     return checked
-
-
-def _population_runner(
-    step: Callable, key: Hashable, graphdef: Any, carry_def: Any, batch_size: int, drop: bool
-) -> Callable:
-    """The jitted ``run(leaves, data, orders) -> (leaves, outs)`` of one population epoch,
-    cached by what it closes over. The carry crosses the call as flat leaves (donated), as
-    in ``Trainer``'s runner: flattening a State costs more than a list."""
-
-    def build():
-        epoch = make_population_epoch(step, batch_size=batch_size, drop_remainder=drop)
-
-        def run(leaves, data, orders):
-            states, opt_states = jax.tree.unflatten(carry_def, leaves)
-            states, opt_states, outs = epoch(graphdef, states, opt_states, data, orders)
-            return jax.tree.leaves((states, opt_states)), outs
-
-        return jax.jit(run, donate_argnums=0)
-
-    return _lookup(_EPOCHS, (key, graphdef, carry_def, batch_size, drop), build)
-
-
-def _population_evaluator(metric_fn: Callable, batch_size: int, eval_mode: bool) -> Callable:
-    """The jitted ``evaluate(graphdef, states, data)``: ``make_evaluate`` vmapped over the
-    members (the data shared)."""
-
-    def build():
-        evaluate = make_evaluate(metric_fn, batch_size=batch_size, eval_mode=eval_mode)
-
-        def run(graphdef, states, data):
-            return jax.vmap(lambda state: evaluate(graphdef, state, data))(states)
-
-        return jax.jit(run)
-
-    return _lookup(_EVALS, (_identity_key(metric_fn), batch_size, eval_mode), build)
 
 
 class Population:
@@ -188,7 +150,7 @@ class Population:
         self.seeds = seeds
         self.hyperparams = {k: list(v) for k, v in hyperparams.items()}
         self._program = train_program(loss_fn, tx, wrt, self.has_aux)
-        self._program_key = (*map(_identity_key, (loss_fn, tx, wrt)), self.has_aux)
+        self._program_key = self._program  # cached by (loss_fn, tx, wrt, has_aux) already
         self.graphdef, state, opt_state = self._build_members()
         self._placement = Placement()
         leaves, self._carry_def = jax.tree.flatten((state, opt_state))
@@ -369,7 +331,7 @@ class Population:
             return history
         leaves = self._leaves
         data = self._placement.put_data(data, leaves)
-        run = _population_runner(
+        run = population_runner(
             self._program.step, self._program_key, self.graphdef, self._carry_def,
             batch_size, bool(drop_remainder),
         )  # fmt: skip
@@ -450,7 +412,7 @@ class Population:
             raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
         n = check_leading_size(data, "data")
         batch_size = check_batch_size(batch_size, n, drop_remainder=False)
-        run = _population_evaluator(metric_fn, batch_size, bool(eval_mode))
+        run = population_evaluator(metric_fn, batch_size, bool(eval_mode))
         state, _ = self._carry()
         data = self._placement.put_data(data, self._leaves)
         values = to_host(run(self.graphdef, state, data))
