@@ -8,6 +8,7 @@ int, never a bool.
 
 from __future__ import annotations
 
+import dis
 import functools
 import types
 from typing import Any
@@ -175,7 +176,10 @@ def _captured(fn: Any, depth: int = 2, seen: set[int] | None = None) -> list[tup
             found.append((f"the closure variable {name!r}", cell.cell_contents))
         except ValueError:  # an empty cell (a name assigned later)
             continue
-    for name in code.co_names:
+    # Only the globals the code loads: co_names also holds attribute names (model.rngs),
+    # which may coincide with an unrelated global.
+    loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
+    for name in sorted(loaded):
         if name in fn.__globals__:
             found.append((f"the global {name!r}", fn.__globals__[name]))
     for i, value in enumerate(fn.__defaults__ or ()):

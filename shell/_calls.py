@@ -73,11 +73,16 @@ class LiveState:
         # consumed (donated) the buffers the objects hold, so its output must be written.
         self.unwritten = False
 
-    def reload(self, state: nnx.State, opt_state: Any) -> None:
-        """Carries on from ``(state, opt_state)`` read anew from the user's objects (after
-        they were changed between calls, e.g. metrics reset); every write is flushed."""
+    def carry(self) -> tuple[nnx.State, Any]:
+        """The newest ``(state, opt_state)`` as pytrees (the same arrays, no copy)."""
+        return jax.tree.unflatten(self.treedef, self.leaves)
+
+    def reload_state(self, state: nnx.State) -> None:
+        """Carries on from a module state read anew from the user's objects (after they
+        were changed between calls, e.g. metrics reset); the optax state, which nothing
+        changed, stays. Every write must be flushed."""
         assert not self.unwritten, "reload would lose unwritten steps"
-        leaves, treedef = jax.tree.flatten((state, opt_state))
+        leaves, treedef = jax.tree.flatten((state, self.carry()[1]))
         assert treedef == self.treedef, "the carry's structure changed"
         self.leaves = _unaliased(self.placement.put_carry(leaves), key=_buffer_key)
 
@@ -100,8 +105,7 @@ class LiveState:
     def flush(self) -> None:
         if self.unwritten:
             steps, self.unwritten_steps, self.unwritten = self.unwritten_steps, 0, False
-            state, opt_state = jax.tree.unflatten(self.treedef, self.leaves)
-            self._write(state, opt_state, steps)
+            self._write(*self.carry(), steps)
 
 
 @contextlib.contextmanager

@@ -364,10 +364,10 @@ class FitLoop:
         if owner.metrics is not None:
             logs.update({f"train_{k}": v for k, v in owner.take_metrics().items()})
             # take_metrics reset the user's metrics: the next epoch starts from them.
-            _, state, opt_state = owner.read()
-            live.reload(state, opt_state)
+            live.reload_state(owner.read_state())
         if injected:
-            logs["learning_rate"] = learning_rate(owner.opt_state)
+            # From the carry: reading an nnx.Optimizer's optax state traces tx.init.
+            logs["learning_rate"] = learning_rate(live.carry()[1])
         if not complete:
             logs["stopped"] = True
         elif self.evaluation is not None and (epoch + 1) % self.evaluation.every == 0:

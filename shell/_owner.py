@@ -143,6 +143,10 @@ class Owner:
         if self.metrics is not None:
             self.metrics.reset()
 
+    def read_state(self) -> nnx.State:
+        """The module state of the user's objects (model, and rngs/metrics when given)."""
+        return nnx.split(self.node)[1]
+
     def take_metrics(self) -> dict[str, Any]:
         """The training metrics accumulated since the last call, then reset (one host read).
 
