@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnxscan.pure._checks import check_leading_size
-from nnxscan.pure.epoch import make_epoch
+from nnxscan.pure._checks import check_batch_size, check_leading_size
+from nnxscan.pure.nonfinite import tree_select
+from nnxscan.pure.scan import scan_indexed_steps
 from nnxscan.pure.train_step import StepFn
 
 __all__ = ["make_population_epoch", "stack_states", "unstack_states", "with_hyperparams"]
@@ -195,28 +196,103 @@ def with_hyperparams(opt_state: Any, **values: Any) -> Any:
     return jax.tree.map(replace, opt_state, is_leaf=_is_injected)
 
 
+def _frozen_aware(step: StepFn, active: jax.Array) -> StepFn:
+    """``step`` for ONE member that changes nothing while ``active`` is False: the loss is
+    still computed (at the frozen state) and reported."""
+
+    def guarded(graphdef, state, opt_state, batch):
+        new_state, new_opt_state, out = step(graphdef, state, opt_state, batch)
+        state = tree_select(active, new_state, state)
+        return state, tree_select(active, new_opt_state, opt_state), out
+
+    return guarded
+
+
+def scan_population_steps(
+    step: StepFn,
+    graphdef: Any,
+    states: Any,
+    opt_states: Any,
+    data: Any,
+    indices: jax.Array,
+    *,
+    active: jax.Array | None = None,
+    unroll: int | bool = 1,
+    member_axis: str | None = None,
+    batch_sharding: jax.sharding.Sharding | None = None,
+) -> tuple[Any, Any, Any]:
+    """The body every population call runs: ``scan_indexed_steps`` vmapped over the members.
+
+    ``indices`` has shape ``(N, steps, batch)``: member ``i`` trains the batches
+    ``indices[i]`` gathered from the shared ``data``. ``active`` (``(N,)`` bool) freezes the
+    members where it is False: their state and optax state stay as they are at every step.
+    ``member_axis`` names the mesh axis the members are sharded over (``vmap``'s
+    ``spmd_axis_name``), so a ``batch_sharding`` of one member's batch becomes a sharding
+    of the members' batches over both axes. Returns the outputs with a leading steps axis,
+    then members: ``(steps, N, ...)``.
+    """
+
+    def member(state, opt_state, idx, alive):
+        member_step = step if alive is None else _frozen_aware(step, alive)
+        return scan_indexed_steps(
+            member_step, graphdef, state, opt_state, data, idx, unroll=unroll,
+            batch_sharding=batch_sharding,
+        )  # fmt: skip
+
+    in_axes = (0, 0, 0, None if active is None else 0)
+    states, opt_states, outs = jax.vmap(member, in_axes=in_axes, spmd_axis_name=member_axis)(
+        states, opt_states, indices, active
+    )
+    return states, opt_states, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)
+
+
+def population_batches(orders: Any, batch_size: int, *, drop_remainder: bool) -> tuple[Any, Any]:
+    """:func:`~nnxscan.pure.epoch.batches_from_order` for each member's order: ``(full,
+    tail)`` of shapes ``(N, steps, batch_size)`` and ``(N, 1, rest)`` (``None`` when there
+    is no short batch to train)."""
+    members, n = orders.shape
+    num_full = n // batch_size
+    full = orders[:, : num_full * batch_size].reshape(members, num_full, batch_size)
+    if drop_remainder or n == num_full * batch_size:
+        return full, None
+    return full, orders[:, None, num_full * batch_size :]
+
+
 def make_population_epoch(
-    step: StepFn, *, batch_size: int, drop_remainder: bool = True, unroll: int | bool = 1
+    step: StepFn,
+    *,
+    batch_size: int,
+    drop_remainder: bool = True,
+    unroll: int | bool = 1,
+    member_axis: str | None = None,
+    batch_sharding: jax.sharding.Sharding | None = None,
 ) -> Callable[..., tuple[Any, Any, Any]]:
-    """Builds ``epoch(graphdef, states, opt_states, data, orders)`` that trains N members.
+    """Builds ``epoch(graphdef, states, opt_states, data, orders, active=None)`` that trains
+    N members.
 
     It is :func:`~nnxscan.pure.make_epoch`'s epoch of ``step``, vmapped over the members
     axis of ``states`` and ``opt_states`` (:func:`stack_states`): traced, that is one
     ``lax.scan`` over the steps whose body runs ``step`` vmapped over the members. The data
     is shared, not copied per member: each member gathers its own batch from it by its own
-    row of ``orders``. So member ``i`` trains exactly what ``make_epoch`` trains on
+    row of ``orders``. So member ``i`` trains what ``make_epoch`` trains on
     ``(states[i], opt_states[i])`` with order ``orders[i]``.
 
     Args:
       step: a pure step from :func:`~nnxscan.pure.make_train_step`.
       batch_size, drop_remainder, unroll: as for :func:`~nnxscan.pure.make_epoch`.
+      member_axis: on a mesh, the axis the members' leading axis is sharded over
+        (``jax.vmap``'s ``spmd_axis_name``).
+      batch_sharding: the sharding of ONE member's batch, e.g.
+        ``NamedSharding(mesh, P("data"))`` for data parallelism inside every member.
 
     Returns:
-      ``epoch(graphdef, states, opt_states, data, orders) -> (states, opt_states, losses)``.
-      ``orders`` is an int array of shape ``(N, num_examples)``, one order per member
-      (``epoch_order(seed_i, epoch, n)``; the same row repeated for a shared order).
-      ``losses`` has shape ``(steps, N)`` (with ``has_aux``, every aux leaf gets the same
-      two leading axes).
+      ``epoch(graphdef, states, opt_states, data, orders, active=None) -> (states,
+      opt_states, losses)``. ``orders`` is an int array of shape ``(N, num_examples)``, one
+      order per member (``epoch_order(seed_i, epoch, n)``; the same row repeated for a
+      shared order). ``active``, a bool array of shape ``(N,)``, freezes the members where
+      it is False: they keep their state and optax state at every step (their losses are
+      still computed, at the frozen state). ``losses`` has shape ``(steps, N)`` (with
+      ``has_aux``, every aux leaf gets the same two leading axes).
 
     Example:
       >>> epoch = jax.jit(make_population_epoch(step, batch_size=32))
@@ -225,40 +301,76 @@ def make_population_epoch(
       >>> losses.shape
       (2, 4)
     """
-    one_epoch = make_epoch(
-        step, batch_size=batch_size, shuffle=True, drop_remainder=drop_remainder, unroll=unroll
-    )
+    check_batch_size(batch_size, batch_size, drop_remainder=False)
+    options = dict(member_axis=member_axis, batch_sharding=batch_sharding)
 
-    def epoch(graphdef, states, opt_states, data, orders):
+    def epoch(graphdef, states, opt_states, data, orders, active=None):
         n = check_leading_size(data, "data")
+        check_batch_size(batch_size, n, drop_remainder=drop_remainder)
         members = members_of(states, "states")
         if members_of(opt_states, "opt_states") != members:
             raise ValueError(
                 f"states hold {members} members but opt_states hold "
                 f"{members_of(opt_states, 'opt_states')}: stack one optax state per member."
             )
-        dtype = getattr(orders, "dtype", None)
-        if dtype is None or not jnp.issubdtype(dtype, jnp.signedinteger):
-            raise TypeError(
-                f"orders must be a signed integer array of shape ({members}, {n}), e.g. "
-                f"np.stack([epoch_order(seed, epoch, {n}) for seed in seeds]); got "
-                f"{type(orders).__name__} with dtype {dtype}."
-            )
-        if tuple(np.shape(orders)) != (members, n):
+        check_orders(orders, members, n)
+        if active is not None and tuple(np.shape(active)) != (members,):
             raise ValueError(
-                f"orders has shape {tuple(np.shape(orders))}, but there are {members} members "
-                f"and {n} examples: pass one order per member, shape ({members}, {n})."
+                f"active has shape {tuple(np.shape(active))}; pass one bool per member, "
+                f"shape ({members},)."
             )
-
-        def member_epoch(state, opt_state, order):
-            return one_epoch(graphdef, state, opt_state, data, order)
-
-        states, opt_states, outs = jax.vmap(member_epoch)(states, opt_states, orders)
-        return states, opt_states, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)
+        full, tail = population_batches(
+            jnp.asarray(orders, jnp.int32), batch_size, drop_remainder=drop_remainder
+        )
+        outs = None
+        if full.shape[1]:
+            states, opt_states, outs = scan_population_steps(
+                step, graphdef, states, opt_states, data, full, active=active, unroll=unroll,
+                **options,
+            )  # fmt: skip
+        if tail is not None:
+            # One step of its own shape, unrolled (no loop), as make_epoch trains it.
+            states, opt_states, out = scan_population_steps(
+                step, graphdef, states, opt_states, data, tail, active=active, unroll=True,
+                **options,
+            )  # fmt: skip
+            outs = out if outs is None else jax.tree.map(_concat, outs, out)
+        return states, opt_states, outs
 
     return epoch
+
+
+def check_orders(orders: Any, members: int, n: int) -> None:
+    """``orders`` must be a signed int array of shape ``(members, n)``."""
+    dtype = getattr(orders, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.signedinteger):
+        raise TypeError(
+            f"orders must be a signed integer array of shape ({members}, {n}), e.g. "
+            f"np.stack([epoch_order(seed, epoch, {n}) for seed in seeds]); got "
+            f"{type(orders).__name__} with dtype {dtype}."
+        )
+    if tuple(np.shape(orders)) != (members, n):
+        raise ValueError(
+            f"orders has shape {tuple(np.shape(orders))}, but there are {members} members "
+            f"and {n} examples: pass one order per member, shape ({members}, {n})."
+        )
+
+
+def _concat(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.concatenate([a, b], axis=0)
 
 
 def member_state(stacked: Any, index: int) -> Any:
     """Member ``index`` of a stacked pytree (a new pytree; ``stacked`` is left as it is)."""
     return jax.tree.map(lambda x: x[index], stacked)
+
+
+def select_members(mask: Any, on_true: Any, on_false: Any) -> Any:
+    """Member ``i`` of ``on_true`` where ``mask[i]``, else of ``on_false`` (two stacks of
+    one structure; ``mask`` has shape ``(N,)``)."""
+
+    def pick(a: jax.Array, b: jax.Array) -> jax.Array:
+        where = jnp.reshape(jnp.asarray(mask, bool), (-1,) + (1,) * (a.ndim - 1))
+        return jnp.where(where, a, b)
+
+    return jax.tree.map(pick, on_true, on_false)

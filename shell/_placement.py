@@ -47,34 +47,43 @@ class Placement:
     """Places the carry, a data set, and stream chunks; validates batch sizes for a mesh."""
 
     def __init__(
-        self, mesh: Mesh | None = None, data_axis: str = "data", fsdp_min_size: int | None = None
+        self,
+        mesh: Mesh | None = None,
+        data_axis: str | None = "data",
+        fsdp_min_size: int | None = None,
+        member_axis: str | None = None,
     ):
         if mesh is not None:
             if not isinstance(mesh, Mesh):
                 raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-            if data_axis not in mesh.axis_names:
-                raise ValueError(
-                    f"data_axis={data_axis!r} is not an axis of the mesh {mesh.axis_names}."
-                )
+            for name, axis in (("data_axis", data_axis), ("member_axis", member_axis)):
+                if axis is not None and axis not in mesh.axis_names:
+                    raise ValueError(
+                        f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}."
+                    )
         elif fsdp_min_size is not None:
             raise ValueError("fsdp_min_size shards parameters over a mesh: pass mesh= too.")
         self.mesh, self.data_axis, self.fsdp_min_size = mesh, data_axis, fsdp_min_size
+        # A population's members: the carry's leading (members) axis is sharded over it.
+        self.member_axis = member_axis if mesh is not None else None
 
     @property
     def data_parallel(self) -> int:
         """Devices a batch is split over (1 without a mesh)."""
-        return 1 if self.mesh is None else self.mesh.shape[self.data_axis]
+        if self.mesh is None or self.data_axis is None:
+            return 1
+        return self.mesh.shape[self.data_axis]
 
     @property
     def batch_sharding(self) -> NamedSharding | None:
         """Leading (batch) dimension over ``data_axis``; ``None`` without a mesh."""
-        if self.mesh is None:
+        if self.mesh is None or self.data_axis is None:
             return None
         return NamedSharding(self.mesh, PartitionSpec(self.data_axis))
 
     def local_data_parallel(self) -> int:
         """Devices of this process a local batch is split over."""
-        if self.mesh is None:
+        if self.mesh is None or self.data_axis is None:
             return 1
         return self.mesh.local_mesh.shape[self.data_axis]
 
@@ -89,12 +98,13 @@ class Placement:
             )
 
     def carry_shardings(self, leaves: list) -> tuple | None:
-        """One sharding per carry leaf on a mesh (replicated, or by the FSDP rule)."""
+        """One sharding per carry leaf on a mesh: replicated, by the FSDP rule, or (a
+        population's) leading members axis over ``member_axis``."""
         if self.mesh is None:
             return None
         shardings = []
         for leaf in leaves:
-            spec = PartitionSpec()
+            spec = PartitionSpec(self.member_axis) if self.member_axis else PartitionSpec()
             is_key = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
             if self.fsdp_min_size is not None and not is_key:
                 spec = fsdp_spec(

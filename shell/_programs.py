@@ -20,16 +20,16 @@ from nnxscan.pure import (
     halt_after_nonfinite,
     make_evaluate,
     make_evaluate_metrics,
-    make_population_epoch,
     make_train_step,
 )
+from nnxscan.pure.population import scan_population_steps
 from nnxscan.pure.scan import scan_indexed_steps
 from nnxscan.shell._plans import StepTraits, step_traits
 
 _MAX_CACHED = 32
 _TRAIN: OrderedDict[Hashable, TrainProgram] = OrderedDict()
 _EVAL: OrderedDict[Hashable, Callable] = OrderedDict()
-_POPULATION_EPOCHS: OrderedDict[Hashable, Callable] = OrderedDict()
+_POPULATION_RUNNERS: OrderedDict[Hashable, Callable] = OrderedDict()
 
 
 def _identity_key(obj: Any) -> Hashable:
@@ -248,23 +248,48 @@ def metrics_evaluator(
 
 
 def population_runner(
-    step: Callable, key: Hashable, graphdef: Any, carry_def: Any, batch_size: int, drop: bool
+    program: TrainProgram,
+    graphdef: Any,
+    carry_def: Any,
+    *,
+    donate: bool = True,
+    member_axis: str | None = None,
+    batch_sharding: Any = None,
+    carry_shardings: tuple | None = None,
 ) -> Callable:
-    """The jitted ``run(leaves, data, orders) -> (leaves, outs)`` of one population epoch,
-    cached by what it closes over. The carry crosses the call as flat leaves (donated), as
-    in ``Trainer``'s runner: flattening a State costs more than a list."""
+    """The jitted ``run(leaves, data, indices, active, start, length=, unroll=) -> (leaves,
+    outs, halted)`` of a population: ``Trainer``'s chunk runner with the members vmapped
+    (:func:`~nnxscan.pure.population.scan_population_steps`). ``indices`` is ``(N, steps,
+    batch)``; the call trains ``indices[:, start:start+length]``. ``halted`` (``(N,)``)
+    says which members met a non-finite loss under ``on_nonfinite="stop"``."""
+    step, halts = program.jitted_step(graphdef), program.halts
+    if halts:
+        step = halt_after_nonfinite(step, has_aux=program.has_aux)
 
     def build():
-        epoch = make_population_epoch(step, batch_size=batch_size, drop_remainder=drop)
-
-        def run(leaves, data, orders):
+        def run(leaves, data, indices, active, start, length, unroll):
             states, opt_states = jax.tree.unflatten(carry_def, leaves)
-            states, opt_states, outs = epoch(graphdef, states, opt_states, data, orders)
-            return jax.tree.leaves((states, opt_states)), outs
+            idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=1)
+            members = idx.shape[0]
+            carry = (opt_states, jnp.zeros((members,), bool)) if halts else opt_states
+            states, carry, outs = scan_population_steps(
+                step, graphdef, states, carry, data, idx, active=active, unroll=unroll,
+                member_axis=member_axis, batch_sharding=batch_sharding,
+            )  # fmt: skip
+            opt_states, halted = carry if halts else (carry, jnp.zeros((members,), bool))
+            leaves = jax.tree.leaves((states, opt_states))
+            if carry_shardings is not None:
+                leaves = [
+                    jax.lax.with_sharding_constraint(x, s)
+                    for x, s in zip(leaves, carry_shardings, strict=True)
+                ]
+            return leaves, outs, halted
 
-        return jax.jit(run, donate_argnums=0)
+        donated = (0,) if donate else ()
+        return jax.jit(run, static_argnames=("length", "unroll"), donate_argnums=donated)
 
-    return _lookup(_POPULATION_EPOCHS, (key, graphdef, carry_def, batch_size, drop), build)
+    key = (program, graphdef, carry_def, donate, member_axis, batch_sharding, carry_shardings)
+    return _lookup(_POPULATION_RUNNERS, key, build)
 
 
 def population_evaluator(metric_fn: Callable, batch_size: int, eval_mode: bool) -> Callable:

@@ -23,9 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from nnxscan.adapters.distributed import is_primary
+from nnxscan.pure.population import select_members
 
 __all__ = ["EarlyStopping", "LambdaCallback"]
 
@@ -122,6 +124,13 @@ class EarlyStopping:
       best, best_epoch, stopped_epoch, wait: what happened, for inspection after ``fit``
       (None until set; ``wait`` is the count).
 
+    On a :class:`~nnxscan.shell.Population`, whose logs hold one value per member, each
+    member is watched on its own: a member whose patience runs out is frozen (its state
+    stops changing inside the compiled calls, the others train on) and ``fit`` ends when
+    none is left training; ``restore_best`` restores each member from its own best epoch.
+    The attributes are then arrays of shape ``(N,)`` (``best`` NaN and ``best_epoch``,
+    ``stopped_epoch`` -1 where there is none).
+
     Example:
       >>> stop = EarlyStopping("eval_loss", patience=3)
       >>> trainer.fit(train, epochs=100, batch_size=64, eval_data=val, metric_fn=loss,
@@ -185,6 +194,9 @@ class EarlyStopping:
             self._check(logs)
         if value is None or epoch < self.start_from_epoch:
             return
+        if np.ndim(value) == 1:  # a Population's logs: one value per member
+            self._members_epoch_end(trainer, epoch, np.asarray(value, np.float64))
+            return
         value = float(value)
         self.wait += 1
         if math.isfinite(value) and self._is_improvement(value, self.best):
@@ -199,6 +211,56 @@ class EarlyStopping:
         if self.wait >= self.patience and epoch > 0:
             self.stopped_epoch = epoch
             trainer.stop_training = True
+
+    def _members_epoch_end(self, population: Any, epoch: int, values: np.ndarray) -> None:
+        """The same rule for each member of a population on its own: a member whose
+        patience runs out is frozen (``population.freeze``); fit ends when none trains."""
+        if not isinstance(self.wait, np.ndarray):  # the first monitored epoch of this fit
+            size = values.shape[0]
+            self.best = np.full(size, np.nan)
+            self.best_epoch = np.full(size, -1)
+            self.stopped_epoch = np.full(size, -1)
+            self.wait = np.zeros(size, int)
+        improved = np.zeros(values.shape, bool)
+        for i in np.flatnonzero(population.active):  # members frozen before are left alone
+            value, best = values[i], self.best[i]
+            best = None if np.isnan(best) else best
+            self.wait[i] += 1
+            if math.isfinite(value) and self._is_improvement(value, best):
+                self.best[i], self.best_epoch[i], improved[i] = value, epoch, True
+                if self.baseline is None or self._is_improvement(value, self.baseline):
+                    self.wait[i] = 0
+            elif self.wait[i] >= self.patience and epoch > 0:
+                self.stopped_epoch[i] = epoch
+                population.freeze(int(i))
+        if self.restore_best and improved.any():
+            # A copy on the device (population.state copies): later calls donate buffers.
+            current = population.state
+            self._best_state = (
+                current
+                if self._best_state is None
+                else select_members(improved, current, self._best_state)
+            )
+        if not population.active.any():
+            population.stop_training = True
+
+    def _members_train_end(self, population: Any) -> None:
+        say = self.verbose and is_primary()
+        stopped = np.flatnonzero(self.stopped_epoch >= 0)
+        if say and stopped.size:
+            print(
+                f"EarlyStopping: froze members {stopped.tolist()} ({self.monitor} did not "
+                f"improve for {max(self.patience, 1)} epochs)"
+            )
+        best_state, self._best_state = self._best_state, None
+        if best_state is not None:
+            has_best = self.best_epoch >= 0
+            population.load_state(best_state, where=has_best)
+            if say:
+                print(
+                    f"EarlyStopping: restored members {np.flatnonzero(has_best).tolist()} "
+                    f"from their best epochs {self.best_epoch[has_best].tolist()}"
+                )
 
     def _check_due(self, logs: dict) -> bool:
         if not self.monitor.startswith("eval_"):
@@ -226,6 +288,9 @@ class EarlyStopping:
                 f"epochs), so it neither stopped nor restored anything.",
                 stacklevel=2,
             )
+        if isinstance(self.wait, np.ndarray):
+            self._members_train_end(trainer)
+            return
         say = self.verbose and is_primary()
         if say and self.stopped_epoch is not None:
             print(f"EarlyStopping: stopped at epoch {self.stopped_epoch}: {self._why()}")

@@ -13,7 +13,8 @@ out a fresh, live ``nnx.Module`` holding member ``i``.
 
 from __future__ import annotations
 
-import time
+import os
+import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,9 +22,10 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 from rich.console import Console
 
-from nnxscan.pure import epoch_order, init_opt_state
+from nnxscan.pure import init_opt_state
 from nnxscan.pure._checks import (
     check_batch_size,
     check_count,
@@ -31,61 +33,32 @@ from nnxscan.pure._checks import (
     check_no_captured_nnx,
     check_transform,
 )
-from nnxscan.pure.population import (
-    hyperparam_names,
-    member_state,
-    stack_states,
-    with_hyperparams,
-)
-from nnxscan.shell._calls import held_interrupts
-from nnxscan.shell._epochs import _RESERVED_LOGS
+from nnxscan.pure.population import member_state, stack_states, with_hyperparams
+from nnxscan.shell import _checkpointing
+from nnxscan.shell._fit import CallbackList, Checkpoints, Evaluation
+from nnxscan.shell._members import Members
 from nnxscan.shell._placement import Placement, to_host
+from nnxscan.shell._plans import Plan, choose_plan, resolve_plan
+from nnxscan.shell._population_checks import (
+    call_model_fn,
+    check_hyperparam_names,
+    check_hyperparams,
+    check_seeds,
+    mesh_axes,
+)
+from nnxscan.shell._population_fit import (
+    PopulationEpochs,
+    PopulationFit,
+    history_from_run,
+    order_seeds,
+)
 from nnxscan.shell._programs import population_evaluator, population_runner, train_program
 from nnxscan.shell.history import History
 
 __all__ = ["Population"]
 
-_MAX_SEED = 2**31 - 1  # as Trainer: the seed enters numpy's generator as an int32
 _MODES = ("min", "max")
-
-
-def _check_seeds(seeds: Any) -> tuple[int, ...]:
-    if isinstance(seeds, str | bytes) or not isinstance(seeds, Sequence | np.ndarray):
-        raise TypeError(
-            f"seeds must be a list of ints, one per member (e.g. seeds=[0, 1, 2, 3]); got "
-            f"{type(seeds).__name__} {seeds!r}."
-        )
-    if len(seeds) == 0:
-        raise ValueError("seeds is empty: give one seed per member, e.g. seeds=[0, 1, 2, 3].")
-    return tuple(check_count(s, f"seeds[{i}]", 0, _MAX_SEED) for i, s in enumerate(seeds))
-
-
-def _check_hyperparams(hyperparams: Any, members: int) -> dict[str, tuple]:
-    """``{name: N values}`` after checking the form (the names are checked against tx)."""
-    if hyperparams is None:
-        return {}
-    if not isinstance(hyperparams, Mapping):
-        raise TypeError(
-            f"hyperparams must map names to one value per member, e.g. "
-            f"{{'learning_rate': [1e-3, 3e-3]}}; got {type(hyperparams).__name__}."
-        )
-    checked = {}
-    for name, values in hyperparams.items():
-        if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
-            raise TypeError(
-                f"hyperparams[{name!r}] must be a list of {members} values (one per seed), "
-                f"got {type(values).__name__}."
-            )
-        if len(values) != members:
-            raise ValueError(
-                f"hyperparams[{name!r}] has {len(values)} values but there are {members} "
-                f"seeds: give exactly one value per member."
-            )
-        for i, value in enumerate(values):
-            if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.number):
-                raise ValueError(f"hyperparams[{name!r}][{i}] must be a number, got {value!r}.")
-        checked[name] = tuple(values)
-    return checked
+_NONFINITE_POLICIES = ("ignore", "skip", "stop")
 
 
 class Population:
@@ -102,7 +75,15 @@ class Population:
         its shuffle (``epoch_order(seed, epoch, n)``, the rule of ``Trainer.fit``).
       hyperparams: ``{name: [one value per member]}`` for names the injected ``tx`` holds
         (``learning_rate``, ``b1``...); each member's optax state starts with its values.
-      wrt, has_aux: as for ``Trainer``.
+      wrt, has_aux, execution: as for ``Trainer`` (``"auto"``: one step per call for
+        convolutions on the CPU, else one call per epoch).
+      on_nonfinite: as for ``Trainer``, per member: ``"skip"`` leaves a member unchanged
+        on its steps with a non-finite loss or gradient (the other members train on);
+        ``"stop"`` freezes a member at the state before its first such step, warns, and
+        the others go on.
+      mesh, member_axis, data_axis: spread the members over the mesh axis ``member_axis``
+        (N must divide by its size) and split each member's batches over ``data_axis``
+        (data parallelism); a mesh may have either axis or both.
 
     Member ``i`` trains what ``Trainer(model_fn(nnx.Rngs(seeds[i])), tx_i, loss_fn).fit(
     data, epochs=..., batch_size=..., seed=seeds[i])`` trains, where ``tx_i`` is ``tx``
@@ -130,6 +111,11 @@ class Population:
         hyperparams: Mapping[str, Sequence[Any]] | None = None,
         wrt: nnx.filterlib.Filter = nnx.Param,
         has_aux: bool = False,
+        execution: str | Plan = "auto",
+        on_nonfinite: str = "ignore",
+        mesh: Mesh | None = None,
+        member_axis: str = "members",
+        data_axis: str = "data",
     ):
         # Every check runs before anything is built or compiled.
         if not callable(model_fn):
@@ -141,58 +127,33 @@ class Population:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         check_no_captured_nnx(loss_fn, "loss_fn")
-        seeds = _check_seeds(seeds)
-        hyperparams = _check_hyperparams(hyperparams, len(seeds))
-        self._check_hyperparam_names(model_fn, tx, wrt, seeds[0], hyperparams)
+        seeds = check_seeds(seeds)
+        hyperparams = check_hyperparams(hyperparams, len(seeds))
+        if on_nonfinite not in _NONFINITE_POLICIES:
+            raise ValueError(
+                f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(_NONFINITE_POLICIES)}."
+            )
+        self._explicit_plan = resolve_plan(execution)
+        member_axis, data_axis = mesh_axes(mesh, member_axis, data_axis, len(seeds))
+        check_hyperparam_names(model_fn, tx, wrt, seeds[0], hyperparams)
 
         self.model_fn, self.tx, self.loss_fn = model_fn, tx, loss_fn
-        self.wrt, self.has_aux = wrt, bool(has_aux)
+        self.wrt, self.has_aux, self.on_nonfinite = wrt, bool(has_aux), on_nonfinite
         self.seeds = seeds
         self.hyperparams = {k: list(v) for k, v in hyperparams.items()}
-        self._program = train_program(loss_fn, tx, wrt, self.has_aux)
-        self._program_key = self._program  # cached by (loss_fn, tx, wrt, has_aux) already
-        self.graphdef, state, opt_state = self._build_members()
-        self._placement = Placement()
-        leaves, self._carry_def = jax.tree.flatten((state, opt_state))
-        self._leaves = self._placement.put_carry(leaves)
-        self._epoch = 0
-        self._step = 0
+        self._program = train_program(loss_fn, tx, wrt, self.has_aux, on_nonfinite)
+        graphdef, state, opt_state = self._build_members()
+        placement = Placement(mesh, data_axis, member_axis=member_axis)
+        self._members = Members(graphdef, state, opt_state, placement)
+        #: Set by a callback (``EarlyStopping``) to end ``fit`` after the current epoch.
+        self.stop_training = False
         # The latest values best(name) can look up: evaluate's results, the last epoch's logs.
         self._latest: dict[str, np.ndarray] = {}
-
-    @staticmethod
-    def _check_hyperparam_names(model_fn, tx, wrt, seed, hyperparams) -> None:
-        """Traces one member and its optax state (shapes only, nothing compiles) to check
-        the hyperparameter names against what ``tx`` injects."""
-        if not hyperparams:
-            return
-        abstract = nnx.eval_shape(lambda: _call_model_fn(model_fn, seed))
-        _, abstract_state = nnx.split(abstract)
-        abstract_opt = jax.eval_shape(lambda s: init_opt_state(tx, s, wrt), abstract_state)
-        settable, scheduled = hyperparam_names(abstract_opt)
-        if not settable and not scheduled:
-            raise ValueError(
-                f"hyperparams={sorted(hyperparams)} needs a tx made with "
-                f"optax.inject_hyperparams, e.g. optax.inject_hyperparams(optax.adam)"
-                f"(learning_rate=1e-3); this tx holds no injected hyperparameters."
-            )
-        for name in hyperparams:
-            if name in scheduled:
-                raise ValueError(
-                    f"hyperparams[{name!r}]: tx computes {name!r} from a schedule every "
-                    f"step, so per-member values would have no effect. Pass a number for "
-                    f"it to inject_hyperparams."
-                )
-            if name not in settable:
-                raise ValueError(
-                    f"hyperparams[{name!r}]: {name!r} is not a hyperparameter of tx; its "
-                    f"injected hyperparameters are {sorted(settable)}."
-                )
 
     def _build_members(self) -> tuple[nnx.GraphDef, nnx.State, Any]:
         graphdef, states, opt_states = None, [], []
         for i, seed in enumerate(self.seeds):
-            member_graphdef, state = nnx.split(_call_model_fn(self.model_fn, seed))
+            member_graphdef, state = nnx.split(call_model_fn(self.model_fn, seed))
             if graphdef is None:
                 graphdef = member_graphdef
             elif member_graphdef != graphdef:
@@ -213,31 +174,81 @@ class Population:
         return len(self.seeds)
 
     @property
+    def graphdef(self) -> nnx.GraphDef:
+        """The members' shared ``nnx.GraphDef``."""
+        return self._members.graphdef
+
+    @property
     def state(self) -> nnx.State:
         """The members' stacked ``nnx.State`` (leading axis: members), as a copy: later
         ``fit`` calls (which donate the population's own buffers) leave it intact."""
-        state, _ = self._carry(copy=True)
-        return state
+        return self._members.carry(copy=True)[0]
 
     @property
     def opt_state(self) -> Any:
         """The members' stacked optax state (a copy, as :attr:`state`)."""
-        _, opt_state = self._carry(copy=True)
-        return opt_state
+        return self._members.carry(copy=True)[1]
 
     @property
     def epoch(self) -> int:
         """The global index of the next epoch ``fit`` trains (epochs completed so far)."""
-        return self._epoch
+        return self._members.epoch
 
     @property
     def step(self) -> int:
-        """Steps each member has trained so far."""
-        return self._step
+        """Steps each member has trained so far (a frozen member's steps count too)."""
+        return self._members.step
 
-    def _carry(self, copy: bool = False) -> tuple[nnx.State, Any]:
-        leaves = [x.copy() for x in self._leaves] if copy else self._leaves
-        return jax.tree.unflatten(self._carry_def, leaves)
+    @property
+    def active(self) -> np.ndarray:
+        """Which members train, shape ``(N,)`` bool (a copy); see :meth:`freeze`."""
+        return self._members.active.copy()
+
+    def freeze(self, members: int | Sequence[int]) -> None:
+        """Stops training these members: from the next compiled call on, their state and
+        optax state stay exactly as they are (inside the call: the other members train on).
+        Their losses are still computed and logged, at the frozen state. ``EarlyStopping``
+        freezes each member whose patience runs out. Frozen members stay frozen across
+        ``fit`` calls and checkpoints until :meth:`unfreeze`.
+
+        Example:
+          >>> pop.freeze([0, 2])
+          >>> pop.active
+          array([False,  True, False,  True])
+        """
+        indices = [members] if isinstance(members, int | np.integer) else list(members)
+        checked = [check_count(i, "member index", 0, len(self) - 1) for i in indices]
+        self._members.active[checked] = False
+
+    def unfreeze(self, members: int | Sequence[int] | None = None) -> None:
+        """Lets frozen members train again (all of them by default).
+
+        Example:
+          >>> pop.unfreeze()
+        """
+        if members is None:
+            self._members.active[:] = True
+            return
+        indices = [members] if isinstance(members, int | np.integer) else list(members)
+        checked = [check_count(i, "member index", 0, len(self) - 1) for i in indices]
+        self._members.active[checked] = True
+
+    def load_state(self, state: nnx.State, *, where: Any = None) -> None:
+        """Replaces the members' model state with a stacked ``state`` of the same
+        structure (e.g. an earlier :attr:`state`): every member's, or only those where
+        the ``(N,)`` bool mask ``where`` is True. The optax states stay.
+
+        Example:
+          >>> before = pop.state
+          >>> pop.fit(data, epochs=1, batch_size=32)
+          >>> pop.load_state(before)
+        """
+        if where is not None and np.shape(where) != (len(self),):
+            raise ValueError(
+                f"where must be one bool per member, shape ({len(self)},); got shape "
+                f"{np.shape(where)}."
+            )
+        self._members.load_state(state, where)
 
     def member(self, index: int) -> nnx.Module:
         """A fresh, live ``nnx.Module`` holding member ``index``'s trained state.
@@ -250,8 +261,8 @@ class Population:
           >>> Trainer(model, optax.adam(1e-4), loss_fn).fit(data, epochs=1, batch_size=32)
         """
         index = check_count(index, "index", 0, len(self) - 1)
-        state, _ = self._carry()
-        return nnx.merge(self.graphdef, member_state(state, index))
+        state = member_state(self._members.carry()[0], index)
+        return nnx.merge(self.graphdef, jax.tree.map(lambda x: x.copy(), state))
 
     def best(self, metric: str | Any, mode: str = "min") -> int:
         """The index of the best member by ``metric``.
@@ -296,9 +307,17 @@ class Population:
         batch_size: int,
         shared_order: bool = False,
         drop_remainder: bool = True,
+        callbacks: Sequence[Any] = (),
+        eval_data: Any = None,
+        metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
+        eval_every: int = 1,
+        eval_batch_size: int | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 1,
+        resume: bool = False,
         progress: bool = False,
     ) -> History:
-        """Trains every member ``epochs`` MORE epochs on ``data``; one compiled call per epoch.
+        """Trains every member ``epochs`` MORE epochs on ``data``, all in the same calls.
 
         Args:
           data: a pytree of arrays sharing a leading examples axis, shared by all members.
@@ -308,12 +327,24 @@ class Population:
             ``epoch_order(seeds[i], epoch, n)``; ``True``: every member uses
             ``epoch_order(seeds[0], epoch, n)``.
           drop_remainder: as for ``Trainer.fit`` (``False`` trains a final short batch).
+          callbacks: as for ``Trainer.fit``, called with the population as their first
+            argument and per-member logs. ``EarlyStopping`` freezes each member whose own
+            patience runs out and ends ``fit`` when all are frozen; setting
+            ``population.stop_training = True`` ends it after the current epoch.
+          eval_data, metric_fn, eval_every, eval_batch_size: every ``eval_every`` epochs,
+            :meth:`evaluate` and log each metric as ``eval_<name>`` (shape ``(N,)``).
+          checkpoint_dir, checkpoint_every: save (:meth:`save`) every ``checkpoint_every``
+            epochs by the global epoch index.
+          resume: with a ``checkpoint_dir``, ``epochs`` counts the WHOLE run: restore the
+            latest checkpoint there (the History so far included), if any, and train what
+            remains.
           progress: print one line per epoch (the members' lowest, median, highest loss).
 
         Returns:
           A :class:`History` whose ``losses`` has shape ``(steps, N)`` and whose epoch
           logs hold numpy arrays of shape ``(N,)`` (``loss``, the means of scalar aux
-          leaves, ``learning_rate`` with an injected ``tx``) next to the shared ``epoch``,
+          leaves, ``learning_rate`` with an injected ``tx``, ``eval_*``, ``active``, and
+          ``skipped_steps`` under ``on_nonfinite="skip"``) next to the shared ``epoch``,
           ``steps``, ``steps_per_sec`` and ``wall_time``. (``History.plot`` draws a single
           model's curve: plot a column yourself.)
 
@@ -325,68 +356,132 @@ class Population:
         epochs = check_count(epochs, "epochs", 0)
         n = check_leading_size(data, "data")
         batch_size = check_batch_size(batch_size, n, drop_remainder=True)
-        members = len(self)
-        history = History(losses=np.zeros((0, members), np.float32))
+        members = self._members
+        members.placement.check_batch_size(batch_size)
+        evaluation = self._evaluation(eval_data, metric_fn, eval_every, eval_batch_size, batch_size)
+        checkpoints = self._checkpoints(checkpoint_dir, checkpoint_every, resume)
+        history = History(losses=np.zeros((0, len(self)), np.float32))
+        if resume and _checkpointing.latest_step(checkpoint_dir) is not None:
+            self.restore(checkpoint_dir)
+            history = history_from_run(_checkpointing.parse_run(members.restored_run), len(self))
+            epochs = max(0, epochs - self.epoch)
         if epochs == 0:
             return history
-        leaves = self._leaves
-        data = self._placement.put_data(data, leaves)
+        data = members.placement.put_data(data, members.leaves)
+        plan, donate = self._plan(data, batch_size)
         run = population_runner(
-            self._program.step, self._program_key, self.graphdef, self._carry_def,
-            batch_size, bool(drop_remainder),
+            self._program, self.graphdef, members.carry_def, donate=donate,
+            member_axis=members.placement.member_axis,
+            batch_sharding=members.placement.batch_sharding,
+            carry_shardings=members.placement.carry_shardings(members.leaves),
         )  # fmt: skip
-        tail = 0 if drop_remainder else n % batch_size
-        steps = n // batch_size + (tail > 0)
-        dropped = n % batch_size if drop_remainder else 0
-        injected = _stacked_learning_rate(self._carry()[1]) is not None
-        console = Console() if progress else None
-        for _ in range(epochs):
-            epoch = self._epoch
-            seeds = (self.seeds[0],) * members if shared_order else self.seeds
-            orders = np.stack([epoch_order(seed, epoch, n) for seed in seeds])
-            start = time.perf_counter()
-            # A Ctrl-C while the call runs lands after its result is kept: the population
-            # never holds the donated (deleted) buffers.
-            with held_interrupts() as interrupted:
-                new_leaves, outs = run(self._leaves, data, orders)
-                self._leaves = new_leaves
-                self._epoch, self._step = epoch + 1, self._step + steps
-            logs, losses = self._epoch_logs(epoch, outs, start, injected, dropped)
-            history.losses = np.concatenate([history.losses, losses])
-            history.epochs.append(logs)
-            if console is not None:
-                low, mid, high = np.nanpercentile(logs["loss"], [0, 50, 100])
-                console.print(
-                    f"epoch {epoch}: loss over {members} members min {low:.4g} median "
-                    f"{mid:.4g} max {high:.4g}",
-                    highlight=False, markup=False,
-                )  # fmt: skip
-            if interrupted():
-                raise KeyboardInterrupt
+        spec = PopulationEpochs(
+            data, n, batch_size, bool(drop_remainder), order_seeds(self.seeds, shared_order),
+            plan, self.has_aux, self.on_nonfinite == "skip", self.on_nonfinite == "stop",
+        )  # fmt: skip
+        loop = PopulationFit(
+            members, run, spec, CallbackList(callbacks, self), evaluation, checkpoints,
+            _stacked_learning_rate, Console() if progress else None,
+        )  # fmt: skip
+        history = loop.train(history, epochs)
+        if history.epochs:
+            logs = history.epochs[-1]
+            self._latest.update(
+                {k: v for k, v in logs.items() if isinstance(v, np.ndarray) and k != "active"}
+            )
         return history
 
-    def _epoch_logs(
-        self, epoch: int, outs: Any, start: float, injected: bool, dropped: int
-    ) -> tuple[dict[str, Any], np.ndarray]:
-        """The epoch's logs (per-member arrays) and its ``(steps, N)`` losses: one host read."""
-        rate = _stacked_learning_rate(self._carry()[1]) if injected else None
-        outs, rate = to_host((outs, rate))
-        wall_time = time.perf_counter() - start
-        losses, aux = outs if self.has_aux else (outs, None)
-        losses = np.asarray(losses, np.float32)
-        logs: dict[str, Any] = {"epoch": epoch, "loss": losses.mean(axis=0)}
-        for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
-            if np.ndim(leaf) == 2:  # a scalar per step and member
-                key = jax.tree_util.keystr(path, simple=True, separator="/") or "aux"
-                logs[f"aux/{key}" if key in _RESERVED_LOGS else key] = np.asarray(leaf).mean(axis=0)
-        if rate is not None:
-            logs["learning_rate"] = np.asarray(rate)
-        steps = int(losses.shape[0])
-        logs.update(steps=steps, steps_per_sec=steps / max(wall_time, 1e-9), wall_time=wall_time)
-        if dropped:
-            logs["dropped_examples"] = dropped
-        self._latest.update({k: v for k, v in logs.items() if isinstance(v, np.ndarray)})
-        return logs, losses
+    def _plan(self, data: Any, batch_size: int) -> tuple[Plan, bool]:
+        """The execution plan (``"auto"``: the Trainer's rule on one member's step) and
+        whether the carry may be donated (not with host callbacks in the step)."""
+        state, opt_state = self._members.carry()
+        batch = jax.tree.map(lambda x: x[:batch_size], data)
+        traits = self._program.traits(
+            self.graphdef, member_state(state, 0), member_state(opt_state, 0), batch
+        )
+        plan = self._explicit_plan or choose_plan(traits, jax.default_backend())
+        return plan, not traits.has_callback
+
+    def _evaluation(self, data, metric_fn, every, eval_batch_size, batch_size) -> Evaluation | None:
+        if data is None and metric_fn is None:
+            return None
+        if data is None or metric_fn is None:
+            raise ValueError("evaluation during fit needs both eval_data and a metric_fn.")
+        if not callable(metric_fn):
+            raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
+        n = check_leading_size(data, "eval_data")
+        every = check_count(every, "eval_every", 1)
+        size = check_count(eval_batch_size or batch_size, "eval_batch_size", 1)
+        size = check_batch_size(min(size, n), n, drop_remainder=False)
+        return Evaluation(every, lambda: self.evaluate(data, metric_fn, batch_size=size))
+
+    def _checkpoints(self, directory, every, resume) -> Checkpoints | None:
+        every = check_count(every, "checkpoint_every", 1)
+        if directory is None:
+            if resume:
+                raise ValueError("resume=True needs a checkpoint_dir to resume from.")
+            return None
+
+        def save(history: History, partial: np.ndarray) -> None:
+            self._save(directory, run=_checkpointing.run_json(history, partial))
+
+        return Checkpoints(every, None, save)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike[str], *, max_to_keep: int = 3) -> pathlib.Path:
+        """Saves the whole population (every member's state and optax state, the counters,
+        the seeds and which members are frozen) as checkpoint number :attr:`step`.
+
+        Example:
+          >>> pop.save("runs/sweep")
+          PosixPath('.../runs/sweep/220')
+        """
+        return self._save(directory, max_to_keep=max_to_keep)
+
+    def _save(self, directory: Any, *, max_to_keep: int = 3, run: str = "") -> pathlib.Path:
+        from nnxscan.adapters.checkpoint import latest_step, save_checkpoint
+
+        path = pathlib.Path(directory).resolve()
+        step = self.step
+        tree = self._members.checkpoint_tree(self.seeds, run)
+        return save_checkpoint(
+            path, step, tree, max_to_keep=max_to_keep, replace=latest_step(path) == step
+        )
+
+    def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
+        """Restores a checkpoint of :meth:`save` (the latest, or ``step``) into this
+        population, which must have the same members (seeds) and architecture; returns
+        the epoch it resumes at. Everything is read and checked before anything changes.
+
+        Example:
+          >>> pop = Population(model_fn, tx, loss_fn, seeds=seeds)
+          >>> pop.restore("runs/sweep")
+          10
+        """
+        from nnxscan.adapters.checkpoint import restore_checkpoint
+
+        members = self._members
+        template = members.checkpoint_tree(self.seeds)
+        shardings = members.placement.carry_shardings(members.leaves)
+        if shardings is not None:
+            # Read straight into the layout training uses (members over their axis).
+            carry, treedef = jax.tree.flatten((template["state"], template["opt_state"]))
+            abstract = [
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+                for x, sh in zip(carry, shardings, strict=True)
+            ]
+            template["state"], template["opt_state"] = jax.tree.unflatten(treedef, abstract)
+        tree, _ = restore_checkpoint(directory, template, step=step)
+        saved = tuple(int(s) for s in np.asarray(tree["meta"]["seeds"]))
+        if saved != self.seeds:
+            raise ValueError(
+                f"the checkpoint in {directory} holds a population with seeds {list(saved)}, "
+                f"this one has {list(self.seeds)}: build the Population with the seeds it "
+                f"was saved with."
+            )
+        members.restore(tree)
+        return members.epoch
 
     # -- evaluation -----------------------------------------------------------------------
 
@@ -413,9 +508,9 @@ class Population:
         n = check_leading_size(data, "data")
         batch_size = check_batch_size(batch_size, n, drop_remainder=False)
         run = population_evaluator(metric_fn, batch_size, bool(eval_mode))
-        state, _ = self._carry()
-        data = self._placement.put_data(data, self._leaves)
-        values = to_host(run(self.graphdef, state, data))
+        members = self._members
+        data = members.placement.put_data(data, members.leaves)
+        values = to_host(run(self.graphdef, members.carry()[0], data))
         values = {k: np.asarray(v, np.float32) for k, v in values.items()}
         self._latest.update(values)
         return values
@@ -429,13 +524,3 @@ def _stacked_learning_rate(opt_state: Any) -> Any:
         if is_injected(node) and "learning_rate" in node.hyperparams:
             return node.hyperparams["learning_rate"]
     return None
-
-
-def _call_model_fn(model_fn: Callable, seed: int) -> nnx.Module:
-    model = model_fn(nnx.Rngs(seed))
-    if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"model_fn(nnx.Rngs({seed})) returned {type(model).__name__}, not an nnx.Module: "
-            f"it must build and return one module, e.g. model_fn=lambda rngs: MLP(rngs=rngs)."
-        )
-    return model

@@ -1,0 +1,130 @@
+"""Argument checks of ``Population``: all run before anything is built or compiled."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnxscan.pure import init_opt_state
+from nnxscan.pure._checks import check_count
+from nnxscan.pure.population import hyperparam_names
+
+_MAX_SEED = 2**31 - 1  # as Trainer: the seed enters numpy's generator as an int32
+
+
+def check_seeds(seeds: Any) -> tuple[int, ...]:
+    if isinstance(seeds, str | bytes) or not isinstance(seeds, Sequence | np.ndarray):
+        raise TypeError(
+            f"seeds must be a list of ints, one per member (e.g. seeds=[0, 1, 2, 3]); got "
+            f"{type(seeds).__name__} {seeds!r}."
+        )
+    if len(seeds) == 0:
+        raise ValueError("seeds is empty: give one seed per member, e.g. seeds=[0, 1, 2, 3].")
+    return tuple(check_count(s, f"seeds[{i}]", 0, _MAX_SEED) for i, s in enumerate(seeds))
+
+
+def check_hyperparams(hyperparams: Any, members: int) -> dict[str, tuple]:
+    """``{name: N values}`` after checking the form (the names are checked against tx)."""
+    if hyperparams is None:
+        return {}
+    if not isinstance(hyperparams, Mapping):
+        raise TypeError(
+            f"hyperparams must map names to one value per member, e.g. "
+            f"{{'learning_rate': [1e-3, 3e-3]}}; got {type(hyperparams).__name__}."
+        )
+    checked = {}
+    for name, values in hyperparams.items():
+        if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
+            raise TypeError(
+                f"hyperparams[{name!r}] must be a list of {members} values (one per seed), "
+                f"got {type(values).__name__}."
+            )
+        if len(values) != members:
+            raise ValueError(
+                f"hyperparams[{name!r}] has {len(values)} values but there are {members} "
+                f"seeds: give exactly one value per member."
+            )
+        for i, value in enumerate(values):
+            if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.number):
+                raise ValueError(f"hyperparams[{name!r}][{i}] must be a number, got {value!r}.")
+        checked[name] = tuple(values)
+    return checked
+
+
+def check_hyperparam_names(model_fn, tx, wrt, seed, hyperparams) -> None:
+    """Traces one member and its optax state (shapes only, nothing compiles) to check
+    the hyperparameter names against what ``tx`` injects."""
+    if not hyperparams:
+        return
+    abstract = nnx.eval_shape(lambda: call_model_fn(model_fn, seed))
+    _, abstract_state = nnx.split(abstract)
+    abstract_opt = jax.eval_shape(lambda s: init_opt_state(tx, s, wrt), abstract_state)
+    settable, scheduled = hyperparam_names(abstract_opt)
+    if not settable and not scheduled:
+        raise ValueError(
+            f"hyperparams={sorted(hyperparams)} needs a tx made with "
+            f"optax.inject_hyperparams, e.g. optax.inject_hyperparams(optax.adam)"
+            f"(learning_rate=1e-3); this tx holds no injected hyperparameters."
+        )
+    for name in hyperparams:
+        if name in scheduled:
+            raise ValueError(
+                f"hyperparams[{name!r}]: tx computes {name!r} from a schedule every "
+                f"step, so per-member values would have no effect. Pass a number for "
+                f"it to inject_hyperparams."
+            )
+        if name not in settable:
+            raise ValueError(
+                f"hyperparams[{name!r}]: {name!r} is not a hyperparameter of tx; its "
+                f"injected hyperparameters are {sorted(settable)}."
+            )
+
+
+def mesh_axes(
+    mesh: Mesh | None, member_axis: str | None, data_axis: str | None, members: int
+) -> tuple[str | None, str | None]:
+    """The ``(member_axis, data_axis)`` a population uses on ``mesh``: each when the mesh
+    has it. Every other mesh axis, a mesh with neither, and members that do not divide
+    over the member axis are refused."""
+    if mesh is None:
+        return None, None
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    names = tuple(mesh.axis_names)
+    used = [axis if axis in names else None for axis in (member_axis, data_axis)]
+    if used == [None, None]:
+        raise ValueError(
+            f"the mesh's axes {names} include neither member_axis={member_axis!r} nor "
+            f"data_axis={data_axis!r}: name the mesh axis to spread the members over as "
+            f"member_axis= (and the one to split each batch over as data_axis=)."
+        )
+    other = [name for name in names if name not in used and mesh.shape[name] > 1]
+    if other:
+        raise ValueError(
+            f"mesh axis {other[0]!r} (size {mesh.shape[other[0]]}) is neither member_axis "
+            f"{member_axis!r} nor data_axis {data_axis!r}: a population spreads its members "
+            f"over one axis and each batch over another; build the mesh from those."
+        )
+    member_axis, data_axis = used
+    if member_axis is not None and members % mesh.shape[member_axis]:
+        size = mesh.shape[member_axis]
+        raise ValueError(
+            f"{members} members do not divide over the {size} devices of mesh axis "
+            f"{member_axis!r}: use a multiple of {size} seeds."
+        )
+    return member_axis, data_axis
+
+
+def call_model_fn(model_fn: Callable, seed: int) -> nnx.Module:
+    model = model_fn(nnx.Rngs(seed))
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"model_fn(nnx.Rngs({seed})) returned {type(model).__name__}, not an nnx.Module: "
+            f"it must build and return one module, e.g. model_fn=lambda rngs: MLP(rngs=rngs)."
+        )
+    return model
