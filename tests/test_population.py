@@ -120,6 +120,20 @@ def test_population_epoch_equals_make_epoch_per_member(data):
     with pytest.raises(ValueError, match=r"orders has shape \(2, 64\).*\(3, 64\)"):
         epoch(graphdef, stack_states(states), stack_states(opts), data, orders[:2])
 
+    # active=False freezes a member at every step: its state, RNG counts and optax state
+    # stay bitwise; the others train as without the mask.
+    active = np.array([True, False, True])
+    s_mask, o_mask, l_mask = epoch(
+        graphdef, stack_states(states), stack_states(opts), data, orders, active
+    )
+    assert_trees_close(unstack_states(s_mask)[1], states[1], exact=True)
+    assert_trees_close(unstack_states(o_mask)[1], opts[1], exact=True)
+    for i in (0, 2):
+        np.testing.assert_allclose(l_mask[:, i], losses[:, i], rtol=1e-6, atol=1e-7)
+        assert_trees_close(unstack_states(s_mask)[i], unstack_states(s_all)[i])
+    with pytest.raises(ValueError, match=r"active has shape \(2,\)"):
+        epoch(graphdef, stack_states(states), stack_states(opts), data, orders, active[:2])
+
 
 # -- the shell: each member is a Trainer run alone --------------------------------------------
 
