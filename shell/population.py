@@ -394,11 +394,13 @@ class Population:
     def _plan(self, data: Any, batch_size: int) -> tuple[Plan, bool]:
         """The execution plan (``"auto"``: the Trainer's rule on one member's step) and
         whether the carry may be donated (not with host callbacks in the step)."""
-        state, opt_state = self._members.carry()
-        batch = jax.tree.map(lambda x: x[:batch_size], data)
-        traits = self._program.traits(
-            self.graphdef, member_state(state, 0), member_state(opt_state, 0), batch
+        # Shapes only: slicing the arrays would compile a slice per leaf shape.
+        member = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
+        state, opt_state = jax.tree.map(member, self._members.carry())
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((batch_size, *x.shape[1:]), x.dtype), data
         )
+        traits = self._program.traits(self.graphdef, state, opt_state, batch)
         plan = self._explicit_plan or choose_plan(traits, jax.default_backend())
         return plan, not traits.has_callback
 
