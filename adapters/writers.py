@@ -22,6 +22,8 @@ import sys
 import tempfile
 from typing import Any, TextIO
 
+import numpy as np
+
 from nnxscan.adapters._extras import require_extra
 from nnxscan.adapters.distributed import is_primary
 
@@ -36,6 +38,18 @@ def _plain(value: Any) -> Any:
     if item is not None and getattr(value, "shape", None) == ():
         return item()
     return value
+
+
+def _per_member(logs: dict[str, Any]) -> dict[str, Any]:
+    """A ``Population``'s logs with every per-member value (an array of shape ``(N,)``)
+    spread into one entry per member, ``key/i``; a single model's logs unchanged."""
+    out: dict[str, Any] = {}
+    for key, value in logs.items():
+        if len(getattr(value, "shape", ())) == 1:
+            out.update({f"{key}/{i}": v for i, v in enumerate(value)})
+        else:
+            out[key] = value
+    return out
 
 
 def _is_number(value: Any) -> bool:
@@ -115,7 +129,7 @@ class CSVWriter:
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if not self._started:
             self._start()
-        row = {key: ("" if v is None else str(_plain(v))) for key, v in logs.items()}
+        row = {key: ("" if v is None else str(_plain(v))) for key, v in _per_member(logs).items()}
         self._rows.append(row)
         new = [key for key in row if key not in self._columns]
         if new:
@@ -129,6 +143,8 @@ class CSVWriter:
 
 
 def _json_value(value: Any) -> Any:
+    if len(getattr(value, "shape", ())) == 1:  # a Population's value per member: a list
+        return [_json_value(v) for v in value]
     value = _plain(value)
     if isinstance(value, float) and not math.isfinite(value):
         # Strict JSON has no NaN or Infinity; protobuf's JSON mapping spells them as these
@@ -203,7 +219,7 @@ class TensorBoardWriter:
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if self._writer is None:
             self._writer = self._summary_writer_cls(logdir=str(self.logdir))
-        for key, value in logs.items():
+        for key, value in _per_member(logs).items():
             value = _plain(value)
             if _is_number(value):
                 self._writer.add_scalar(f"epoch/{key}", float(value), global_step=trainer.step)
@@ -225,6 +241,11 @@ _TEXT_SKIP = frozenset({"epoch", "steps", "steps_per_sec", "wall_time"})
 
 
 def _format_value(value: Any) -> str:
+    if len(getattr(value, "shape", ())) == 1:  # a Population's value per member
+        if len(value) <= 8:
+            return "[" + " ".join(_format_value(v) for v in value) + "]"
+        low, mid, high = (_format_value(v) for v in np.nanpercentile(value, [0, 50, 100]))
+        return f"min {low} median {mid} max {high}"
     value = _plain(value)
     if isinstance(value, bool) or not _is_number(value):
         return str(value)

@@ -139,6 +139,15 @@ def hyperparam_names(opt_state: Any) -> tuple[set[str], set[str]]:
     return settable, scheduled
 
 
+def injected_values(opt_state: Any, name: str) -> Any:
+    """The value of hyperparameter ``name`` in the first injected state holding it (an
+    array with a leading members axis in a stacked state), or None."""
+    for node in _injected_states(opt_state):
+        if name in node.hyperparams:
+            return node.hyperparams[name]
+    return None
+
+
 def with_hyperparams(opt_state: Any, **values: Any) -> Any:
     """A copy of ``opt_state`` with the named ``inject_hyperparams`` values replaced.
 

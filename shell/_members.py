@@ -34,12 +34,27 @@ class Members:
         self.active = np.ones((self.size,), bool)
         # The run so far as JSON (from the last restore), for a resumed fit's History.
         self.restored_run = ""
+        # Whether load_state replaced the state since the last checkpoint was written.
+        self.loaded_since_checkpoint = False
 
     def carry(self, copy: bool = False) -> tuple[Any, Any]:
         """``(state, opt_state)`` stacked; with ``copy`` new buffers a later call's
         donation leaves intact."""
         leaves = [x.copy() for x in self.leaves] if copy else self.leaves
         return jax.tree.unflatten(self.carry_def, leaves)
+
+    def copy_of(self, which: int) -> Any:
+        """A copy of the stacked state (``which=0``) or optax state (``1``) alone."""
+        part = self.carry()[which]
+        return jax.tree.map(lambda x: x.copy(), part)
+
+    def member(self, index: int) -> Any:
+        """Member ``index``'s model state on one device (the default one), in new buffers:
+        a module built from it trains with a plain ``Trainer``, mesh or not."""
+        state = _take_member(self.carry()[0], index)
+        if self.placement.mesh is not None:
+            state = jax.device_put(state, jax.devices()[0])
+        return state
 
     @contextmanager
     def call(self) -> Iterator[Callable[[list], None]]:
@@ -72,14 +87,18 @@ class Members:
             state = select_members(np.asarray(where, bool), state, current)
         leaves = jax.tree.leaves((state, opt_state))
         self.leaves = self.placement.put_carry([x.copy() for x in leaves])
+        self.loaded_since_checkpoint = True
 
-    def checkpoint_tree(self, seeds: tuple[int, ...], run: str = "") -> dict[str, Any]:
+    def checkpoint_tree(
+        self, seeds: tuple[int, ...], run: str = "", shared_order: bool = False
+    ) -> dict[str, Any]:
         state, opt_state = self.carry()
         meta = {
             "epoch": self.epoch,
             "step": self.step,
             "seeds": np.asarray(seeds, np.int64),
             "active": self.active.copy(),
+            "shared_order": bool(shared_order),
             "run": run,
         }
         return {"state": state, "opt_state": opt_state, "meta": meta}
@@ -92,3 +111,9 @@ class Members:
         self.epoch, self.step = int(meta["epoch"]), int(meta["step"])
         self.active = np.asarray(meta["active"], bool).copy()
         self.restored_run = str(meta["run"])
+        self.loaded_since_checkpoint = False
+
+
+# One program per state structure: the index is an argument, not a constant (slicing each
+# leaf eagerly would compile a slice per leaf shape).
+_take_member = jax.jit(lambda stacked, index: jax.tree.map(lambda x: x[index], stacked))

@@ -96,6 +96,11 @@ def mesh_axes(
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     names = tuple(mesh.axis_names)
+    if member_axis is not None and member_axis == data_axis:
+        raise ValueError(
+            f"member_axis and data_axis are both {member_axis!r}: the members spread over one "
+            f"mesh axis and each member's batches over another (or none: data_axis=None)."
+        )
     used = [axis if axis in names else None for axis in (member_axis, data_axis)]
     if used == [None, None]:
         raise ValueError(

@@ -8,6 +8,7 @@ reaches into ``Population``.
 
 from __future__ import annotations
 
+import signal
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from rich.console import Console
 from nnxscan.pure import epoch_order
 from nnxscan.pure.population import population_batches
 from nnxscan.shell._epochs import _RESERVED_LOGS
-from nnxscan.shell._fit import CallbackList, Checkpoints, Evaluation
+from nnxscan.shell._fit import CallbackList, Checkpoints, Evaluation, Preempted, caught_signals
 from nnxscan.shell._members import Members
 from nnxscan.shell._placement import to_host
 from nnxscan.shell._plans import Plan
@@ -58,24 +59,43 @@ class PopulationFit:
         self.members, self.run, self.spec = members, run, epochs_spec
         self.callbacks, self.evaluation, self.checkpoints = callbacks, evaluation, checkpoints
         self.learning_rate, self.console = learning_rate, console
+        self._saved_step = -1
 
     def train(self, history: History, epochs: int) -> History:
         subject = self.callbacks.subject
         subject.stop_training = False
         self.callbacks("on_train_begin")
-        try:
-            for _ in range(epochs):
-                if not self.members.active.any():
-                    break  # every member is frozen: nothing left to train
-                self._epoch(history)
-                if subject.stop_training:
-                    break
-        except BaseException as error:
-            self.callbacks.close()
-            error.history = history
-            raise
+        # With checkpoints, SIGTERM / SIGINT end fit after the epoch in flight, saved.
+        with caught_signals(self.checkpoints is not None) as signals:
+            try:
+                for _ in range(epochs):
+                    if not self.members.active.any():
+                        break  # every member is frozen: nothing left to train
+                    self._epoch(history)
+                    if signals:
+                        self._preempted(history, signals[0])
+                    if subject.stop_training:
+                        break
+            except BaseException as error:
+                self.callbacks.close()
+                error.history = history
+                raise
         self.callbacks("on_train_end", history)
+        if self.checkpoints is not None and self.members.loaded_since_checkpoint:
+            # EarlyStopping put members back to their best epochs: the checkpoint holds that.
+            self.checkpoints.save(history, np.zeros((0,), np.float32))
         return history
+
+    def _preempted(self, history: History, signum: int) -> None:
+        if self.members.step != self._saved_step:
+            self.checkpoints.save(history, np.zeros((0,), np.float32))
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Preempted(
+            f"Population.fit stopped on signal {signal.Signals(signum).name} after the epoch "
+            f"in flight; a checkpoint at step {self.members.step} holds everything: run the "
+            f"same fit with resume=True to go on."
+        )
 
     def _epoch(self, history: History) -> None:
         members, spec = self.members, self.spec
@@ -109,6 +129,7 @@ class PopulationFit:
         checkpoints = self.checkpoints
         if checkpoints is not None and (epoch + 1) % checkpoints.every_epochs == 0:
             checkpoints.save(history, np.zeros((0,), np.float32))
+            self._saved_step = members.step
 
     def _call(self, indices: Any, first: int, length: int, unroll: bool, epoch: int) -> Any:
         members = self.members

@@ -11,7 +11,8 @@ A callback is any object with any of these methods; none is required:
 - ``on_train_end(trainer, history)``
 
 Any hook may set ``trainer.stop_training = True``: ``fit`` ends cleanly after the current
-compiled call (or epoch), with the model written back.
+compiled call (or epoch), with the model written back. A ``Population`` passes itself as
+``trainer``, with per-member logs (``(N,)`` arrays), and stops after the current epoch.
 """
 
 from __future__ import annotations

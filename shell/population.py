@@ -33,7 +33,7 @@ from nnxscan.pure._checks import (
     check_no_captured_nnx,
     check_transform,
 )
-from nnxscan.pure.population import member_state, stack_states, with_hyperparams
+from nnxscan.pure.population import injected_values, stack_states, with_hyperparams
 from nnxscan.shell import _checkpointing
 from nnxscan.shell._fit import CallbackList, Checkpoints, Evaluation
 from nnxscan.shell._members import Members
@@ -182,12 +182,12 @@ class Population:
     def state(self) -> nnx.State:
         """The members' stacked ``nnx.State`` (leading axis: members), as a copy: later
         ``fit`` calls (which donate the population's own buffers) leave it intact."""
-        return self._members.carry(copy=True)[0]
+        return self._members.copy_of(0)
 
     @property
     def opt_state(self) -> Any:
         """The members' stacked optax state (a copy, as :attr:`state`)."""
-        return self._members.carry(copy=True)[1]
+        return self._members.copy_of(1)
 
     @property
     def epoch(self) -> int:
@@ -261,8 +261,7 @@ class Population:
           >>> Trainer(model, optax.adam(1e-4), loss_fn).fit(data, epochs=1, batch_size=32)
         """
         index = check_count(index, "index", 0, len(self) - 1)
-        state = member_state(self._members.carry()[0], index)
-        return nnx.merge(self.graphdef, jax.tree.map(lambda x: x.copy(), state))
+        return nnx.merge(self.graphdef, self._members.member(index))
 
     def best(self, metric: str | Any, mode: str = "min") -> int:
         """The index of the best member by ``metric``.
@@ -358,17 +357,21 @@ class Population:
         batch_size = check_batch_size(batch_size, n, drop_remainder=True)
         members = self._members
         members.placement.check_batch_size(batch_size)
+        if not drop_remainder and n % batch_size:
+            members.placement.check_batch_size(n % batch_size)  # the short final batch
         evaluation = self._evaluation(eval_data, metric_fn, eval_every, eval_batch_size, batch_size)
-        checkpoints = self._checkpoints(checkpoint_dir, checkpoint_every, resume)
+        checkpoints = self._checkpoints(checkpoint_dir, checkpoint_every, resume, shared_order)
         history = History(losses=np.zeros((0, len(self)), np.float32))
+        placed = members.placement.put_data(data, members.leaves)
+        plan, donate = self._plan(placed, batch_size)  # traces the step: bad data raises here
         if resume and _checkpointing.latest_step(checkpoint_dir) is not None:
-            self.restore(checkpoint_dir)
+            # The last thing that may change the population before training.
+            self._restore(checkpoint_dir, None, shared_order)
             history = history_from_run(_checkpointing.parse_run(members.restored_run), len(self))
             epochs = max(0, epochs - self.epoch)
         if epochs == 0:
             return history
-        data = members.placement.put_data(data, members.leaves)
-        plan, donate = self._plan(data, batch_size)
+        data = placed
         run = population_runner(
             self._program, self.graphdef, members.carry_def, donate=donate,
             member_axis=members.placement.member_axis,
@@ -417,7 +420,7 @@ class Population:
         size = check_batch_size(min(size, n), n, drop_remainder=False)
         return Evaluation(every, lambda: self.evaluate(data, metric_fn, batch_size=size))
 
-    def _checkpoints(self, directory, every, resume) -> Checkpoints | None:
+    def _checkpoints(self, directory, every, resume, shared_order) -> Checkpoints | None:
         every = check_count(every, "checkpoint_every", 1)
         if directory is None:
             if resume:
@@ -425,7 +428,8 @@ class Population:
             return None
 
         def save(history: History, partial: np.ndarray) -> None:
-            self._save(directory, run=_checkpointing.run_json(history, partial))
+            run = _checkpointing.run_json(history, partial)
+            self._save(directory, run=run, shared_order=shared_order)
 
         return Checkpoints(every, None, save)
 
@@ -441,15 +445,19 @@ class Population:
         """
         return self._save(directory, max_to_keep=max_to_keep)
 
-    def _save(self, directory: Any, *, max_to_keep: int = 3, run: str = "") -> pathlib.Path:
+    def _save(
+        self, directory: Any, *, max_to_keep: int = 3, run: str = "", shared_order: bool = False
+    ) -> pathlib.Path:
         from nnxscan.adapters.checkpoint import latest_step, save_checkpoint
 
         path = pathlib.Path(directory).resolve()
         step = self.step
-        tree = self._members.checkpoint_tree(self.seeds, run)
-        return save_checkpoint(
+        tree = self._members.checkpoint_tree(self.seeds, run, shared_order)
+        saved = save_checkpoint(
             path, step, tree, max_to_keep=max_to_keep, replace=latest_step(path) == step
         )
+        self._members.loaded_since_checkpoint = False
+        return saved
 
     def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
         """Restores a checkpoint of :meth:`save` (the latest, or ``step``) into this
@@ -461,6 +469,9 @@ class Population:
           >>> pop.restore("runs/sweep")
           10
         """
+        return self._restore(directory, step, None)
+
+    def _restore(self, directory: Any, step: int | None, shared_order: bool | None) -> int:
         from nnxscan.adapters.checkpoint import restore_checkpoint
 
         members = self._members
@@ -474,13 +485,36 @@ class Population:
                 for x, sh in zip(carry, shardings, strict=True)
             ]
             template["state"], template["opt_state"] = jax.tree.unflatten(treedef, abstract)
-        tree, _ = restore_checkpoint(directory, template, step=step)
-        saved = tuple(int(s) for s in np.asarray(tree["meta"]["seeds"]))
+        try:
+            tree, _ = restore_checkpoint(directory, template, step=step)
+        except ValueError as error:
+            raise ValueError(
+                f"{error} (this population has {len(self)} members with seeds "
+                f"{list(self.seeds)}: a checkpoint of another number of members or another "
+                f"model does not fit it)"
+            ) from None
+        meta = tree["meta"]
+        saved = tuple(int(s) for s in np.asarray(meta["seeds"]))
         if saved != self.seeds:
             raise ValueError(
                 f"the checkpoint in {directory} holds a population with seeds {list(saved)}, "
                 f"this one has {list(self.seeds)}: build the Population with the seeds it "
                 f"was saved with."
+            )
+        for name, values in self.hyperparams.items():
+            restored = injected_values(tree["opt_state"], name)
+            if restored is not None and not np.allclose(restored, values, rtol=1e-6):
+                raise ValueError(
+                    f"the checkpoint's members have {name}="
+                    f"{[float(f'{v:.6g}') for v in np.asarray(restored)]}, "
+                    f"this population was built with {list(values)}: build it with the "
+                    f"hyperparams it was saved with."
+                )
+        if shared_order is not None and bool(meta["shared_order"]) != bool(shared_order):
+            raise ValueError(
+                f"resume=True with shared_order={shared_order}, but the checkpoint's run used "
+                f"shared_order={bool(meta['shared_order'])}: pass the same to go on with the "
+                f"same data orders."
             )
         members.restore(tree)
         return members.epoch
@@ -520,9 +554,5 @@ class Population:
 
 def _stacked_learning_rate(opt_state: Any) -> Any:
     """The members' learning rates, shape ``(N,)``, when ``tx`` came from
-    ``optax.inject_hyperparams`` (the first injected state holding one); else None."""
-    is_injected = lambda x: isinstance(getattr(x, "hyperparams", None), dict)  # noqa: E731
-    for node in jax.tree.leaves(opt_state, is_leaf=is_injected):
-        if is_injected(node) and "learning_rate" in node.hyperparams:
-            return node.hyperparams["learning_rate"]
-    return None
+    ``optax.inject_hyperparams``; else None."""
+    return injected_values(opt_state, "learning_rate")

@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnxscan.shell import Population
+from nnxscan.shell import Population, Trainer
 
 from conftest import MLP, make_data, state_arrays, xent
 
@@ -35,15 +35,33 @@ def main(out: str) -> None:
         if name == "mesh":
             kernel = jax.tree.leaves(pop._members.leaves)[0]
             results["spec"] = str(tuple(kernel.sharding.spec))
+        if name == "mesh":
+            # A frozen member stays bitwise on the mesh; member(i) trains with a plain Trainer.
+            results["frozen_before"] = state_arrays(pop.member(2))[0]
+            pop.freeze(2)
+            pop.fit(data, epochs=1, batch_size=8)
+            results["frozen_after"] = state_arrays(pop.member(2))[0]
+            model, alone = pop.member(0), pop.member(0)
+            Trainer(model, optax.adam(1e-3), xent).fit(data, epochs=1, batch_size=8, progress=False)
+            alone = nnx.merge(*nnx.split(alone))  # the same values, built again
+            Trainer(alone, optax.adam(1e-3), xent).fit(data, epochs=1, batch_size=8, progress=False)
+            results["member_trained"] = state_arrays(model)[0]
+            results["alone_trained"] = state_arrays(alone)[0]
     errors = []
+    odd = {k: v[:63] for k, v in data.items()}
+    stray = Mesh(np.array(jax.devices()).reshape(2, 2), ("members", "x"))
     for bad in (
-        dict(seeds=[0, 1, 2], mesh=mesh),  # 3 members over 2 devices
-        dict(seeds=[0, 1], mesh=Mesh(np.array(jax.devices()).reshape(2, 2), ("members", "x"))),
+        lambda: Population(model_fn, tx, xent, seeds=[0, 1, 2], mesh=mesh),
+        lambda: Population(model_fn, tx, xent, seeds=[0, 1], mesh=stray),
+        lambda: Population(model_fn, tx, xent, seeds=[0, 1], mesh=mesh).fit(
+            odd, epochs=1, batch_size=8, drop_remainder=False
+        ),
     ):
         try:
-            Population(model_fn, tx, xent, **bad)
+            bad()
+            errors.append("no error")
         except ValueError as error:
-            errors.append(f"ValueError: {error}")
+            errors.append(f"ValueError: {error}".replace("\n", " "))
     results["errors"] = "\n".join(errors)
     np.savez(out, **results)
 

@@ -4,7 +4,12 @@ runs (Trainer, a hand-computed loss) or a straight uninterrupted population run.
 
 from __future__ import annotations
 
+import csv
+import io
+import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import warnings
@@ -14,9 +19,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import Mesh
 
+from nnxscan.adapters.writers import CSVWriter, JSONLinesWriter, TextLogger
 from nnxscan.pure import unstack_states
-from nnxscan.shell import EarlyStopping, Population, Trainer
+from nnxscan.shell import EarlyStopping, LambdaCallback, Population, Preempted, Trainer
 
 from conftest import (
     MLP,
@@ -78,7 +85,7 @@ def test_a_frozen_member_stays_bitwise_and_logs_its_loss_at_the_frozen_state(dat
         pop.freeze(3)
 
 
-def test_early_stopping_freezes_each_member_as_its_own_trainer_stops():
+def test_early_stopping_freezes_each_member_as_its_own_trainer_stops(tmp_path):
     """Each member stops at the epoch its own Trainer + EarlyStopping stops at, and ends
     with the weights that run restores: the members' best epochs differ."""
     full = make_data(112)  # held-out examples of the same task
@@ -87,7 +94,16 @@ def test_early_stopping_freezes_each_member_as_its_own_trainer_stops():
     options = dict(eval_data=test, metric_fn=eval_loss)
     pop = Population(mlp, injected_adam(), xent, seeds=SEEDS, hyperparams={"learning_rate": rates})
     stop = EarlyStopping("eval_eval_loss", patience=2, min_delta=1e-2, verbose=False)
-    history = pop.fit(data, epochs=12, batch_size=BS, callbacks=[stop], **options)
+    history = pop.fit(
+        data, epochs=12, batch_size=BS, callbacks=[stop], checkpoint_dir=tmp_path, **options
+    )
+    # The last checkpoint holds the members' restored best weights, not their last ones.
+    saved = Population(
+        mlp, injected_adam(), xent, seeds=SEEDS, hyperparams={"learning_rate": rates}
+    )
+    saved.restore(tmp_path)
+    for a, b in zip(state_arrays(saved.state), state_arrays(pop.state), strict=True):
+        np.testing.assert_array_equal(a, b)
     stopped = []
     for i, (seed, rate) in enumerate(zip(SEEDS, rates, strict=True)):
         alone_stop = EarlyStopping("eval_eval_loss", patience=2, min_delta=1e-2, verbose=False)
@@ -187,16 +203,73 @@ def test_checkpoint_resume_equals_a_straight_run(data, tmp_path):
     assert other.step == 0
 
 
-def test_save_and_restore_round_trip(data, tmp_path):
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+def test_save_and_restore_round_trip_and_refusals(data, tmp_path):
+    rates = {"learning_rate": [1e-2, 3e-3, 1e-3]}
+    pop = Population(mlp, injected_adam(), xent, seeds=SEEDS, hyperparams=rates)
     pop.fit(data, epochs=1, batch_size=BS)
+    pop.freeze(0)
     path = pop.save(tmp_path)
     assert path.name == str(pop.step)
-    fresh = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+    fresh = Population(mlp, injected_adam(), xent, seeds=SEEDS, hyperparams=rates)
     assert fresh.restore(tmp_path) == 1
-    assert fresh.step == pop.step
-    for a, b in zip(state_arrays(fresh.state), state_arrays(pop.state), strict=True):
+    assert (fresh.step, fresh.epoch) == (pop.step, pop.epoch)
+    assert fresh.active.tolist() == [False, True, True]
+    for tree in ("state", "opt_state"):
+        ours, saved = state_arrays(getattr(fresh, tree)), state_arrays(getattr(pop, tree))
+        for a, b in zip(ours, saved, strict=True):
+            np.testing.assert_array_equal(a, b)
+    # Another population is refused before anything changes.
+    other_rates = Population(
+        mlp, injected_adam(), xent, seeds=SEEDS, hyperparams={"learning_rate": [0.5] * 3}
+    )
+    with pytest.raises(ValueError, match=r"learning_rate=\[0.01, 0.003, 0.001\]"):
+        other_rates.restore(tmp_path)
+    fewer = Population(mlp, injected_adam(), xent, seeds=SEEDS[:2])
+    with pytest.raises(ValueError, match="this population has 2 members"):
+        fewer.restore(tmp_path)
+    assert other_rates.step == fewer.step == 0 and other_rates.active.all()
+    with pytest.raises(ValueError, match="shared_order=True"):
+        fresh.fit(data, epochs=3, batch_size=BS, checkpoint_dir=tmp_path, resume=True,
+                  shared_order=True)  # fmt: skip
+
+
+def test_sigterm_saves_after_the_epoch_and_a_resume_equals_a_straight_run(data, tmp_path):
+    make = lambda: Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)  # noqa: E731
+    straight = make()
+    full = straight.fit(data, epochs=3, batch_size=BS)
+    preempt = LambdaCallback(
+        on_epoch_begin=lambda pop, epoch: epoch == 1 and os.kill(os.getpid(), signal.SIGTERM)
+    )
+    first = make()
+    with pytest.raises(Preempted, match="step 16"):
+        first.fit(data, epochs=3, batch_size=BS, checkpoint_dir=tmp_path, callbacks=[preempt])
+    assert first.epoch == 2  # the epoch in flight finished
+    resumed = make()
+    history = resumed.fit(data, epochs=3, batch_size=BS, checkpoint_dir=tmp_path, resume=True)
+    np.testing.assert_array_equal(history.losses, full.losses)
+    for a, b in zip(state_arrays(resumed.state), state_arrays(straight.state), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_writers_record_one_value_per_member(data, tmp_path):
+    pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+    stream = io.StringIO()
+    writers = [
+        CSVWriter(tmp_path / "logs.csv"),
+        JSONLinesWriter(tmp_path / "logs.jsonl"),
+        TextLogger(stream),
+    ]
+    history = pop.fit(data, epochs=2, batch_size=BS, callbacks=writers)
+    losses = [logs["loss"] for logs in history.epochs]
+    lines = [json.loads(line) for line in (tmp_path / "logs.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose([line["loss"] for line in lines], losses, rtol=1e-6)
+    with open(tmp_path / "logs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    np.testing.assert_allclose(
+        [[float(row[f"loss/{i}"]) for i in range(3)] for row in rows], losses, rtol=1e-6
+    )
+    first = stream.getvalue().splitlines()[0]
+    assert first.startswith("epoch 0  loss [") and first.count(" ") > 6
 
 
 def test_fit_arguments_are_checked_before_anything_runs(data, compile_count):
@@ -209,6 +282,9 @@ def test_fit_arguments_are_checked_before_anything_runs(data, compile_count):
         Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS, on_nonfinite="drop")
     with pytest.raises(ValueError, match="where must be one bool per member"):
         pop.load_state(pop.state, where=[True])
+    one = Mesh(np.array(jax.devices()[:1]), ("data",))
+    with pytest.raises(ValueError, match="member_axis and data_axis are both 'data'"):
+        Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS, mesh=one, member_axis="data")
     assert compile_count() == 0 and pop.step == 0
 
 
@@ -231,7 +307,13 @@ def test_members_sharded_over_a_mesh_train_as_on_one_device(tmp_path):
             single, sharded = z[f"single_{name}"], z[f"mesh_{name}"]
             np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-6)
         assert str(z["spec"]) == "('members',)"
-        assert str(z["errors"]).count("ValueError") == 2, str(z["errors"])
+        errors = str(z["errors"]).splitlines()
+        assert "3 members do not divide over the 2 devices of mesh axis 'members'" in errors[0]
+        assert "mesh axis 'x' (size 2) is neither member_axis" in errors[1]
+        assert "batch size 7 does not divide by the 2 devices" in errors[2]
+        # A frozen member on the mesh stays bitwise; member(i) trains with a plain Trainer.
+        np.testing.assert_array_equal(z["frozen_after"], z["frozen_before"])
+        np.testing.assert_allclose(z["member_trained"], z["alone_trained"], rtol=1e-5, atol=1e-6)
 
 
 def test_progress_line_names_the_members_in_training(data, capsys):
