@@ -10,15 +10,30 @@ Example:
   :func:`ravel` / :meth:`ParamSpec.unravel` between params and one flat vector.
 - :func:`call` / :func:`call_with_state` (``call.py``): run the target with given params.
 - :class:`HyperHeads` (``heads.py``): one linear head per generated tensor, hyperfan-in init.
+- :class:`ChunkedHeads` (``chunked.py``): the flat parameter vector chunk by chunk, with one
+  shared layer, so the hypernetwork can be smaller than its target.
 - :class:`Hypernetwork` (``hypernetwork.py``): trunk + heads + target as one NNX module.
+- :class:`ConditionalHypernetwork` (``conditional.py``): one learned embedding per condition
+  (task), plus an optional free input.
+- :func:`snapshot_generated`, :func:`output_regularizer`, :func:`generated_vectors`
+  (``continual.py``): von Oswald et al.'s continual-learning regularizer.
 """
 
 from nnxscan.pure.hyper.call import call, call_with_state
+from nnxscan.pure.hyper.chunked import ChunkedHeads
+from nnxscan.pure.hyper.conditional import ConditionalHypernetwork
+from nnxscan.pure.hyper.continual import (
+    generated_vectors,
+    output_regularizer,
+    snapshot_generated,
+)
 from nnxscan.pure.hyper.heads import HyperHeads, head_init_scale
 from nnxscan.pure.hyper.hypernetwork import GeneratedSlot, Hypernetwork
 from nnxscan.pure.hyper.spec import LeafSpec, ParamSpec, check_params, ravel
 
 __all__ = [
+    "ChunkedHeads",
+    "ConditionalHypernetwork",
     "GeneratedSlot",
     "HyperHeads",
     "Hypernetwork",
@@ -27,6 +42,9 @@ __all__ = [
     "call",
     "call_with_state",
     "check_params",
+    "generated_vectors",
     "head_init_scale",
+    "output_regularizer",
     "ravel",
+    "snapshot_generated",
 ]

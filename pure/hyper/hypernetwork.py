@@ -1,4 +1,7 @@
-"""Hypernetwork: an ordinary NNX module = trunk + HyperHeads + the target it generates for.
+"""Hypernetwork: an ordinary NNX module = trunk + heads + the target it generates for.
+
+The heads are :class:`HyperHeads` (one per generated tensor) or, with ``chunk_size``,
+:class:`ChunkedHeads` (one shared layer, chunk by chunk).
 
 Where the generated slots live. ``hnet.target`` is the hypernetwork's own copy of the
 target in which every generated variable has been re-wrapped as a :class:`GeneratedSlot`
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscan.pure.hyper.call import call_with_state
+from nnxscan.pure.hyper.chunked import ChunkedHeads
 from nnxscan.pure.hyper.heads import HyperHeads
 from nnxscan.pure.hyper.spec import ParamSpec, spec_from_split
 
@@ -33,7 +37,7 @@ class GeneratedSlot(nnx.Variable):
 
 
 class Hypernetwork(nnx.Module):
-    """A trunk, one :class:`HyperHeads`, and the target network they generate weights for.
+    """A trunk, heads, and the target network they generate weights for.
 
     Args:
       target: the network to generate variables for. It is copied (arrays included) and
@@ -44,6 +48,13 @@ class Hypernetwork(nnx.Module):
       trunk_features: the size of the trunk's output.
       wrt: the filter selecting the target's generated variables (default: all Params).
       input_variance: the variance of the trunk's output features the head init assumes.
+      chunk_size: ``None`` (default): one :class:`HyperHeads` head per generated tensor.
+        An int: one :class:`ChunkedHeads` generating the flat parameter vector in chunks
+        of this many scalars, so the hypernetwork can be smaller than its target
+        (``compression_ratio``).
+      chunk_embedding_features, chunk_hidden_features: with ``chunk_size``, the size of each
+        learned chunk embedding and the width of the chunk layer (default
+        ``trunk_features``); see :class:`ChunkedHeads`.
       rngs: draws the head weights.
 
     ``hnet.generate(z)`` returns the generated params for one embedding ``z``;
@@ -67,6 +78,9 @@ class Hypernetwork(nnx.Module):
         *,
         wrt: nnx.filterlib.Filter = nnx.Param,
         input_variance: float = 1.0,
+        chunk_size: int | None = None,
+        chunk_embedding_features: int = 16,
+        chunk_hidden_features: int | None = None,
         rngs: nnx.Rngs,
     ):
         if not callable(trunk):
@@ -79,7 +93,18 @@ class Hypernetwork(nnx.Module):
             is_leaf=lambda x: isinstance(x, nnx.Variable),
         )
         self.trunk = trunk
-        self.heads = HyperHeads(spec, trunk_features, input_variance=input_variance, rngs=rngs)
+        if chunk_size is None:
+            self.heads = HyperHeads(spec, trunk_features, input_variance=input_variance, rngs=rngs)
+        else:
+            self.heads = ChunkedHeads(
+                spec,
+                trunk_features,
+                chunk_size=chunk_size,
+                embedding_features=chunk_embedding_features,
+                hidden_features=chunk_hidden_features,
+                input_variance=input_variance,
+                rngs=rngs,
+            )
         self.target = nnx.merge(graphdef, slots, spec.rest, copy=True)
         # The original graphdef (slots typed as wrt selected them) and leaf layout, static.
         self._target_graphdef = spec.graphdef
@@ -98,6 +123,25 @@ class Hypernetwork(nnx.Module):
         own = jax.tree.unflatten(self._generated_treedef, jax.tree.leaves(slots))
         return spec_from_split(self._target_graphdef, own, rest)
 
+    @property
+    def compression_ratio(self) -> float:
+        """The hypernetwork's own parameter count over the number of generated scalars.
+
+        Counts every ``nnx.Param`` of the hypernetwork outside ``hnet.target`` (the trunk,
+        the heads, learned embeddings), divided by ``spec.size``. Below 1 the hypernetwork
+        is smaller than what it generates, as with :class:`ChunkedHeads`; one
+        :class:`HyperHeads` head per tensor is always above ``trunk_features``.
+
+        Example:
+          >>> hnet = hyper.Hypernetwork(big_target, trunk, 32, chunk_size=256, rngs=rngs)
+          >>> hnet.compression_ratio < 1
+          True
+        """
+        own = nnx.state(self, nnx.Param)
+        total = sum(x.size for x in jax.tree.leaves(own))
+        in_target = sum(x.size for x in jax.tree.leaves(nnx.state(self.target, nnx.Param)))
+        return (total - in_target) / sum(leaf.size for leaf in self._generated_leaves)
+
     def generate(self, z: jax.Array) -> nnx.State:
         """The generated params for embedding ``z``: ``heads(trunk(z))``.
 
@@ -114,6 +158,9 @@ class Hypernetwork(nnx.Module):
           >>> y = hnet(z, x)                               # one network
           >>> ys = jax.vmap(hnet, in_axes=(0, None))(zs, x)  # one network per embedding
         """
+        return self._run_target(self.generate(z), args, kwargs)
+
+    def _run_target(self, params: nnx.State, args: tuple, kwargs: dict) -> Any:
         # The spec without the init statistics (only HyperHeads' init reads them).
         rest = nnx.state(self.target, nnx.Not(GeneratedSlot))
         n = len(self._generated_leaves)
@@ -125,7 +172,7 @@ class Hypernetwork(nnx.Module):
             jnp.zeros(n, jnp.float32),
             jnp.zeros(n, jnp.float32),
         )
-        out, new_spec = call_with_state(spec, self.generate(z), *args, **kwargs)
+        out, new_spec = call_with_state(spec, params, *args, **kwargs)
         _write_back_changes(self.target, spec.rest, new_spec.rest)
         return out
 

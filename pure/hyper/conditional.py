@@ -1,0 +1,183 @@
+"""ConditionalHypernetwork: one learned embedding per condition (task), plus an optional z.
+
+A task-conditioned hypernetwork (von Oswald et al., ICLR 2020) learns an embedding ``e_c``
+for each of ``num_conditions`` conditions, and generates the target's weights from it:
+``θ_c = heads(trunk(e_c))``; with ``z_features > 0`` the trunk sees ``[e_c, z]``, so a free
+input ``z`` varies the network within a condition. The embeddings are an ordinary
+``nnx.Param``, trained with the trunk and the heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import DTypeLike
+
+from nnxscan.pure._checks import check_count
+from nnxscan.pure.hyper.hypernetwork import Hypernetwork
+
+__all__ = ["ConditionalHypernetwork"]
+
+
+def _check_trunk(trunk: Any, in_features: int, trunk_features: int) -> None:
+    # Shapes only (nothing runs or compiles): a mismatch is named here, not deep in a trace.
+    what = (
+        f"the trunk must map {in_features} input features (embedding_features + z_features) "
+        f"to trunk_features={trunk_features}"
+    )
+    try:
+        out = nnx.eval_shape(lambda t: t(jnp.zeros((in_features,), jnp.float32)), trunk)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{what}, but calling it on {in_features} features failed: {error}") from (
+            error
+        )
+    shape = tuple(getattr(out, "shape", ()))
+    if shape[-1:] != (trunk_features,):
+        raise ValueError(f"{what}, but it returns shape {shape}. Fix the trunk or trunk_features.")
+
+
+class ConditionalHypernetwork(Hypernetwork):
+    """A :class:`Hypernetwork` whose input is a condition id (and optionally a free ``z``).
+
+    Args:
+      target, wrt, input_variance, chunk_size, chunk_embedding_features,
+        chunk_hidden_features, rngs: as for :class:`Hypernetwork`.
+      trunk: maps ``embedding_features + z_features`` inputs (``[e_c, z]``) to
+        ``trunk_features``; checked on shapes at construction.
+      trunk_features: the size of the trunk's output.
+      num_conditions: how many conditions (tasks) there are; ids are ``0 ..
+        num_conditions - 1``.
+      embedding_features: the size of each condition's learned embedding.
+      z_features: the size of the free input ``z`` (0, the default: no ``z``).
+      embedding_scale: the standard deviation the embeddings are drawn with.
+      param_dtype: dtype of the embeddings.
+
+    ``hnet.generate(condition, z=None)`` returns the generated params;
+    ``hnet(condition, *args, z=None, **kwargs)`` runs the target on ``args`` with them (the
+    target's keyword arguments cannot be named ``z``). ``condition`` is an int or a
+    0-d integer array; for several conditions at once, ``jax.vmap`` over a 1-D array of ids.
+    A concrete id outside ``[0, num_conditions)`` raises; a traced one (under ``jit`` or
+    ``vmap``) generates NaN weights, so a bad id cannot silently reuse another condition.
+
+    Attributes:
+      embeddings: ``(num_conditions, embedding_features)`` Param.
+
+    Example:
+      >>> trunk = nnx.Sequential(nnx.Linear(8, 32, rngs=rngs), nnx.tanh)
+      >>> hnet = hyper.ConditionalHypernetwork(target, trunk, 32, num_conditions=5,
+      ...                                      embedding_features=8, rngs=rngs)
+      >>> y = hnet(2, x)                                        # the network of task 2
+      >>> ys = jax.vmap(hnet, in_axes=(0, None))(jnp.arange(5), x)   # all five
+    """
+
+    def __init__(
+        self,
+        target: nnx.Module,
+        trunk: Any,
+        trunk_features: int,
+        *,
+        num_conditions: int,
+        embedding_features: int,
+        z_features: int = 0,
+        embedding_scale: float = 1.0,
+        wrt: nnx.filterlib.Filter = nnx.Param,
+        input_variance: float = 1.0,
+        chunk_size: int | None = None,
+        chunk_embedding_features: int = 16,
+        chunk_hidden_features: int | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        num_conditions = check_count(num_conditions, "num_conditions", 1)
+        embedding_features = check_count(embedding_features, "embedding_features", 1)
+        z_features = check_count(z_features, "z_features", 0)
+        if not embedding_scale > 0:
+            raise ValueError(f"embedding_scale must be positive, got {embedding_scale!r}.")
+        if not callable(trunk):
+            raise TypeError(f"trunk must be callable (an NNX module), got {type(trunk).__name__}.")
+        _check_trunk(trunk, embedding_features + z_features, trunk_features)
+        super().__init__(
+            target,
+            trunk,
+            trunk_features,
+            wrt=wrt,
+            input_variance=input_variance,
+            chunk_size=chunk_size,
+            chunk_embedding_features=chunk_embedding_features,
+            chunk_hidden_features=chunk_hidden_features,
+            rngs=rngs,
+        )
+        self.num_conditions = num_conditions
+        self.z_features = z_features
+        draw = jax.random.normal(rngs.params(), (num_conditions, embedding_features))
+        self.embeddings = nnx.Param((embedding_scale * draw).astype(param_dtype))
+
+    def embed(self, condition: int | jax.Array, z: jax.Array | None = None) -> jax.Array:
+        """The trunk's input for one condition: ``e_c``, or ``[e_c, z]`` with ``z_features``.
+
+        Raises:
+          TypeError: ``condition`` is not an integer.
+          ValueError: ``condition`` is not a scalar, a concrete id is out of range, or ``z``
+            is missing, unexpected or of the wrong shape.
+
+        Example:
+          >>> hnet.embed(3).shape
+          (8,)
+        """
+        dtype = jnp.result_type(condition)
+        if not jnp.issubdtype(dtype, jnp.integer) or isinstance(condition, bool):
+            raise TypeError(
+                f"condition must be an integer id in [0, {self.num_conditions}), got "
+                f"{type(condition).__name__} of dtype {dtype}."
+            )
+        if jnp.shape(condition) != ():
+            raise ValueError(
+                f"condition must be one id (a scalar), got shape {jnp.shape(condition)}. For "
+                f"several conditions, jax.vmap over them: jax.vmap(hnet, in_axes=(0, None))"
+                f"(ids, x)."
+            )
+        n = self.num_conditions
+        if not isinstance(condition, jax.core.Tracer) and not 0 <= int(condition) < n:
+            raise ValueError(f"condition {int(condition)} is out of range: ids are 0..{n - 1}.")
+        table = self.embeddings[...]
+        # A traced id cannot be checked; index n (out of bounds) fills NaN instead of jnp's
+        # silent clamp (a negative id would otherwise wrap around to the last condition).
+        index = jnp.where((condition >= 0) & (condition < n), condition, n)
+        e = jnp.take(table, index, axis=0, mode="fill", fill_value=jnp.nan)
+        if self.z_features == 0:
+            if z is not None:
+                raise ValueError(
+                    "this hypernetwork takes no z (z_features=0); build it with "
+                    "z_features=... to condition on a free input as well."
+                )
+            return e
+        if z is None or jnp.shape(z) != (self.z_features,):
+            got = "none" if z is None else f"shape {jnp.shape(z)}"
+            raise ValueError(
+                f"z must have shape ({self.z_features},) (z_features), got {got}. For a batch "
+                f"of z, jax.vmap over it."
+            )
+        return jnp.concatenate([e, jnp.asarray(z, e.dtype)])
+
+    def generate(self, condition: int | jax.Array, z: jax.Array | None = None) -> nnx.State:
+        """The generated params for one condition: ``heads(trunk(embed(condition, z)))``.
+
+        Example:
+          >>> params = hnet.generate(2)
+          >>> y = hyper.call(hnet.spec, params, x)    # == hnet(2, x)
+        """
+        return self.heads(self.trunk(self.embed(condition, z)))
+
+    def __call__(
+        self, condition: int | jax.Array, *args: Any, z: jax.Array | None = None, **kwargs: Any
+    ) -> Any:
+        """Runs the target on ``*args, **kwargs`` with the params generated for ``condition``.
+
+        Example:
+          >>> y = hnet(2, x)
+          >>> ys = jax.vmap(hnet, in_axes=(0, None))(jnp.arange(5), x)
+        """
+        return self._run_target(self.generate(condition, z), args, kwargs)
