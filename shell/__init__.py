@@ -14,6 +14,8 @@ It compiles the pure core, writes trained state back into the user's ``nnx.Modul
   compiles nothing.
 - :class:`Preempted`: what ``fit`` raises after saving on SIGTERM (resume with
   ``fit(..., resume=True)``).
+- :func:`train_tasks`: continual learning, one task after another, with the accuracy
+  matrix that shows what earlier tasks lost.
 - :class:`EarlyStopping`, :class:`LambdaCallback`: built-in callbacks (the metric writers
   live in :mod:`nnxscan.adapters.writers`).
 
@@ -26,6 +28,7 @@ from nnxscan.shell._compile_cache import enable_compilation_cache
 from nnxscan.shell._fit import Preempted
 from nnxscan.shell._plans import Plan
 from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
+from nnxscan.shell.continual import train_tasks
 from nnxscan.shell.history import History
 from nnxscan.shell.population import Population
 from nnxscan.shell.scan_train import scan_train
@@ -41,4 +44,5 @@ __all__ = [
     "Trainer",
     "enable_compilation_cache",
     "scan_train",
+    "train_tasks",
 ]

@@ -14,9 +14,10 @@ DESCRIPTION = "Train Flax NNX models with jax.lax.scan, and run networks on gene
 DEMOS = {
     "digits": "an MLP on scikit-learn's digits (the default)",
     "hypernet": "one hypernetwork learns a family of sine functions",
+    "hypernet-cl": "tasks in sequence: a hypernetwork remembers, fine-tuning forgets",
     "sweep": "a learning-rate x seed sweep: 16 MLPs in one compiled program",
 }
-DEMO_LIST = "demos:\n" + "".join(f"  {name:<10}{text}\n" for name, text in DEMOS.items())
+DEMO_LIST = "demos:\n" + "".join(f"  {name:<12}{text}\n" for name, text in DEMOS.items())
 DEMO_DESCRIPTION = (
     "Trains a small model with scanned epochs, prints how well and how fast it\n"
     "trained, and writes a plot to OUT/nnxscan_demo_NAME.png.\n"
@@ -91,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nnxscan.shell.demos.digits import run_digits_demo
 
         run_digits_demo(args.out, seed=args.seed, progress=not args.no_progress)
+    elif args.name == "hypernet-cl":
+        from nnxscan.shell.demos.hypernet_cl import run_hypernet_cl_demo
+
+        run_hypernet_cl_demo(args.out, seed=args.seed, progress=not args.no_progress)
     elif args.name == "sweep":
         from nnxscan.shell.demos.sweep import run_sweep_demo
 

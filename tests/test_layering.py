@@ -256,7 +256,7 @@ PUBLIC = {
     "nnxscan.shell": {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
         "enable_compilation_cache", "Preempted",
-        "Population",
+        "Population", "train_tasks",
     },
 }  # fmt: skip
 

@@ -1,0 +1,153 @@
+"""Continual learning: train one model on a sequence of tasks, and record what it forgets.
+
+:func:`train_tasks` trains task after task with a fresh :class:`~nnxscan.shell.Trainer`
+each (its own loss, a fresh optimizer state), and after each task evaluates every task
+learned so far: the accuracy matrix ``[after task, task]`` shows what earlier tasks lost.
+With a :class:`~nnxscan.pure.hyper.ConditionalHypernetwork` and
+:func:`~nnxscan.pure.hyper.output_regularizer` in the loss, it is von Oswald et al.'s
+continual learning with hypernetworks; with a plain network, fine-tuning task by task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from nnxscan.pure._checks import check_batch_size, check_count, check_leading_size, check_transform
+from nnxscan.shell.trainer import Trainer
+
+__all__ = ["train_tasks"]
+
+LossFn = Callable[[nnx.Module, Any], jax.Array]
+
+
+def _check_tasks(tasks: Any, batch_size: int, eval_batch_size: int | None) -> list[tuple]:
+    if not isinstance(tasks, Sequence) or isinstance(tasks, str | bytes) or not tasks:
+        raise ValueError(
+            "tasks must be a non-empty sequence of (train_data, test_data) pairs, one per "
+            f"task; got {type(tasks).__name__}{'' if tasks else ' (empty)'}."
+        )
+    checked = []
+    for t, task in enumerate(tasks):
+        if not isinstance(task, tuple | list) or len(task) != 2:
+            raise ValueError(
+                f"tasks[{t}] must be a (train_data, test_data) pair, got {type(task).__name__}"
+                f"{f' of length {len(task)}' if isinstance(task, tuple | list) else ''}."
+            )
+        train, test = task
+        n_train = check_leading_size(train, f"tasks[{t}] train data")
+        check_batch_size(batch_size, n_train, drop_remainder=True)
+        n_test = check_leading_size(test, f"tasks[{t}] test data")
+        if eval_batch_size is not None:
+            check_batch_size(eval_batch_size, n_test, drop_remainder=False)
+        checked.append((train, test))
+    return checked
+
+
+def train_tasks(
+    model: nnx.Module,
+    tx: optax.GradientTransformation,
+    tasks: Sequence[tuple[Any, Any]],
+    loss_for_task: Callable[[int, nnx.Module], LossFn],
+    metric_for_task: Callable[[int], LossFn],
+    *,
+    epochs: int,
+    batch_size: int,
+    eval_batch_size: int | None = None,
+    seed: int = 0,
+    wrt: nnx.filterlib.Filter = nnx.Param,
+    progress: bool = True,
+) -> np.ndarray:
+    """Trains ``model`` on each task in turn; returns held-out accuracy after every task.
+
+    For task ``t = 0, 1, ...`` this runs exactly::
+
+        loss_fn = loss_for_task(t, model)          # model: the live, trained-so-far module
+        trainer = Trainer(model, tx, loss_fn, wrt=wrt)   # fresh optimizer state per task
+        trainer.fit(train_t, epochs=epochs, batch_size=batch_size, seed=seed + t)
+        for j in range(t + 1):
+            accuracy[t, j] = trainer.evaluate(test_j, metric_fns[j], batch_size=...)
+
+    with ``metric_fns[j] = metric_for_task(j)`` built once per task (so each metric compiles
+    once). ``loss_for_task`` is called right before task ``t`` trains, so it can store what
+    the model does now, e.g. the weights a hypernetwork generates for tasks ``< t``
+    (:func:`~nnxscan.pure.hyper.snapshot_generated`), and return a loss that keeps them
+    (:func:`~nnxscan.pure.hyper.output_regularizer`). The loss it returns must not capture
+    ``model`` (it receives the model as its first argument).
+
+    Args:
+      model: the NNX module to train; it is the live object and ends trained on every task.
+      tx: the optax transform; each task starts from a fresh ``tx.init`` state.
+      tasks: ``(train_data, test_data)`` pairs, one per task: pytrees of arrays with a
+        leading examples axis, as ``Trainer.fit`` takes them. All are checked before
+        anything trains.
+      loss_for_task: ``loss_for_task(t, model)`` returns task ``t``'s
+        ``loss_fn(model, batch)``.
+      metric_for_task: ``metric_for_task(j)`` returns task ``j``'s
+        ``metric_fn(model, batch)``: a scalar, the batch mean (e.g. accuracy).
+      epochs: epochs per task.
+      batch_size: training batch size.
+      eval_batch_size: evaluation batch size (default: each test set whole).
+      seed: task ``t`` shuffles with ``seed + t``.
+      wrt: the filter of the trained variables.
+      progress: show ``fit``'s progress bar.
+
+    Returns:
+      ``accuracy``, a ``(T, T)`` float64 array: ``accuracy[i, j]`` is task ``j``'s metric
+      after training tasks ``0..i``; entries for tasks not yet trained (``j > i``) are NaN.
+
+    Raises:
+      TypeError, ValueError: bad arguments or data, before anything trains.
+
+    Example:
+      >>> def loss_for_task(t, hnet):
+      ...     stored = hyper.snapshot_generated(hnet.generate, jnp.arange(t))
+      ...     def loss_fn(hnet, batch):
+      ...         return cross_entropy(hnet(t, batch["x"]), batch["y"]) + (
+      ...             hyper.output_regularizer(hnet.generate, jnp.arange(t), stored, 0.05))
+      ...     return loss_fn
+      >>> def metric_for_task(j):
+      ...     return lambda hnet, batch: jnp.mean(hnet(j, batch["x"]).argmax(-1) == batch["y"])
+      >>> acc = train_tasks(hnet, optax.adam(1e-3), [(train0, test0), (train1, test1)],
+      ...                   loss_for_task, metric_for_task, epochs=20, batch_size=32)
+      >>> acc[-1].mean()          # final average accuracy; acc[0, 0] - acc[-1, 0]: forgetting
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
+    tx = check_transform(tx)
+    for name, fn in (("loss_for_task", loss_for_task), ("metric_for_task", metric_for_task)):
+        if not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}.")
+    epochs = check_count(epochs, "epochs", 1)
+    batch_size = check_count(batch_size, "batch_size", 1)
+    if eval_batch_size is not None:
+        eval_batch_size = check_count(eval_batch_size, "eval_batch_size", 1)
+    tasks = _check_tasks(tasks, batch_size, eval_batch_size)
+    seed = check_count(seed, "seed", 0, 2**31 - 1 - len(tasks))  # Trainer's int32 seeds
+
+    metric_fns = [metric_for_task(j) for j in range(len(tasks))]
+    for j, fn in enumerate(metric_fns):
+        if not callable(fn):
+            raise TypeError(
+                f"metric_for_task({j}) must return a callable, got {type(fn).__name__}."
+            )
+    accuracy = np.full((len(tasks), len(tasks)), np.nan)
+    for t, (train, _) in enumerate(tasks):
+        loss_fn = loss_for_task(t, model)
+        trainer = Trainer(model, tx, loss_fn, wrt=wrt)
+        trainer.fit(train, epochs=epochs, batch_size=batch_size, seed=seed + t, progress=progress)
+        for j in range(t + 1):
+            test = tasks[j][1]
+            size = eval_batch_size or check_leading_size(test)
+            values = trainer.evaluate(test, metric_fns[j], batch_size=size)
+            if len(values) != 1:
+                raise ValueError(
+                    f"metric_for_task({j}) must return one scalar metric, got {sorted(values)}."
+                )
+            accuracy[t, j] = next(iter(values.values()))
+    return accuracy
