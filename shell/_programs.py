@@ -141,26 +141,15 @@ class TrainProgram:
         if halts:
             step = halt_after_nonfinite(step, has_aux=self.has_aux)
 
-        def build():
-            def run(leaves, data, indices, start, length, unroll):
-                state, opt_state = jax.tree.unflatten(carry_def, leaves)
-                idx = jax.lax.dynamic_slice_in_dim(indices, start, length)
-                carry = (opt_state, jnp.bool_(False)) if halts else opt_state
-                state, carry, outs = scan_indexed_steps(
-                    step, graphdef, state, carry, data, idx, unroll=unroll,
-                    batch_sharding=batch_sharding,
-                )  # fmt: skip
-                opt_state, halted = carry if halts else (carry, jnp.bool_(False))
-                leaves = jax.tree.leaves((state, opt_state))
-                if carry_shardings is not None:
-                    leaves = [
-                        jax.lax.with_sharding_constraint(x, s)
-                        for x, s in zip(leaves, carry_shardings, strict=True)
-                    ]
-                return leaves, outs, halted
+        def scan(state, carry, data, idx, unroll):
+            return scan_indexed_steps(
+                step, graphdef, state, carry, data, idx, unroll=unroll,
+                batch_sharding=batch_sharding,
+            )  # fmt: skip
 
-            donated = (0,) if donate else ()
-            return jax.jit(run, static_argnames=("length", "unroll"), donate_argnums=donated)
+        def build():
+            no_halt = lambda idx: jnp.bool_(False)  # noqa: E731
+            return chunk_runner(scan, carry_def, halts, no_halt, carry_shardings, donate, axis=0)
 
         key = (graphdef, carry_def, donate, carry_shardings, batch_sharding)
         return _lookup(self._runners, key, build)
@@ -188,6 +177,41 @@ class TrainProgram:
             return lambda _graphdef, state, opt_state, batch: jitted(state, opt_state, batch)
 
         return _lookup(self._jitted, graphdef, build)
+
+
+def chunk_runner(
+    scan: Callable,
+    carry_def: Any,
+    halts: bool,
+    no_halt: Callable[[Any], Any],
+    carry_shardings: tuple | None,
+    donate: bool,
+    *,
+    axis: int,
+) -> Callable:
+    """The jitted ``run(leaves, data, indices, *extra, start, length=, unroll=) -> (leaves,
+    outs, halted)`` that a Trainer and a Population share: it trains the steps
+    ``start:start+length`` of ``indices`` (steps along ``axis``) with ``scan(state, carry,
+    data, idx, *extra, unroll)``, carrying the "stop" flag (``no_halt(idx)`` at the start)
+    when ``halts``, and keeps the new carry where it was placed (``carry_shardings``)."""
+
+    def run(leaves, data, indices, *rest, length, unroll):
+        *extra, start = rest
+        state, opt_state = jax.tree.unflatten(carry_def, leaves)
+        idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=axis)
+        carry = (opt_state, no_halt(idx)) if halts else opt_state
+        state, carry, outs = scan(state, carry, data, idx, *extra, unroll)
+        opt_state, halted = carry if halts else (carry, no_halt(idx))
+        leaves = jax.tree.leaves((state, opt_state))
+        if carry_shardings is not None:
+            leaves = [
+                jax.lax.with_sharding_constraint(x, s)
+                for x, s in zip(leaves, carry_shardings, strict=True)
+            ]
+        return leaves, outs, halted
+
+    donated = (0,) if donate else ()
+    return jax.jit(run, static_argnames=("length", "unroll"), donate_argnums=donated)
 
 
 def train_program(
@@ -266,27 +290,15 @@ def population_runner(
     if halts:
         step = halt_after_nonfinite(step, has_aux=program.has_aux)
 
-    def build():
-        def run(leaves, data, indices, active, start, length, unroll):
-            states, opt_states = jax.tree.unflatten(carry_def, leaves)
-            idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=1)
-            members = idx.shape[0]
-            carry = (opt_states, jnp.zeros((members,), bool)) if halts else opt_states
-            states, carry, outs = scan_population_steps(
-                step, graphdef, states, carry, data, idx, active=active, unroll=unroll,
-                member_axis=member_axis, batch_sharding=batch_sharding,
-            )  # fmt: skip
-            opt_states, halted = carry if halts else (carry, jnp.zeros((members,), bool))
-            leaves = jax.tree.leaves((states, opt_states))
-            if carry_shardings is not None:
-                leaves = [
-                    jax.lax.with_sharding_constraint(x, s)
-                    for x, s in zip(leaves, carry_shardings, strict=True)
-                ]
-            return leaves, outs, halted
+    def scan(states, carry, data, idx, active, unroll):
+        return scan_population_steps(
+            step, graphdef, states, carry, data, idx, active=active, unroll=unroll,
+            member_axis=member_axis, batch_sharding=batch_sharding,
+        )  # fmt: skip
 
-        donated = (0,) if donate else ()
-        return jax.jit(run, static_argnames=("length", "unroll"), donate_argnums=donated)
+    def build():
+        no_halt = lambda idx: jnp.zeros((idx.shape[0],), bool)  # noqa: E731
+        return chunk_runner(scan, carry_def, halts, no_halt, carry_shardings, donate, axis=1)
 
     key = (program, graphdef, carry_def, donate, member_axis, batch_sharding, carry_shardings)
     return _lookup(_POPULATION_RUNNERS, key, build)
