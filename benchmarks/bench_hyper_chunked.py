@@ -16,7 +16,8 @@ order rotates each round); the table reports median ms, the median of the per-ro
 chunked / HyperHeads (> 1: the chunked heads are slower), and each hypernetwork's
 compression ratio (its own params, trunk included, over the 85,002 it generates).
 
-Run: ``.venv/bin/python benchmarks/bench_hyper_chunked.py [--nets 64] [--rounds 20]``
+Run: ``.venv/bin/python benchmarks/bench_hyper_chunked.py [--nets 64] [--rounds 20]
+[--chunks 256,1024,4096]``
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def main():
     parser.add_argument("--batch", type=int, default=32, help="inputs per network")
     parser.add_argument("--rounds", type=int, default=20, help="paired timing rounds")
     parser.add_argument(
-        "--chunks", default="1024,4096", help="comma-separated chunk sizes to compare"
+        "--chunks", default="256,1024,4096", help="comma-separated chunk sizes to compare"
     )
     args = parser.parse_args()
 

@@ -18,7 +18,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnxscan.pure._checks import check_batch_size, check_count, check_leading_size, check_transform
+from nnxscan.pure._checks import (
+    abstract_batch,
+    check_batch_size,
+    check_count,
+    check_leading_size,
+    check_transform,
+)
+from nnxscan.pure.evaluation import make_eval_step
 from nnxscan.shell.trainer import Trainer
 
 __all__ = ["train_tasks"]
@@ -27,10 +34,16 @@ LossFn = Callable[[nnx.Module, Any], jax.Array]
 
 
 def _check_tasks(tasks: Any, batch_size: int, eval_batch_size: int | None) -> list[tuple]:
-    if not isinstance(tasks, Sequence) or isinstance(tasks, str | bytes) or not tasks:
+    # The type first: `not tasks` on a numpy array raises numpy's own, unrelated error.
+    if not isinstance(tasks, Sequence) or isinstance(tasks, str | bytes):
+        raise ValueError(
+            "tasks must be a non-empty sequence (a list) of (train_data, test_data) pairs, "
+            f"one per task; got {type(tasks).__name__}."
+        )
+    if len(tasks) == 0:
         raise ValueError(
             "tasks must be a non-empty sequence of (train_data, test_data) pairs, one per "
-            f"task; got {type(tasks).__name__}{'' if tasks else ' (empty)'}."
+            "task; got an empty one."
         )
     checked = []
     for t, task in enumerate(tasks):
@@ -47,6 +60,37 @@ def _check_tasks(tasks: Any, batch_size: int, eval_batch_size: int | None) -> li
             check_batch_size(eval_batch_size, n_test, drop_remainder=False)
         checked.append((train, test))
     return checked
+
+
+def _check_metrics(
+    model: nnx.Module, metric_fns: list[LossFn], tasks: list[tuple], eval_batch_size: int | None
+) -> None:
+    """Traces each metric on its first test batch (shapes only): one scalar each, or raise."""
+    graphdef, state = nnx.split(model)
+    seen = set()
+    for j, fn in enumerate(metric_fns):
+        if not callable(fn):
+            raise TypeError(
+                f"metric_for_task({j}) must return a callable, got {type(fn).__name__}."
+            )
+        test = tasks[j][1]
+        size = min(eval_batch_size or check_leading_size(test), check_leading_size(test))
+        batch = abstract_batch(test, leading=size)
+        leaves, treedef = jax.tree.flatten(batch)
+        key = (id(fn), treedef, tuple(leaves))
+        if key in seen:  # one function for every task: trace it once per batch shape
+            continue
+        seen.add(key)
+        try:
+            out = jax.eval_shape(make_eval_step(fn), graphdef, state, batch)
+        except ValueError as error:
+            raise ValueError(f"metric_for_task({j}) on task {j}'s test data: {error}") from error
+        if len(out) != 1:
+            raise ValueError(
+                f"metric_for_task({j}) must return one scalar metric (the batch mean), got a "
+                f"dict of {sorted(out)}. Return a single scalar; train_tasks records one "
+                f"number per task."
+            )
 
 
 def train_tasks(
@@ -102,7 +146,13 @@ def train_tasks(
       after training tasks ``0..i``; entries for tasks not yet trained (``j > i``) are NaN.
 
     Raises:
-      TypeError, ValueError: bad arguments or data, before anything trains.
+      TypeError, ValueError: bad arguments or data, before anything trains: the tasks'
+        sizes, and every ``metric_for_task(j)`` traced (shapes only, nothing compiles) on
+        task ``j``'s first test batch, which must give one scalar.
+
+    ``loss_for_task`` is called only when its task starts, so an error it raises (or one
+    from tracing the loss it returns) at task ``t > 0`` leaves ``model`` trained on tasks
+    ``0 .. t - 1``, as it was when task ``t`` started.
 
     Example:
       >>> def loss_for_task(t, hnet):
@@ -131,11 +181,7 @@ def train_tasks(
     seed = check_count(seed, "seed", 0, 2**31 - 1 - len(tasks))  # Trainer's int32 seeds
 
     metric_fns = [metric_for_task(j) for j in range(len(tasks))]
-    for j, fn in enumerate(metric_fns):
-        if not callable(fn):
-            raise TypeError(
-                f"metric_for_task({j}) must return a callable, got {type(fn).__name__}."
-            )
+    _check_metrics(model, metric_fns, tasks, eval_batch_size)
     accuracy = np.full((len(tasks), len(tasks)), np.nan)
     for t, (train, _) in enumerate(tasks):
         loss_fn = loss_for_task(t, model)
@@ -144,10 +190,6 @@ def train_tasks(
         for j in range(t + 1):
             test = tasks[j][1]
             size = eval_batch_size or check_leading_size(test)
-            values = trainer.evaluate(test, metric_fns[j], batch_size=size)
-            if len(values) != 1:
-                raise ValueError(
-                    f"metric_for_task({j}) must return one scalar metric, got {sorted(values)}."
-                )
-            accuracy[t, j] = next(iter(values.values()))
+            (value,) = trainer.evaluate(test, metric_fns[j], batch_size=size).values()
+            accuracy[t, j] = value
     return accuracy

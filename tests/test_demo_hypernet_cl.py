@@ -10,7 +10,9 @@ import pytest
 pytest.importorskip("matplotlib")
 pytest.importorskip("sklearn")
 
-from nnxscan.shell.cli import DEMOS
+import nnxscan.shell
+from nnxscan.shell.cli import DEMOS, main
+from nnxscan.shell.demos import hypernet_cl
 from nnxscan.shell.demos.hypernet_cl import format_accuracy_matrix, run_hypernet_cl_demo
 
 
@@ -57,3 +59,22 @@ def test_accuracy_table_leaves_untrained_tasks_blank():
 
 def test_the_cli_lists_the_demo():
     assert "hypernet-cl" in DEMOS
+
+
+def test_the_cli_runs_the_demo_with_its_arguments(tmp_path, monkeypatch):
+    calls, caches = [], []
+    monkeypatch.setattr(
+        hypernet_cl, "run_hypernet_cl_demo", lambda *a, **k: calls.append((a, k)) or {}
+    )
+    monkeypatch.setattr(nnxscan.shell, "enable_compilation_cache", caches.append)
+    out = str(tmp_path / "plots")
+    argv = ["demo", "hypernet-cl", "--out", out, "--seed", "3", "--no-progress"]
+    assert main([*argv, "--compile-cache", str(tmp_path / "cache")]) == 0
+    assert main([*argv, "--no-compile-cache"]) == 0
+    assert main(["demo", "hypernet-cl", "--no-compile-cache"]) == 0  # the defaults
+    assert calls == [
+        ((out,), {"seed": 3, "progress": False}),
+        ((out,), {"seed": 3, "progress": False}),
+        ((".",), {"seed": 0, "progress": True}),
+    ]
+    assert caches == [str(tmp_path / "cache")]  # --no-compile-cache enables none

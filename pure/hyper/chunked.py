@@ -35,6 +35,15 @@ of variance ``input_variance``) and the chunk embedding (``c_i ~ N(0, 1)``), so 
 neither copies of each other nor blind to ``h``. Entries at the same position of different
 chunks are correlated at init (their hidden features share ``h · W_h``); the per-tensor
 variance is what the init matches.
+
+It matches it in expectation over the draw of the heads, not in every draw: all of a
+tensor's entries come from the same few output columns and chunk terms ``c_i · W_c`` (fixed
+for every ``h``), so one draw's per-tensor variance over many ``h`` spreads around ``v_t``,
+more for small tensors. Over 40 draws (chunks of 100, ``d_k = 64``) the ratio's standard
+deviation was 0.03 (range 0.93-1.05) for 64→128 and 128→32 kernels, 0.05 (0.90-1.13) for a
+64→3 kernel and 0.14 (0.68-1.45) for a 36-entry 3x3 conv kernel; averaged over 16 draws,
+0.95-1.09. What holds in every draw: ``gains == sqrt(v_t)``, and constant tensors start at
+``m_t`` exactly.
 """
 
 from __future__ import annotations

@@ -53,14 +53,20 @@ class ConditionalHypernetwork(Hypernetwork):
       embedding_features: the size of each condition's learned embedding.
       z_features: the size of the free input ``z`` (0, the default: no ``z``).
       embedding_scale: the standard deviation the embeddings are drawn with.
-      param_dtype: dtype of the embeddings.
+      param_dtype: dtype of the embeddings and of the heads' weights (the trunk's dtype is
+        the trunk's own).
 
     ``hnet.generate(condition, z=None)`` returns the generated params;
     ``hnet(condition, *args, z=None, **kwargs)`` runs the target on ``args`` with them (the
-    target's keyword arguments cannot be named ``z``). ``condition`` is an int or a
-    0-d integer array; for several conditions at once, ``jax.vmap`` over a 1-D array of ids.
-    A concrete id outside ``[0, num_conditions)`` raises; a traced one (under ``jit`` or
-    ``vmap``) generates NaN weights, so a bad id cannot silently reuse another condition.
+    target's keyword arguments cannot be named ``z``, and ``z`` is passed by keyword only:
+    a positional argument after the condition goes to the target). ``condition`` is an int
+    or a 0-d integer array; for several conditions at once, ``jax.vmap`` over a 1-D array of
+    ids. A concrete id outside ``[0, num_conditions)`` raises; a traced one (under ``jit``
+    or ``vmap``) generates NaN weights, so a bad id cannot silently reuse another condition.
+    Under ``grad`` a single bad id in a vmapped batch makes *every* gradient of the shared
+    weights (trunk, heads) NaN, not only its own row's: check ids before they reach a
+    traced step, or wrap the step in ``jax.experimental.checkify`` to raise where it
+    happens.
 
     Attributes:
       embeddings: ``(num_conditions, embedding_features)`` Param.
@@ -86,7 +92,7 @@ class ConditionalHypernetwork(Hypernetwork):
         wrt: nnx.filterlib.Filter = nnx.Param,
         input_variance: float = 1.0,
         chunk_size: int | None = None,
-        chunk_embedding_features: int = 16,
+        chunk_embedding_features: int | None = None,
         chunk_hidden_features: int | None = None,
         param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
@@ -108,6 +114,7 @@ class ConditionalHypernetwork(Hypernetwork):
             chunk_size=chunk_size,
             chunk_embedding_features=chunk_embedding_features,
             chunk_hidden_features=chunk_hidden_features,
+            param_dtype=param_dtype,
             rngs=rngs,
         )
         self.num_conditions = num_conditions
@@ -154,11 +161,16 @@ class ConditionalHypernetwork(Hypernetwork):
                     "z_features=... to condition on a free input as well."
                 )
             return e
-        if z is None or jnp.shape(z) != (self.z_features,):
-            got = "none" if z is None else f"shape {jnp.shape(z)}"
+        if z is None:
             raise ValueError(
-                f"z must have shape ({self.z_features},) (z_features), got {got}. For a batch "
-                f"of z, jax.vmap over it."
+                f"z must have shape ({self.z_features},) (z_features), got none. Pass it by "
+                f"keyword, hnet(condition, x, z=z) or hnet.generate(condition, z=z): a "
+                f"positional argument after the condition goes to the target."
+            )
+        if jnp.shape(z) != (self.z_features,):
+            raise ValueError(
+                f"z must have shape ({self.z_features},) (z_features), got shape "
+                f"{jnp.shape(z)}. For a batch of z, jax.vmap over it."
             )
         return jnp.concatenate([e, jnp.asarray(z, e.dtype)])
 

@@ -14,7 +14,9 @@ optional look-ahead term (``Θ_h + ΔΘ_h``), which costs a second backward pass
 
 - :func:`generated_vectors`: the flat generated params for a batch of inputs.
 - :func:`snapshot_generated`: the same, gradient stopped: what to store before a task.
-- :func:`output_regularizer`: the penalty, to add inside a ``loss_fn``.
+- :func:`output_regularizer`: the penalty, to add inside a ``loss_fn``; with ``where=``, a
+  mask of the rows that count, so every task's step has the same shapes (one compiled
+  program for all tasks).
 
 ``generate`` is any function from one input (a condition id, an embedding ``z``) to the
 generated params, e.g. ``hnet.generate`` of a
@@ -24,11 +26,13 @@ leading axis (``jnp.arange(t)`` for the first ``t`` tasks).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nnxscan.pure.hyper.spec import ravel
 
@@ -90,8 +94,49 @@ def snapshot_generated(generate: Callable[[Any], Any], inputs: Any) -> jax.Array
     return jax.lax.stop_gradient(generated_vectors(generate, inputs))
 
 
+def _is_real(beta: Any) -> bool:
+    if isinstance(beta, bool | np.bool_):
+        return False
+    if isinstance(beta, numbers.Real):  # Python and numpy scalars
+        return True
+    if isinstance(beta, np.ndarray | jax.Array):  # tracers too
+        dtype = jnp.result_type(beta)
+        return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+    return False
+
+
+def _check_beta(beta: Any) -> None:
+    # A traced beta (a schedule under jit) can only be checked for its shape; any concrete
+    # one (Python, numpy or a jax array outside a trace) is checked for its value too.
+    if not _is_real(beta):
+        raise TypeError(
+            f"beta must be a real number >= 0 (e.g. 0.05), got {type(beta).__name__} {beta!r}."
+        )
+    if jnp.ndim(beta) != 0:
+        raise ValueError(f"beta must be a scalar >= 0, got shape {jnp.shape(beta)}.")
+    if not isinstance(beta, jax.core.Tracer) and not float(beta) >= 0:
+        raise ValueError(f"beta must be >= 0, got {float(beta)!r}.")
+
+
+def _check_where(where: Any, n: int) -> None:
+    if not jnp.issubdtype(jnp.result_type(where), jnp.bool_):
+        raise TypeError(
+            f"where must be a boolean mask, one entry per input, got dtype "
+            f"{jnp.result_type(where)}; e.g. jnp.arange(num_tasks) < t."
+        )
+    if jnp.shape(where) != (n,):
+        raise ValueError(
+            f"where must have shape ({n},), one entry per input, got {jnp.shape(where)}."
+        )
+
+
 def output_regularizer(
-    generate: Callable[[Any], Any], inputs: Any, stored: jax.Array, beta: float
+    generate: Callable[[Any], Any],
+    inputs: Any,
+    stored: jax.Array,
+    beta: float | jax.Array,
+    *,
+    where: jax.Array | None = None,
 ) -> jax.Array:
     """``beta`` · mean over the inputs of ``‖ravel(generate(input)) − stored row‖²``.
 
@@ -99,19 +144,30 @@ def output_regularizer(
     with respect to the generated vectors ``g`` is ``2 · beta · (g − stored) / n``: it pulls
     each earlier task's weights back to the stored ones.
 
+    With ``where``, a boolean ``(n,)`` mask, only the rows where it is true count: the mean
+    is over those rows (``2 · beta · (g − stored) / count`` for them, zero gradient for the
+    others), and the value is zero when no row is. This keeps every shape fixed as tasks go
+    by: store all ``num_tasks`` rows in the model's state, pass ``jnp.arange(num_tasks)``
+    and ``where=jnp.arange(num_tasks) < t``, and one compiled training step serves every
+    task (see the guide's continual-learning section).
+
     Args:
       generate: one input to generated params, e.g. ``hnet.generate`` of the model the
         ``loss_fn`` receives.
       inputs: the earlier tasks' inputs on a leading axis, as given to
         :func:`snapshot_generated`.
       stored: :func:`snapshot_generated`'s ``(n, spec.size)`` array.
-      beta: the regularization strength (``>= 0``); von Oswald et al. use 0.01 to 0.1.
+      beta: the regularization strength (``>= 0``); von Oswald et al. use 0.01 to 0.1. A
+        traced ``beta`` is checked for its shape only.
+      where: optional boolean ``(n,)`` mask of the rows that count (may be traced).
 
     Returns:
       A scalar.
 
     Raises:
-      ValueError: ``stored`` does not have one row per input, or ``beta`` is negative.
+      TypeError: ``beta`` is not a real number, or ``where`` is not boolean.
+      ValueError: ``stored`` does not have one row per input, ``beta`` is negative or not
+        a scalar, or ``where`` does not have one entry per input.
 
     Example:
       >>> stored = hyper.snapshot_generated(hnet.generate, jnp.arange(t))
@@ -119,10 +175,7 @@ def output_regularizer(
       ...     ce = cross_entropy(hnet(t, batch["x"]), batch["y"])
       ...     return ce + hyper.output_regularizer(hnet.generate, jnp.arange(t), stored, 0.05)
     """
-    if isinstance(beta, bool) or jnp.ndim(beta) != 0:
-        raise ValueError(f"beta must be a scalar >= 0, got {beta!r}.")
-    if isinstance(beta, int | float) and not beta >= 0:
-        raise ValueError(f"beta must be >= 0, got {beta!r}.")
+    _check_beta(beta)
     n = _count(inputs)
     if jnp.ndim(stored) != 2 or jnp.shape(stored)[0] != n:
         raise ValueError(
@@ -130,6 +183,8 @@ def output_regularizer(
             f"({n}, spec.size). Take it with hyper.snapshot_generated(generate, inputs) "
             f"with the same inputs."
         )
+    if where is not None:
+        _check_where(where, n)
     if n == 0:
         return jnp.zeros((), jnp.result_type(stored))
     now = generated_vectors(generate, inputs)
@@ -138,4 +193,10 @@ def output_regularizer(
             f"generate gives vectors of length {now.shape[1]}, but stored rows have length "
             f"{jnp.shape(stored)[1]}: the snapshot comes from another hypernetwork or target."
         )
-    return beta * jnp.mean(jnp.sum((now - stored) ** 2, axis=-1))
+    squared = jnp.sum((now - stored) ** 2, axis=-1)
+    if where is None:
+        return beta * jnp.mean(squared)
+    # jnp.where, not a product: a masked-out row's gradient is exactly zero.
+    count = jnp.sum(where)
+    total = jnp.sum(jnp.where(where, squared, 0.0))
+    return beta * total / jnp.maximum(count, 1).astype(total.dtype)

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from nnxscan.pure.hyper.call import call_with_state
 from nnxscan.pure.hyper.chunked import ChunkedHeads
@@ -34,6 +35,28 @@ class GeneratedSlot(nnx.Variable):
 
     Holds the target's own initial value, which is never used by ``hnet(z, ...)``.
     """
+
+
+_CHUNK_EMBEDDING_FEATURES = 16  # ChunkedHeads' default
+
+
+def _check_chunk_options(
+    chunk_size: int | None, embedding_features: int | None, hidden_features: int | None
+) -> None:
+    given = [
+        name
+        for name, value in (
+            ("chunk_embedding_features", embedding_features),
+            ("chunk_hidden_features", hidden_features),
+        )
+        if value is not None
+    ]
+    if chunk_size is None and given:
+        raise ValueError(
+            f"{' and '.join(given)} only shape chunked heads, but chunk_size is None (one "
+            f"head per tensor). Pass chunk_size=... to generate in chunks, or drop "
+            f"{' and '.join(given)}."
+        )
 
 
 class Hypernetwork(nnx.Module):
@@ -52,9 +75,11 @@ class Hypernetwork(nnx.Module):
         An int: one :class:`ChunkedHeads` generating the flat parameter vector in chunks
         of this many scalars, so the hypernetwork can be smaller than its target
         (``compression_ratio``).
-      chunk_embedding_features, chunk_hidden_features: with ``chunk_size``, the size of each
-        learned chunk embedding and the width of the chunk layer (default
-        ``trunk_features``); see :class:`ChunkedHeads`.
+      chunk_embedding_features, chunk_hidden_features: with ``chunk_size`` only, the size of
+        each learned chunk embedding (default 16) and the width of the chunk layer (default
+        ``trunk_features``); see :class:`ChunkedHeads`. Given without ``chunk_size`` they
+        raise rather than be ignored.
+      param_dtype: dtype of the heads' weights (default float32).
       rngs: draws the head weights.
 
     ``hnet.generate(z)`` returns the generated params for one embedding ``z``;
@@ -79,12 +104,14 @@ class Hypernetwork(nnx.Module):
         wrt: nnx.filterlib.Filter = nnx.Param,
         input_variance: float = 1.0,
         chunk_size: int | None = None,
-        chunk_embedding_features: int = 16,
+        chunk_embedding_features: int | None = None,
         chunk_hidden_features: int | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
         if not callable(trunk):
             raise TypeError(f"trunk must be callable (an NNX module), got {type(trunk).__name__}.")
+        _check_chunk_options(chunk_size, chunk_embedding_features, chunk_hidden_features)
         spec = ParamSpec.from_module(target, wrt=wrt)  # copies the non-generated state
         graphdef, own = nnx.split(target, wrt, ...)[:2]
         slots = jax.tree.map(
@@ -94,8 +121,16 @@ class Hypernetwork(nnx.Module):
         )
         self.trunk = trunk
         if chunk_size is None:
-            self.heads = HyperHeads(spec, trunk_features, input_variance=input_variance, rngs=rngs)
+            self.heads = HyperHeads(
+                spec,
+                trunk_features,
+                input_variance=input_variance,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
         else:
+            if chunk_embedding_features is None:
+                chunk_embedding_features = _CHUNK_EMBEDDING_FEATURES
             self.heads = ChunkedHeads(
                 spec,
                 trunk_features,
@@ -103,6 +138,7 @@ class Hypernetwork(nnx.Module):
                 embedding_features=chunk_embedding_features,
                 hidden_features=chunk_hidden_features,
                 input_variance=input_variance,
+                param_dtype=param_dtype,
                 rngs=rngs,
             )
         self.target = nnx.merge(graphdef, slots, spec.rest, copy=True)
