@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_hyper import time_call  # the same timing as the per-tensor heads' benchmark
 from bench_train import MLP  # the same target MLP as the training benchmark
 from flax import nnx
 
@@ -52,12 +52,6 @@ def compiled_workloads(hnet, zs, x, y):
         WORKLOADS[0]: jax.jit(outputs),
         WORKLOADS[1]: jax.jit(jax.value_and_grad(loss)),
     }
-
-
-def time_call(fn, params):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(params))
-    return (time.perf_counter() - start) * 1e3
 
 
 def main():
