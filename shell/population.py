@@ -35,6 +35,7 @@ from nnxscan.pure._checks import (
 )
 from nnxscan.pure.population import injected_values, stack_states, with_hyperparams
 from nnxscan.shell import _checkpointing
+from nnxscan.shell import _population_checkpoints as _checkpoints
 from nnxscan.shell._fit import CallbackList, Checkpoints, Evaluation
 from nnxscan.shell._members import Members
 from nnxscan.shell._placement import Placement, to_host
@@ -448,16 +449,10 @@ class Population:
     def _save(
         self, directory: Any, *, max_to_keep: int = 3, run: str = "", shared_order: bool = False
     ) -> pathlib.Path:
-        from nnxscan.adapters.checkpoint import latest_step, save_checkpoint
-
-        path = pathlib.Path(directory).resolve()
-        step = self.step
-        tree = self._members.checkpoint_tree(self.seeds, run, shared_order)
-        saved = save_checkpoint(
-            path, step, tree, max_to_keep=max_to_keep, replace=latest_step(path) == step
-        )
-        self._members.loaded_since_checkpoint = False
-        return saved
+        return _checkpoints.save(
+            self._members, directory, self.seeds, run=run, shared_order=shared_order,
+            max_to_keep=max_to_keep,
+        )  # fmt: skip
 
     def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
         """Restores a checkpoint of :meth:`save` (the latest, or ``step``) into this
@@ -472,52 +467,9 @@ class Population:
         return self._restore(directory, step, None)
 
     def _restore(self, directory: Any, step: int | None, shared_order: bool | None) -> int:
-        from nnxscan.adapters.checkpoint import restore_checkpoint
-
-        members = self._members
-        template = members.checkpoint_tree(self.seeds)
-        shardings = members.placement.carry_shardings(members.leaves)
-        if shardings is not None:
-            # Read straight into the layout training uses (members over their axis).
-            carry, treedef = jax.tree.flatten((template["state"], template["opt_state"]))
-            abstract = [
-                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-                for x, sh in zip(carry, shardings, strict=True)
-            ]
-            template["state"], template["opt_state"] = jax.tree.unflatten(treedef, abstract)
-        try:
-            tree, _ = restore_checkpoint(directory, template, step=step)
-        except ValueError as error:
-            raise ValueError(
-                f"{error} (this population has {len(self)} members with seeds "
-                f"{list(self.seeds)}: a checkpoint of another number of members or another "
-                f"model does not fit it)"
-            ) from None
-        meta = tree["meta"]
-        saved = tuple(int(s) for s in np.asarray(meta["seeds"]))
-        if saved != self.seeds:
-            raise ValueError(
-                f"the checkpoint in {directory} holds a population with seeds {list(saved)}, "
-                f"this one has {list(self.seeds)}: build the Population with the seeds it "
-                f"was saved with."
-            )
-        for name, values in self.hyperparams.items():
-            restored = injected_values(tree["opt_state"], name)
-            if restored is not None and not np.allclose(restored, values, rtol=1e-6):
-                raise ValueError(
-                    f"the checkpoint's members have {name}="
-                    f"{[float(f'{v:.6g}') for v in np.asarray(restored)]}, "
-                    f"this population was built with {list(values)}: build it with the "
-                    f"hyperparams it was saved with."
-                )
-        if shared_order is not None and bool(meta["shared_order"]) != bool(shared_order):
-            raise ValueError(
-                f"resume=True with shared_order={shared_order}, but the checkpoint's run used "
-                f"shared_order={bool(meta['shared_order'])}: pass the same to go on with the "
-                f"same data orders."
-            )
-        members.restore(tree)
-        return members.epoch
+        return _checkpoints.restore(
+            self._members, directory, step, self.seeds, self.hyperparams, shared_order
+        )
 
     # -- evaluation -----------------------------------------------------------------------
 
