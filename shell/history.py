@@ -42,7 +42,10 @@ class History:
         """Writes a PNG of the training loss per step and the eval metrics per epoch.
 
         The top panel shows every step's loss, faint, under a smoothed curve; non-finite
-        losses (skipped steps) are left out of both. The y-axis is logarithmic when every
+        losses (skipped steps) are left out of both. A ``Population``'s History (losses of
+        shape ``(steps, N)``, per-member logs) gets one smoothed curve per member (the
+        faint raw ones only up to 4 members) and one eval line per member and metric, in
+        the member's colour. The y-axis is logarithmic when every
         finite loss is positive. When any epoch logged ``eval_*`` metrics, a second panel
         below, on the same step axis, marks each at its epoch's last step (the running sum of
         the epochs' ``steps``). Needs matplotlib: ``pip install 'nnxscan[demo]'``; pyplot's
@@ -71,32 +74,53 @@ class History:
           ...                       metric_fn=accuracy, eval_every=5)
           >>> history.plot("run/curves.png", smooth=50)
         """
-        losses = np.asarray(self.losses, np.float64).reshape(-1)
+        losses = np.asarray(self.losses, np.float64)
         if losses.size == 0:
             raise ValueError("nothing to plot: this History holds no training losses")
-        smoothed = _smooth(losses, _smoothing_window(smooth, losses.size))
+        # One column per model: a single model's losses, or a population's members.
+        columns = losses.reshape(losses.shape[0], -1) if losses.ndim == 2 else losses.reshape(-1, 1)
+        members = columns.shape[1]
+        window = _smoothing_window(smooth, columns.shape[0])
         figure_mod = require_extra("matplotlib.figure", "demo", needed_by="History.plot")
         agg = require_extra("matplotlib.backends.backend_agg", "demo", needed_by="History.plot")
 
-        steps = np.arange(1, losses.size + 1)
-        ends = _epoch_end_steps(self.epochs, losses.size)
+        steps = np.arange(1, columns.shape[0] + 1)
+        ends = _epoch_end_steps(self.epochs, columns.shape[0])
         evals = _eval_series(self.epochs, ends)
         fig = figure_mod.Figure(figsize=(7, 5.5 if evals else 3.5), dpi=100)
         agg.FigureCanvasAgg(fig)
         axes = fig.subplots(2 if evals else 1, 1, sharex=True, squeeze=False)[:, 0]
         ax = axes[0]
-        finite = np.isfinite(losses)
-        ax.plot(steps, losses, lw=0.6, alpha=0.3, color="C0", label="loss")
-        ax.plot(steps, smoothed, lw=1.5, color="C0", label="loss (smoothed)")
-        if finite.any() and (losses[finite] > 0).all():
+        finite = np.isfinite(columns)
+        labelled = members <= _LEGEND_MEMBERS
+        for m in range(members):
+            color = f"C{m % 10}"
+            single = members == 1
+            if members <= 4:
+                ax.plot(steps, columns[:, m], lw=0.6, alpha=0.3, color=color,
+                        label="loss" if single else None)  # fmt: skip
+            label = "loss (smoothed)" if single else (f"member {m}" if labelled else None)
+            ax.plot(steps, _smooth(columns[:, m], window), lw=1.5 if single else 1.0,
+                    color=color, label=label)  # fmt: skip
+        if finite.any() and (columns[finite] > 0).all():
             ax.set_yscale("log")
-        ax.set_ylabel("training loss")
-        ax.legend(loc="upper right", fontsize="small")
-        for name, (xs, ys) in evals.items():
-            axes[1].plot(xs, ys, marker="o", ms=3, lw=1.2, label=name)
+        ax.set_ylabel("training loss" if members == 1 else f"training loss, {members} members")
+        if labelled:
+            ax.legend(loc="upper right", fontsize="small")
+        styles = ("-", "--", ":", "-.")
+        names = sorted({name for name, _ in evals})
+        for (name, member), (xs, ys) in evals.items():
+            style = styles[names.index(name) % len(styles)]
+            if member is None:
+                axes[1].plot(xs, ys, marker="o", ms=3, lw=1.2, ls=style, label=name)
+            else:
+                label = f"{name}, member {member}" if labelled else None
+                axes[1].plot(xs, ys, marker="o", ms=2, lw=1.0, ls=style,
+                             color=f"C{member % 10}", label=label)  # fmt: skip
         if evals:
             axes[1].set_ylabel("eval (per epoch)")
-            axes[1].legend(loc="best", fontsize="small")
+            if labelled:
+                axes[1].legend(loc="best", fontsize="small")
         # Epoch boundaries help read the loss against the eval points; past a few dozen
         # epochs they would only hatch the plot.
         if 1 < len(ends) <= 40:
@@ -110,6 +134,10 @@ class History:
         path = pathlib.Path(path)
         fig.savefig(path, format="png")
         return path
+
+
+# Up to this many members, the plot's legends name each one.
+_LEGEND_MEMBERS = 10
 
 
 def _smoothing_window(smooth: float | int, n_steps: int) -> int:
@@ -188,14 +216,22 @@ def _epoch_end_steps(epochs: list[dict[str, Any]], n_steps: int) -> np.ndarray:
 
 def _eval_series(
     epochs: list[dict[str, Any]], ends: np.ndarray
-) -> dict[str, tuple[list[float], list[float]]]:
-    """Each ``eval_*`` key's (end step, value) pairs over the epochs that logged it."""
-    series: dict[str, tuple[list[float], list[float]]] = {}
+) -> dict[tuple[str, int | None], tuple[list[float], list[float]]]:
+    """Each ``eval_*`` key's (end step, value) pairs over the epochs that logged it, keyed
+    ``(key, None)``; a population's per-member values are keyed ``(key, member)``."""
+    series: dict[tuple[str, int | None], tuple[list[float], list[float]]] = {}
     for end, logs in zip(ends.tolist(), epochs, strict=True):
         for key, value in logs.items():
-            numeric = isinstance(value, numbers.Real) and not isinstance(value, bool)
-            if key.startswith("eval_") and numeric:
-                xs, ys = series.setdefault(key, ([], []))
+            if not key.startswith("eval_"):
+                continue
+            if np.ndim(value) == 1:  # one value per member
+                values = [(m, v) for m, v in enumerate(np.asarray(value, np.float64))]
+            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+                values = [(None, value)]
+            else:
+                continue
+            for member, v in values:
+                xs, ys = series.setdefault((key, member), ([], []))
                 xs.append(end)
-                ys.append(float(value))
+                ys.append(float(v))
     return series

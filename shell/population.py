@@ -345,8 +345,8 @@ class Population:
           logs hold numpy arrays of shape ``(N,)`` (``loss``, the means of scalar aux
           leaves, ``learning_rate`` with an injected ``tx``, ``eval_*``, ``active``, and
           ``skipped_steps`` under ``on_nonfinite="skip"``) next to the shared ``epoch``,
-          ``steps``, ``steps_per_sec`` and ``wall_time``. (``History.plot`` draws a single
-          model's curve: plot a column yourself.)
+          ``steps``, ``steps_per_sec`` and ``wall_time``. ``History.plot`` draws one curve
+          per member.
 
         Example:
           >>> history = pop.fit(data, epochs=3, batch_size=32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nnxscan.shell.history import History, _smooth, _smoothing_window
+from nnxscan.shell.history import History, _eval_series, _smooth, _smoothing_window
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -123,3 +123,36 @@ def test_smoothing_window_follows_the_smooth_argument_and_spans_at_most_a_tenth_
     for bad in (1.0, -0.5, True, "0.9", -3, float("nan")):
         with pytest.raises(ValueError, match="smooth"):
             _smoothing_window(bad, 100)
+
+
+def _population_history(members: int) -> History:
+    rng = np.random.default_rng(1)
+    history = History(losses=np.zeros((0, members), np.float32))
+    for epoch in range(4):
+        losses = np.exp(-np.arange(20)[:, None] / (10.0 * (1 + np.arange(members)))) + 0.1
+        losses = losses * (1 + 0.2 * rng.random((20, members))) / (epoch + 1)
+        logs = {"epoch": epoch, "steps": 20, "loss": losses.mean(axis=0),
+                "eval_accuracy": 0.5 + 0.1 * epoch + 0.01 * np.arange(members)}  # fmt: skip
+        history._append(losses, logs)
+    return history
+
+
+def _has_colour(pixels: np.ndarray, hex_colour: str, at_least: int = 20) -> bool:
+    rgb = np.array([int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)])
+    return int((np.abs(pixels[..., :3] - rgb).max(axis=-1) < 0.03).sum()) >= at_least
+
+
+def test_a_populations_history_plots_a_curve_and_eval_line_per_member(tmp_path):
+    history = _population_history(3)
+    pixels = _read_png(history.plot(tmp_path / "population.png"))
+    # matplotlib's first colours, one per member: C0, C1, C2 (and not C3).
+    for colour in ("#1f77b4", "#ff7f0e", "#2ca02c"):
+        assert _has_colour(pixels, colour), colour
+    assert not _has_colour(pixels, "#d62728")
+    ends = np.array([20, 40, 60, 80])
+    series = _eval_series(history.epochs, ends)
+    assert sorted(series) == [("eval_accuracy", 0), ("eval_accuracy", 1), ("eval_accuracy", 2)]
+    xs, ys = series[("eval_accuracy", 2)]
+    assert xs == ends.tolist()
+    np.testing.assert_allclose(ys, [e["eval_accuracy"][2] for e in history.epochs])
+    _read_png(_population_history(24).plot(tmp_path / "many.png"))  # no legend past 10
