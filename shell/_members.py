@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure.population import select_members
+from nnxscan.pure.population import member_state, select_members
 from nnxscan.shell._calls import held_interrupts
 from nnxscan.shell._placement import Placement
 
@@ -37,11 +37,10 @@ class Members:
         # Whether load_state replaced the state since the last checkpoint was written.
         self.loaded_since_checkpoint = False
 
-    def carry(self, copy: bool = False) -> tuple[Any, Any]:
-        """``(state, opt_state)`` stacked; with ``copy`` new buffers a later call's
-        donation leaves intact."""
-        leaves = [x.copy() for x in self.leaves] if copy else self.leaves
-        return jax.tree.unflatten(self.carry_def, leaves)
+    def carry(self) -> tuple[Any, Any]:
+        """``(state, opt_state)`` stacked, in the owner's buffers (the next call donates
+        them: :meth:`copy_of` for something to keep)."""
+        return jax.tree.unflatten(self.carry_def, self.leaves)
 
     def copy_of(self, which: int) -> Any:
         """A copy of the stacked state (``which=0``) or optax state (``1``) alone."""
@@ -116,4 +115,4 @@ class Members:
 
 # One program per state structure: the index is an argument, not a constant (slicing each
 # leaf eagerly would compile a slice per leaf shape).
-_take_member = jax.jit(lambda stacked, index: jax.tree.map(lambda x: x[index], stacked))
+_take_member = jax.jit(member_state)

@@ -114,8 +114,10 @@ class PopulationFit:
             indices = members.placement.put_data(tail, members.leaves)
             outs.append(self._call(indices, 0, 1, True, epoch))
         members.epoch = epoch + 1
-        stacked = jax.tree.map(lambda *xs: np.concatenate(xs), *to_host(outs))
-        logs, losses = self._logs(epoch, stacked, time.perf_counter() - start)
+        # One host read per epoch: the outputs and the members' learning rates together.
+        outs, rate = to_host((outs, self.learning_rate(members.carry()[1])))
+        stacked = jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
+        logs, losses = self._logs(epoch, stacked, rate, time.perf_counter() - start)
         history._append(losses, logs)
         if self.console is not None:
             low, mid, high = np.nanpercentile(logs["loss"], [0, 50, 100])
@@ -168,7 +170,7 @@ class PopulationFit:
             )
         members.active = members.active & ~halted
 
-    def _logs(self, epoch: int, outs: Any, wall_time: float) -> tuple[dict, np.ndarray]:
+    def _logs(self, epoch: int, outs: Any, rate: Any, wall_time: float) -> tuple[dict, np.ndarray]:
         """One epoch's logs (``(N,)`` arrays per member) and its ``(steps, N)`` losses."""
         spec = self.spec
         losses, aux = outs if spec.has_aux else (outs, None)
@@ -181,9 +183,8 @@ class PopulationFit:
             if np.ndim(leaf) == 2:  # a scalar per step and member
                 key = jax.tree_util.keystr(path, simple=True, separator="/") or "aux"
                 logs[f"aux/{key}" if key in _RESERVED_LOGS else key] = mean(np.asarray(leaf))
-        rate = self.learning_rate(self.members.carry()[1])
         if rate is not None:
-            logs["learning_rate"] = np.asarray(to_host(rate))
+            logs["learning_rate"] = np.asarray(rate)
         logs["active"] = self.members.active.copy()
         if self.evaluation is not None and (epoch + 1) % self.evaluation.every == 0:
             logs.update({f"eval_{k}": v for k, v in self.evaluation.run().items()})

@@ -23,6 +23,19 @@ class MLP(nnx.Module):
         return self.out(jnp.tanh(h))
 
 
+class Wide(nnx.Module):
+    """A target whose tensors have three init variances: He, LayerNorm constants, LeCun."""
+
+    def __init__(self, rngs):
+        he = nnx.initializers.he_normal()
+        self.hidden = nnx.Linear(64, 128, kernel_init=he, rngs=rngs)  # Var = 2/64
+        self.norm = nnx.LayerNorm(128, rngs=rngs)  # scale = 1, bias = 0
+        self.out = nnx.Linear(128, 32, rngs=rngs)  # lecun_normal: Var = 1/128
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.norm(self.hidden(x))))
+
+
 def mlp_reference(p, x):
     """The plain MLP written by hand on a nested dict of arrays."""
     h = jnp.tanh(x @ p["hidden"]["kernel"] + p["hidden"]["bias"])

@@ -22,7 +22,7 @@ from flax import nnx
 from nnxscan.pure import epoch_order, hyper, init_opt_state, make_epoch, make_train_step
 from nnxscan.shell import train_tasks
 
-from hyper_models import MLP, as_arrays
+from hyper_models import MLP, Wide, as_arrays
 
 
 @nnx.jit
@@ -302,17 +302,6 @@ def test_chunked_heads_compute_the_documented_formula():
     np.testing.assert_allclose(
         jax.jit(hyper.call)(spec, params, x), forward(reference, x), rtol=1e-5, atol=1e-6
     )
-
-
-class Wide(nnx.Module):
-    def __init__(self, rngs):
-        he = nnx.initializers.he_normal()
-        self.hidden = nnx.Linear(64, 128, kernel_init=he, rngs=rngs)  # Var = 2/64
-        self.norm = nnx.LayerNorm(128, rngs=rngs)  # scale = 1, bias = 0
-        self.out = nnx.Linear(128, 32, rngs=rngs)  # lecun_normal: Var = 1/128
-
-    def __call__(self, x):
-        return self.out(nnx.relu(self.norm(self.hidden(x))))
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -15,7 +15,7 @@ from flax import nnx
 
 from nnxscan.pure import hyper, init_opt_state, make_epoch, make_train_step
 
-from hyper_models import MLP, as_arrays, mlp_reference
+from hyper_models import MLP, Wide, as_arrays, mlp_reference
 
 OUT_ONLY = nnx.All(nnx.Param, nnx.PathContains("out"))
 
@@ -39,17 +39,6 @@ def family_loss(model, batch):
 
 
 # -- HyperHeads init --------------------------------------------------------------------------
-
-
-class Wide(nnx.Module):
-    def __init__(self, rngs):
-        he = nnx.initializers.he_normal()
-        self.hidden = nnx.Linear(64, 128, kernel_init=he, rngs=rngs)  # Var = 2/64
-        self.norm = nnx.LayerNorm(128, rngs=rngs)  # scale = 1, bias = 0
-        self.out = nnx.Linear(128, 32, rngs=rngs)  # lecun_normal: Var = 1/128
-
-    def __call__(self, x):
-        return self.out(nnx.relu(self.norm(self.hidden(x))))
 
 
 def test_spec_measures_the_targets_own_tensors():
