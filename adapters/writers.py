@@ -40,13 +40,16 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _per_member(logs: dict[str, Any]) -> dict[str, Any]:
-    """A ``Population``'s logs with every per-member value (an array of shape ``(N,)``)
-    spread into one entry per member, ``key/i``; a single model's logs unchanged."""
+def _spread(logs: dict[str, Any]) -> dict[str, Any]:
+    """Logs with every array value spread into one entry per element: ``key/i``, and
+    ``key/i/j`` for two axes. A ``Population``'s logs put the member first (``loss/2`` is
+    member 2's loss); a Trainer's array metric (``per_class``) gives one entry per class;
+    scalars are unchanged."""
     out: dict[str, Any] = {}
     for key, value in logs.items():
-        if len(getattr(value, "shape", ())) == 1:
-            out.update({f"{key}/{i}": v for i, v in enumerate(value)})
+        if len(getattr(value, "shape", ())) >= 1:
+            inner = _spread({f"{key}/{i}": v for i, v in enumerate(value)})
+            out.update(inner)
         else:
             out[key] = value
     return out
@@ -129,7 +132,7 @@ class CSVWriter:
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if not self._started:
             self._start()
-        row = {key: ("" if v is None else str(_plain(v))) for key, v in _per_member(logs).items()}
+        row = {key: ("" if v is None else str(_plain(v))) for key, v in _spread(logs).items()}
         self._rows.append(row)
         new = [key for key in row if key not in self._columns]
         if new:
@@ -143,7 +146,7 @@ class CSVWriter:
 
 
 def _json_value(value: Any) -> Any:
-    if len(getattr(value, "shape", ())) == 1:  # a Population's value per member: a list
+    if len(getattr(value, "shape", ())) >= 1:  # per member (or per class): a (nested) list
         return [_json_value(v) for v in value]
     value = _plain(value)
     if isinstance(value, float) and not math.isfinite(value):
@@ -219,7 +222,7 @@ class TensorBoardWriter:
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if self._writer is None:
             self._writer = self._summary_writer_cls(logdir=str(self.logdir))
-        for key, value in _per_member(logs).items():
+        for key, value in _spread(logs).items():
             value = _plain(value)
             if _is_number(value):
                 self._writer.add_scalar(f"epoch/{key}", float(value), global_step=trainer.step)
@@ -240,12 +243,16 @@ class TensorBoardWriter:
 _TEXT_SKIP = frozenset({"epoch", "steps", "steps_per_sec", "wall_time"})
 
 
-def _format_value(value: Any) -> str:
-    if len(getattr(value, "shape", ())) == 1:  # a Population's value per member
-        if len(value) <= 8:
-            return "[" + " ".join(_format_value(v) for v in value) + "]"
-        low, mid, high = (_format_value(v) for v in np.nanpercentile(value, [0, 50, 100]))
-        return f"min {low} median {mid} max {high}"
+def _format_value(value: Any, members: int | None = None) -> str:
+    if len(getattr(value, "shape", ())) >= 1:
+        values = np.asarray(value)
+        if members is not None and values.ndim == 1 and len(values) > 8:
+            # Many members: their spread, not a wall of numbers.
+            low, mid, high = (_format_value(v) for v in np.nanpercentile(values, [0, 50, 100]))
+            return f"min {low} median {mid} max {high}"
+        flat = values.reshape(-1)
+        shown = " ".join(_format_value(v) for v in flat[:8])
+        return f"[{shown}{' ...' if flat.size > 8 else ''}]"
     value = _plain(value)
     if isinstance(value, bool) or not _is_number(value):
         return str(value)
@@ -287,10 +294,13 @@ class TextLogger:
         self.every = every
         self._last_written: int | None = None
 
-    def format_line(self, logs: dict[str, Any]) -> str:
-        """The line for one epoch's logs, without a newline."""
+    def format_line(self, logs: dict[str, Any], members: int | None = None) -> str:
+        """The line for one epoch's logs, without a newline (``members``: a population's
+        logs, shown as each member's value, or their spread for more than 8)."""
         parts = [f"epoch {logs['epoch']}"] if "epoch" in logs else []
-        parts += [f"{k} {_format_value(v)}" for k, v in logs.items() if k not in _TEXT_SKIP]
+        parts += [
+            f"{k} {_format_value(v, members)}" for k, v in logs.items() if k not in _TEXT_SKIP
+        ]
         if "steps_per_sec" in logs:
             parts.append(f"{float(logs['steps_per_sec']):,.0f} steps/s")
         return "  ".join(parts)
@@ -309,12 +319,12 @@ class TextLogger:
     @_primary_only
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if (epoch + 1) % self.every == 0:
-            self._write(self.format_line(logs))
+            self._write(self.format_line(logs, getattr(trainer, "num_members", None)))
             self._last_written = epoch
 
     @_primary_only
     def on_train_end(self, trainer: Any, history: Any) -> None:
         epochs = getattr(history, "epochs", None)
         if epochs and epochs[-1].get("epoch") != self._last_written:
-            self._write(self.format_line(epochs[-1]))
+            self._write(self.format_line(epochs[-1], getattr(trainer, "num_members", None)))
             self._last_written = epochs[-1].get("epoch")

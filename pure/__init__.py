@@ -54,25 +54,3 @@ __all__ = [
     "unstack_states",
     "with_hyperparams",
 ]
-
-# Names the first release exported that are internals now. They stay importable from here
-# (not listed in __all__, not documented) so code written against 0.1 keeps running; the
-# core imports no warnings machinery, so docs/pure_core.md carries the deprecation notice.
-_MOVED = {
-    "batch_indices": "nnxscan.pure.epoch",
-    "take_batch": "nnxscan.pure.scan",
-    "scan_indexed_steps": "nnxscan.pure.scan",
-    "scan_loop": "nnxscan.pure.scan",
-    "shard_batch": "nnxscan.pure.scan",
-    "check_batch_size": "nnxscan.pure._checks",
-    "check_leading_size": "nnxscan.pure._checks",
-    "check_transform": "nnxscan.pure._checks",
-}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module 'nnxscan.pure' has no attribute {name!r}")

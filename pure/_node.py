@@ -9,8 +9,10 @@ in that order, and the step unpacks what it merged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 from flax import nnx
 
 
@@ -45,3 +47,37 @@ def unpack(node: Any, *, with_rngs: bool, with_metrics: bool) -> Parts:
     if with_rngs and not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"the node's second entry must be an nnx.Rngs, got {type(rngs).__name__}.")
     return Parts(node[0], rngs, metrics)
+
+
+def call_loss(loss_fn: Callable, parts: Parts, batch: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``loss_fn`` on the merged parts; returns ``(loss, aux)`` after checking their form."""
+    if parts.rngs is None:
+        out = loss_fn(parts.model, batch)
+    else:
+        out = loss_fn(parts.model, batch, parts.rngs)
+    if has_aux and not (isinstance(out, tuple | list) and len(out) == 2):
+        raise ValueError(
+            f"has_aux=True, so loss_fn must return (loss, aux); it returned a "
+            f"{type(out).__name__}. Pass has_aux=False for a plain scalar loss."
+        )
+    loss, aux = out if has_aux else (out, None)
+    _check_scalar_loss(loss, has_aux)
+    return loss, aux
+
+
+def _check_scalar_loss(loss: Any, has_aux: bool) -> None:
+    if isinstance(loss, tuple) and not has_aux:
+        raise ValueError(
+            "loss_fn returned a tuple, but the loss must be a scalar. If it returns "
+            "(loss, aux), pass has_aux=True."
+        )
+    shape = jnp.shape(loss)
+    if shape != ():
+        raise ValueError(
+            f"loss_fn must return a scalar loss, got shape {shape}. Reduce it, e.g. with "
+            f"jnp.mean(...)."
+        )
+    if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+        raise ValueError(
+            f"loss_fn must return a floating-point scalar, got dtype {jnp.result_type(loss)}."
+        )

@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure._checks import check_batch_size, check_count, check_leading_size
-from nnxscan.pure.scan import scan_indexed_steps, shard_batch, take_batch
+from nnxscan.pure import _batching, _checks, _loops
 from nnxscan.pure.train_step import StepFn
 
 __all__ = ["epoch_order", "make_epoch"]
@@ -43,34 +42,12 @@ def epoch_order(seed: int, epoch: int, num_examples: int, *, shuffle: bool = Tru
       >>> epoch_order(0, 3, 10).shape
       (10,)
     """
-    seed = check_count(seed, "seed", 0)
-    epoch = check_count(epoch, "epoch", 0)
-    num_examples = check_count(num_examples, "num_examples", 1)
+    seed = _checks.check_count(seed, "seed", 0)
+    epoch = _checks.check_count(epoch, "epoch", 0)
+    num_examples = _checks.check_count(num_examples, "num_examples", 1)
     if not shuffle:
         return np.arange(num_examples, dtype=np.int32)
     return np.random.default_rng((seed, epoch)).permutation(num_examples).astype(np.int32)
-
-
-def batches_from_order(
-    order: Any, batch_size: int, *, drop_remainder: bool
-) -> tuple[Any, Any | None]:
-    """Cuts an epoch's order into ``(full, tail)``: ``(steps, batch_size)`` indices and the
-    short final batch's indices (``None`` when dropped or empty). numpy in, numpy out; a JAX
-    array in, JAX out."""
-    n = order.shape[0]
-    num_full = n // batch_size
-    full = order[: num_full * batch_size].reshape(num_full, batch_size)
-    tail = None if drop_remainder or n == num_full * batch_size else order[num_full * batch_size :]
-    return full, tail
-
-
-def batch_indices(
-    key: jax.Array | None, num_examples: int, batch_size: int, *, drop_remainder: bool = True
-) -> tuple[jax.Array, jax.Array | None]:
-    """Deprecated: ``batches_from_order`` of a key's permutation (``None``: stored order)."""
-    batch_size = check_batch_size(batch_size, num_examples, drop_remainder=drop_remainder)
-    order = _epoch_order(key, num_examples, shuffle=key is not None)
-    return batches_from_order(order, batch_size, drop_remainder=drop_remainder)
 
 
 def _is_key(x: Any) -> bool:
@@ -147,28 +124,23 @@ def make_epoch(
       ...     state, opt_state, losses = epoch(graphdef, state, opt_state, data,
       ...                                      epoch_order(0, e, n))
     """
-    check_batch_size(batch_size, batch_size, drop_remainder=False)
+    _checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
 
     def epoch(graphdef, state, opt_state, data, key_or_order=None):
-        n = check_leading_size(data, "data")
-        check_batch_size(batch_size, n, drop_remainder=drop_remainder)
+        n = _checks.check_leading_size(data, "data")
+        _checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
         order = _epoch_order(key_or_order, n, shuffle)
-        full, tail = batches_from_order(order, batch_size, drop_remainder=drop_remainder)
-        outs = None
-        if full.shape[0]:
-            state, opt_state, outs = scan_indexed_steps(
-                step, graphdef, state, opt_state, data, full, unroll=unroll,
-                batch_sharding=batch_sharding,
-            )  # fmt: skip
-        if tail is not None:
-            tail_batch = shard_batch(take_batch(data, tail), batch_sharding)
-            state, opt_state, out = step(graphdef, state, opt_state, tail_batch)
-            out = jax.tree.map(lambda x: x[None], out)
-            outs = out if outs is None else jax.tree.map(_concat, outs, out)
+        full, tail = _batching.cut_batches(order, batch_size, drop_remainder=drop_remainder)
+
+        def scan(carry, idx, unroll):
+            state, opt_state, outs = _loops.scan_indexed_steps(
+                step, graphdef, *carry, data, idx, unroll=unroll, batch_sharding=batch_sharding
+            )
+            return (state, opt_state), outs
+
+        (state, opt_state), outs = _batching.full_then_tail(
+            scan, (state, opt_state), full, tail, unroll=unroll
+        )
         return state, opt_state, outs
 
     return epoch
-
-
-def _concat(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.concatenate([a, b], axis=0)

@@ -9,18 +9,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure._checks import check_batch_size, check_leading_size, check_no_captured_nnx
-from nnxscan.pure._node import unpack
-from nnxscan.pure.epoch import batches_from_order
-from nnxscan.pure.scan import take_batch
-from nnxscan.pure.train_step import call_loss
+from nnxscan.pure import _batching, _checks, _loops, _node
 
 __all__ = ["make_eval_step", "make_evaluate", "make_evaluate_metrics"]
 
 MetricFn = Callable[[nnx.Module, Any], Any]
 
 
-def metric_name(metric_fn: MetricFn) -> str:
+def _metric_name(metric_fn: MetricFn) -> str:
     """The key a scalar metric is reported under: the function's name, else ``"metric"``."""
     name = getattr(metric_fn, "__name__", "")
     return name if name.isidentifier() else "metric"
@@ -29,11 +25,13 @@ def metric_name(metric_fn: MetricFn) -> str:
 def make_eval_step(
     metric_fn: MetricFn, *, eval_mode: bool = True
 ) -> Callable[[nnx.GraphDef, nnx.State, Any], dict[str, jax.Array]]:
-    """Builds ``eval_step(graphdef, state, batch) -> dict`` of scalar metrics.
+    """Builds ``eval_step(graphdef, state, batch) -> dict`` of metrics.
 
     Args:
-      metric_fn: ``metric_fn(model, batch)`` returning a scalar or a dict of scalars, each the
-        MEAN over the batch's examples. A scalar is reported under the function's name.
+      metric_fn: ``metric_fn(model, batch)`` returning a metric or a dict of metrics, each the
+        MEAN over the batch's examples: a scalar, or an array of any fixed shape (per-class
+        accuracy, say), averaged elementwise. A single metric is reported under the
+        function's name.
       eval_mode: call ``model.eval()`` first (Dropout off, BatchNorm on running statistics).
 
     The state is read, never changed: evaluation draws no RNG and moves no statistics in the
@@ -44,7 +42,7 @@ def make_eval_step(
       >>> eval_step(graphdef, state, batch)
       {'metric': Array(0.93, dtype=float32)}
     """
-    name = metric_name(metric_fn)
+    name = _metric_name(metric_fn)
 
     def eval_step(graphdef, state, batch):
         model = nnx.merge(graphdef, state, copy=True)
@@ -53,10 +51,13 @@ def make_eval_step(
         out = metric_fn(model, batch)
         metrics = dict(out) if isinstance(out, dict) else {name: out}
         for key, value in metrics.items():
-            if jnp.shape(value) != ():
-                raise ValueError(
-                    f"metric {key!r} must be a scalar (the mean over the batch), got shape "
-                    f"{jnp.shape(value)}."
+            if not isinstance(key, str):
+                raise TypeError(f"metric names must be strings, got {key!r}.")
+            dtype = jnp.result_type(value)
+            if not (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_):
+                raise TypeError(
+                    f"metric {key!r} has dtype {jnp.result_type(value)}; a metric is a "
+                    f"number (or an array of numbers): the mean over the batch."
                 )
         return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
@@ -76,25 +77,29 @@ def make_evaluate(
       >>> evaluate(graphdef, state, {"x": x_test, "y": y_test})["accuracy"]
     """
     eval_step = make_eval_step(metric_fn, eval_mode=eval_mode)
-    check_batch_size(batch_size, batch_size, drop_remainder=False)
+    _checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
 
     def evaluate(graphdef, state, data):
-        n = check_leading_size(data, "data")
-        order = jnp.arange(n, dtype=jnp.int32)
-        full, tail = batches_from_order(order, min(batch_size, n), drop_remainder=False)
-        total = None
-        if full.shape[0]:
+        n = _checks.check_leading_size(data, "data")
+        size = min(batch_size, n)
+        full, tail = _batching.cut_batches(
+            jnp.arange(n, dtype=jnp.int32), size, drop_remainder=False
+        )
 
-            def body(_, idx):
-                return None, eval_step(graphdef, state, take_batch(data, idx))
+        def scan(carry, idx, unroll):
+            body = lambda c, i: (c, eval_step(graphdef, state, _batching.take_batch(data, i)))  # noqa: E731
+            return _loops.scan_loop(body, carry, idx, unroll=unroll)
 
-            _, per_batch = jax.lax.scan(body, None, full)
-            total = jax.tree.map(lambda m: jnp.sum(m) * full.shape[1], per_batch)
-        if tail is not None:
-            tail_metrics = eval_step(graphdef, state, take_batch(data, tail))
-            weighted = jax.tree.map(lambda m: m * tail.shape[0], tail_metrics)
-            total = weighted if total is None else jax.tree.map(jnp.add, total, weighted)
-        return jax.tree.map(lambda t: t / n, total)
+        _, per_batch = _batching.full_then_tail(scan, None, full, tail)
+        # Each batch's mean weighted by its size: the exact mean over every example.
+        num_full = full.shape[0]
+        rest = n - num_full * size
+
+        def mean(m):
+            total = jnp.sum(m[:num_full], axis=0) * size if num_full else 0.0
+            return (total + (m[num_full] * rest if rest else 0.0)) / n
+
+        return jax.tree.map(mean, per_batch)
 
     return evaluate
 
@@ -123,39 +128,38 @@ def make_evaluate_metrics(
       >>> evaluate(*nnx.split((model, metrics)), test_data)
       {'accuracy': Array(0.97, dtype=float32), 'loss': Array(0.1, dtype=float32)}
     """
-    check_batch_size(batch_size, batch_size, drop_remainder=False)
+    _checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
     if not callable(update_metrics):
         raise TypeError(f"update_metrics must be callable, got {type(update_metrics).__name__}.")
-    check_no_captured_nnx(loss_fn, "loss_fn")
+    _checks.check_no_captured_nnx(loss_fn, "loss_fn")
 
     def update(graphdef, state, batch):
         node = nnx.merge(graphdef, state, copy=True)
-        parts = unpack(node, with_rngs=with_rngs, with_metrics=True)
-        loss, aux = call_loss(loss_fn, parts, batch, has_aux)
+        parts = _node.unpack(node, with_rngs=with_rngs, with_metrics=True)
+        loss, aux = _node.call_loss(loss_fn, parts, batch, has_aux)
         update_metrics(parts.metrics, loss, aux, batch)
         return nnx.state(node)
 
     def evaluate(graphdef, state, data):
-        n = check_leading_size(data, "data")
+        n = _checks.check_leading_size(data, "data")
         # A private copy: eval mode (a static attribute, so in the graphdef) and reset
         # metrics, never the caller's.
         node = nnx.merge(graphdef, state, copy=True)
-        parts = unpack(node, with_rngs=with_rngs, with_metrics=True)
+        parts = _node.unpack(node, with_rngs=with_rngs, with_metrics=True)
         if eval_mode:
             parts.model.eval()
         parts.metrics.reset()
         graphdef, state = nnx.split(node)
-        order = jnp.arange(n, dtype=jnp.int32)
-        full, tail = batches_from_order(order, min(batch_size, n), drop_remainder=False)
-        if full.shape[0]:
+        full, tail = _batching.cut_batches(
+            jnp.arange(n, dtype=jnp.int32), min(batch_size, n), drop_remainder=False
+        )
 
-            def body(state, idx):
-                return update(graphdef, state, take_batch(data, idx)), None
+        def scan(state, idx, unroll):
+            body = lambda s, i: (update(graphdef, s, _batching.take_batch(data, i)), None)  # noqa: E731
+            return _loops.scan_loop(body, state, idx, unroll=unroll)
 
-            state, _ = jax.lax.scan(body, state, full)
-        if tail is not None:
-            state = update(graphdef, state, take_batch(data, tail))
+        state, _ = _batching.full_then_tail(scan, state, full, tail)
         node = nnx.merge(graphdef, state)
-        return unpack(node, with_rngs=with_rngs, with_metrics=True).metrics.compute()
+        return _node.unpack(node, with_rngs=with_rngs, with_metrics=True).metrics.compute()
 
     return evaluate

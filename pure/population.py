@@ -18,24 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnxscan.pure._checks import check_batch_size, check_leading_size
-from nnxscan.pure.nonfinite import tree_select
-from nnxscan.pure.scan import scan_indexed_steps
+from nnxscan.pure import _batching, _checks, _loops, _members
 from nnxscan.pure.train_step import StepFn
 
 __all__ = ["make_population_epoch", "stack_states", "unstack_states", "with_hyperparams"]
-
-
-def _paths(tree: Any) -> dict[str, Any]:
-    """``{path: leaf}`` of a pytree, paths as readable strings."""
-    return {
-        jax.tree_util.keystr(path) or "<root>": leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-    }
-
-
-def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], str]:
-    return tuple(np.shape(leaf)), str(leaf.dtype)
 
 
 def stack_states(states: Sequence[Any]) -> Any:
@@ -63,11 +49,11 @@ def stack_states(states: Sequence[Any]) -> Any:
         kind = type(states).__name__
         what = f"an empty {kind}" if isinstance(states, list | tuple) else f"a {kind}"
         raise ValueError(f"stack_states needs a non-empty list of pytrees, got {what}.")
-    first = _paths(states[0])
+    first = _members.leaf_paths(states[0])
     first_def = jax.tree.structure(states[0])
     for i, state in enumerate(states[1:], start=1):
         if jax.tree.structure(state) != first_def:
-            paths = _paths(state)
+            paths = _members.leaf_paths(state)
             only_first = sorted(set(first) - set(paths))[:3]
             only_this = sorted(set(paths) - set(first))[:3]
             raise ValueError(
@@ -76,30 +62,14 @@ def stack_states(states: Sequence[Any]) -> Any:
                 f"{only_this or 'none'}). Every member must be built by the same code: one "
                 f"architecture, one optax transform."
             )
-        for path, leaf in _paths(state).items():
-            if _shape_dtype(leaf) != _shape_dtype(first[path]):
+        for path, leaf in _members.leaf_paths(state).items():
+            if _members.shape_dtype(leaf) != _members.shape_dtype(first[path]):
                 raise ValueError(
-                    f"states[{i}]{path} has shape/dtype {_shape_dtype(leaf)} but states[0] "
-                    f"has {_shape_dtype(first[path])}: members must match leaf for leaf."
+                    f"states[{i}]{path} has shape/dtype {_members.shape_dtype(leaf)} but "
+                    f"states[0] has {_members.shape_dtype(first[path])}: members must match "
+                    f"leaf for leaf."
                 )
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
-
-
-def members_of(stacked: Any, what: str = "states") -> int:
-    """The size of the leading members axis every leaf of ``stacked`` shares."""
-    leaves = _paths(stacked)
-    if not leaves:
-        raise ValueError(f"{what} has no array leaves, so it holds no members.")
-    sizes = {path: (np.shape(leaf)[:1] or (None,))[0] for path, leaf in leaves.items()}
-    first_path, size = next(iter(sizes.items()))
-    for path, other in sizes.items():
-        if other is None or other != size:
-            raise ValueError(
-                f"{what} is not a stack of members: {what}{first_path} has leading size "
-                f"{size} but {what}{path} has shape {tuple(np.shape(leaves[path]))}. Build "
-                f"it with stack_states([...])."
-            )
-    return int(size)
 
 
 def unstack_states(stacked: Any) -> list[Any]:
@@ -109,43 +79,8 @@ def unstack_states(stacked: Any) -> list[Any]:
       >>> states = unstack_states(stacked)
       >>> model_2 = nnx.merge(graphdef, states[2])
     """
-    size = members_of(stacked, "stacked")
+    size = _members.members_of(stacked, "stacked")
     return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(size)]
-
-
-def _is_injected(node: Any) -> bool:
-    """An ``optax.inject_hyperparams`` state: a NamedTuple with a ``hyperparams`` dict."""
-    return (
-        isinstance(node, tuple)
-        and hasattr(node, "_replace")
-        and isinstance(getattr(node, "hyperparams", None), dict)
-    )
-
-
-def _injected_states(opt_state: Any) -> list[Any]:
-    return [n for n in jax.tree.leaves(opt_state, is_leaf=_is_injected) if _is_injected(n)]
-
-
-def hyperparam_names(opt_state: Any) -> tuple[set[str], set[str]]:
-    """``(settable, scheduled)``: the numeric hyperparameter names ``inject_hyperparams``
-    keeps in ``opt_state``, and those among them that a schedule recomputes every step."""
-    settable: set[str] = set()
-    scheduled: set[str] = set()
-    for node in _injected_states(opt_state):
-        names = set(node.hyperparams)
-        schedules = set(getattr(node, "hyperparams_states", None) or {})
-        settable |= names - schedules
-        scheduled |= schedules
-    return settable, scheduled
-
-
-def injected_values(opt_state: Any, name: str) -> Any:
-    """The value of hyperparameter ``name`` in the first injected state holding it (an
-    array with a leading members axis in a stacked state), or None."""
-    for node in _injected_states(opt_state):
-        if name in node.hyperparams:
-            return node.hyperparams[name]
-    return None
 
 
 def with_hyperparams(opt_state: Any, **values: Any) -> Any:
@@ -169,7 +104,7 @@ def with_hyperparams(opt_state: Any, **values: Any) -> Any:
       >>> float(opt_state.hyperparams["learning_rate"])
       0.0003
     """
-    settable, scheduled = hyperparam_names(opt_state)
+    settable, scheduled = _members.hyperparam_names(opt_state)
     if not settable and not scheduled:
         raise ValueError(
             "this optax state holds no injected hyperparameters: build the transform with "
@@ -193,7 +128,7 @@ def with_hyperparams(opt_state: Any, **values: Any) -> Any:
             )
 
     def replace(node: Any) -> Any:
-        if not _is_injected(node):
+        if not _members.is_injected(node):
             return node
         old = node.hyperparams
         new = {
@@ -202,69 +137,7 @@ def with_hyperparams(opt_state: Any, **values: Any) -> Any:
         }
         return node._replace(hyperparams=new)
 
-    return jax.tree.map(replace, opt_state, is_leaf=_is_injected)
-
-
-def _frozen_aware(step: StepFn, active: jax.Array) -> StepFn:
-    """``step`` for ONE member that changes nothing while ``active`` is False: the loss is
-    still computed (at the frozen state) and reported."""
-
-    def guarded(graphdef, state, opt_state, batch):
-        new_state, new_opt_state, out = step(graphdef, state, opt_state, batch)
-        state = tree_select(active, new_state, state)
-        return state, tree_select(active, new_opt_state, opt_state), out
-
-    return guarded
-
-
-def scan_population_steps(
-    step: StepFn,
-    graphdef: Any,
-    states: Any,
-    opt_states: Any,
-    data: Any,
-    indices: jax.Array,
-    *,
-    active: jax.Array | None = None,
-    unroll: int | bool = 1,
-    member_axis: str | None = None,
-    batch_sharding: jax.sharding.Sharding | None = None,
-) -> tuple[Any, Any, Any]:
-    """The body every population call runs: ``scan_indexed_steps`` vmapped over the members.
-
-    ``indices`` has shape ``(N, steps, batch)``: member ``i`` trains the batches
-    ``indices[i]`` gathered from the shared ``data``. ``active`` (``(N,)`` bool) freezes the
-    members where it is False: their state and optax state stay as they are at every step.
-    ``member_axis`` names the mesh axis the members are sharded over (``vmap``'s
-    ``spmd_axis_name``), so a ``batch_sharding`` of one member's batch becomes a sharding
-    of the members' batches over both axes. Returns the outputs with a leading steps axis,
-    then members: ``(steps, N, ...)``.
-    """
-
-    def member(state, opt_state, idx, alive):
-        member_step = step if alive is None else _frozen_aware(step, alive)
-        return scan_indexed_steps(
-            member_step, graphdef, state, opt_state, data, idx, unroll=unroll,
-            batch_sharding=batch_sharding,
-        )  # fmt: skip
-
-    in_axes = (0, 0, 0, None if active is None else 0)
-    states, opt_states, outs = jax.vmap(member, in_axes=in_axes, spmd_axis_name=member_axis)(
-        states, opt_states, indices, active
-    )
-    return states, opt_states, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)
-
-
-def population_batches(orders: Any, batch_size: int, *, drop_remainder: bool) -> tuple[Any, Any]:
-    """:func:`~nnxscan.pure.epoch.batches_from_order` for each member's order: ``(full,
-    tail)`` of shapes ``(N, steps, batch_size)`` and ``(N, 1, rest)`` (``None`` when there
-    is no short batch to train)."""
-    members, n = orders.shape
-    num_full = n // batch_size
-    full = orders[:, : num_full * batch_size].reshape(members, num_full, batch_size)
-    if drop_remainder or n == num_full * batch_size:
-        return full, None
-    return full, orders[:, None, num_full * batch_size :]
+    return jax.tree.map(replace, opt_state, is_leaf=_members.is_injected)
 
 
 def make_population_epoch(
@@ -310,76 +183,38 @@ def make_population_epoch(
       >>> losses.shape
       (2, 4)
     """
-    check_batch_size(batch_size, batch_size, drop_remainder=False)
+    _checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
     options = dict(member_axis=member_axis, batch_sharding=batch_sharding)
 
     def epoch(graphdef, states, opt_states, data, orders, active=None):
-        n = check_leading_size(data, "data")
-        check_batch_size(batch_size, n, drop_remainder=drop_remainder)
-        members = members_of(states, "states")
-        if members_of(opt_states, "opt_states") != members:
+        n = _checks.check_leading_size(data, "data")
+        _checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
+        members = _members.members_of(states, "states")
+        if _members.members_of(opt_states, "opt_states") != members:
             raise ValueError(
                 f"states hold {members} members but opt_states hold "
-                f"{members_of(opt_states, 'opt_states')}: stack one optax state per member."
+                f"{_members.members_of(opt_states, 'opt_states')}: stack one optax state per "
+                f"member."
             )
-        check_orders(orders, members, n)
+        _members.check_orders(orders, members, n)
         if active is not None and tuple(np.shape(active)) != (members,):
             raise ValueError(
                 f"active has shape {tuple(np.shape(active))}; pass one bool per member, "
                 f"shape ({members},)."
             )
-        full, tail = population_batches(
+        full, tail = _batching.cut_batches(
             jnp.asarray(orders, jnp.int32), batch_size, drop_remainder=drop_remainder
         )
-        outs = None
-        if full.shape[1]:
-            states, opt_states, outs = scan_population_steps(
-                step, graphdef, states, opt_states, data, full, active=active, unroll=unroll,
-                **options,
-            )  # fmt: skip
-        if tail is not None:
-            # One step of its own shape, unrolled (no loop), as make_epoch trains it.
-            states, opt_states, out = scan_population_steps(
-                step, graphdef, states, opt_states, data, tail, active=active, unroll=True,
-                **options,
-            )  # fmt: skip
-            outs = out if outs is None else jax.tree.map(_concat, outs, out)
+
+        def scan(carry, idx, unroll):
+            states, opt_states, outs = _loops.scan_member_steps(
+                step, graphdef, *carry, data, idx, active=active, unroll=unroll, **options
+            )
+            return (states, opt_states), outs
+
+        (states, opt_states), outs = _batching.full_then_tail(
+            scan, (states, opt_states), full, tail, unroll=unroll, steps_axis=1
+        )
         return states, opt_states, outs
 
     return epoch
-
-
-def check_orders(orders: Any, members: int, n: int) -> None:
-    """``orders`` must be a signed int array of shape ``(members, n)``."""
-    dtype = getattr(orders, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.signedinteger):
-        raise TypeError(
-            f"orders must be a signed integer array of shape ({members}, {n}), e.g. "
-            f"np.stack([epoch_order(seed, epoch, {n}) for seed in seeds]); got "
-            f"{type(orders).__name__} with dtype {dtype}."
-        )
-    if tuple(np.shape(orders)) != (members, n):
-        raise ValueError(
-            f"orders has shape {tuple(np.shape(orders))}, but there are {members} members "
-            f"and {n} examples: pass one order per member, shape ({members}, {n})."
-        )
-
-
-def _concat(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.concatenate([a, b], axis=0)
-
-
-def member_state(stacked: Any, index: int) -> Any:
-    """Member ``index`` of a stacked pytree (a new pytree; ``stacked`` is left as it is)."""
-    return jax.tree.map(lambda x: x[index], stacked)
-
-
-def select_members(mask: Any, on_true: Any, on_false: Any) -> Any:
-    """Member ``i`` of ``on_true`` where ``mask[i]``, else of ``on_false`` (two stacks of
-    one structure; ``mask`` has shape ``(N,)``)."""
-
-    def pick(a: jax.Array, b: jax.Array) -> jax.Array:
-        where = jnp.reshape(jnp.asarray(mask, bool), (-1,) + (1,) * (a.ndim - 1))
-        return jnp.where(where, a, b)
-
-    return jax.tree.map(pick, on_true, on_false)

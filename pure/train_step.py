@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnxscan.pure._checks import check_count, check_no_captured_nnx, check_transform
-from nnxscan.pure._node import Parts, unpack
+from nnxscan.pure import _checks, _node
 from nnxscan.pure.nonfinite import all_finite, tree_select
 
 __all__ = ["init_opt_state", "make_train_step", "split_wrt"]
@@ -58,7 +57,7 @@ def init_opt_state(
       >>> graphdef, state = nnx.split(model)
       >>> opt_state = init_opt_state(optax.adam(1e-3), state)
     """
-    tx = check_transform(tx)
+    tx = _checks.check_transform(tx)
     params, _ = split_wrt(state, wrt)
     return tx.init(params)
 
@@ -122,21 +121,21 @@ def make_train_step(
       ...         loss=loss, logits=logits, labels=b["label"]))
       >>> graphdef, state = nnx.split((model, rngs, metrics))
     """
-    tx = check_transform(tx)
+    tx = _checks.check_transform(tx)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-    accumulate = check_count(accumulate, "accumulate", 1)
+    accumulate = _checks.check_count(accumulate, "accumulate", 1)
     if update_metrics is not None and not callable(update_metrics):
         raise TypeError(f"update_metrics must be callable, got {type(update_metrics).__name__}.")
-    check_no_captured_nnx(loss_fn, "loss_fn")
+    _checks.check_no_captured_nnx(loss_fn, "loss_fn")
 
     def value_and_grad(graphdef, params, rest, batch):
         def forward(params):
             # copy=True: merging without a copy breaks Dropout under grad outside jit
             # (flax#5050), and copying is free under jit.
             node = nnx.merge(graphdef, params, rest, copy=True)
-            parts = unpack(node, with_rngs=with_rngs, with_metrics=update_metrics is not None)
-            loss, aux = call_loss(loss_fn, parts, batch, has_aux)
+            parts = _node.unpack(node, with_rngs=with_rngs, with_metrics=update_metrics is not None)
+            loss, aux = _node.call_loss(loss_fn, parts, batch, has_aux)
             if update_metrics is not None:
                 stopped = jax.lax.stop_gradient((loss, aux))
                 update_metrics(parts.metrics, *stopped, batch)
@@ -192,22 +191,6 @@ def make_train_step(
     return step
 
 
-def call_loss(loss_fn: Callable, parts: Parts, batch: Any, has_aux: bool) -> tuple[Any, Any]:
-    """``loss_fn`` on the merged parts; returns ``(loss, aux)`` after checking their form."""
-    if parts.rngs is None:
-        out = loss_fn(parts.model, batch)
-    else:
-        out = loss_fn(parts.model, batch, parts.rngs)
-    if has_aux and not (isinstance(out, tuple | list) and len(out) == 2):
-        raise ValueError(
-            f"has_aux=True, so loss_fn must return (loss, aux); it returned a "
-            f"{type(out).__name__}. Pass has_aux=False for a plain scalar loss."
-        )
-    loss, aux = out if has_aux else (out, None)
-    _check_scalar_loss(loss, has_aux)
-    return loss, aux
-
-
 def _keep_unless(ok: jax.Array, old: nnx.State, new: nnx.State) -> nnx.State:
     """``new`` where ``ok``, else ``old``; RNG state always advances (new masks next step)."""
     _, old_other = nnx.split_state(old, nnx.RngState, ...)
@@ -256,21 +239,3 @@ def _check_same_layout(before: nnx.State, after: nnx.State) -> None:
                 f"{jnp.result_type(x)} to {jnp.shape(y)} {jnp.result_type(y)}; a scanned "
                 f"state must keep its shapes and dtypes."
             )
-
-
-def _check_scalar_loss(loss: Any, has_aux: bool) -> None:
-    if isinstance(loss, tuple) and not has_aux:
-        raise ValueError(
-            "loss_fn returned a tuple, but the loss must be a scalar. If it returns "
-            "(loss, aux), pass has_aux=True."
-        )
-    shape = jnp.shape(loss)
-    if shape != ():
-        raise ValueError(
-            f"loss_fn must return a scalar loss, got shape {shape}. Reduce it, e.g. with "
-            f"jnp.mean(...)."
-        )
-    if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
-        raise ValueError(
-            f"loss_fn must return a floating-point scalar, got dtype {jnp.result_type(loss)}."
-        )

@@ -48,10 +48,13 @@ def prepare_execution(
 
 
 class LiveState:
-    """The newest ``(state, opt_state)`` of one run of calls, kept as flat leaves.
+    """The newest ``(state, opt_state)`` of one run of calls, kept as flat leaves: the carry
+    in flight between the owner's reads and writes.
 
-    ``write(state, opt_state, steps)`` (an :meth:`Owner.writer`) puts it into the user's
-    objects and receives the number of steps trained since the last write.
+    ``write(state, opt_state, steps)`` (an owner's writer) puts it into the owner's objects
+    and receives the number of steps trained since the last write. ``make_runner(carry_def,
+    carry_shardings, donate)`` builds the compiled runner for this carry (see
+    ``_programs.TrainProgram.runner``).
     """
 
     def __init__(
@@ -60,17 +63,19 @@ class LiveState:
         opt_state: Any,
         write: Callable[[nnx.State, Any, int], None],
         placement: Placement | None = None,
+        make_runner: Callable[..., Any] | None = None,
     ):
         self.placement = placement or Placement()
         leaves, self.treedef = jax.tree.flatten((state, opt_state))
         self.leaves = _unaliased(self.placement.put_carry(leaves), key=_buffer_key)
         self.shardings = self.placement.carry_shardings(self.leaves)
+        self._make_runner = make_runner
         self._runner: tuple | None = None
         self._write = write
         self.unwritten_steps = 0
-        # Whether the leaves differ from what the user's objects hold. Not the same as
+        # Whether the leaves differ from what the owner holds. Not the same as
         # unwritten_steps > 0: a call that halted at its first step trained 0 steps, yet
-        # consumed (donated) the buffers the objects hold, so its output must be written.
+        # consumed (donated) the buffers the owner holds, so its output must be written.
         self.unwritten = False
 
     def carry(self) -> tuple[nnx.State, Any]:
@@ -78,23 +83,20 @@ class LiveState:
         return jax.tree.unflatten(self.treedef, self.leaves)
 
     def reload_state(self, state: nnx.State) -> None:
-        """Carries on from a module state read anew from the user's objects (after they
-        were changed between calls, e.g. metrics reset); the optax state, which nothing
-        changed, stays. Every write must be flushed."""
+        """Carries on from a module state read anew from the owner (after it was changed
+        between calls, e.g. metrics reset); the optax state, which nothing changed, stays.
+        Every write must be flushed."""
         assert not self.unwritten, "reload would lose unwritten steps"
         leaves, treedef = jax.tree.flatten((state, self.carry()[1]))
         assert treedef == self.treedef, "the carry's structure changed"
         self.leaves = _unaliased(self.placement.put_carry(leaves), key=_buffer_key)
 
-    def runner(self, program: TrainProgram, graphdef: nnx.GraphDef, donate: bool) -> Any:
+    def runner(self, donate: bool) -> Any:
         """The compiled runner for this carry, looked up once per fit, not per epoch:
         the lookup hashes the graphdef, which costs more than a small model's step."""
-        key = (id(program), donate)
-        if self._runner is None or self._runner[0] != key:
-            run = program.runner(
-                graphdef, self.treedef, donate, self.shardings, self.placement.batch_sharding
-            )
-            self._runner = (key, run)
+        if self._runner is None or self._runner[0] != donate:
+            run = self._make_runner(self.treedef, self.shardings, donate)
+            self._runner = (donate, run)
         return self._runner[1]
 
     def advance(self, leaves: list, steps: int) -> None:
@@ -167,20 +169,24 @@ class NonFiniteStop(Exception):
         self.outs = outs
 
 
-def _losses(out: Any, program: TrainProgram) -> Any:
-    return out[0] if program.has_aux else out
+def first_nonfinite(losses: Any) -> int:
+    """How many steps of a halted call trained: those before its first NaN loss."""
+    return int(np.argmax(np.isnan(np.asarray(losses))))
 
 
 class Call(NamedTuple):
     """One compiled call: train ``length`` steps on ``data`` gathered by
-    ``indices[start:start+length]``. When ``sink`` is a list, the call's outputs (losses)
-    are appended to it, so the caller can wait for the call to finish."""
+    ``indices[..., start:start+length, ...]`` (steps along the runner's steps axis). When
+    ``sink`` is a list, the call's outputs (losses) are appended to it, so the caller can
+    wait for the call to finish. ``unroll`` overrides the plan's (a short final batch runs
+    unrolled, as the core trains it)."""
 
     data: Any
     indices: Any
     start: int
     length: int
     sink: list | None = None
+    unroll: bool | None = None
 
 
 def plan_calls(plan: Plan, data: Any, indices: Any, num_steps: int) -> Iterator[Call]:
@@ -189,46 +195,57 @@ def plan_calls(plan: Plan, data: Any, indices: Any, num_steps: int) -> Iterator[
         yield Call(data, indices, start, length)
 
 
+HaltPolicy = Callable[[Any, Any, int], int]
+
+
 def run_calls(
     program: TrainProgram,
     execution: Execution,
-    graphdef: nnx.GraphDef,
     live: LiveState,
     calls: Iterable[Call],
     on_call: Callable[[int, Any], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     *,
     write_every_call: bool = False,
+    active: Callable[[], Any] | None = None,
+    on_halt: HaltPolicy | None = None,
 ) -> list[Any]:
     """Runs the compiled calls in order; returns each call's stacked outputs.
 
-    ``on_call(steps, out)`` runs after each call (the model written back, except under the
+    ``on_call(steps, out)`` runs after each call (the owner written back, except under the
     per-step plan without ``write_every_call``); when ``should_stop()`` then says so, the
-    remaining calls are skipped.
-    The user's objects hold the final state when this returns, and the last completed
-    state when it raises (whether the call, the data source or an interrupt raised).
+    remaining calls are skipped. ``active()`` gives the members' freezing mask for the next
+    call (None: all train). Under ``on_nonfinite="stop"``, ``on_halt(halted, losses,
+    length)`` says how many steps of a halted call count (one model: those before its first
+    non-finite loss, then :class:`NonFiniteStop` is raised; members: all, the halted ones
+    frozen by the policy).
+    The owner holds the final state when this returns, and the last completed state when
+    it raises (whether the call, the data source or an interrupt raised).
     """
     plan, donate = execution
     # The per-step plan writes back once per stretch of calls (per-step Python would cost
     # more than the step) unless something looks at the objects after every call.
     write_each_call = plan.kind != "step" or write_every_call
-    run = live.runner(program, graphdef, donate)
+    run = live.runner(donate)
+    on_halt = on_halt or (lambda halted, losses, length: first_nonfinite(losses))
     outs = []
     try:
-        for data, indices, start, length, sink in calls:
+        for data, indices, start, length, sink, unroll in calls:
+            mask = None if active is None else active()
+            unroll = plan.unroll if unroll is None else unroll
             # Ctrl-C is held only around the call and its bookkeeping, not while waiting
             # for the next batch: a stalled loader can still be interrupted.
             with held_interrupts() as interrupted:
                 leaves = _unaliased(live.leaves) if donate else live.leaves
                 leaves, out, halted = run(
-                    leaves, data, indices, start, length=length, unroll=plan.unroll
+                    leaves, data, indices, mask, start, length=length, unroll=unroll
                 )
                 if not donate:
                     jax.block_until_ready(leaves)  # a callback's failure surfaces here
                 trained = length
-                if program.halts and jax.device_get(halted):  # one sync per call, "stop" only
-                    losses = jax.device_get(_losses(out, program))
-                    trained = int(np.argmax(np.isnan(losses)))
+                if program.halts and np.any(jax.device_get(halted)):  # one sync a call
+                    host_halted, losses = jax.device_get((halted, _losses(out, program)))
+                    trained = on_halt(host_halted, losses, length)
                 live.advance(leaves, trained)
                 outs.append(out)
                 if sink is not None:
@@ -251,3 +268,7 @@ def run_calls(
         if close is not None:
             close()
     return outs
+
+
+def _losses(out: Any, program: TrainProgram) -> Any:
+    return out[0] if program.has_aux else out

@@ -1,8 +1,9 @@
-"""Trainer checkpoints: what is saved, and how a restored one reaches the user's objects.
+"""Checkpoints of a fit, for one model and for members alike: what is saved, and how a
+restored one reaches the owner.
 
 The orbax code lives in ``nnxscan.adapters.checkpoint`` and works on plain pytrees; the
-:class:`~nnxscan.shell._owner.Owner` decides what a checkpoint holds and writes a restored
-one back.
+owner (:class:`~nnxscan.shell._owner.Owner`) decides what a checkpoint holds, checks a
+restored one and writes it back.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ def save(
     owner: Owner, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""
 ) -> pathlib.Path:
     """Saves the owner's objects and counters (and ``run``, the History so far as JSON) as
-    checkpoint number ``owner.step``."""
+    checkpoint number ``owner.step``.
+
+    Saving again at a step that already has a checkpoint keeps that one (e.g. ``save()``
+    right after ``restore()``), unless a state was loaded into the owner since (e.g.
+    EarlyStopping's best epoch): then it replaces it."""
     ckpt = _adapter()
     path = pathlib.Path(directory).resolve()
     step = owner.step
@@ -47,35 +52,36 @@ def save(
 
 
 def restore(
-    owner: Owner, placement: Placement, directory: str | os.PathLike[str], step: int | None
+    owner: Owner,
+    placement: Placement,
+    directory: str | os.PathLike[str],
+    step: int | None,
+    run_keys: dict[str, Any] | None = None,
 ) -> int:
     """Restores a checkpoint into the owner's objects and counters; returns the epoch.
 
-    Everything is read and checked before the first object is written, so a failed restore
-    changes nothing.
+    Everything is read and checked (against ``run_keys`` too, for a resumed fit) before the
+    first object is written, so a failed restore changes nothing.
     """
     template = owner.checkpoint_tree()
     carry, treedef = jax.tree.flatten((template["state"], template["opt_state"]))
     shardings = placement.carry_shardings(carry)
     if shardings is not None:
-        # On a mesh, orbax reads straight into the layout training uses (replicated or
-        # FSDP), rather than onto one device of one process.
+        # On a mesh, orbax reads straight into the layout training uses (replicated,
+        # FSDP, members over their axis), rather than onto one device of one process.
         abstract = [
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
             for x, sh in zip(carry, shardings, strict=True)
         ]
         template["state"], template["opt_state"] = jax.tree.unflatten(treedef, abstract)
-    adapter = _adapter()
     try:
-        tree, _ = adapter.restore_checkpoint(directory, template, step=step)
+        tree, _ = _adapter().restore_checkpoint(directory, template, step=step)
     except ValueError as error:
-        # A checkpoint written by nnxscan 0.1 has no epoch_step and run in its meta.
-        old = dict(template, meta={k: template["meta"][k] for k in ("epoch", "step", "seed")})
-        try:
-            tree, _ = adapter.restore_checkpoint(directory, old, step=step)
-        except ValueError:
-            raise error from None
-    owner.restore(tree)
+        hint = getattr(owner, "restore_hint", "")
+        if not hint:
+            raise
+        raise ValueError(f"{error} ({hint})") from None
+    owner.restore(tree, run_keys)
     return owner.epoch
 
 
@@ -97,13 +103,22 @@ def run_json(history: History, partial: np.ndarray) -> str:
     return json.dumps(record, default=_plain)
 
 
-def parse_run(text: str) -> tuple[History, np.ndarray]:
-    """``(History, partial losses)`` back from :func:`run_json`'s text ("" gives empty)."""
+def parse_run(text: str, members: int | None = None) -> tuple[History, np.ndarray]:
+    """``(History, partial losses)`` back from :func:`run_json`'s text ("" gives empty):
+    losses of shape ``(steps,)``, or ``(steps, N)`` for ``members``; logs that were arrays
+    (per member, or a metric per class) are numpy arrays again."""
+    shape = (-1,) if members is None else (-1, members)
     if not text:
-        return History(), np.zeros((0,), np.float32)
+        empty = np.zeros((0,), np.float32).reshape(shape)
+        return History(empty), empty
     record = json.loads(text)
-    history = History(np.asarray(record["losses"], np.float32), list(record["epochs"]))
-    return history, np.asarray(record["partial"], np.float32)
+    epochs = [
+        {k: np.asarray(v) if isinstance(v, list) else v for k, v in logs.items()}
+        for logs in record["epochs"]
+    ]
+    losses = np.asarray(record["losses"], np.float32).reshape(shape)
+    partial = np.asarray(record["partial"], np.float32).reshape(shape)
+    return History(losses, epochs), partial
 
 
 def _plain(value: Any) -> Any:

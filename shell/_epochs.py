@@ -1,16 +1,18 @@
-"""One epoch as a sequence of compiled calls, for a data set of arrays or a stream.
+"""Epoch sources: one epoch as a sequence of compiled calls, for a data set or a stream, for
+one model or for members.
 
-``Trainer.fit`` runs every epoch the same way (``run_calls`` over an epoch's calls, one host
-sync for the logs); this module builds those calls and reads the results.
+The fit loop asks a source for an epoch's calls and knows nothing else about the data. A
+data set's source cuts each epoch's order (one per member: ``epoch_order(seed_i, epoch,
+n)``) with the core's own primitive, so a loop of ``pure.make_epoch`` calls trains what
+``fit`` trains; a stream's source stacks the loader's batches into chunks.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -18,24 +20,10 @@ import numpy as np
 
 from nnxscan.adapters.data import to_numpy
 from nnxscan.pure import epoch_order
-from nnxscan.pure.epoch import batches_from_order
+from nnxscan.pure._batching import cut_batches
 from nnxscan.shell._calls import Call, plan_calls
-from nnxscan.shell._placement import to_host
 from nnxscan.shell._plans import Plan
 from nnxscan.shell._streaming import BatchChecker, ChunkStream, EpochSource
-
-_RESERVED_LOGS = frozenset(
-    {
-        "epoch",
-        "loss",
-        "steps",
-        "steps_per_sec",
-        "wall_time",
-        "dropped_examples",
-        "skipped_steps",
-        "learning_rate",
-    }
-)
 
 
 class EpochStats:
@@ -56,7 +44,22 @@ class EpochStats:
         return self.exhausted or self.at_end()
 
 
-EpochCalls = Callable[[int, EpochStats], Iterator[Call]]
+class Epochs(Protocol):
+    """An epoch source: ``source(epoch, stats, count=1, skip=0)`` yields the calls of
+    ``count`` consecutive epochs (fused, when ``fusable``) less their first ``skip`` steps
+    (trained before a resume)."""
+
+    #: Whether several epochs can run as one stretch of calls (same batch shapes).
+    fusable: bool
+    #: Steps in one epoch, when known before it runs (a data set), else None.
+    steps_per_epoch: int | None
+
+    def calls(self, count: int = 1) -> int | None:
+        """Compiled calls ``count`` fused epochs take (None: unknown, a stream)."""
+
+    def __call__(
+        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
+    ) -> Iterator[Call]: ...
 
 
 def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
@@ -71,19 +74,22 @@ def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
 
 
 @functools.cache
-def _arange(length: int) -> jax.Array:
-    # One index vector per chunk length, made once: a stream's chunk is indexed 0..K-1.
-    return jnp.arange(length, dtype=jnp.int32)
+def _arange(length: int, members: int | None) -> jax.Array:
+    # One index array per chunk length, made once: a stream's chunk is indexed 0..K-1
+    # (every member the same rows).
+    steps = jnp.arange(length, dtype=jnp.int32)
+    return steps if members is None else jnp.broadcast_to(steps, (members, length))
 
 
 class ArrayEpochs:
     """The calls of one or more epochs over a device-resident data set.
 
-    ``epochs(epoch, stats)`` yields epoch ``epoch``'s calls; ``epochs(epoch, stats,
-    count=k)`` yields the calls of ``k`` consecutive epochs FUSED: their orders are joined
-    into one index array, so the scan plan trains them in one compiled call (the same
-    steps in the same order: bitwise what ``k`` separate epochs train). Fusing needs
-    every epoch to have the same batch shape: not with a kept short final batch.
+    ``seeds`` is the shuffle seed of one model (an int: indices ``(steps, batch)``) or one
+    seed per member (a tuple: indices ``(N, steps, batch)``, member ``i`` in the order
+    ``epoch_order(seeds[i], epoch, n)``). ``count=k`` FUSES ``k`` consecutive epochs: their
+    orders are joined along the steps axis, so the scan plan trains them in one compiled
+    call (the same steps in the same order: bitwise what ``k`` separate epochs train).
+    Fusing needs every epoch to have the same batch shape: not with a kept short batch.
 
     ``put`` places the index arrays next to the data (replicated on a mesh).
     """
@@ -96,49 +102,59 @@ class ArrayEpochs:
         *,
         num_examples: int,
         batch_size: int,
-        seed: int,
+        seeds: int | tuple[int, ...],
         shuffle: bool,
         keep_tail: bool,
     ):
         self.plan, self.data, self.put = plan, data, put
         self.num_examples, self.batch_size = num_examples, batch_size
-        self.seed, self.shuffle, self.keep_tail = seed, shuffle, keep_tail
+        self.seeds, self.shuffle, self.keep_tail = seeds, shuffle, keep_tail
         self.steps_per_epoch = num_examples // batch_size + keep_tail
         self.fusable = not keep_tail
+        self._axis = 0 if isinstance(seeds, int) else 1
 
     def calls(self, count: int = 1) -> int:
-        """How many compiled calls ``count`` fused epochs take."""
         full_steps = count * (self.num_examples // self.batch_size)
         return len(self.plan.chunks(full_steps)) + self.keep_tail
+
+    def _order(self, epoch: int) -> np.ndarray:
+        def order(seed: int) -> np.ndarray:
+            return epoch_order(seed, epoch, self.num_examples, shuffle=self.shuffle)
+
+        if isinstance(self.seeds, int):
+            return order(self.seeds)
+        unique = {seed: order(seed) for seed in dict.fromkeys(self.seeds)}  # shared_order
+        return np.stack([unique[seed] for seed in self.seeds])
 
     def __call__(
         self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
     ) -> Iterator[Call]:
-        """The calls of epochs ``epoch .. epoch + count - 1``, less their first ``skip``
-        steps (trained before a resume)."""
         if count > 1 and not self.fusable:
             raise ValueError("epochs with a kept short batch cannot be fused")
+        axis = self._axis
         fulls, tail = [], None
         for e in range(epoch, epoch + count):
-            # The same order and cut as pure.make_epoch: a loop of make_epoch calls fed
-            # epoch_order(seed, e, n) trains exactly what fit trains.
-            order = epoch_order(self.seed, e, self.num_examples, shuffle=self.shuffle)
-            full, tail = batches_from_order(
-                order, self.batch_size, drop_remainder=not self.keep_tail
+            # The core's cut of the same order make_epoch uses: a loop of make_epoch calls
+            # fed epoch_order(seed, e, n) trains exactly what fit trains.
+            full, tail = cut_batches(
+                self._order(e), self.batch_size, drop_remainder=not self.keep_tail
             )
             fulls.append(full)
-        full = fulls[0] if count == 1 else np.concatenate(fulls)
-        if skip > len(full) + (tail is not None):
+        full = fulls[0] if count == 1 else np.concatenate(fulls, axis=axis)
+        num_full = full.shape[axis]
+        if skip > num_full + (tail is not None):
             raise ValueError(f"cannot skip {skip} steps of a {self.steps_per_epoch}-step epoch")
-        if skip > len(full):  # every full batch and the tail were trained
+        if skip > num_full:  # every full batch and the tail were trained
             tail = None
-        full = full[min(skip, len(full)) :]
-        full, tail = self.put((full, None if tail is None else tail[None]))
+        full = full[(slice(None),) * axis + (slice(min(skip, num_full), None),)]
+        full, tail = self.put((full, tail))
         stats.expected_steps = count * self.steps_per_epoch - skip
-        if full.shape[0]:
-            yield from plan_calls(self.plan, self.data, full, full.shape[0])
+        if full.shape[axis]:
+            yield from plan_calls(self.plan, self.data, full, full.shape[axis])
         if tail is not None:
-            yield Call(self.data, tail, 0, 1)
+            # The short batch: one step of its own shape, unrolled (no loop), as the core's
+            # full_then_tail trains it.
+            yield Call(self.data, tail, 0, 1, unroll=True)
 
 
 def peek_stream(source: EpochSource) -> tuple[Any, Iterator]:
@@ -154,51 +170,69 @@ def peek_stream(source: EpochSource) -> tuple[Any, Iterator]:
     return to_numpy(first, index=0), itertools.chain([first], first_epoch)
 
 
-def stream_epochs(
-    source: EpochSource,
-    first_epoch: Iterator,
-    plan: Plan,
-    *,
-    chunk_size: int,
-    put: Callable[[Any], Any],
-    batch_size: int | None,
-    drop_remainder: bool,
-    prefetch: bool,
-    tail_divisor: int = 1,
-) -> EpochCalls:
+class StreamEpochs:
     """An epoch's calls over a stream: chunks of ``chunk_size`` batches, each trained in
     the plan's calls (one scan for ``"scan"``; calls of 4 unrolled steps for ``"unrolled"``).
+
+    For members, ``members=N``: every member trains on the same batch (``member_batches``
+    False), or each batch has a leading members axis ``(N, batch, ...)`` and member ``i``
+    trains on ``batch[i]`` (``member_batches`` True; chunks are then ``(N, K, batch, ...)``).
 
     After dispatching chunk ``i``'s calls it waits for chunk ``i - 1``'s to finish before
     asking for chunk ``i + 1``: one call runs, the next waits in the device queue, and the
     iterator is never more than two chunks ahead of the last finished call.
     """
-    pending = [first_epoch]
-    checker = BatchChecker(batch_size)  # one for the whole fit: the step was traced once
 
-    def epoch_calls(epoch: int, stats: EpochStats, skip: int = 0) -> Iterator[Call]:
-        batches = pending.pop() if pending else source.epoch()
+    fusable = False
+    steps_per_epoch = None
+
+    def __init__(
+        self,
+        source: EpochSource,
+        first_epoch: Iterator,
+        plan: Plan,
+        *,
+        chunk_size: int,
+        put: Callable[[Any], Any],
+        batch_size: int | None,
+        drop_remainder: bool,
+        prefetch: bool,
+        tail_divisor: int = 1,
+        members: int | None = None,
+        member_batches: bool = False,
+    ):
+        self.source, self.plan = source, plan
+        self._pending = [first_epoch]
+        # One checker for the whole fit: the step was traced on the first batch.
+        self.checker = BatchChecker(batch_size, members=members if member_batches else None)
+        self.members = members
+        self.options = dict(
+            prefetch=prefetch, chunk_size=chunk_size, keep_tail=not drop_remainder, put=put,
+            tail_divisor=tail_divisor, stack_axis=1 if member_batches else 0,
+        )  # fmt: skip
+
+    def calls(self, count: int = 1) -> None:
+        return None
+
+    def __call__(
+        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
+    ) -> Iterator[Call]:
+        assert count == 1, "stream epochs are never fused"
+        batches = self._pending.pop() if self._pending else self.source.epoch()
         if skip:  # a resumed epoch: the batches trained before the interruption
             batches = itertools.islice(batches, skip, None)
         stream = ChunkStream(
-            batches,
-            prefetch=prefetch,
-            chunk_size=chunk_size,
-            checker=checker,
-            epoch=epoch,
-            keep_tail=not drop_remainder,
-            put=put,
-            tail_divisor=tail_divisor,
-            on_dropped=stats.drop,
-            resumed=bool(skip),
-        )
+            batches, checker=self.checker, epoch=epoch, on_dropped=stats.drop,
+            resumed=bool(skip), **self.options,
+        )  # fmt: skip
         stats.at_end = stream.at_end
         previous: list | None = None
         try:
             for chunk in stream:
                 sink: list = []
-                for start, length in plan.chunks(chunk.steps):
-                    yield Call(chunk.data, _arange(chunk.steps), start, length, sink)
+                indices = _arange(chunk.steps, self.members)
+                for start, length in self.plan.chunks(chunk.steps):
+                    yield Call(chunk.data, indices, start, length, sink=sink)
                 if previous is not None:
                     jax.block_until_ready(previous)
                     stream.finished()
@@ -206,72 +240,3 @@ def stream_epochs(
             stats.exhausted = True
         finally:
             stream.close()
-
-    return epoch_calls
-
-
-def learning_rate(opt_state: Any) -> float | None:
-    """The current learning rate, when ``tx`` came from ``optax.inject_hyperparams``.
-
-    ``inject_hyperparams`` keeps the hyperparameters in the optax state (the first such
-    state found, e.g. inside an ``optax.chain``, is used); one host read per epoch.
-    """
-    is_injected = lambda x: hasattr(x, "hyperparams") and isinstance(x.hyperparams, dict)  # noqa: E731
-    for node in jax.tree.leaves(opt_state, is_leaf=is_injected):
-        if is_injected(node) and "learning_rate" in node.hyperparams:
-            return float(to_host(node.hyperparams["learning_rate"]))
-    return None
-
-
-def _scalar_means(tree: Any) -> dict[str, float]:
-    """Means over steps of every aux leaf that is a scalar per step, keyed by its path.
-
-    A key that would shadow one of fit's own logs (``loss``, ``steps``...) gets ``aux/``.
-    """
-    logs = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if np.ndim(leaf) == 1:
-            key = jax.tree_util.keystr(path, simple=True, separator="/") or "aux"
-            logs[f"aux/{key}" if key in _RESERVED_LOGS else key] = float(np.mean(leaf))
-    return logs
-
-
-def host_outputs(outs: list[Any], start: float) -> tuple[Any, float]:
-    """The calls' stacked outputs joined on the host, and the seconds since ``start``.
-
-    One host transfer per epoch (or fused group of epochs): the only sync fit makes. The
-    clock stops after it, so steps/s counts the work, not just its asynchronous dispatch.
-    """
-    outs = to_host(outs)
-    wall_time = time.perf_counter() - start
-    return jax.tree.map(lambda *xs: np.concatenate(xs), *outs), wall_time
-
-
-def split_steps(stacked: Any, count: int) -> list[Any]:
-    """``stacked`` outputs of ``count`` fused epochs of equal length, one per epoch."""
-    return [jax.tree.map(lambda x, i=i: np.array_split(x, count)[i], stacked) for i in range(count)]
-
-
-def epoch_logs(
-    epoch: int,
-    stacked: Any,
-    wall_time: float,
-    has_aux: bool,
-    stats: EpochStats,
-    skipping: bool = False,
-) -> tuple[dict[str, Any], np.ndarray]:
-    """The epoch's logs and its per-step losses, from its outputs on the host."""
-    losses, aux = stacked if has_aux else (stacked, None)
-    logs: dict[str, Any] = {"epoch": epoch, "loss": float(np.mean(losses))}
-    if skipping:
-        # A skipped step reports NaN: the loss is the mean over the steps that trained.
-        finite = np.isfinite(losses)
-        logs["loss"] = float(np.mean(losses[finite])) if finite.any() else float("nan")
-        logs["skipped_steps"] = int(np.sum(~finite))
-    if aux is not None:
-        logs.update(_scalar_means(aux))
-    steps = int(losses.shape[0])
-    logs.update(steps=steps, steps_per_sec=steps / max(wall_time, 1e-9), wall_time=wall_time)
-    if stats.dropped:
-        logs["dropped_examples"] = stats.dropped
-    return logs, losses

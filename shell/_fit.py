@@ -1,13 +1,14 @@
-"""The loop every ``fit`` runs: epochs of compiled calls, callbacks, evaluation, progress.
+"""The one fit loop: epochs of compiled calls, callbacks, evaluation, checkpoints,
+preemption and progress, for a Trainer and a Population alike.
 
 Per compiled call it does no host sync (the progress bar shows the newest loss already on
 the host side); per epoch it makes one: reading the epoch's losses for the logs.
 
 :class:`FitLoop` gets narrow inputs: the compiled program and how to execute it, the
-:class:`~nnxscan.shell._owner.Owner` of the user's objects, the callbacks, the progress
-switch and the evaluation to run. It never reads the Trainer; the only object it shares
-with the callbacks is the ``subject`` they receive, whose public ``stop_training`` flag it
-reads.
+:class:`~nnxscan.shell._owner.Owner` (one model, or members stacked), the runner factory,
+the callbacks, the progress switch, the evaluation and the checkpoints. It never reads the
+Trainer or the Population; the only object it shares with the callbacks is the ``subject``
+they receive, whose public ``stop_training`` flag it reads.
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from flax import nnx
 
 from nnxscan.adapters.distributed import is_primary
 from nnxscan.shell._calls import Execution, LiveState, NonFiniteStop, run_calls
-from nnxscan.shell._epochs import (
-    EpochCalls,
-    EpochStats,
+from nnxscan.shell._epochs import Epochs, EpochStats
+from nnxscan.shell._logs import (
+    empty_losses,
     epoch_logs,
     host_outputs,
     learning_rate,
+    prepend_losses,
     split_steps,
 )
 from nnxscan.shell._owner import Owner
-from nnxscan.shell._placement import Placement
+from nnxscan.shell._placement import Placement, device_of
 from nnxscan.shell._programs import TrainProgram
 from nnxscan.shell._progress import RunProgress
 from nnxscan.shell.history import History
@@ -83,8 +84,9 @@ class Evaluation(NamedTuple):
 class Checkpoints(NamedTuple):
     """Where and when ``fit`` saves: ``save(history, partial_losses)`` writes a checkpoint
     of the owner's objects with the run so far; every ``every_epochs`` epochs, every
-    ``every_steps`` steps (at call boundaries; None: never mid-epoch), and on SIGTERM or
-    SIGINT."""
+    ``every_steps`` steps (at call boundaries; None: never mid-epoch), on SIGTERM or
+    SIGINT, and once more at the end when a callback loaded a state (EarlyStopping's best
+    epoch) since the last save."""
 
     every_epochs: int
     every_steps: int | None
@@ -128,16 +130,12 @@ def caught_signals(enabled: bool) -> Iterator[list[int]]:
             signal.signal(signum, handler)
 
 
-def _prepend_losses(partial: np.ndarray, stacked: Any, has_aux: bool) -> Any:
-    """The resumed epoch's outputs with the losses trained before the interruption first."""
-    if has_aux:
-        losses, aux = stacked
-        return np.concatenate([partial, np.asarray(losses, np.float32)]), aux
-    return np.concatenate([partial, np.asarray(stacked, np.float32)])
-
-
 class FitLoop:
-    """Trains epochs of compiled calls on the owner's objects and returns their History."""
+    """Trains epochs of compiled calls on the owner's objects and returns their History.
+
+    ``make_runner(carry_def, carry_shardings, donate)`` builds the compiled runner (one
+    model, or members vmapped): the loop never asks which.
+    """
 
     def __init__(
         self,
@@ -146,21 +144,25 @@ class FitLoop:
         execution: Execution,
         owner: Owner,
         placement: Placement,
+        make_runner: Callable[..., Any],
         callbacks: CallbackList,
         progress: bool,
         evaluation: Evaluation | None,
         checkpoints: Checkpoints | None = None,
     ):
         self.program, self.execution = program, execution
-        self.owner, self.placement = owner, placement
+        self.owner, self.placement, self.make_runner = owner, placement, make_runner
         self.callbacks, self.evaluation = callbacks, evaluation
         self.checkpoints = checkpoints
+        self.members = owner.num_members
         self._signals: list[int] = []
-        self._partial = np.zeros((0,), np.float32)
+        self._partial = empty_losses(self.members)
         self._save_at_epoch_end = False
         # Several processes train one model: only the first one reports.
         self.progress = progress and is_primary()
         self._warned_drop = False
+        self._mask: tuple[bytes, Any] | None = None
+        self._device: Any = None
 
     @property
     def _stop_requested(self) -> bool:
@@ -169,47 +171,43 @@ class FitLoop:
     def run(
         self,
         epochs: int,
-        graphdef: nnx.GraphDef,
-        state: nnx.State,
-        opt_state: Any,
-        epoch_calls: EpochCalls,
+        epoch_calls: Epochs,
         *,
         history: History | None = None,
         partial: np.ndarray | None = None,
     ) -> History:
-        """Trains ``epochs`` epochs of ``epoch_calls`` from ``(state, opt_state)``.
+        """Trains ``epochs`` epochs of ``epoch_calls`` from the owner's state.
 
         ``history`` and ``partial`` carry on a resumed run: the History so far, and the
         losses of the unfinished epoch's steps that were trained before the interruption
         (``owner.epoch_step`` of them).
         """
-        history = History() if history is None else history
+        owner = self.owner
+        history = History(losses=empty_losses(self.members)) if history is None else history
         if epochs == 0:
             return history
-        if self.owner.metrics is not None:
-            # An epoch's train_<metric> logs cover exactly that epoch's steps: start the
-            # metrics afresh, and carry their reset state (read again after the reset).
-            self.owner.reset_metrics()
-            _, state, opt_state = self.owner.read()
-        live = LiveState(state, opt_state, self.owner.writer(), self.placement)
+        # An epoch's train_<metric> logs cover exactly that epoch's steps: start afresh.
+        owner.reset_metrics()
+        _, state, opt_state = owner.read()
+        live = LiveState(state, opt_state, owner.writer(), self.placement, self.make_runner)
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
-        injected = learning_rate(opt_state) is not None
-        groups = self._fused_groups(self.owner.epoch, epochs, epoch_calls, injected)
-        self._partial = np.zeros((0,), np.float32) if partial is None else partial
+        injected = learning_rate(opt_state, self.members) is not None
+        groups = self._fused_groups(owner.epoch, epochs, epoch_calls, injected)
+        if partial is not None:
+            self._partial = partial
         self.callbacks.subject.stop_training = False
-        calls = getattr(epoch_calls, "calls", None)
-        total = None if calls is None else sum(calls(count) for count in groups)
-        bar = RunProgress(1, total, self.progress, has_aux=self.program.has_aux)
-        bar.set_last_epoch(self.owner.epoch + epochs - 1)
-        preemptible = self.checkpoints is not None
+        counts = [epoch_calls.calls(count) for count in groups]
+        total = None if None in counts else sum(counts)
+        bar = RunProgress(1, total, self.progress, has_aux=self.program.has_aux,
+                          members=self.members)  # fmt: skip
+        bar.set_last_epoch(owner.epoch + epochs - 1)
         try:
-            with caught_signals(preemptible) as self._signals, bar:
+            with caught_signals(self.checkpoints is not None) as self._signals, bar:
                 self.callbacks("on_train_begin")
                 for count in groups:
-                    if self._stop_requested:  # from on_train_begin or the last epoch's hooks
+                    if self._stop_requested or not self._anyone_trains():
                         break
-                    if not self._epochs(history, graphdef, live, epoch_calls, count, bar,
-                                        injected):  # fmt: skip
+                    if not self._epochs(history, live, epoch_calls, count, bar, injected):
                         break
         except BaseException as error:
             # The epochs trained so far stay reachable, and files the callbacks opened
@@ -218,15 +216,45 @@ class FitLoop:
             self.callbacks.close()
             raise
         self.callbacks("on_train_end", history)
+        if self.checkpoints is not None and owner.loaded_since_checkpoint:
+            # A callback put the best epoch's weights back: the last checkpoint holds them.
+            self.checkpoints.save(history, empty_losses(self.members))
         return history
 
-    def _fused_groups(self, first: int, epochs: int, epoch_calls: Any, injected: bool) -> list:
+    def _anyone_trains(self) -> bool:
+        active = self.owner.active
+        return active is None or bool(active.any())
+
+    def _active_mask(self) -> Any:
+        """The members' freezing mask for the next call, placed; None when all train (the
+        program without the per-step select runs then)."""
+        active = self.owner.active
+        if active is None or active.all():
+            return None
+        key = active.tobytes()
+        if self._mask is None or self._mask[0] != key:
+            self._mask = (key, self.placement.put_data(active.copy(), device=self._device))
+        return self._mask[1]
+
+    def _on_halt(self, live: LiveState) -> Callable[[Any, Any, int], int]:
+        """``on_nonfinite="stop"``: one model stops before its first non-finite step;
+        members that halted are frozen and the call's steps all count."""
+        if self.members is None:
+            return lambda halted, losses, length: int(np.argmax(np.isnan(np.asarray(losses))))
+
+        def freeze(halted: Any, losses: Any, length: int) -> int:
+            first = self.owner.step + live.unwritten_steps
+            self.owner.freeze_halted(halted, np.asarray(losses), first)
+            return length
+
+        return freeze
+
+    def _fused_groups(self, first: int, epochs: int, epoch_calls: Epochs, injected: bool) -> list:
         """How many epochs each compiled stretch trains: 1, or several fused into one call
         when nothing needs the host between them (see ``docs/performance.md``)."""
         hooks = self.callbacks.has_epoch_hooks or self.callbacks.has_call_hooks
-        per_epoch = getattr(epoch_calls, "steps_per_epoch", 0)
         if (
-            not getattr(epoch_calls, "fusable", False)
+            not epoch_calls.fusable
             or hooks
             or injected  # the learning rate is logged per epoch
             or self.owner.metrics is not None  # train_<metric> is computed per epoch
@@ -237,7 +265,7 @@ class FitLoop:
             return [1] * epochs
         if self.owner.epoch_step:  # a resumed, unfinished epoch trains alone
             return [1, *self._fused_groups(first + 1, epochs - 1, epoch_calls, injected)]
-        most = max(1, FUSED_STEPS // max(per_epoch, 1))
+        most = max(1, FUSED_STEPS // max(epoch_calls.steps_per_epoch or 1, 1))
         every = self.evaluation.every if self.evaluation is not None else None
         groups, epoch, end = [], first, first + epochs
         while epoch < end:
@@ -248,7 +276,7 @@ class FitLoop:
             epoch += count
         return groups
 
-    def _epochs(self, history, graphdef, live, epoch_calls, count, bar, injected) -> bool:
+    def _epochs(self, history, live, epoch_calls, count, bar, injected) -> bool:
         """Trains ``count`` epochs (one compiled stretch); False when fit should end."""
         owner, callbacks, checkpoints = self.owner, self.callbacks, self.checkpoints
         epoch, first_step, stats = owner.epoch, owner.step, EpochStats()
@@ -279,15 +307,14 @@ class FitLoop:
                 # Python int, so reading it forces no host sync.
                 callbacks("on_call_end", {"epoch": epoch, "step": owner.step})
 
-        if count > 1:
-            calls = epoch_calls(epoch, stats, count)
-        else:
-            calls = epoch_calls(epoch, stats, skip=skip) if skip else epoch_calls(epoch, stats)
+        self._device = device_of(live.leaves)
+        calls = epoch_calls(epoch, stats, count, skip)
         try:
             run_calls(
-                self.program, self.execution, graphdef, live, calls,
-                on_call, lambda: self._stop_requested or bool(self._signals),
+                self.program, self.execution, live, calls, on_call,
+                lambda: self._stop_requested or bool(self._signals),
                 write_every_call=callbacks.has_call_hooks or every_steps is not None,
+                active=self._active_mask, on_halt=self._on_halt(live),
             )  # fmt: skip
         except NonFiniteStop as stop:
             raise self._nonfinite_error(history, epoch, first_step, stop, start, stats) from None
@@ -306,16 +333,25 @@ class FitLoop:
         if outs:
             stacked, wall_time = host_outputs(outs, start)
         else:  # a resumed stream epoch whose every batch was trained before the interruption
-            empty = np.zeros((0,), np.float32)
+            empty = empty_losses(self.members)
             stacked, wall_time = ((empty, None) if self.program.has_aux else empty), 0.0
         if skip:  # the resumed epoch's first steps were trained before the interruption
-            stacked = _prepend_losses(self._partial, stacked, self.program.has_aux)
-        self._partial = np.zeros((0,), np.float32)
+            stacked = prepend_losses(self._partial, stacked, self.program.has_aux)
+        self._partial = empty_losses(self.members)
         pieces = [stacked] if count == 1 else split_steps(stacked, count)
         for i, piece in enumerate(pieces):
             self._log_epoch(history, epoch + i, piece, wall_time / count, stats, complete, live,
                             injected, bar)  # fmt: skip
-        return not self._stop_requested
+        return not self._stop_requested and self._anyone_trains()
+
+    def _logs(
+        self, epoch: int, stacked: Any, wall_time: float, stats: EpochStats, skipping=None
+    ) -> tuple:
+        skipping = self.program.skips_nonfinite if skipping is None else skipping
+        return epoch_logs(
+            epoch, stacked, wall_time, has_aux=self.program.has_aux, members=self.members,
+            skipping=skipping, dropped=stats.dropped,
+        )  # fmt: skip
 
     def _losses_so_far(self, outs: list) -> np.ndarray:
         """The unfinished epoch's losses: before a resume, and from ``outs`` since."""
@@ -337,14 +373,12 @@ class FitLoop:
 
     def _preempted(self, history: History, outs: list, complete: bool) -> None:
         """A SIGTERM or SIGINT arrived: the current call finished; save, then raise."""
-        partial = np.zeros((0,), np.float32) if complete else self._losses_so_far(outs)
+        partial = empty_losses(self.members) if complete else self._losses_so_far(outs)
         if complete and outs:
             # The epoch ended with the call: log it first, so the History holds it.
             stacked, wall_time = host_outputs(outs, time.perf_counter())
-            stacked = _prepend_losses(self._partial, stacked, self.program.has_aux)
-            logs, losses = epoch_logs(self.owner.epoch - 1, stacked, wall_time,
-                                      self.program.has_aux, EpochStats(),
-                                      self.program.skips_nonfinite)  # fmt: skip
+            stacked = prepend_losses(self._partial, stacked, self.program.has_aux)
+            logs, losses = self._logs(self.owner.epoch - 1, stacked, wall_time, EpochStats())
             history._append(losses, logs)
         self.checkpoints.save(history, partial)
         signum = self._signals[0]
@@ -359,15 +393,16 @@ class FitLoop:
     def _log_epoch(self, history, epoch, outputs, wall_time, stats, complete, live, injected, bar):
         """One epoch's logs: losses, metrics, evaluation; then the on_epoch_end hooks."""
         owner = self.owner
-        skipping = self.program.skips_nonfinite
-        logs, losses = epoch_logs(epoch, outputs, wall_time, self.program.has_aux, stats, skipping)
+        logs, losses = self._logs(epoch, outputs, wall_time, stats)
         if owner.metrics is not None:
             logs.update({f"train_{k}": v for k, v in owner.take_metrics().items()})
-            # take_metrics reset the user's metrics: the next epoch starts from them.
+            # take_metrics reset the metrics: the next epoch starts from them.
             live.reload_state(owner.read_state())
         if injected:
             # From the carry: reading an nnx.Optimizer's optax state traces tx.init.
-            logs["learning_rate"] = learning_rate(live.carry()[1])
+            logs["learning_rate"] = learning_rate(live.carry()[1], self.members)
+        if owner.active is not None:
+            logs["active"] = owner.active.copy()
         if not complete:
             logs["stopped"] = True
         elif self.evaluation is not None and (epoch + 1) % self.evaluation.every == 0:
@@ -380,12 +415,13 @@ class FitLoop:
             checkpoints = self.checkpoints
             due = self._save_at_epoch_end
             if checkpoints is not None and (due or (epoch + 1) % checkpoints.every_epochs == 0):
-                checkpoints.save(history, np.zeros((0,), np.float32))
+                checkpoints.save(history, empty_losses(self.members))
             self._save_at_epoch_end = False
 
     def _nonfinite_error(self, history, epoch, first_step, stop, start, stats) -> Exception:
         stacked, wall_time = host_outputs(stop.outs, start)
-        logs, losses = epoch_logs(epoch, stacked, wall_time, self.program.has_aux, stats, True)
+        # The halted call's steps after the stop report NaN: left out of the mean.
+        logs, losses = self._logs(epoch, stacked, wall_time, stats, skipping=True)
         history._append(losses, logs)
         step = self.owner.step
         error = FloatingPointError(

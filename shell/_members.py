@@ -1,76 +1,140 @@
-"""The owner of a population's stacked state: its buffers, counters and frozen members.
+"""The owner of a population's members, stacked along a leading axis.
 
-A population writes to no user object: ``member(i)`` hands out fresh modules. So this
-owner keeps the stacked ``(state, opt_state)`` as a flat list of (donated) buffers, the
-epoch and step counters, and which members still train, and it is the one place that
-replaces them: after a compiled call, on a restore, on ``load_state``.
+A population writes to no user object: ``member(i)`` hands out fresh modules. So this owner
+keeps the stacked ``(state, opt_state)`` itself, with the counters the fit engine reads
+through the :class:`~nnxscan.shell._owner.Owner` protocol, which members still train
+(:attr:`active`), their seeds, and what a restore must match (seeds, hyperparameters, the
+run's ``shared_order``). Each member's state is that of its node: the model, or
+``(model, rngs, metrics)`` when the population carries call-time Rngs or NNX metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure.population import member_state, select_members
-from nnxscan.shell._calls import held_interrupts
-from nnxscan.shell._placement import Placement
+from nnxscan.pure import init_opt_state, stack_states, with_hyperparams
+from nnxscan.pure._members import injected_values, member_state, select_members
+from nnxscan.pure._node import node_of, unpack
+from nnxscan.shell._owner import Writer, check_meta_ints, metric_logs
+from nnxscan.shell._population_checks import call_model_fn
+from nnxscan.shell._programs import member_metrics
 
 
-class Members:
-    """The stacked carry of N members, placed by ``placement``, and what goes with it."""
+class StackedOwner:
+    """The stacked carry of N members and what goes with it.
 
-    def __init__(self, graphdef: nnx.GraphDef, state: Any, opt_state: Any, placement: Placement):
-        self.graphdef, self.placement = graphdef, placement
-        leaves, self.carry_def = jax.tree.flatten((state, opt_state))
-        self.leaves = placement.put_carry(leaves)
-        self.size = int(jax.tree.leaves(state)[0].shape[0])
+    Args:
+      graphdef: every member's node graphdef (one architecture).
+      model_graphdef: the graphdef of a member's model alone (what ``metric_fn`` sees).
+      state, opt_state: the members' states and optax states, stacked.
+      seeds: one per member (its initialization and its shuffle).
+      hyperparams: ``{name: N values}`` the members were built with (a restore checks them).
+      with_rngs, metrics: whether each member's node carries call-time Rngs, and the NNX
+        metrics template it carries (or None).
+    """
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        state: Any,
+        opt_state: Any,
+        *,
+        model_graphdef: nnx.GraphDef,
+        seeds: tuple[int, ...],
+        hyperparams: dict[str, tuple],
+        with_rngs: bool = False,
+        metrics: nnx.Metric | None = None,
+    ):
+        self.graphdef, self.model_graphdef = graphdef, model_graphdef
+        self.seeds, self.hyperparams = seeds, hyperparams
+        self.with_rngs, self.metrics = with_rngs, metrics
+        self.num_members = len(seeds)
+        self._carry = (state, opt_state)
         self.epoch = 0
         self.step = 0
-        self.active = np.ones((self.size,), bool)
-        # The run so far as JSON (from the last restore), for a resumed fit's History.
+        self.epoch_step = 0
+        self.active = np.ones((self.num_members,), bool)
+        #: The order rule of the run in progress (saved; a resume must use the same).
+        self.shared_order = False
         self.restored_run = ""
-        # Whether load_state replaced the state since the last checkpoint was written.
         self.loaded_since_checkpoint = False
+        # How many leading leaves of a member's node state belong to the model itself.
+        self._model_leaves = len(jax.tree.leaves(self._parts_state(state, "model")))
 
-    def carry(self) -> tuple[Any, Any]:
-        """``(state, opt_state)`` stacked, in the owner's buffers (the next call donates
-        them: :meth:`copy_of` for something to keep)."""
-        return jax.tree.unflatten(self.carry_def, self.leaves)
+    # -- reading ----------------------------------------------------------------------------
+
+    def read(self) -> tuple[nnx.GraphDef, Any, Any]:
+        """``(graphdef, state, opt_state)``: the stacked carry, in the owner's buffers (the
+        next compiled call donates them: :meth:`copy_of` for something to keep)."""
+        return self.graphdef, *self._carry
+
+    def read_state(self) -> Any:
+        return self._carry[0]
 
     def copy_of(self, which: int) -> Any:
-        """A copy of the stacked state (``which=0``) or optax state (``1``) alone."""
-        part = self.carry()[which]
-        return jax.tree.map(lambda x: x.copy(), part)
+        """A copy of the stacked state (``which=0``) or optax state (``1``)."""
+        return jax.tree.map(lambda x: x.copy(), self._carry[which])
 
-    def member(self, index: int) -> Any:
-        """Member ``index``'s model state on one device (the default one), in new buffers:
-        a module built from it trains with a plain ``Trainer``, mesh or not."""
-        state = _take_member(self.carry()[0], index)
-        if self.placement.mesh is not None:
-            state = jax.device_put(state, jax.devices()[0])
-        return state
+    def model_state(self) -> Any:
+        """The members' stacked MODEL state (their Rngs and metrics left out), a copy."""
+        return jax.tree.map(lambda x: x.copy(), self._parts_state(self._carry[0], "model"))
 
-    @contextmanager
-    def call(self) -> Iterator[Callable[[list], None]]:
-        """Yields ``keep(new_leaves)`` for one compiled call; a Ctrl-C while it runs is
-        raised after the result is kept, so the owner never holds donated buffers."""
-        with held_interrupts() as interrupted:
-            yield self._keep
-        if interrupted():
-            raise KeyboardInterrupt
+    def evaluation_node(self, model_only: bool) -> tuple[nnx.GraphDef, Any]:
+        """``(graphdef, stacked state)`` an evaluation merges: the models alone (for a
+        ``metric_fn``), or the whole nodes (NNX metrics fed by the loss)."""
+        if model_only:
+            return self.model_graphdef, self._parts_state(self._carry[0], "model")
+        return self.graphdef, self._carry[0]
 
-    def _keep(self, leaves: list) -> None:
-        self.leaves = list(leaves)
+    def member(self, index: int) -> nnx.Module:
+        """Member ``index`` as a fresh module on one device (new buffers): it trains with a
+        plain ``Trainer``, mesh or not."""
+        state = _take_member(self._carry[0], index)
+        state = jax.device_put(state, jax.devices()[0])
+        node = nnx.merge(self.graphdef, state)
+        return unpack(node, with_rngs=self.with_rngs, with_metrics=self.metrics is not None).model
 
-    def load_state(self, state: Any, where: Any = None) -> None:
-        """Replaces the members' model state (all of them, or those ``where`` is True);
-        the optax state stays."""
-        current, opt_state = self.carry()
+    def _parts_state(self, state: Any, part: str) -> Any:
+        if not (self.with_rngs or self.metrics is not None):
+            return state
+        index = {"model": 0, "metrics": -1}[part]
+        return state[index if index >= 0 else len(state) - 1]
+
+    # -- metrics ----------------------------------------------------------------------------
+
+    def reset_metrics(self) -> None:
+        if self.metrics is not None:
+            state, opt_state = self._carry
+            self._carry = (member_metrics(self.graphdef, self.with_rngs, "reset")(state), opt_state)
+
+    def take_metrics(self) -> dict[str, Any]:
+        """Each member's training metrics since the last reset (``(N,)`` arrays), then reset."""
+        if self.metrics is None:
+            return {}
+        computed = member_metrics(self.graphdef, self.with_rngs, "compute")(self._carry[0])
+        values = metric_logs(computed, self.metrics)
+        self.reset_metrics()
+        return {k: np.asarray(v) for k, v in values.items()}
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def writer(self) -> Writer:
+        def write(state: Any, opt_state: Any, steps: int) -> None:
+            self._carry = (state, opt_state)
+            self.step += steps
+
+        return write
+
+    def load(self, state: Any, where: Any = None) -> None:
+        """Replaces the members' MODEL state (all of them, or those where the ``(N,)`` mask
+        ``where`` is True) with a stacked one (e.g. an earlier ``population.state``); their
+        Rngs, metrics and optax states stay."""
+        current = self._parts_state(self._carry[0], "model")
         if jax.tree.structure(state) != jax.tree.structure(current):
             raise ValueError(
                 "load_state needs a stacked state of this population's structure (e.g. "
@@ -84,31 +148,92 @@ class Members:
                 )
         if where is not None:
             state = select_members(np.asarray(where, bool), state, current)
-        leaves = jax.tree.leaves((state, opt_state))
-        self.leaves = self.placement.put_carry([x.copy() for x in leaves])
+        leaves, treedef = jax.tree.flatten(self._carry[0])
+        new = [x.copy() for x in jax.tree.leaves(state)] + leaves[self._model_leaves :]
+        self._carry = (jax.tree.unflatten(treedef, new), self._carry[1])
         self.loaded_since_checkpoint = True
 
-    def checkpoint_tree(
-        self, seeds: tuple[int, ...], run: str = "", shared_order: bool = False
-    ) -> dict[str, Any]:
-        state, opt_state = self.carry()
+    def freeze_halted(self, halted: np.ndarray, losses: np.ndarray, first_step: int) -> None:
+        """``on_nonfinite="stop"``: each member that halted in a call (``halted``, ``(N,)``)
+        is frozen, with a warning naming its first non-finite step; the others go on."""
+        halted = np.asarray(halted, bool) & self.active
+        for index in np.flatnonzero(halted):
+            step = first_step + int(np.argmax(np.isnan(losses[:, index])))
+            warnings.warn(
+                f"member {index}: non-finite loss at global step {step} (epoch "
+                f"{self.epoch}); on_nonfinite='stop' froze it at the state before that "
+                f"step. The other members go on.",
+                RuntimeWarning,
+                stacklevel=8,
+            )
+        self.active = self.active & ~halted
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def run_seeds(self, run_keys: dict[str, Any]) -> tuple[int, ...]:
+        """Each member's shuffle seed: its own, or the first member's for a shared order."""
+        if run_keys.get("shared_order"):
+            return (self.seeds[0],) * self.num_members
+        return self.seeds
+
+    def begin_run(self, run_keys: dict[str, Any]) -> None:
+        self.shared_order = bool(run_keys.get("shared_order"))
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    @property
+    def restore_hint(self) -> str:
+        """What a checkpoint of another shape of population says about this one."""
+        return (
+            f"this population has {self.num_members} members with seeds {list(self.seeds)}: "
+            f"a checkpoint of another number of members or another model does not fit it"
+        )
+
+    def checkpoint_tree(self, run: str = "") -> dict[str, Any]:
+        state, opt_state = self._carry
         meta = {
             "epoch": self.epoch,
             "step": self.step,
-            "seeds": np.asarray(seeds, np.int64),
+            "epoch_step": self.epoch_step,
+            "seeds": np.asarray(self.seeds, np.int64),
             "active": self.active.copy(),
-            "shared_order": bool(shared_order),
+            "shared_order": bool(self.shared_order),
             "run": run,
         }
         return {"state": state, "opt_state": opt_state, "meta": meta}
 
-    def restore(self, tree: dict[str, Any]) -> None:
-        """Takes a restored :meth:`checkpoint_tree` (already checked by the caller)."""
-        leaves = jax.tree.leaves((tree["state"], tree["opt_state"]))
-        self.leaves = self.placement.put_carry(leaves)
+    def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None:
+        """Takes a restored :meth:`checkpoint_tree` after checking it holds these members
+        (seeds and hyperparameters) and, for a resumed fit, the run's ``shared_order``; a
+        mismatch raises and changes nothing."""
         meta = tree["meta"]
-        self.epoch, self.step = int(meta["epoch"]), int(meta["step"])
+        check_meta_ints(meta, ("epoch", "step", "epoch_step"))
+        if run_keys is not None and bool(run_keys.get("shared_order")) != meta["shared_order"]:
+            raise ValueError(
+                f"resume=True with shared_order={bool(run_keys.get('shared_order'))}, but the "
+                f"checkpoint's run used shared_order={bool(meta['shared_order'])}: pass the "
+                f"same to go on with the same data orders."
+            )
+        saved = tuple(int(s) for s in np.asarray(meta["seeds"]))
+        if saved != self.seeds:
+            raise ValueError(
+                f"the checkpoint holds a population with seeds {list(saved)}, this one has "
+                f"{list(self.seeds)}: build the Population with the seeds it was saved with."
+            )
+        for name, values in self.hyperparams.items():
+            restored = injected_values(tree["opt_state"], name)
+            if restored is not None and not np.allclose(restored, values, rtol=1e-6):
+                raise ValueError(
+                    f"the checkpoint's members have {name}="
+                    f"{[float(f'{v:.6g}') for v in np.asarray(restored)]}, this population "
+                    f"was built with {list(values)}: build it with the hyperparams it was "
+                    f"saved with."
+                )
+        self._carry = (tree["state"], tree["opt_state"])
+        self.epoch, self.step = meta["epoch"], meta["step"]
+        self.epoch_step = meta["epoch_step"]
         self.active = np.asarray(meta["active"], bool).copy()
+        self.shared_order = bool(meta["shared_order"])
         self.restored_run = str(meta["run"])
         self.loaded_since_checkpoint = False
 
@@ -116,3 +241,46 @@ class Members:
 # One program per state structure: the index is an argument, not a constant (slicing each
 # leaf eagerly would compile a slice per leaf shape).
 _take_member = jax.jit(member_state)
+
+
+def build_members(
+    model_fn: Any,
+    tx: Any,
+    wrt: Any,
+    seeds: tuple[int, ...],
+    hyperparams: dict[str, tuple],
+    *,
+    rngs: Any = None,
+    metrics: nnx.Metric | None = None,
+) -> StackedOwner:
+    """Builds every member (``model_fn(nnx.Rngs(seed))``, its node with call-time Rngs and
+    metrics, its optax state with its hyperparameters) and stacks them in an owner.
+
+    ``rngs`` is an ``nnx.Rngs`` every member starts from, or ``rngs(seed) -> nnx.Rngs``.
+    """
+    graphdef, model_graphdef, states, opt_states = None, None, [], []
+    for i, seed in enumerate(seeds):
+        model = call_model_fn(model_fn, seed)
+        member_rngs = rngs(seed) if callable(rngs) and not isinstance(rngs, nnx.Rngs) else rngs
+        if member_rngs is not None and not isinstance(member_rngs, nnx.Rngs):
+            raise TypeError(
+                f"rngs(seed) must return an nnx.Rngs, got {type(member_rngs).__name__}."
+            )
+        member_graphdef, state = nnx.split(node_of(model, member_rngs, metrics))
+        if graphdef is None:
+            graphdef, model_graphdef = member_graphdef, nnx.split(model)[0]
+        elif member_graphdef != graphdef:
+            raise ValueError(
+                f"model_fn built member {i} (seed {seed}) with a different structure from "
+                f"member 0 (seed {seeds[0]}): every member must be the same architecture; "
+                f"only the seed may change."
+            )
+        opt_state = init_opt_state(tx, state, wrt)
+        values = {name: v[i] for name, v in hyperparams.items()}
+        states.append(state)
+        opt_states.append(with_hyperparams(opt_state, **values) if values else opt_state)
+    return StackedOwner(
+        graphdef, stack_states(states), stack_states(opt_states),
+        model_graphdef=model_graphdef, seeds=seeds, hyperparams=hyperparams,
+        with_rngs=rngs is not None, metrics=metrics,
+    )  # fmt: skip

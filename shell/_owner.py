@@ -1,15 +1,20 @@
-"""The one owner of the user's objects: reads ``(graphdef, state, opt_state)``, writes them back.
+"""Owners: the one place a fit reads ``(graphdef, state, opt_state)`` from and writes to.
 
-Everything the shell trains goes through an :class:`Owner`: it is the only code in nnxscan
-that calls ``nnx.update`` on the user's module and optimizer, and it keeps the run's
-counters. There is ONE step counter: with an ``nnx.Optimizer`` its ``step`` is the truth
-(``trainer.step`` reads it, checkpoints save and restore it); without one the owner counts.
+The fit engine (``_fit.FitLoop``, ``_engine``) talks to an owner through the :class:`Owner`
+protocol and never asks which kind it has. Two kinds exist:
+
+- :class:`ModelOwner` (here) holds the user's ``nnx.Module`` and ``nnx.Optimizer``: it is
+  the only code in nnxscan that calls ``nnx.update`` on them. There is ONE step counter:
+  with an ``nnx.Optimizer`` its ``step`` is the truth (``trainer.step`` reads it,
+  checkpoints save and restore it); without one the owner counts.
+- :class:`~nnxscan.shell._members.StackedOwner` holds a population's members stacked along
+  a leading axis (no user object), which members still train, and their seeds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +27,52 @@ from nnxscan.pure import init_opt_state, split_wrt
 from nnxscan.pure._checks import check_transform
 from nnxscan.pure._node import node_of
 
+Writer = Callable[[nnx.State, Any, int], None]
+
+
+class Owner(Protocol):
+    """What the fit engine needs from whoever holds the trained objects.
+
+    Attributes:
+      num_members: ``None`` for one model, ``N`` for N members stacked (what callbacks and
+        writers are told through ``subject.num_members``).
+      metrics: the NNX training metrics (a template for members), or None.
+      epoch: the global index of the next epoch; ``epoch_step``: steps of that epoch trained
+        when a run stopped inside it (0 at boundaries).
+      restored_run: the run (History JSON) the last restored checkpoint carried.
+      loaded_since_checkpoint: a state was loaded (EarlyStopping's best epoch) since the
+        last checkpoint, so one at the current step is stale.
+    """
+
+    num_members: int | None
+    metrics: nnx.Metric | None
+    epoch: int
+    epoch_step: int
+    restored_run: str
+    loaded_since_checkpoint: bool
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def active(self) -> np.ndarray | None: ...
+    def read(self) -> tuple[nnx.GraphDef, nnx.State, Any]: ...
+    def read_state(self) -> nnx.State: ...
+    def writer(self) -> Writer: ...
+    def reset_metrics(self) -> None: ...
+    def take_metrics(self) -> dict[str, Any]: ...
+    def load(self, state: nnx.State, where: Any = None) -> None: ...
+    def checkpoint_tree(self, run: str = "") -> dict[str, Any]: ...
+    def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None: ...
+    def run_seeds(self, run_keys: dict[str, Any]) -> int | tuple[int, ...]: ...
+    def begin_run(self, run_keys: dict[str, Any]) -> None: ...
+
 
 def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
     """``metrics.compute()``'s result as flat logs of host values (floats for scalars).
 
     An ``nnx.MultiMetric`` gives one entry per metric; a single metric is named by its
     ``argname`` (``Average("loss")`` -> ``loss``) or its class; a named tuple of
-    statistics (``Welford``) gives ``<name>_<field>``.
+    statistics (``Welford``) gives ``<name>_<field>``. Arrays stay numpy arrays.
 
     Example:
       >>> metric_logs(metrics.compute(), metrics)
@@ -45,10 +89,14 @@ def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
     return {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in host.items()}
 
 
-Writer = Callable[[nnx.State, Any, int], None]
+def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...]) -> None:
+    """A restored checkpoint's counters must be ints (a corrupted one raises, changes nothing)."""
+    for name in names:
+        if isinstance(meta[name], bool) or not isinstance(meta[name], int):
+            raise ValueError(f"checkpoint meta {name}={meta[name]!r} is not an int.")
 
 
-class Owner:
+class ModelOwner:
     """Holds the user's ``model`` (and ``optimizer``, if given) and the run's counters.
 
     Args:
@@ -62,6 +110,9 @@ class Owner:
         written back with it.
     """
 
+    num_members = None
+    active = None  # one model never freezes
+
     def __init__(
         self,
         model: nnx.Module,
@@ -73,12 +124,7 @@ class Owner:
     ):
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
-        if rngs is not None and not isinstance(rngs, nnx.Rngs):
-            raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}.")
-        if metrics is not None and not isinstance(metrics, nnx.Metric):
-            raise TypeError(
-                f"metrics must be an nnx.Metric or nnx.MultiMetric, got {type(metrics).__name__}."
-            )
+        check_companions(rngs, metrics)
         self.model, self.rngs, self.metrics = model, rngs, metrics
         # What every compiled call carries: the model, or (model, rngs, metrics).
         self.node = node_of(model, rngs, metrics)
@@ -101,13 +147,9 @@ class Owner:
             self._opt_state = init_opt_state(self.tx, nnx.state(self.node), wrt)
         self.epoch = 0
         self.seed = 0
-        # Steps trained of epoch ``epoch`` when a run stopped inside it (0 at boundaries).
         self.epoch_step = 0
-        # The History JSON the last restored checkpoint carried ("" if none).
         self.restored_run = ""
         self._own_step = 0
-        # A state loaded into the model without a step (load()) makes a checkpoint at the
-        # current step stale.
         self.loaded_since_checkpoint = False
         # The optimizer's step array as last read or written, and its value: reading
         # ``step`` then needs no device sync unless the user stepped the optimizer since.
@@ -138,21 +180,17 @@ class Owner:
         graphdef, state = nnx.split(self.node)
         return graphdef, state, self.opt_state
 
+    def read_state(self) -> nnx.State:
+        """The module state of the user's objects (model, and rngs/metrics when given)."""
+        return nnx.split(self.node)[1]
+
     def reset_metrics(self) -> None:
         """Starts the training metrics afresh (at the start of a fit)."""
         if self.metrics is not None:
             self.metrics.reset()
 
-    def read_state(self) -> nnx.State:
-        """The module state of the user's objects (model, and rngs/metrics when given)."""
-        return nnx.split(self.node)[1]
-
     def take_metrics(self) -> dict[str, Any]:
-        """The training metrics accumulated since the last call, then reset (one host read).
-
-        ``compute()`` of an ``nnx.MultiMetric`` gives one entry per metric; a single metric
-        is named by its ``argname`` (``Average("loss")`` -> ``loss``) or its class.
-        """
+        """The training metrics accumulated since the last reset, then reset (one host read)."""
         if self.metrics is None:
             return {}
         values = metric_logs(self.metrics.compute(), self.metrics)
@@ -186,10 +224,22 @@ class Owner:
 
         return write_with_optimizer
 
-    def load(self, state: nnx.State) -> None:
+    def load(self, state: nnx.State, where: Any = None) -> None:
         """Writes a module state (e.g. a kept copy of the best epoch) into the model only."""
+        if where is not None:
+            raise ValueError("one model has no members to choose with where=")
         nnx.update(self.model, state)
         self.loaded_since_checkpoint = True
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def run_seeds(self, run_keys: dict[str, Any]) -> int:
+        """The shuffle seed of a fit: the one given, else the last run's (0 at first)."""
+        seed = run_keys.get("seed")
+        return self.seed if seed is None else seed
+
+    def begin_run(self, run_keys: dict[str, Any]) -> None:
+        self.seed = self.run_seeds(run_keys)
 
     def checkpoint_tree(self, run: str = "") -> dict[str, Any]:
         """What a checkpoint holds: module state, optax state, the counters, and ``run``
@@ -203,15 +253,20 @@ class Owner:
         }
         return {"state": nnx.state(self.node), "opt_state": self.opt_state, "meta": meta}
 
-    def restore(self, tree: dict[str, Any]) -> None:
+    def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None:
         """Writes a checkpoint tree (as :meth:`checkpoint_tree` made it) into the objects.
 
-        The tree is checked first: a bad one raises and changes nothing.
+        The tree is checked first (and, for a resumed fit, against its ``run_keys``: the
+        same seed): a bad one raises and changes nothing.
         """
-        meta = {"epoch_step": 0, "run": "", **tree["meta"]}  # 0.1 checkpoints lack the last two
-        for name in ("epoch", "step", "seed", "epoch_step"):
-            if isinstance(meta[name], bool) or not isinstance(meta[name], int):
-                raise ValueError(f"checkpoint meta {name}={meta[name]!r} is not an int.")
+        meta = tree["meta"]
+        check_meta_ints(meta, ("epoch", "step", "seed", "epoch_step"))
+        seed = (run_keys or {}).get("seed")
+        if seed is not None and seed != meta["seed"]:
+            raise ValueError(
+                f"resume=True with seed={seed}, but the checkpoint's run used seed "
+                f"{meta['seed']}: pass the same seed (or none) to resume it."
+            )
         if self.optimizer is None:
             nnx.update(self.node, tree["state"])
             self._opt_state = tree["opt_state"]
@@ -227,3 +282,13 @@ class Owner:
         self.epoch, self.seed = meta["epoch"], meta["seed"]
         self.epoch_step, self.restored_run = meta["epoch_step"], meta["run"]
         self.loaded_since_checkpoint = False
+
+
+def check_companions(rngs: Any, metrics: Any) -> None:
+    """Call-time ``rngs`` must be an ``nnx.Rngs``, ``metrics`` an ``nnx.Metric`` (or None)."""
+    if rngs is not None and not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}.")
+    if metrics is not None and not isinstance(metrics, nnx.Metric):
+        raise TypeError(
+            f"metrics must be an nnx.Metric or nnx.MultiMetric, got {type(metrics).__name__}."
+        )

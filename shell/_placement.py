@@ -103,13 +103,15 @@ class Placement:
         if self.mesh is None:
             return None
         shardings = []
+        members = (self.member_axis,) if self.member_axis else ()
         for leaf in leaves:
-            spec = PartitionSpec(self.member_axis) if self.member_axis else PartitionSpec()
+            spec = PartitionSpec(*members)
             is_key = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-            if self.fsdp_min_size is not None and not is_key:
-                spec = fsdp_spec(
-                    tuple(leaf.shape), self.data_parallel, self.data_axis, self.fsdp_min_size
-                )
+            if self.fsdp_min_size is not None and self.data_axis is not None and not is_key:
+                # A member's own dimensions (past the members axis) follow the FSDP rule.
+                shape = tuple(leaf.shape)[len(members) :]
+                rule = fsdp_spec(shape, self.data_parallel, self.data_axis, self.fsdp_min_size)
+                spec = PartitionSpec(*members, *rule)
             shardings.append(NamedSharding(self.mesh, spec))
         return tuple(shardings)
 
@@ -128,11 +130,16 @@ class Placement:
             return _commit(tree, device if device is not None else device_of(like))
         return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
-    def put_chunk(self, tree: Any, device: Any) -> Any:
-        """A stream chunk ``(steps, batch, ...)``: batch dimension over ``data_axis``."""
+    def put_chunk(self, tree: Any, device: Any, *, member_batches: bool = False) -> Any:
+        """A stream chunk ``(steps, batch, ...)``: batch dimension over ``data_axis``; a
+        population's per-member chunk ``(members, steps, batch, ...)``: members over
+        ``member_axis`` too."""
         if self.mesh is None:
             return jax.device_put(tree, device)
-        sharding = NamedSharding(self.mesh, PartitionSpec(None, self.data_axis))
+        spec = (None, self.data_axis)
+        if member_batches:
+            spec = (self.member_axis, None, self.data_axis)
+        sharding = NamedSharding(self.mesh, PartitionSpec(*spec))
         if jax.process_count() > 1:
             # Each process holds its own share of every batch: assemble the global chunk.
             return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)

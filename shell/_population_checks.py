@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from nnxscan.pure import init_opt_state
 from nnxscan.pure._checks import check_count
-from nnxscan.pure.population import hyperparam_names
+from nnxscan.pure._members import hyperparam_names
 
 _MAX_SEED = 2**31 - 1  # as Trainer: the seed enters numpy's generator as an int32
 

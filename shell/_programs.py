@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from nnxscan.pure import (
     halt_after_nonfinite,
@@ -22,14 +23,13 @@ from nnxscan.pure import (
     make_evaluate_metrics,
     make_train_step,
 )
-from nnxscan.pure.population import scan_population_steps
-from nnxscan.pure.scan import scan_indexed_steps
+from nnxscan.pure._loops import scan_indexed_steps, scan_member_steps
+from nnxscan.pure._node import unpack
 from nnxscan.shell._plans import StepTraits, step_traits
 
 _MAX_CACHED = 32
 _TRAIN: OrderedDict[Hashable, TrainProgram] = OrderedDict()
 _EVAL: OrderedDict[Hashable, Callable] = OrderedDict()
-_POPULATION_RUNNERS: OrderedDict[Hashable, Callable] = OrderedDict()
 
 
 def _identity_key(obj: Any) -> Hashable:
@@ -72,6 +72,15 @@ def _lookup(cache: OrderedDict, key: Hashable, build: Callable[[], Any]) -> Any:
     if len(cache) > _MAX_CACHED:
         cache.popitem(last=False)
     return value
+
+
+class MemberLayout(NamedTuple):
+    """How a population's members run: vmapped over their leading axis, sharded over mesh
+    axis ``axis_name`` (or not), each on the shared data or on its own slice of it
+    (``data_per_member``: every data leaf has a leading members axis)."""
+
+    axis_name: str | None = None
+    data_per_member: bool = False
 
 
 class TrainProgram:
@@ -119,11 +128,21 @@ class TrainProgram:
         self,
         graphdef: Any,
         carry_def: Any,
+        *,
         donate: bool = True,
         carry_shardings: tuple | None = None,
         batch_sharding: Any = None,
+        members: MemberLayout | None = None,
     ) -> Callable:
-        """The jitted chunk runner for this graphdef and carry structure.
+        """The jitted chunk runner for this graphdef and carry structure:
+        ``run(leaves, data, indices, active, start, length=, unroll=) -> (leaves, outs,
+        halted)`` trains the steps ``start:start+length`` of ``indices``.
+
+        One model (``members=None``): ``indices`` is ``(steps, ...)`` and ``active`` is
+        None. Members (a :class:`MemberLayout`): the same step vmapped, ``indices`` is
+        ``(N, steps, ...)``; ``active`` (``(N,)`` bool, or None when every member trains:
+        that program has no per-step select) freezes the members where it is False;
+        ``halted`` is ``(N,)``.
 
         With ``donate`` the carry's buffers are donated to the call (the default: training
         then holds one copy of the state). A step with host callbacks is run without
@@ -141,17 +160,34 @@ class TrainProgram:
         if halts:
             step = halt_after_nonfinite(step, has_aux=self.has_aux)
 
-        def scan(state, carry, data, idx, unroll):
-            return scan_indexed_steps(
-                step, graphdef, state, carry, data, idx, unroll=unroll,
-                batch_sharding=batch_sharding,
-            )  # fmt: skip
+        if members is None:
+
+            def scan(state, carry, data, idx, active, unroll):
+                return scan_indexed_steps(
+                    step, graphdef, state, carry, data, idx, unroll=unroll,
+                    batch_sharding=batch_sharding,
+                )  # fmt: skip
+
+            def no_halt(idx):
+                return jnp.bool_(False)
+
+        else:
+
+            def scan(states, carry, data, idx, active, unroll):
+                return scan_member_steps(
+                    step, graphdef, states, carry, data, idx, active=active, unroll=unroll,
+                    member_axis=members.axis_name, batch_sharding=batch_sharding,
+                    data_per_member=members.data_per_member,
+                )  # fmt: skip
+
+            def no_halt(idx):
+                return jnp.zeros((idx.shape[0],), bool)
 
         def build():
-            no_halt = lambda idx: jnp.bool_(False)  # noqa: E731
-            return chunk_runner(scan, carry_def, halts, no_halt, carry_shardings, donate, axis=0)
+            axis = 0 if members is None else 1
+            return chunk_runner(scan, carry_def, halts, no_halt, carry_shardings, donate, axis)
 
-        key = (graphdef, carry_def, donate, carry_shardings, batch_sharding)
+        key = (graphdef, carry_def, donate, carry_shardings, batch_sharding, members)
         return _lookup(self._runners, key, build)
 
     def traits(self, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> StepTraits:
@@ -186,21 +222,19 @@ def chunk_runner(
     no_halt: Callable[[Any], Any],
     carry_shardings: tuple | None,
     donate: bool,
-    *,
     axis: int,
 ) -> Callable:
-    """The jitted ``run(leaves, data, indices, *extra, start, length=, unroll=) -> (leaves,
-    outs, halted)`` that a Trainer and a Population share: it trains the steps
-    ``start:start+length`` of ``indices`` (steps along ``axis``) with ``scan(state, carry,
-    data, idx, *extra, unroll)``, carrying the "stop" flag (``no_halt(idx)`` at the start)
-    when ``halts``, and keeps the new carry where it was placed (``carry_shardings``)."""
+    """The jitted ``run(leaves, data, indices, active, start, length=, unroll=) -> (leaves,
+    outs, halted)`` of every training call: it trains the steps ``start:start+length`` of
+    ``indices`` (steps along ``axis``) with ``scan(state, carry, data, idx, active,
+    unroll)``, carrying the "stop" flag (``no_halt(idx)`` at the start) when ``halts``, and
+    keeps the new carry where it was placed (``carry_shardings``)."""
 
-    def run(leaves, data, indices, *rest, length, unroll):
-        *extra, start = rest
+    def run(leaves, data, indices, active, start, *, length, unroll):
         state, opt_state = jax.tree.unflatten(carry_def, leaves)
         idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=axis)
         carry = (opt_state, no_halt(idx)) if halts else opt_state
-        state, carry, outs = scan(state, carry, data, idx, *extra, unroll)
+        state, carry, outs = scan(state, carry, data, idx, active, unroll)
         opt_state, halted = carry if halts else (carry, no_halt(idx))
         leaves = jax.tree.leaves((state, opt_state))
         if carry_shardings is not None:
@@ -271,50 +305,33 @@ def metrics_evaluator(
     )
 
 
-def population_runner(
-    program: TrainProgram,
-    graphdef: Any,
-    carry_def: Any,
-    *,
-    donate: bool = True,
-    member_axis: str | None = None,
-    batch_sharding: Any = None,
-    carry_shardings: tuple | None = None,
-) -> Callable:
-    """The jitted ``run(leaves, data, indices, active, start, length=, unroll=) -> (leaves,
-    outs, halted)`` of a population: ``Trainer``'s chunk runner with the members vmapped
-    (:func:`~nnxscan.pure.population.scan_population_steps`). ``indices`` is ``(N, steps,
-    batch)``; the call trains ``indices[:, start:start+length]``. ``halted`` (``(N,)``)
-    says which members met a non-finite loss under ``on_nonfinite="stop"``."""
-    step, halts = program.jitted_step(graphdef), program.halts
-    if halts:
-        step = halt_after_nonfinite(step, has_aux=program.has_aux)
-
-    def scan(states, carry, data, idx, active, unroll):
-        return scan_population_steps(
-            step, graphdef, states, carry, data, idx, active=active, unroll=unroll,
-            member_axis=member_axis, batch_sharding=batch_sharding,
-        )  # fmt: skip
+def member_evaluator(evaluate: Callable) -> Callable:
+    """``evaluate(graphdef, state, data)`` vmapped over a population's stacked states (the
+    data shared): every value gains a leading members axis."""
 
     def build():
-        no_halt = lambda idx: jnp.zeros((idx.shape[0],), bool)  # noqa: E731
-        return chunk_runner(scan, carry_def, halts, no_halt, carry_shardings, donate, axis=1)
-
-    key = (program, graphdef, carry_def, donate, member_axis, batch_sharding, carry_shardings)
-    return _lookup(_POPULATION_RUNNERS, key, build)
-
-
-def population_evaluator(metric_fn: Callable, batch_size: int, eval_mode: bool) -> Callable:
-    """The jitted ``evaluate(graphdef, states, data)``: ``make_evaluate`` vmapped over the
-    members (the data shared)."""
-
-    def build():
-        evaluate = make_evaluate(metric_fn, batch_size=batch_size, eval_mode=eval_mode)
-
         def run(graphdef, states, data):
             return jax.vmap(lambda state: evaluate(graphdef, state, data))(states)
 
         return jax.jit(run)
 
-    key = ("population", _identity_key(metric_fn), batch_size, eval_mode)
-    return _lookup(_EVAL, key, build)
+    return _lookup(_EVAL, ("members", evaluate), build)
+
+
+def member_metrics(graphdef: Any, with_rngs: bool, what: str) -> Callable:
+    """The jitted ``reset`` (stacked state -> stacked state with every member's metrics
+    reset) or ``compute`` (-> each member's ``metrics.compute()``) of a population whose
+    members carry NNX metrics."""
+
+    def build():
+        def one(state):
+            node = nnx.merge(graphdef, state)
+            metrics = unpack(node, with_rngs=with_rngs, with_metrics=True).metrics
+            if what == "compute":
+                return metrics.compute()
+            metrics.reset()
+            return nnx.state(node)
+
+        return jax.jit(jax.vmap(one))
+
+    return _lookup(_EVAL, ("member_metrics", graphdef, with_rngs, what), build)

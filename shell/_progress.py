@@ -34,18 +34,36 @@ TIME_WIDTH = 7  # "1:23:45"; "12:34" under an hour
 
 
 def _ready_loss(out: Any, has_aux: bool) -> float | None:
+    """The newest finite loss of a call already on the host (members: their median)."""
     losses = out[0] if has_aux else out
     if not losses.is_ready():
         return None
-    finite = np.asarray(to_host(losses))
-    finite = finite[np.isfinite(finite)]
-    return float(finite[-1]) if finite.size else None
+    last = np.asarray(to_host(losses))[-1]
+    finite = np.ravel(last)[np.isfinite(np.ravel(last))]
+    return float(np.median(finite)) if finite.size else None
+
+
+def _loss_text(logs: dict) -> str:
+    """An epoch's loss: one model's, or the members' median with their range."""
+    loss = np.asarray(logs["loss"], np.float64)
+    if loss.ndim == 0:
+        return f"loss {float(loss):.4g}"
+    low, mid, high = (
+        np.nanpercentile(loss, [0, 50, 100]) if np.isfinite(loss).any() else [np.nan] * 3
+    )
+    return f"loss median {mid:.4g} [{low:.4g}, {high:.4g}] of {loss.size} members"
 
 
 def _eval_texts(logs: dict) -> list[str]:
-    return [
-        f"{k} {v:.4g}" for k, v in logs.items() if k.startswith("eval_") and isinstance(v, float)
-    ]
+    texts = []
+    for key, value in logs.items():
+        if not key.startswith("eval_"):
+            continue
+        if isinstance(value, float):
+            texts.append(f"{key} {value:.4g}")
+        elif np.ndim(value) == 1 and np.isfinite(value).any():  # members: the median
+            texts.append(f"{key} median {float(np.nanmedian(value)):.4g}")
+    return texts
 
 
 def _status(loss: float | None, rate: float, evals: list[str], room: int) -> str:
@@ -63,6 +81,7 @@ class RunProgress:
     """``with RunProgress(epochs, calls_per_epoch, enabled) as bar: bar.call_done(...)``.
 
     ``calls_per_epoch=None`` (a stream of unknown length) shows a running count, no ETA.
+    ``members=N``: the losses are a population's; the line shows their median and range.
     """
 
     def __init__(
@@ -73,6 +92,7 @@ class RunProgress:
         *,
         has_aux: bool = False,
         console: Console | None = None,
+        members: int | None = None,
     ):
         self._console = console or Console()
         self._enabled = enabled
@@ -150,10 +170,16 @@ class RunProgress:
             last = epoch == self._last_epoch
             if last or now - self._printed >= LINE_EVERY_S or self._printed < 0:
                 extras = "".join(f"  {text}" for text in evals)
-                line = f"epoch {epoch}  loss {logs['loss']:.4g}{extras}  {rate:,.0f} steps/s"
+                active = logs.get("active")
+                if active is not None:
+                    extras += f"  {int(np.sum(active))} of {np.size(active)} training"
+                line = f"epoch {epoch}  {_loss_text(logs)}{extras}  {rate:,.0f} steps/s"
                 self._console.print(line, highlight=False, markup=False)
                 self._printed = now
         else:
-            self._loss, self._evals = logs["loss"], evals
+            loss = np.asarray(logs["loss"], np.float64)
+            finite = loss[np.isfinite(loss)]
+            self._loss = float(np.median(finite)) if finite.size else None
+            self._evals = evals
             status = _status(self._loss, rate, evals, self._status_room(epoch))
             self._progress.update(self._task, epoch=epoch, status=status)

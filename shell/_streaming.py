@@ -15,6 +15,7 @@ waits in the device queue, so the device never idles for the host.
 from __future__ import annotations
 
 import collections.abc
+import functools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -113,19 +114,35 @@ class BatchChecker:
     """Every batch must look like the first of the fit (a short FINAL batch aside).
 
     One checker serves all epochs of a ``fit``: the step was traced on the first batch, so
-    a later epoch with other shapes or dtypes is as wrong as a later batch.
+    a later epoch with other shapes or dtypes is as wrong as a later batch. With
+    ``members=N`` every batch holds one batch per member, ``(N, batch, ...)``: the batch
+    size is then the second dimension.
     """
 
-    def __init__(self, batch_size: int | None):
+    def __init__(self, batch_size: int | None, members: int | None = None):
         self.batch_size = batch_size
+        self.members = members
         self.leaves: dict[str, tuple[tuple, str]] | None = None
         self.treedef = None
+
+    def _batch_axis(self, where: str, leaves: dict[str, tuple[tuple, str]]) -> int:
+        if self.members is None:
+            return 0
+        for path, (shape, _) in leaves.items():
+            if len(shape) < 2 or shape[0] != self.members:
+                raise ValueError(
+                    f"{where}, leaf {path}: shape {shape}, but with member_batches=True every "
+                    f"leaf needs a leading members axis of {self.members} and a batch axis: "
+                    f"(members, batch, ...)."
+                )
+        return 1
 
     def leading_size(self, index: int, batch: Any, epoch: int = 0) -> int:
         where = f"batch {index}" + (f" of epoch {epoch}" if epoch else "")
         leaves = _describe(batch)
         treedef = jax.tree.structure(batch)
-        sizes = {shape[0] for shape, _ in leaves.values()}
+        axis = self._batch_axis(where, leaves)
+        sizes = {shape[axis] for shape, _ in leaves.values()}
         if len(sizes) != 1:
             raise ValueError(
                 f"{where}: leaves disagree on the batch size: "
@@ -150,7 +167,12 @@ class BatchChecker:
             )
         for path, (shape, dtype) in leaves.items():
             want_shape, want_dtype = self.leaves[path]
-            if shape[1:] != want_shape[1:] or shape[0] > want_shape[0] or dtype != want_dtype:
+            other_dims = shape[:axis] + shape[axis + 1 :]
+            if (
+                other_dims != want_shape[:axis] + want_shape[axis + 1 :]
+                or shape[axis] > want_shape[axis]
+                or dtype != want_dtype
+            ):
                 raise ValueError(
                     f"{where}, leaf {path}: shape {shape} {dtype} differs from batch 0's "
                     f"{want_shape} {want_dtype}. Every batch must have the same shapes and "
@@ -162,7 +184,7 @@ class BatchChecker:
     @property
     def full_size(self) -> int:
         assert self.leaves is not None
-        return next(iter(self.leaves.values()))[0][0]
+        return next(iter(self.leaves.values()))[0][0 if self.members is None else 1]
 
 
 class _Stopped(Exception):
@@ -182,13 +204,16 @@ def _chunks(
     check_stop: Callable[[], None],
     on_dropped: Callable[[int], None],
     resumed: bool = False,
+    stack_axis: int = 0,
 ) -> Iterator[Chunk]:
     """Pulls, checks, stacks and transfers (``put``) chunks of ``chunk_size`` batches.
 
     ``resumed``: the iterator starts past batches trained before a resume, so it may hold
-    none at all (the interruption came after the epoch's last batch).
+    none at all (the interruption came after the epoch's last batch). ``stack_axis=1``
+    stacks members' batches ``(N, batch, ...)`` into ``(N, K, batch, ...)``.
     """
     index, pending = 0, []
+    _stack = functools.partial(_stack_batches, axis=stack_axis)
 
     def pull() -> Any:
         check_stop()  # a stopped fit takes nothing more from the user's iterator
@@ -232,8 +257,8 @@ def _chunks(
         yield Chunk(put(_stack(pending)), len(pending))
 
 
-def _stack(batches: list) -> Any:
-    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+def _stack_batches(batches: list, axis: int = 0) -> Any:
+    return jax.tree.map(lambda *xs: np.stack(xs, axis=axis), *batches)
 
 
 class ChunkStream:

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from nnxscan.adapters.distributed import is_primary
-from nnxscan.pure.population import select_members
+from nnxscan.pure._members import select_members
 
 __all__ = ["EarlyStopping", "LambdaCallback"]
 
@@ -195,9 +195,16 @@ class EarlyStopping:
             self._check(logs)
         if value is None or epoch < self.start_from_epoch:
             return
-        if np.ndim(value) == 1:  # a Population's logs: one value per member
-            self._members_epoch_end(trainer, epoch, np.asarray(value, np.float64))
+        members = getattr(trainer, "num_members", None)  # declared, never read off shapes
+        if members is not None:  # a Population's logs: one value per member
+            self._members_epoch_end(trainer, epoch, _per_member(self.monitor, value, members))
             return
+        if np.ndim(value) != 0:
+            raise ValueError(
+                f"EarlyStopping(monitor={self.monitor!r}) watches one number per epoch, but "
+                f"{self.monitor!r} is an array of shape {np.shape(value)} (a metric per class, "
+                f"say): monitor a scalar log, e.g. its mean logged as a metric of its own."
+            )
         value = float(value)
         self.wait += 1
         if math.isfinite(value) and self._is_improvement(value, self.best):
@@ -289,8 +296,9 @@ class EarlyStopping:
                 f"epochs), so it neither stopped nor restored anything.",
                 stacklevel=2,
             )
-        if isinstance(self.wait, np.ndarray):
-            self._members_train_end(trainer)
+        if getattr(trainer, "num_members", None) is not None:
+            if isinstance(self.wait, np.ndarray):  # some epoch was monitored
+                self._members_train_end(trainer)
             return
         say = self.verbose and is_primary()
         if say and self.stopped_epoch is not None:
@@ -313,3 +321,14 @@ class EarlyStopping:
         if self.baseline is not None and not self._is_improvement(self.best, self.baseline):
             return f"{name} did not beat the baseline {self.baseline:.6g} in {epochs} ({best})"
         return f"{name} did not improve for {epochs} ({best})"
+
+
+def _per_member(monitor: str, value: Any, members: int) -> np.ndarray:
+    """A population's monitored log: exactly one number per member."""
+    values = np.asarray(value, np.float64)
+    if values.shape != (members,):
+        raise ValueError(
+            f"EarlyStopping(monitor={monitor!r}) on a population of {members} members needs "
+            f"one number per member, but {monitor!r} has shape {values.shape}."
+        )
+    return values

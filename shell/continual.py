@@ -91,6 +91,13 @@ def _check_metrics(
                 f"dict of {sorted(out)}. Return a single scalar; train_tasks records one "
                 f"number per task."
             )
+        (shape,) = (value.shape for value in out.values())
+        if shape != ():
+            raise ValueError(
+                f"metric_for_task({j}) on task {j}'s test data: the metric must be a scalar "
+                f"(the mean over the batch), got shape {shape}; train_tasks records one "
+                f"number per task."
+            )
 
 
 def train_tasks(

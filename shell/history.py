@@ -86,7 +86,7 @@ class History:
 
         steps = np.arange(1, columns.shape[0] + 1)
         ends = _epoch_end_steps(self.epochs, columns.shape[0])
-        evals = _eval_series(self.epochs, ends)
+        evals = _eval_series(self.epochs, ends, per_member=losses.ndim == 2)
         fig = figure_mod.Figure(figsize=(7, 5.5 if evals else 3.5), dpi=100)
         agg.FigureCanvasAgg(fig)
         axes = fig.subplots(2 if evals else 1, 1, sharex=True, squeeze=False)[:, 0]
@@ -215,16 +215,18 @@ def _epoch_end_steps(epochs: list[dict[str, Any]], n_steps: int) -> np.ndarray:
 
 
 def _eval_series(
-    epochs: list[dict[str, Any]], ends: np.ndarray
+    epochs: list[dict[str, Any]], ends: np.ndarray, *, per_member: bool = False
 ) -> dict[tuple[str, int | None], tuple[list[float], list[float]]]:
     """Each ``eval_*`` key's (end step, value) pairs over the epochs that logged it, keyed
-    ``(key, None)``; a population's per-member values are keyed ``(key, member)``."""
+    ``(key, None)``; a population's per-member values (``per_member``: its History's losses
+    are ``(steps, N)``) are keyed ``(key, member)``. Other array metrics (per class) are
+    not drawn."""
     series: dict[tuple[str, int | None], tuple[list[float], list[float]]] = {}
     for end, logs in zip(ends.tolist(), epochs, strict=True):
         for key, value in logs.items():
             if not key.startswith("eval_"):
                 continue
-            if np.ndim(value) == 1:  # one value per member
+            if per_member and np.ndim(value) == 1:  # one value per member
                 values = [(m, v) for m, v in enumerate(np.asarray(value, np.float64))]
             elif isinstance(value, numbers.Real) and not isinstance(value, bool):
                 values = [(None, value)]

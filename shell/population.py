@@ -8,7 +8,10 @@ vmapped over the members. Member ``i`` therefore trains what ``Trainer`` trains 
 model alone with ``seed=seeds[i]`` and that member's hyperparameters.
 
 The population owns its stacked state (no user object is written to): ``member(i)`` hands
-out a fresh, live ``nnx.Module`` holding member ``i``.
+out a fresh, live ``nnx.Module`` holding member ``i``. Training runs on the one fit engine
+``Trainer`` uses (``_engine``), with a stacked owner (``_members.StackedOwner``) and the
+runner vmapped over the members: plans, fused epochs, streams, checkpoints, preemption,
+evaluation and progress are the Trainer's own.
 """
 
 from __future__ import annotations
@@ -23,37 +26,25 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
-from rich.console import Console
 
-from nnxscan.pure import init_opt_state
 from nnxscan.pure._checks import (
-    check_batch_size,
+    abstract_batch,
     check_count,
-    check_leading_size,
     check_no_captured_nnx,
     check_transform,
 )
-from nnxscan.pure.population import injected_values, stack_states, with_hyperparams
-from nnxscan.shell import _checkpointing
-from nnxscan.shell import _population_checkpoints as _checkpoints
-from nnxscan.shell._fit import CallbackList, Checkpoints, Evaluation
-from nnxscan.shell._members import Members
-from nnxscan.shell._placement import Placement, to_host
-from nnxscan.shell._plans import Plan, choose_plan, resolve_plan
+from nnxscan.shell._engine import Engine, evaluate, fit_options
+from nnxscan.shell._members import build_members
+from nnxscan.shell._owner import check_companions
+from nnxscan.shell._placement import Placement
+from nnxscan.shell._plans import Plan, resolve_plan
 from nnxscan.shell._population_checks import (
-    call_model_fn,
     check_hyperparam_names,
     check_hyperparams,
     check_seeds,
     mesh_axes,
 )
-from nnxscan.shell._population_fit import (
-    PopulationEpochs,
-    PopulationFit,
-    history_from_run,
-    order_seeds,
-)
-from nnxscan.shell._programs import population_evaluator, population_runner, train_program
+from nnxscan.shell._programs import MemberLayout, train_program
 from nnxscan.shell.history import History
 
 __all__ = ["Population"]
@@ -71,13 +62,13 @@ class Population:
       tx: the optax transform of every member. For per-member hyperparameters, make it
         with ``optax.inject_hyperparams`` (e.g.
         ``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``).
-      loss_fn: ``loss_fn(model, batch)``, a scalar (or ``(loss, aux)`` with ``has_aux``).
+      loss_fn: ``loss_fn(model, batch)``, a scalar (or ``(loss, aux)`` with ``has_aux``;
+        ``loss_fn(model, batch, rngs)`` with ``rngs``).
       seeds: one non-negative int per member: its initialization (``nnx.Rngs(seed)``) and
         its shuffle (``epoch_order(seed, epoch, n)``, the rule of ``Trainer.fit``).
       hyperparams: ``{name: [one value per member]}`` for names the injected ``tx`` holds
         (``learning_rate``, ``b1``...); each member's optax state starts with its values.
-      wrt, has_aux, execution: as for ``Trainer`` (``"auto"``: one step per call for
-        convolutions on the CPU, else one call per epoch).
+      wrt, has_aux, execution, accumulate: as for ``Trainer``.
       on_nonfinite: as for ``Trainer``, per member: ``"skip"`` leaves a member unchanged
         on its steps with a non-finite loss or gradient (the other members train on);
         ``"stop"`` freezes a member at the state before its first such step, warns, and
@@ -85,6 +76,15 @@ class Population:
       mesh, member_axis, data_axis: spread the members over the mesh axis ``member_axis``
         (N must divide by its size) and split each member's batches over ``data_axis``
         (data parallelism); a mesh may have either axis or both.
+      fsdp_min_size: with a mesh's ``data_axis``, also shard every member's arrays of at
+        least this many elements along their largest dimension (as ``Trainer``'s).
+      rngs: call-time Rngs for ``loss_fn(model, batch, rngs)``: an ``nnx.Rngs`` every member
+        starts from (the same dropout streams), or ``rngs(seed) -> nnx.Rngs`` for each
+        member's own (member ``i`` then gets ``rngs(seeds[i])``).
+      metrics, update_metrics: NNX metrics (an ``nnx.Metric`` / ``nnx.MultiMetric``) each
+        member carries and updates inside the compiled step, as ``Trainer``'s: the epoch
+        logs gain ``train_<name>`` with one value per member; ``evaluate`` and fit's
+        evaluation use them when no ``metric_fn`` is given.
 
     Member ``i`` trains what ``Trainer(model_fn(nnx.Rngs(seeds[i])), tx_i, loss_fn).fit(
     data, epochs=..., batch_size=..., seed=seeds[i])`` trains, where ``tx_i`` is ``tx``
@@ -114,9 +114,14 @@ class Population:
         has_aux: bool = False,
         execution: str | Plan = "auto",
         on_nonfinite: str = "ignore",
+        accumulate: int = 1,
         mesh: Mesh | None = None,
         member_axis: str = "members",
         data_axis: str = "data",
+        fsdp_min_size: int | None = None,
+        rngs: nnx.Rngs | Callable[[int], nnx.Rngs] | None = None,
+        metrics: nnx.Metric | None = None,
+        update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
     ):
         # Every check runs before anything is built or compiled.
         if not callable(model_fn):
@@ -134,76 +139,135 @@ class Population:
             raise ValueError(
                 f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(_NONFINITE_POLICIES)}."
             )
-        self._explicit_plan = resolve_plan(execution)
+        if (metrics is None) != (update_metrics is None):
+            raise ValueError(
+                "metrics and update_metrics go together: metrics=nnx.MultiMetric(...) and "
+                "update_metrics=lambda metrics, loss, aux, batch: metrics.update(...)."
+            )
+        if rngs is not None and not (isinstance(rngs, nnx.Rngs) or callable(rngs)):
+            raise TypeError(
+                f"rngs must be an nnx.Rngs or a function seed -> nnx.Rngs, got "
+                f"{type(rngs).__name__}."
+            )
+        check_companions(None, metrics)
+        accumulate = check_count(accumulate, "accumulate", 1)
+        explicit_plan = resolve_plan(execution)
         member_axis, data_axis = mesh_axes(mesh, member_axis, data_axis, len(seeds))
+        placement = Placement(mesh, data_axis, fsdp_min_size, member_axis=member_axis)
         check_hyperparam_names(model_fn, tx, wrt, seeds[0], hyperparams)
 
-        self.model_fn, self.tx, self.loss_fn = model_fn, tx, loss_fn
-        self.wrt, self.has_aux, self.on_nonfinite = wrt, bool(has_aux), on_nonfinite
-        self.seeds = seeds
-        self.hyperparams = {k: list(v) for k, v in hyperparams.items()}
-        self._program = train_program(loss_fn, tx, wrt, self.has_aux, on_nonfinite)
-        graphdef, state, opt_state = self._build_members()
-        placement = Placement(mesh, data_axis, member_axis=member_axis)
-        self._members = Members(graphdef, state, opt_state, placement)
-        #: Set by a callback (``EarlyStopping``) to end ``fit`` after the current epoch.
+        self._config = dict(
+            model_fn=model_fn, tx=tx, loss_fn=loss_fn, wrt=wrt, has_aux=bool(has_aux),
+            on_nonfinite=on_nonfinite, accumulate=accumulate, update_metrics=update_metrics,
+            seeds=seeds, hyperparams={k: list(v) for k, v in hyperparams.items()},
+        )  # fmt: skip
+        self._owner = build_members(
+            model_fn, tx, wrt, seeds, hyperparams, rngs=rngs, metrics=metrics
+        )
+        program = train_program(
+            loss_fn, tx, wrt, bool(has_aux), on_nonfinite, accumulate, rngs is not None,
+            update_metrics,
+        )  # fmt: skip
+        self._engine = Engine(
+            program=program, owner=self._owner, placement=placement,
+            explicit_plan=explicit_plan, members=MemberLayout(member_axis), subject=self,
+            loss_fn=loss_fn, has_aux=bool(has_aux), update_metrics=update_metrics,
+            rngs=rngs,
+        )  # fmt: skip
+        #: Set by a callback (``EarlyStopping``) to end ``fit`` after the current call.
         self.stop_training = False
         # The latest values best(name) can look up: evaluate's results, the last epoch's logs.
         self._latest: dict[str, np.ndarray] = {}
 
-    def _build_members(self) -> tuple[nnx.GraphDef, nnx.State, Any]:
-        graphdef, states, opt_states = None, [], []
-        for i, seed in enumerate(self.seeds):
-            member_graphdef, state = nnx.split(call_model_fn(self.model_fn, seed))
-            if graphdef is None:
-                graphdef = member_graphdef
-            elif member_graphdef != graphdef:
-                raise ValueError(
-                    f"model_fn built member {i} (seed {seed}) with a different structure "
-                    f"from member 0 (seed {self.seeds[0]}): every member must be the same "
-                    f"architecture; only the seed may change."
-                )
-            opt_state = init_opt_state(self.tx, state, self.wrt)
-            values = {name: v[i] for name, v in self.hyperparams.items()}
-            states.append(state)
-            opt_states.append(with_hyperparams(opt_state, **values) if values else opt_state)
-        return graphdef, stack_states(states), stack_states(opt_states)
+    # -- configuration (read-only: the compiled program is built from it) -----------------
+
+    def __len__(self) -> int:
+        return self.num_members
+
+    @property
+    def num_members(self) -> int:
+        """How many members train: callbacks and writers read this (a Trainer: None)."""
+        return self._owner.num_members
+
+    @property
+    def seeds(self) -> tuple[int, ...]:
+        """Each member's seed (its initialization and its shuffle)."""
+        return self._config["seeds"]
+
+    @property
+    def hyperparams(self) -> dict[str, list]:
+        """The per-member hyperparameters the population was built with (a copy)."""
+        return {k: list(v) for k, v in self._config["hyperparams"].items()}
+
+    @property
+    def model_fn(self) -> Callable[[nnx.Rngs], nnx.Module]:
+        return self._config["model_fn"]
+
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        return self._config["tx"]
+
+    @property
+    def loss_fn(self) -> Callable[..., Any]:
+        return self._config["loss_fn"]
+
+    @property
+    def wrt(self) -> nnx.filterlib.Filter:
+        return self._config["wrt"]
+
+    @property
+    def has_aux(self) -> bool:
+        return self._config["has_aux"]
+
+    @property
+    def on_nonfinite(self) -> str:
+        return self._config["on_nonfinite"]
+
+    @property
+    def accumulate(self) -> int:
+        return self._config["accumulate"]
+
+    @property
+    def update_metrics(self) -> Callable[..., Any] | None:
+        return self._config["update_metrics"]
+
+    @property
+    def metrics(self) -> nnx.Metric | None:
+        """The NNX metrics template every member carries, when given."""
+        return self._owner.metrics
 
     # -- what the population holds --------------------------------------------------------
 
-    def __len__(self) -> int:
-        return len(self.seeds)
-
     @property
     def graphdef(self) -> nnx.GraphDef:
-        """The members' shared ``nnx.GraphDef``."""
-        return self._members.graphdef
+        """The ``nnx.GraphDef`` of one member's model (what :attr:`state` merges with)."""
+        return self._owner.model_graphdef
 
     @property
     def state(self) -> nnx.State:
-        """The members' stacked ``nnx.State`` (leading axis: members), as a copy: later
-        ``fit`` calls (which donate the population's own buffers) leave it intact."""
-        return self._members.copy_of(0)
+        """The members' stacked model ``nnx.State`` (leading axis: members), as a copy:
+        later ``fit`` calls (which donate the population's own buffers) leave it intact."""
+        return self._owner.model_state()
 
     @property
     def opt_state(self) -> Any:
         """The members' stacked optax state (a copy, as :attr:`state`)."""
-        return self._members.copy_of(1)
+        return self._owner.copy_of(1)
 
     @property
     def epoch(self) -> int:
         """The global index of the next epoch ``fit`` trains (epochs completed so far)."""
-        return self._members.epoch
+        return self._owner.epoch
 
     @property
     def step(self) -> int:
         """Steps each member has trained so far (a frozen member's steps count too)."""
-        return self._members.step
+        return self._owner.step
 
     @property
     def active(self) -> np.ndarray:
         """Which members train, shape ``(N,)`` bool (a copy); see :meth:`freeze`."""
-        return self._members.active.copy()
+        return self._owner.active.copy()
 
     def freeze(self, members: int | Sequence[int]) -> None:
         """Stops training these members: from the next compiled call on, their state and
@@ -217,9 +281,7 @@ class Population:
           >>> pop.active
           array([False,  True, False,  True])
         """
-        indices = [members] if isinstance(members, int | np.integer) else list(members)
-        checked = [check_count(i, "member index", 0, len(self) - 1) for i in indices]
-        self._members.active[checked] = False
+        self._owner.active[self._indices(members)] = False
 
     def unfreeze(self, members: int | Sequence[int] | None = None) -> None:
         """Lets frozen members train again (all of them by default).
@@ -228,11 +290,13 @@ class Population:
           >>> pop.unfreeze()
         """
         if members is None:
-            self._members.active[:] = True
+            self._owner.active[:] = True
             return
+        self._owner.active[self._indices(members)] = True
+
+    def _indices(self, members: int | Sequence[int]) -> list[int]:
         indices = [members] if isinstance(members, int | np.integer) else list(members)
-        checked = [check_count(i, "member index", 0, len(self) - 1) for i in indices]
-        self._members.active[checked] = True
+        return [check_count(i, "member index", 0, len(self) - 1) for i in indices]
 
     def load_state(self, state: nnx.State, *, where: Any = None) -> None:
         """Replaces the members' model state with a stacked ``state`` of the same
@@ -249,7 +313,7 @@ class Population:
                 f"where must be one bool per member, shape ({len(self)},); got shape "
                 f"{np.shape(where)}."
             )
-        self._members.load_state(state, where)
+        self._owner.load(state, where)
 
     def member(self, index: int) -> nnx.Module:
         """A fresh, live ``nnx.Module`` holding member ``index``'s trained state.
@@ -261,8 +325,7 @@ class Population:
           >>> model = pop.member(2)
           >>> Trainer(model, optax.adam(1e-4), loss_fn).fit(data, epochs=1, batch_size=32)
         """
-        index = check_count(index, "index", 0, len(self) - 1)
-        return nnx.merge(self.graphdef, self._members.member(index))
+        return self._owner.member(check_count(index, "index", 0, len(self) - 1))
 
     def best(self, metric: str | Any, mode: str = "min") -> int:
         """The index of the best member by ``metric``.
@@ -297,6 +360,18 @@ class Population:
             raise ValueError("every member's value is NaN: there is no best member.")
         return int(np.nanargmin(values) if mode == "min" else np.nanargmax(values))
 
+    def plan_for(self, data: Any, batch_size: int, *, member_batches: bool = False) -> Plan:
+        """The execution plan ``fit`` uses for this data and batch size (traces one
+        member's step, compiles nothing), as ``Trainer.plan_for``.
+
+        Example:
+          >>> pop.plan_for({"x": x, "y": y}, 32)
+          Plan(kind='scan', steps_per_call=None)
+        """
+        one = (lambda x: x[0]) if member_batches else (lambda x: x)
+        batch = abstract_batch(jax.tree.map(one, data), leading=batch_size)
+        return self._engine.execution(batch).plan
+
     # -- training -------------------------------------------------------------------------
 
     def fit(
@@ -304,90 +379,69 @@ class Population:
         data: Any,
         *,
         epochs: int,
-        batch_size: int,
+        batch_size: int | None = None,
         shared_order: bool = False,
-        drop_remainder: bool = True,
+        member_batches: bool = False,
+        shuffle: bool = True,
         callbacks: Sequence[Any] = (),
+        progress: bool = True,
+        steps_per_call: int | None = None,
+        drop_remainder: bool = True,
+        prefetch: bool = True,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 1,
+        checkpoint_every_steps: int | None = None,
+        resume: bool = False,
         eval_data: Any = None,
         metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
         eval_every: int = 1,
         eval_batch_size: int | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int = 1,
-        resume: bool = False,
-        progress: bool = False,
     ) -> History:
         """Trains every member ``epochs`` MORE epochs on ``data``, all in the same calls.
 
+        The arguments are ``Trainer.fit``'s (see there), less ``seed`` (each member's
+        seed was given to the population), plus:
+
         Args:
-          data: a pytree of arrays sharing a leading examples axis, shared by all members.
-          epochs: epochs to train (0 trains nothing).
-          batch_size: examples per step, for every member.
-          shared_order: ``False``: member ``i`` visits the examples in the order
-            ``epoch_order(seeds[i], epoch, n)``; ``True``: every member uses
+          data: a data set of arrays shared by every member, or a stream of batches (a
+            list, a re-iterable, a zero-argument callable returning a fresh iterator per
+            epoch), as for ``Trainer.fit``.
+          shared_order: a data set's order. ``False``: member ``i`` visits the examples in
+            the order ``epoch_order(seeds[i], epoch, n)``; ``True``: every member uses
             ``epoch_order(seeds[0], epoch, n)``.
-          drop_remainder: as for ``Trainer.fit`` (``False`` trains a final short batch).
-          callbacks: as for ``Trainer.fit``, called with the population as their first
-            argument and per-member logs. ``EarlyStopping`` freezes each member whose own
-            patience runs out and ends ``fit`` when all are frozen; setting
-            ``population.stop_training = True`` ends it after the current epoch.
-          eval_data, metric_fn, eval_every, eval_batch_size: every ``eval_every`` epochs,
-            :meth:`evaluate` and log each metric as ``eval_<name>`` (shape ``(N,)``).
-          checkpoint_dir, checkpoint_every: save (:meth:`save`) every ``checkpoint_every``
-            epochs by the global epoch index.
-          resume: with a ``checkpoint_dir``, ``epochs`` counts the WHOLE run: restore the
-            latest checkpoint there (the History so far included), if any, and train what
-            remains.
-          progress: print one line per epoch (the members' lowest, median, highest loss).
+          member_batches: ``False`` (default): every member trains on the same data.
+            ``True``: every leaf has a leading members axis: ``(N, examples, ...)`` for a
+            data set (member ``i`` trains on ``data[i]``), ``(N, batch, ...)`` for each
+            batch of a stream (member ``i`` trains on ``batch[i]``).
+          callbacks: called with the population as their first argument and per-member
+            logs; ``EarlyStopping`` freezes each member whose own patience runs out and
+            ends ``fit`` when none is left training.
+          progress: a progress bar in a terminal (the members' median loss and range), one
+            line per epoch in a log.
 
         Returns:
           A :class:`History` whose ``losses`` has shape ``(steps, N)`` and whose epoch
           logs hold numpy arrays of shape ``(N,)`` (``loss``, the means of scalar aux
-          leaves, ``learning_rate`` with an injected ``tx``, ``eval_*``, ``active``, and
-          ``skipped_steps`` under ``on_nonfinite="skip"``) next to the shared ``epoch``,
-          ``steps``, ``steps_per_sec`` and ``wall_time``. ``History.plot`` draws one curve
-          per member.
+          leaves, ``learning_rate`` with an injected ``tx``, ``train_*`` and ``eval_*``,
+          ``active``, and ``skipped_steps`` under ``on_nonfinite="skip"``) next to the
+          shared ``epoch``, ``steps``, ``steps_per_sec`` and ``wall_time``.
+          ``History.plot`` draws one curve per member.
 
         Example:
           >>> history = pop.fit(data, epochs=3, batch_size=32)
           >>> history.epochs[-1]["loss"]      # one mean loss per member
           array([0.31, 0.29, 0.35, 0.30], dtype=float32)
         """
-        epochs = check_count(epochs, "epochs", 0)
-        n = check_leading_size(data, "data")
-        batch_size = check_batch_size(batch_size, n, drop_remainder=True)
-        members = self._members
-        members.placement.check_batch_size(batch_size)
-        if not drop_remainder and n % batch_size:
-            members.placement.check_batch_size(n % batch_size)  # the short final batch
-        evaluation = self._evaluation(eval_data, metric_fn, eval_every, eval_batch_size, batch_size)
-        checkpoints = self._checkpoints(checkpoint_dir, checkpoint_every, resume, shared_order)
-        history = History(losses=np.zeros((0, len(self)), np.float32))
-        placed = members.placement.put_data(data, members.leaves)
-        plan, donate = self._plan(placed, batch_size)  # traces the step: bad data raises here
-        if resume and _checkpointing.latest_step(checkpoint_dir) is not None:
-            # The last thing that may change the population before training.
-            self._restore(checkpoint_dir, None, shared_order)
-            history = history_from_run(_checkpointing.parse_run(members.restored_run), len(self))
-            epochs = max(0, epochs - self.epoch)
-        if epochs == 0:
-            return history
-        data = placed
-        run = population_runner(
-            self._program, self.graphdef, members.carry_def, donate=donate,
-            member_axis=members.placement.member_axis,
-            batch_sharding=members.placement.batch_sharding,
-            carry_shardings=members.placement.carry_shardings(members.leaves),
+        options = fit_options(
+            self._engine, data, epochs=epochs, batch_size=batch_size, shuffle=shuffle,
+            steps_per_call=steps_per_call, drop_remainder=drop_remainder, prefetch=prefetch,
+            callbacks=callbacks, progress=progress, eval_data=eval_data, metric_fn=metric_fn,
+            eval_every=eval_every, eval_batch_size=eval_batch_size,
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            checkpoint_every_steps=checkpoint_every_steps, resume=resume,
+            run_keys={"shared_order": bool(shared_order)}, member_batches=member_batches,
         )  # fmt: skip
-        spec = PopulationEpochs(
-            data, n, batch_size, bool(drop_remainder), order_seeds(self.seeds, shared_order),
-            plan, self.has_aux, self.on_nonfinite == "skip", self.on_nonfinite == "stop",
-        )  # fmt: skip
-        loop = PopulationFit(
-            members, run, spec, CallbackList(callbacks, self), evaluation, checkpoints,
-            _stacked_learning_rate, Console() if progress else None,
-        )  # fmt: skip
-        history = loop.train(history, epochs)
+        history = self._engine.fit(data, options)
         if history.epochs:
             logs = history.epochs[-1]
             self._latest.update(
@@ -395,64 +449,18 @@ class Population:
             )
         return history
 
-    def _plan(self, data: Any, batch_size: int) -> tuple[Plan, bool]:
-        """The execution plan (``"auto"``: the Trainer's rule on one member's step) and
-        whether the carry may be donated (not with host callbacks in the step)."""
-        # Shapes only: slicing the arrays would compile a slice per leaf shape.
-        member = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
-        state, opt_state = jax.tree.map(member, self._members.carry())
-        batch = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((batch_size, *x.shape[1:]), x.dtype), data
-        )
-        traits = self._program.traits(self.graphdef, state, opt_state, batch)
-        plan = self._explicit_plan or choose_plan(traits, jax.default_backend())
-        return plan, not traits.has_callback
-
-    def _evaluation(self, data, metric_fn, every, eval_batch_size, batch_size) -> Evaluation | None:
-        if data is None and metric_fn is None:
-            return None
-        if data is None or metric_fn is None:
-            raise ValueError("evaluation during fit needs both eval_data and a metric_fn.")
-        if not callable(metric_fn):
-            raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
-        n = check_leading_size(data, "eval_data")
-        every = check_count(every, "eval_every", 1)
-        size = check_count(eval_batch_size or batch_size, "eval_batch_size", 1)
-        size = check_batch_size(min(size, n), n, drop_remainder=False)
-        return Evaluation(every, lambda: self.evaluate(data, metric_fn, batch_size=size))
-
-    def _checkpoints(self, directory, every, resume, shared_order) -> Checkpoints | None:
-        every = check_count(every, "checkpoint_every", 1)
-        if directory is None:
-            if resume:
-                raise ValueError("resume=True needs a checkpoint_dir to resume from.")
-            return None
-
-        def save(history: History, partial: np.ndarray) -> None:
-            run = _checkpointing.run_json(history, partial)
-            self._save(directory, run=run, shared_order=shared_order)
-
-        return Checkpoints(every, None, save)
-
     # -- checkpoints ----------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike[str], *, max_to_keep: int = 3) -> pathlib.Path:
         """Saves the whole population (every member's state and optax state, the counters,
-        the seeds and which members are frozen) as checkpoint number :attr:`step`.
+        the seeds and which members are frozen) as checkpoint number :attr:`step`. Saving
+        again at a step that has one keeps it, unless a state was loaded since.
 
         Example:
           >>> pop.save("runs/sweep")
           PosixPath('.../runs/sweep/220')
         """
-        return self._save(directory, max_to_keep=max_to_keep)
-
-    def _save(
-        self, directory: Any, *, max_to_keep: int = 3, run: str = "", shared_order: bool = False
-    ) -> pathlib.Path:
-        return _checkpoints.save(
-            self._members, directory, self.seeds, run=run, shared_order=shared_order,
-            max_to_keep=max_to_keep,
-        )  # fmt: skip
+        return self._engine.save(directory, max_to_keep=max_to_keep)
 
     def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
         """Restores a checkpoint of :meth:`save` (the latest, or ``step``) into this
@@ -464,47 +472,30 @@ class Population:
           >>> pop.restore("runs/sweep")
           10
         """
-        return self._restore(directory, step, None)
-
-    def _restore(self, directory: Any, step: int | None, shared_order: bool | None) -> int:
-        return _checkpoints.restore(
-            self._members, directory, step, self.seeds, self.hyperparams, shared_order
-        )
+        return self._engine.restore(directory, step)
 
     # -- evaluation -----------------------------------------------------------------------
 
     def evaluate(
         self,
         data: Any,
-        metric_fn: Callable[[nnx.Module, Any], Any],
+        metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
         *,
         batch_size: int,
         eval_mode: bool = True,
     ) -> dict[str, np.ndarray]:
         """Evaluates every member over EVERY example of ``data``: ``{name: values (N,)}``.
 
-        ``metric_fn(model, batch)`` returns a scalar (reported under its function name) or
-        a dict of scalars, each the mean over the batch, as for ``Trainer.evaluate``; the
-        members run vmapped in one compiled call. Nothing in the population changes.
+        ``metric_fn(model, batch)`` returns a metric or a dict of them, each the mean over
+        the batch, as for ``Trainer.evaluate``; without one, the population's NNX metrics
+        fed by its loss. The members run vmapped in one compiled call. Nothing in the
+        population changes.
 
         Example:
           >>> pop.evaluate(test, accuracy, batch_size=256)
           {'accuracy': array([0.95, 0.97, 0.96, 0.91], dtype=float32)}
         """
-        if not callable(metric_fn):
-            raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
-        n = check_leading_size(data, "data")
-        batch_size = check_batch_size(batch_size, n, drop_remainder=False)
-        run = population_evaluator(metric_fn, batch_size, bool(eval_mode))
-        members = self._members
-        data = members.placement.put_data(data, members.leaves)
-        values = to_host(run(self.graphdef, members.carry()[0], data))
+        values = evaluate(self._engine, data, metric_fn, batch_size=batch_size, eval_mode=eval_mode)
         values = {k: np.asarray(v, np.float32) for k, v in values.items()}
         self._latest.update(values)
         return values
-
-
-def _stacked_learning_rate(opt_state: Any) -> Any:
-    """The members' learning rates, shape ``(N,)``, when ``tx`` came from
-    ``optax.inject_hyperparams``; else None."""
-    return injected_values(opt_state, "learning_rate")

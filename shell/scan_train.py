@@ -14,7 +14,7 @@ from flax import nnx
 from nnxscan.pure._checks import abstract_batch, check_batch_size, check_leading_size
 from nnxscan.shell._calls import LiveState, plan_calls, prepare_execution, run_calls
 from nnxscan.shell._epochs import ArrayEpochs, EpochStats
-from nnxscan.shell._owner import Owner
+from nnxscan.shell._owner import ModelOwner
 from nnxscan.shell._placement import Placement, device_of
 from nnxscan.shell._plans import Plan, resolve_plan
 from nnxscan.shell._programs import train_program
@@ -73,7 +73,7 @@ def scan_train(
     else:
         batch_size = check_batch_size(batch_size, num, drop_remainder=drop_remainder)
     explicit = resolve_plan(execution)
-    owner = Owner(model, optimizer, rngs=rngs)
+    owner = ModelOwner(model, optimizer, rngs=rngs)
     graphdef, state, opt_state = owner.read()
     program = train_program(loss_fn, owner.tx, owner.wrt, False, with_rngs=rngs is not None)
     placement = Placement()
@@ -90,12 +90,16 @@ def scan_train(
         epoch_calls = ArrayEpochs(
             execution.plan, batches, functools.partial(placement.put_data, device=device_of(state)),
             num_examples=num,
-            batch_size=batch_size, seed=0, shuffle=False,
+            batch_size=batch_size, seeds=0, shuffle=False,
             keep_tail=not drop_remainder and num % batch_size > 0,
         )  # fmt: skip
         calls = epoch_calls(0, EpochStats())
-    live = LiveState(state, opt_state, owner.writer())
-    outs = run_calls(program, execution, graphdef, live, calls)
+
+    def make_runner(carry_def, carry_shardings, donate):
+        return program.runner(graphdef, carry_def, donate=donate, carry_shardings=carry_shardings)
+
+    live = LiveState(state, opt_state, owner.writer(), placement, make_runner)
+    outs = run_calls(program, execution, live, calls)
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
 
 

@@ -1,42 +1,28 @@
 """The Trainer: scanned epochs on the user's own NNX module and optimizer.
 
-``Trainer`` checks its arguments and delegates: the :class:`~nnxscan.shell._owner.Owner`
-reads and writes the user's objects, a compiled program from ``_programs`` runs the pure
-step, the calls come from ``_epochs`` (arrays or streams), and ``_fit.FitLoop`` runs the
-epochs with callbacks, evaluation and progress.
+``Trainer`` checks its arguments and delegates to the one fit engine (``_engine.Engine``,
+shared with ``Population``): a :class:`~nnxscan.shell._owner.ModelOwner` reads and writes
+the user's objects, a compiled program from ``_programs`` runs the pure step, and
+``_fit.FitLoop`` runs the epochs with callbacks, evaluation, checkpoints and progress.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from flax import nnx
 
-from nnxscan.adapters.data import GrainEpochs
-from nnxscan.pure._checks import (
-    abstract_batch,
-    check_batch_size,
-    check_count,
-    check_leading_size,
-    check_no_captured_nnx,
-)
-from nnxscan.pure._node import node_of
-from nnxscan.shell import _checkpointing
-from nnxscan.shell._calls import Execution, prepare_execution
-from nnxscan.shell._epochs import ArrayEpochs, peek_stream, stream_epochs, with_steps_per_call
-from nnxscan.shell._fit import CallbackList, Checkpoints, Evaluation, FitLoop
-from nnxscan.shell._owner import Owner, metric_logs
-from nnxscan.shell._placement import Placement, device_of, to_host
+from nnxscan.pure._checks import abstract_batch, check_count, check_no_captured_nnx
+from nnxscan.shell._engine import Engine, evaluate, fit_options
+from nnxscan.shell._owner import ModelOwner
+from nnxscan.shell._placement import Placement
 from nnxscan.shell._plans import Plan, resolve_plan
-from nnxscan.shell._programs import evaluator, metrics_evaluator, train_program
-from nnxscan.shell._streaming import EpochSource, default_chunk_size, is_stream
+from nnxscan.shell._programs import train_program
 from nnxscan.shell.history import History
 
 __all__ = ["Trainer"]
@@ -153,18 +139,55 @@ class Trainer:
                 f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(_NONFINITE_POLICIES)}."
             )
         accumulate = check_count(accumulate, "accumulate", 1)
-        self._explicit_plan = resolve_plan(execution)
-        self._placement = Placement(mesh, data_axis, fsdp_min_size)
-        self._owner = Owner(model, tx_or_optimizer, wrt, rngs=rngs, metrics=metrics)
-        self.loss_fn = loss_fn
-        self.has_aux = bool(has_aux)
-        self.update_metrics = update_metrics
-        self.on_nonfinite = on_nonfinite
+        placement = Placement(mesh, data_axis, fsdp_min_size)
+        self._owner = ModelOwner(model, tx_or_optimizer, wrt, rngs=rngs, metrics=metrics)
+        # What the compiled program is built from: read-only from here on (properties).
+        self._config = dict(
+            loss_fn=loss_fn, has_aux=bool(has_aux), update_metrics=update_metrics,
+            on_nonfinite=on_nonfinite, accumulate=accumulate,
+        )  # fmt: skip
+        #: Set by a callback (``EarlyStopping``) to end ``fit`` after the current call.
         self.stop_training = False
-        self._program = train_program(
-            loss_fn, self.tx, self.wrt, self.has_aux, on_nonfinite, accumulate,
+        program = train_program(
+            loss_fn, self.tx, self.wrt, bool(has_aux), on_nonfinite, accumulate,
             rngs is not None, update_metrics,
         )  # fmt: skip
+        self._engine = Engine(
+            program=program, owner=self._owner, placement=placement,
+            explicit_plan=resolve_plan(execution), members=None, subject=self,
+            loss_fn=loss_fn, has_aux=bool(has_aux), update_metrics=update_metrics, rngs=rngs,
+        )  # fmt: skip
+
+    # -- configuration (read-only: the compiled program is built from it) -----------------
+
+    #: A Trainer trains one model (a ``Population``: N). Callbacks and writers read this.
+    num_members = None
+
+    @property
+    def loss_fn(self) -> Callable[..., Any]:
+        """The loss the compiled step was built from (read-only: build a new Trainer to
+        train another loss)."""
+        return self._config["loss_fn"]
+
+    @property
+    def has_aux(self) -> bool:
+        """Whether ``loss_fn`` returns ``(loss, aux)``."""
+        return self._config["has_aux"]
+
+    @property
+    def update_metrics(self) -> Callable[..., Any] | None:
+        """The NNX metrics update run inside the step, when given."""
+        return self._config["update_metrics"]
+
+    @property
+    def on_nonfinite(self) -> str:
+        """The non-finite policy: ``"ignore"``, ``"skip"`` or ``"stop"``."""
+        return self._config["on_nonfinite"]
+
+    @property
+    def accumulate(self) -> int:
+        """Micro-batches per step (1: none)."""
+        return self._config["accumulate"]
 
     # -- the user's objects and the counters (all held by the owner) ----------------------
 
@@ -235,14 +258,7 @@ class Trainer:
           >>> trainer.plan_for({"x": x, "y": y}, 32)
           Plan(kind='scan', steps_per_call=None)
         """
-        graphdef, state, opt_state = self._owner.read()
-        batch = abstract_batch(data, leading=batch_size)
-        return self._execution(graphdef, state, opt_state, batch).plan
-
-    def _execution(self, graphdef, state, opt_state, batch) -> Execution:
-        return prepare_execution(
-            self._program, self._explicit_plan, graphdef, state, opt_state, batch
-        )
+        return self._engine.execution(abstract_batch(data, leading=batch_size)).plan
 
     # -- training -------------------------------------------------------------------------
 
@@ -333,153 +349,18 @@ class Trainer:
           >>> history = trainer.fit({"x": x, "y": y}, epochs=5, batch_size=64)
           >>> history = trainer.fit(lambda: loader_batches(), epochs=5, steps_per_call=50)
         """
-        epochs = check_count(epochs, "epochs", 0)
         if seed is not None:
             seed = check_count(seed, "seed", 0, _MAX_SEED)
-        checkpoints = self._checkpoints(
-            checkpoint_dir, checkpoint_every, checkpoint_every_steps, resume
-        )
-        if steps_per_call is not None:
-            steps_per_call = check_count(steps_per_call, "steps_per_call", 1)
-        elif checkpoints is not None and checkpoints.every_steps:
-            steps_per_call = checkpoints.every_steps  # call boundaries to save at
-        evaluation = None
-        if eval_data is not None or metric_fn is not None:
-            evaluation = self._evaluation(
-                eval_data, metric_fn, eval_every, eval_batch_size, batch_size
-            )
-        run = {}
-        if resume:  # the last step that may change the objects before training
-            epochs, run = self._resume(checkpoint_dir, epochs, seed, data)
-            if epochs == 0:
-                return run["history"]
-        seed = self.seed if seed is None else seed
-        loop_inputs = dict(
-            callbacks=callbacks, progress=progress, evaluation=evaluation,
-            checkpoints=checkpoints, run=run,
+        options = fit_options(
+            self._engine, data, epochs=epochs, batch_size=batch_size, shuffle=shuffle,
+            steps_per_call=steps_per_call, drop_remainder=drop_remainder, prefetch=prefetch,
+            callbacks=callbacks, progress=progress, eval_data=eval_data, metric_fn=metric_fn,
+            eval_every=eval_every, eval_batch_size=eval_batch_size,
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            checkpoint_every_steps=checkpoint_every_steps, resume=resume,
+            run_keys={"seed": seed},
         )  # fmt: skip
-        if is_stream(data):
-            if batch_size is not None:
-                batch_size = check_count(batch_size, "batch_size", 1)
-            return self._fit_stream(
-                data, epochs, batch_size, steps_per_call, drop_remainder, prefetch, **loop_inputs
-            )
-        if batch_size is None:
-            raise ValueError("batch_size is required when data is a data set of arrays.")
-        return self._fit_arrays(
-            data, epochs, batch_size, seed, shuffle, steps_per_call, drop_remainder, **loop_inputs
-        )
-
-    def _evaluation(self, data, metric_fn, every, eval_batch_size, batch_size) -> Evaluation:
-        if data is None:
-            raise ValueError(
-                "evaluation during fit needs both eval_data and a metric_fn (or the "
-                "trainer's metrics=/update_metrics=)."
-            )
-        if metric_fn is None and self.metrics is None:
-            raise ValueError(
-                "evaluation during fit needs both eval_data and a metric_fn, or NNX "
-                "metrics given to the Trainer as metrics=/update_metrics=."
-            )
-        n = check_leading_size(data, "eval_data")
-        every = check_count(every, "eval_every", 1)
-        size = eval_batch_size or (batch_size if isinstance(batch_size, int) else 256)
-        size = check_batch_size(
-            min(check_count(size, "eval_batch_size", 1), n), n, drop_remainder=False
-        )
-        run = self._evaluator(metric_fn, None, None, size, True)
-        return Evaluation(every, lambda: run(data))
-
-    def _checkpoints(self, directory, every, every_steps, resume) -> Checkpoints | None:
-        every = check_count(every, "checkpoint_every", 1)
-        if every_steps is not None:
-            every_steps = check_count(every_steps, "checkpoint_every_steps", 1)
-        if directory is None:
-            if resume or every_steps is not None:
-                raise ValueError(
-                    "resume=True and checkpoint_every_steps need a checkpoint_dir to save "
-                    "to and resume from."
-                )
-            return None
-        directory = pathlib.Path(directory).resolve()
-
-        def save(history: History, partial: np.ndarray) -> None:
-            run = _checkpointing.run_json(history, partial)
-            _checkpointing.save(self._owner, directory, run=run)
-
-        return Checkpoints(every, every_steps, save)
-
-    def _resume(self, directory, epochs: int, seed: int | None, data: Any):
-        """Restores the latest checkpoint, if any; returns the epochs left and the run."""
-        history, partial = History(), None
-        if _checkpointing.latest_step(directory) is not None:
-            self.restore(directory)
-            history, partial = _checkpointing.parse_run(self._owner.restored_run)
-            if seed is not None and seed != self.seed:
-                raise ValueError(
-                    f"resume=True with seed={seed}, but the checkpoint's run used seed "
-                    f"{self.seed}: pass the same seed (or none) to resume it."
-                )
-        if isinstance(data, GrainEpochs):
-            data.epoch = self.epoch  # grain draws each epoch's order from its index
-        left = max(epochs - self.epoch, 0)
-        return left, {"history": history, "partial": partial}
-
-    def _loop(
-        self, execution: Execution, *, callbacks, progress, evaluation, checkpoints, run
-    ) -> tuple[FitLoop, dict]:
-        loop = FitLoop(
-            program=self._program, execution=execution, owner=self._owner,
-            placement=self._placement, callbacks=CallbackList(callbacks, self),
-            progress=progress, evaluation=evaluation, checkpoints=checkpoints,
-        )  # fmt: skip
-        return loop, run
-
-    def _fit_arrays(
-        self, data, epochs, batch_size, seed, shuffle, steps_per_call, drop_remainder, **loop
-    ) -> History:
-        n = check_leading_size(data, "data")
-        batch_size = check_batch_size(batch_size, n, drop_remainder=True)
-        self._placement.check_batch_size(batch_size)
-        if not drop_remainder:
-            self._placement.check_batch_size(n % batch_size or batch_size)
-        graphdef, state, opt_state = self._owner.read()
-        data = self._placement.put_data(data, state)
-        execution = self._execution(
-            graphdef, state, opt_state, abstract_batch(data, leading=batch_size)
-        )
-        execution = execution._replace(plan=with_steps_per_call(execution.plan, steps_per_call))
-        epoch_calls = ArrayEpochs(
-            execution.plan, data,
-            functools.partial(self._placement.put_data, device=device_of(state)),
-            num_examples=n, batch_size=batch_size, seed=seed, shuffle=shuffle,
-            keep_tail=not drop_remainder and n % batch_size > 0,
-        )  # fmt: skip
-        self._owner.seed = seed  # only once every input is known good: a failed fit changes nothing
-        fit_loop, run = self._loop(execution, **loop)
-        return fit_loop.run(epochs, graphdef, state, opt_state, epoch_calls, **run)
-
-    def _fit_stream(
-        self, data, epochs, batch_size, steps_per_call, drop_remainder, prefetch, **loop
-    ) -> History:
-        source = EpochSource(data, epochs)
-        if epochs == 0:
-            return History()
-        graphdef, state, opt_state = self._owner.read()
-        first, first_epoch = peek_stream(source)
-        # Each process streams its own share of every batch: check the local size.
-        self._placement.check_batch_size(jax.tree.leaves(first)[0].shape[0], local=True)
-        execution = self._execution(graphdef, state, opt_state, abstract_batch(first))
-        epoch_calls = stream_epochs(
-            source, first_epoch, execution.plan,
-            chunk_size=steps_per_call or default_chunk_size(first),
-            put=functools.partial(self._placement.put_chunk, device=device_of(state)),
-            batch_size=batch_size, drop_remainder=drop_remainder,
-            tail_divisor=self._placement.local_data_parallel(),
-            prefetch=prefetch,
-        )  # fmt: skip
-        fit_loop, run = self._loop(execution, **loop)
-        return fit_loop.run(epochs, graphdef, state, opt_state, epoch_calls, **run)
+        return self._engine.fit(data, options)
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -496,9 +377,9 @@ class Trainer:
           >>> trainer.save("/tmp/run")
           PosixPath('/tmp/run/16')
         """
-        return _checkpointing.save(self._owner, directory, max_to_keep=max_to_keep)
+        return self._engine.save(directory, max_to_keep=max_to_keep)
 
-    def restore(self, directory: str | os.PathLike[str], step: int | None = None) -> int:
+    def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
         """Loads the latest (or the given) checkpoint into the model, optimizer and counters.
 
         Returns the epoch reached. A later ``fit`` continues exactly where the saved run
@@ -511,7 +392,7 @@ class Trainer:
           >>> trainer.restore("/tmp/run")
           2
         """
-        return _checkpointing.restore(self._owner, self._placement, directory, step)
+        return self._engine.restore(directory, step)
 
     # -- evaluation -----------------------------------------------------------------------
 
@@ -529,9 +410,11 @@ class Trainer:
 
         Two ways, one per call:
 
-        - ``metric_fn(model, batch)`` returns a scalar (reported under its function name,
-          or ``"metric"``) or a dict of scalars, each the mean over the batch; the result
-          averages them over all examples (a final short batch counts with its true size).
+        - ``metric_fn(model, batch)`` returns a metric (reported under its function name,
+          or ``"metric"``) or a dict of metrics, each the mean over the batch: a scalar
+          (a float in the result) or an array of any fixed shape, such as a per-class
+          accuracy (a numpy array, averaged elementwise); the result averages them over all
+          examples (a final short batch counts with its true size).
         - NNX metrics: ``metrics`` (an ``nnx.Metric`` / ``nnx.MultiMetric``) and
           ``update_metrics(metrics, loss, aux, batch)``, fed with ``loss_fn`` — the Flax
           tutorial's ``eval_step``. They default to the trainer's own; the result is
@@ -550,46 +433,7 @@ class Trainer:
           >>> trainer.evaluate(test_data, batch_size=500)  # the trainer's NNX metrics
           {'accuracy': 0.975, 'loss': 0.08}
         """
-        n = check_leading_size(data, "data")
-        batch_size = check_batch_size(batch_size, n, drop_remainder=False)
-        run = self._evaluator(metric_fn, metrics, update_metrics, batch_size, eval_mode)
-        return run(data)
-
-    def _evaluator(
-        self, metric_fn, metrics, update_metrics, batch_size, eval_mode
-    ) -> Callable[[Any], dict[str, Any]]:
-        """Checks the evaluation arguments (before anything compiles); returns ``run(data)``."""
-        if metric_fn is not None:
-            if metrics is not None or update_metrics is not None:
-                raise ValueError("pass either metric_fn or metrics/update_metrics, not both.")
-            if not callable(metric_fn):
-                raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
-            program = evaluator(metric_fn, batch_size, eval_mode)
-            node = self.model
-        else:
-            metrics = self.metrics if metrics is None else metrics
-            update_metrics = self.update_metrics if update_metrics is None else update_metrics
-            if metrics is None or update_metrics is None:
-                raise ValueError(
-                    "evaluate needs a metric_fn, or NNX metrics: metrics= and "
-                    "update_metrics= here or on the Trainer."
-                )
-            if not isinstance(metrics, nnx.Metric):
-                raise TypeError(f"metrics must be an nnx.Metric, got {type(metrics).__name__}.")
-            program = metrics_evaluator(
-                self.loss_fn, update_metrics, batch_size, has_aux=self.has_aux,
-                with_rngs=self.rngs is not None, eval_mode=eval_mode,
-            )  # fmt: skip
-            node = node_of(self.model, self.rngs, metrics)
-
-        def run(data: Any) -> dict[str, Any]:
-            graphdef, state = nnx.split(node)
-            leaves, treedef = jax.tree.flatten(state)
-            state = jax.tree.unflatten(treedef, self._placement.put_carry(leaves))
-            data = self._placement.put_data(data, state)
-            values = to_host(program(graphdef, state, data))
-            if metric_fn is None:
-                return metric_logs(values, metrics)
-            return {k: float(v) for k, v in values.items()}
-
-        return run
+        return evaluate(
+            self._engine, data, metric_fn, batch_size=batch_size, eval_mode=eval_mode,
+            metrics=metrics, update_metrics=update_metrics,
+        )  # fmt: skip

@@ -1,7 +1,8 @@
 """Run by tests/test_chaos.py in subprocesses (not collected by pytest).
 
-``python chaos_worker.py CHECKPOINT_DIR OUT.npz CACHE_DIR``: a preemptible training script
-on a small model whose forward pass moves batch statistics and RNG counts. It asks for the
+``python chaos_worker.py CHECKPOINT_DIR OUT.npz CACHE_DIR [trainer|population]``: a
+preemptible training script on a small model whose forward pass moves batch statistics and
+RNG counts (a ``Trainer``, or a ``Population`` of two such members). It asks for the
 WHOLE run with ``resume=True``: rerunning the same command after a kill goes on from the
 newest checkpoint. On stdout it reports "ready" just before ``fit`` (imports done, model
 built), "training" when ``fit``'s loop begins (after any restore) and "step N" after every
@@ -18,19 +19,26 @@ import sys
 EPOCHS, BATCH, EXAMPLES, EVERY_STEPS, SEED = 6, 8, 200, 4, 3  # 25 steps an epoch
 
 
-def main(checkpoint_dir: str, out: str, cache_dir: str) -> None:
+def main(checkpoint_dir: str, out: str, cache_dir: str, mode: str = "trainer") -> None:
     import optax
     from flax import nnx
 
-    from nnxscan.shell import LambdaCallback, Trainer, enable_compilation_cache
+    from nnxscan.shell import LambdaCallback, Population, Trainer, enable_compilation_cache
 
     from conftest import BNDropout, make_data, xent
     from run_record import save_run
 
     enable_compilation_cache(cache_dir)
     data = make_data(EXAMPLES)
-    model = BNDropout(hidden=16, rngs=nnx.Rngs(0))  # batch statistics and RNG counts move
-    trainer = Trainer(model, optax.adam(1e-2), xent)
+    fit = {}
+    if mode == "population":
+        trainer = Population(
+            lambda rngs: BNDropout(hidden=16, rngs=rngs), optax.adam(1e-2), xent, seeds=[SEED, 7]
+        )
+    else:
+        model = BNDropout(hidden=16, rngs=nnx.Rngs(0))  # batch statistics and RNG counts move
+        trainer = Trainer(model, optax.adam(1e-2), xent)
+        fit["seed"] = SEED
     # What the test times its signals from. The hooks change nothing in what is trained: a
     # run with checkpoint_every_steps writes back after every call and fuses no epochs anyway.
     report = LambdaCallback(
@@ -39,13 +47,13 @@ def main(checkpoint_dir: str, out: str, cache_dir: str) -> None:
     )
     print("ready", flush=True)
     history = trainer.fit(
-        data, epochs=EPOCHS, batch_size=BATCH, seed=SEED, checkpoint_dir=checkpoint_dir,
+        data, epochs=EPOCHS, batch_size=BATCH, checkpoint_dir=checkpoint_dir,
         checkpoint_every_steps=EVERY_STEPS, resume=True, progress=False,
-        callbacks=[report],
+        callbacks=[report], **fit,
     )  # fmt: skip
-    save_run(out, model, trainer, history)
+    save_run(out, trainer.state if mode == "population" else model, trainer, history)
     print("done", flush=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,16 @@ def _on_event(event: str, *args, **kwargs) -> None:
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test, whatever pytest was started with: a
+    background job (``nohup pytest &``) inherits SIGINT ignored, which nnxscan rightly
+    leaves alone; a test that sends SIGINT needs the default, and gets the old one back."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

@@ -27,14 +27,18 @@ def main(out: str) -> None:
     options = dict(seeds=[0, 1, 2, 3], hyperparams={"learning_rate": [1e-2, 3e-3, 1e-3, 3e-2]})
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("members", "data"))
     results = {}
-    for name, extra in (("single", {}), ("mesh", {"mesh": mesh})):
+    runs = (("single", {}), ("mesh", {"mesh": mesh}), ("fsdp", {"mesh": mesh, "fsdp_min_size": 32}))
+    for name, extra in runs:
         pop = Population(model_fn, tx, xent, **options, **extra)
         history = pop.fit(data, epochs=3, batch_size=8)
         results[f"{name}_losses"] = history.losses
         results[f"{name}_state"] = np.concatenate([a.ravel() for a in state_arrays(pop.state)])
-        if name == "mesh":
-            kernel = jax.tree.leaves(pop._members.leaves)[0]
-            results["spec"] = str(tuple(kernel.sharding.spec))
+        if name != "single":
+            kernel = pop.state["l1"]["kernel"][...]  # a copy keeps the sharding
+            results[f"{name}_spec"] = str(tuple(kernel.sharding.spec))
+            # No device holds more than its share of the sharded kernel (FSDP: a half).
+            shard = kernel.addressable_shards[0].data
+            results[f"{name}_shard"] = np.asarray(shard.shape)
         if name == "mesh":
             # A frozen member stays bitwise on the mesh; member(i) trains with a plain Trainer.
             results["frozen_before"] = state_arrays(pop.member(2))[0]

@@ -22,13 +22,15 @@ def _host(leaf: Any) -> np.ndarray:
     return np.asarray(leaf)
 
 
-def save_run(out: str, model: nnx.Module, trainer: Any, history: Any) -> None:
+def save_run(out: str, model: Any, trainer: Any, history: Any) -> None:
     """Every array of the model's state (RNG keys as their data) and of the optax state,
-    the counters, and the History, into ``out`` (.npz). Losses are reductions XLA may fuse
-    differently in calls of another length: tests compare them closely, the states bitwise.
+    the counters, and the History, into ``out`` (.npz). ``model`` is an ``nnx.Module`` or a
+    (population's stacked) state. Losses are reductions XLA may fuse differently in calls
+    of another length: tests compare them closely, the states bitwise.
     """
     arrays = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
+    state = nnx.state(model) if isinstance(model, nnx.Module) else model
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         arrays["state" + jax.tree_util.keystr(path)] = _host(leaf)
     for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.opt_state):
         arrays["opt_state" + jax.tree_util.keystr(path)] = _host(leaf)

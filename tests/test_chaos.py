@@ -51,7 +51,13 @@ def env() -> dict:
 class Worker:
     """One run of the worker script; its stdout lines arrive, timestamped, on a queue."""
 
-    def __init__(self, checkpoint_dir: pathlib.Path, out: pathlib.Path, cache: pathlib.Path):
+    def __init__(
+        self,
+        checkpoint_dir: pathlib.Path,
+        out: pathlib.Path,
+        cache: pathlib.Path,
+        mode: str = "trainer",
+    ):
         self.stderr_path = out.with_suffix(f".{time.monotonic_ns()}.stderr")
         self.started = time.monotonic()
         self.started_wall = time.time()
@@ -59,7 +65,7 @@ class Worker:
         # own copy of the descriptor.
         with open(self.stderr_path, "w") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, WORKER, str(checkpoint_dir), str(out), str(cache)],
+                [sys.executable, WORKER, str(checkpoint_dir), str(out), str(cache), mode],
                 stdout=subprocess.PIPE, stderr=stderr, text=True, env=env(),
             )  # fmt: skip
         self._lines: queue.Queue = queue.Queue()
@@ -180,8 +186,8 @@ def assert_same_final_state(got: dict, reference: dict) -> None:
             np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
-def run_to_completion(directory, out, cache) -> tuple[Worker, float]:
-    worker = Worker(directory, out, cache)
+def run_to_completion(directory, out, cache, mode="trainer") -> tuple[Worker, float]:
+    worker = Worker(directory, out, cache, mode)
     code = worker.finish(STARTUP_TIMEOUT_S + 60)
     assert code == 0, worker.stderr()
     assert "done" in worker.seen, worker.seen
@@ -197,10 +203,11 @@ def kill_steps(rng: random.Random, count: int, below: int = TOTAL_STEPS * 3 // 4
 class Reference:
     """The uninterrupted run: its final state, and how long it took."""
 
-    def __init__(self, root: pathlib.Path):
+    def __init__(self, root: pathlib.Path, mode: str = "trainer"):
+        self.mode = mode
         self.cache = root / "jax-cache"  # shared by every rerun: none of them compiles
         out = root / "reference.npz"
-        _, self.total_s = run_to_completion(root / "checkpoints", out, self.cache)
+        _, self.total_s = run_to_completion(root / "checkpoints", out, self.cache, mode)
         self.arrays = load(out)
         assert int(self.arrays["step"]) == TOTAL_STEPS, "the reference did not finish"
 
@@ -210,6 +217,14 @@ def reference(tmp_path_factory) -> Reference:
     return Reference(tmp_path_factory.mktemp("reference"))
 
 
+@pytest.fixture(scope="module", params=["trainer", "population"])
+def any_reference(request, reference, tmp_path_factory) -> Reference:
+    """A Trainer's run, and a Population's: one fit engine, one preemption path."""
+    if request.param == "trainer":
+        return reference
+    return Reference(tmp_path_factory.mktemp("population"), "population")
+
+
 KILLS = 12  # planned; at least MIN_KILLS must land (the budget may cut the last ones)
 MIN_KILLS = 10
 EARLY = (2, 7)  # these attempts kill during the restore, the compile or the first call
@@ -217,8 +232,9 @@ BUDGET_S = 60
 
 
 def test_a_run_killed_at_random_moments_and_rerun_ends_bitwise_like_an_uninterrupted_one(
-    reference, tmp_path
+    any_reference, tmp_path
 ):
+    reference, mode = any_reference, any_reference.mode
     rng = random.Random(0)
     targets = kill_steps(rng, KILLS - len(EARLY))
     directory, out = tmp_path / "checkpoints", tmp_path / "final.npz"
@@ -233,7 +249,7 @@ def test_a_run_killed_at_random_moments_and_rerun_ends_bitwise_like_an_uninterru
         steps = checkpoint_steps(directory)
         latest_seen.append(steps[-1] if steps else None)
         resumes += bool(steps)
-        worker = Worker(directory, out, reference.cache)
+        worker = Worker(directory, out, reference.cache, mode)
         ready = worker.wait_for("ready", STARTUP_TIMEOUT_S)
         assert ready is not None, worker.stderr()
         if kills in EARLY:
@@ -253,9 +269,9 @@ def test_a_run_killed_at_random_moments_and_rerun_ends_bitwise_like_an_uninterru
         steps = checkpoint_steps(directory)
         killed_at.append(steps[-1] if steps else None)
 
-    _, final_s = run_to_completion(directory, out, reference.cache)
+    _, final_s = run_to_completion(directory, out, reference.cache, mode)
     print(
-        f"\nchaos (SIGKILL): {kills} kills survived, {resumes} reruns resumed from a "
+        f"\nchaos (SIGKILL, {mode}): {kills} kills survived, {resumes} reruns resumed from a "
         f"checkpoint, {mid_save} kills left a save half-written, {before_first_call} landed "
         f"before the rerun's first call ended; newest checkpoint after each kill: "
         f"{killed_at}; the final rerun took {final_s:.1f} s, the uninterrupted run "

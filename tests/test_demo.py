@@ -38,7 +38,6 @@ def test_digits_demo_reaches_95_percent_and_writes_a_png(tmp_path):
 
 
 def test_hypernet_demo_figure_labels_its_axes_and_names_each_task():
-    pytest.importorskip("matplotlib")
     from nnxscan.shell.demos.hypernet import draw_held_out_tasks
 
     x = np.linspace(-np.pi, np.pi, 50)

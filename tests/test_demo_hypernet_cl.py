@@ -7,9 +7,6 @@ import re
 import numpy as np
 import pytest
 
-pytest.importorskip("matplotlib")
-pytest.importorskip("sklearn")
-
 import nnxscan.shell
 from nnxscan.shell.cli import DEMOS, main
 from nnxscan.shell.demos import hypernet_cl

@@ -7,9 +7,6 @@ import re
 import numpy as np
 import pytest
 
-pytest.importorskip("matplotlib")
-pytest.importorskip("sklearn")
-
 from nnxscan.shell.demos.sweep import LEARNING_RATES, run_sweep_demo
 
 

@@ -26,7 +26,8 @@ def _history(with_eval: bool) -> History:
 
 
 def _read_png(path) -> np.ndarray:
-    image = pytest.importorskip("matplotlib.image")
+    import matplotlib.image as image
+
     assert path.read_bytes()[:8] == PNG_MAGIC
     pixels = image.imread(path)
     assert pixels[..., :3].var() > 1e-3, "blank image"
@@ -35,7 +36,8 @@ def _read_png(path) -> np.ndarray:
 
 @pytest.mark.parametrize("smooth", [0.98, 10])
 def test_plot_writes_a_png_with_an_eval_panel(tmp_path, smooth):
-    pyplot = pytest.importorskip("matplotlib.pyplot")
+    import matplotlib.pyplot as pyplot
+
     figures_before = pyplot.get_fignums()
     with_eval = _read_png(_history(True).plot(tmp_path / "with.png", smooth=smooth))
     without = _read_png(_history(False).plot(tmp_path / "without.png", smooth=smooth))
@@ -44,7 +46,6 @@ def test_plot_writes_a_png_with_an_eval_panel(tmp_path, smooth):
 
 
 def test_plot_returns_the_path_and_handles_non_positive_losses(tmp_path):
-    pytest.importorskip("matplotlib")
     history = History()
     history._append(np.array([0.5, -0.25, 0.0, np.nan, 0.1]), {"epoch": 0, "steps": 5})
     out = history.plot(str(tmp_path / "curve.png"))
@@ -150,7 +151,7 @@ def test_a_populations_history_plots_a_curve_and_eval_line_per_member(tmp_path):
         assert _has_colour(pixels, colour), colour
     assert not _has_colour(pixels, "#d62728")
     ends = np.array([20, 40, 60, 80])
-    series = _eval_series(history.epochs, ends)
+    series = _eval_series(history.epochs, ends, per_member=True)
     assert sorted(series) == [("eval_accuracy", 0), ("eval_accuracy", 1), ("eval_accuracy", 2)]
     xs, ys = series[("eval_accuracy", 2)]
     assert xs == ends.tolist()

@@ -170,7 +170,6 @@ def test_trainer_learns_a_family_of_functions():
 
 
 def test_hypernet_demo_trains_and_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
     from nnxscan.shell.demos.hypernet import run_hypernet_demo
 
     result = run_hypernet_demo(str(tmp_path), steps=32, seed=0, progress=False)

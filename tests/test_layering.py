@@ -288,3 +288,39 @@ def test_private_modules_publish_no_all():
                 if isinstance(t, ast.Name)
             ]
             assert "__all__" not in names, f"{path.relative_to(ROOT)} is private: no __all__"
+
+
+def _public_modules() -> list[str]:
+    """Every module of the three packages whose dotted path has no ``_`` part (demos are
+    example programs, not library API)."""
+    import pkgutil
+
+    names = []
+    for package in ("nnxscan.pure", "nnxscan.shell", "nnxscan.adapters"):
+        module = importlib.import_module(package)
+        for info in pkgutil.walk_packages(module.__path__, package + "."):
+            parts = info.name.split(".")[2:]
+            if not any(p.startswith("_") for p in parts) and parts[:1] != ["demos"]:
+                names.append(info.name)
+    return names
+
+
+@pytest.mark.parametrize("name", _public_modules())
+def test_public_modules_hold_no_unlisted_internals(name):
+    """A public module defines only what its ``__all__`` lists; the core's public modules
+    also re-expose no internal (``from nnxscan.pure._x import y`` would make
+    ``nnxscan.pure.<module>.y`` importable): internals live in ``_`` modules."""
+    import inspect
+
+    module = importlib.import_module(name)
+    listed = set(getattr(module, "__all__", ()))
+    for attr, obj in vars(module).items():
+        if attr.startswith("_") or attr in listed:
+            continue
+        if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+            continue
+        origin = getattr(obj, "__module__", "") or ""
+        assert origin != name, f"{name}.{attr} is defined there but not in its __all__"
+        if name.startswith("nnxscan.pure"):
+            private = any(p.startswith("_") for p in origin.split(".")[2:])
+            assert not private, f"{name}.{attr} re-exposes the internal {origin}.{attr}"

@@ -163,7 +163,7 @@ def test_step_plan_equals_trainer_step_plan_for_a_cnn():
         "y": rng.integers(0, 3, 32).astype(np.int32),
     }
     pop = Population(lambda rngs: SmallCNN(rngs=rngs), optax.adam(1e-2), xent, seeds=[0, 1])
-    assert pop._plan(images, BS)[0].kind == "step", "auto: convolutions on the CPU"
+    assert pop.plan_for(images, BS).kind == "step", "auto: convolutions on the CPU"
     history = pop.fit(images, epochs=1, batch_size=BS)
     for i in range(2):
         trainer = Trainer(SmallCNN(rngs=nnx.Rngs(i)), optax.adam(1e-2), xent, execution="step")
@@ -289,8 +289,9 @@ def test_fit_arguments_are_checked_before_anything_runs(data, compile_count):
 
 
 def test_members_sharded_over_a_mesh_train_as_on_one_device(tmp_path):
-    """4 simulated devices: 4 members over a 2 x 2 (members x data) mesh equal the same
-    population on one device; N that does not divide, and stray axes, are refused."""
+    """4 simulated devices: 4 members over a 2 x 2 (members x data) mesh, and the same with
+    FSDP inside each member, equal the same population on one device; N that does not
+    divide, and stray axes, are refused."""
     run = subprocess.run(
         [sys.executable, WORKER, str(tmp_path / "out.npz")],
         env={
@@ -303,10 +304,14 @@ def test_members_sharded_over_a_mesh_train_as_on_one_device(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     with np.load(tmp_path / "out.npz") as z:
-        for name in ("state", "losses"):
-            single, sharded = z[f"single_{name}"], z[f"mesh_{name}"]
-            np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-6)
-        assert str(z["spec"]) == "('members',)"
+        for run in ("mesh", "fsdp"):  # members over their axis; and FSDP inside each member
+            for name in ("state", "losses"):
+                single, sharded = z[f"single_{name}"], z[f"{run}_{name}"]
+                np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-6)
+        assert str(z["mesh_spec"]) == "('members',)"
+        assert str(z["fsdp_spec"]) == "('members', None, 'data')"
+        # 4 members of a (4, 8) kernel: 2 members a device, half of the 8 columns each.
+        assert z["mesh_shard"].tolist() == [2, 4, 8] and z["fsdp_shard"].tolist() == [2, 4, 4]
         errors = str(z["errors"]).splitlines()
         assert "3 members do not divide over the 2 devices of mesh axis 'members'" in errors[0]
         assert "mesh axis 'x' (size 2) is neither member_axis" in errors[1]
@@ -323,5 +328,5 @@ def test_progress_line_names_the_members_in_training(data, capsys):
         warnings.simplefilter("error")
         pop.fit(data, epochs=1, batch_size=BS, progress=True)
     out = capsys.readouterr().out
-    assert "loss over 3 members" in out and "(2 training)" in out
+    assert "of 3 members" in out and "2 of 3 training" in out
     assert jax.tree.leaves(pop.state)  # still readable after the donated calls

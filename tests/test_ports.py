@@ -87,7 +87,8 @@ def update_metrics(metrics, loss, logits, batch):
 @pytest.fixture(scope="module")
 def mnist_like():
     """scikit-learn's 8x8 digits blown up to the tutorial's 28x28x1 (tiny: 96 + 40)."""
-    datasets = pytest.importorskip("sklearn.datasets")
+    import sklearn.datasets as datasets
+
     x, y = datasets.load_digits(return_X_y=True)
     images = np.kron(x.reshape(-1, 8, 8) / 16.0, np.ones((3, 3)))  # 24x24
     images = np.pad(images, ((0, 0), (2, 2), (2, 2)))[..., None].astype(np.float32)

@@ -139,12 +139,12 @@ def test_failure_mid_epoch_with_step_plan_keeps_the_last_completed_step(data, mo
     model = MLP(rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
     trainer = Trainer(model, optimizer, xent, execution="step")
-    program = trainer._program
+    program = trainer._engine.program
     real_runner = program.runner
     calls = {"n": 0}
 
-    def flaky_runner(*args):
-        real = real_runner(*args)
+    def flaky_runner(*args, **kwargs):
+        real = real_runner(*args, **kwargs)
 
         def flaky(*args, **kwargs):
             calls["n"] += 1

@@ -47,16 +47,18 @@ def assert_usable(model, data):
     model(data["x"])  # raises "Array has been deleted" if a donated buffer leaked
 
 
-def test_real_sigint_right_after_a_donating_call_keeps_that_calls_state(data, monkeypatch):
+def test_real_sigint_right_after_a_donating_call_keeps_that_calls_state(
+    data, monkeypatch, default_sigint
+):
     """The worst moment for Ctrl-C: the call consumed the old state, its result is not kept."""
     model = MLP(rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
     trainer = Trainer(model, optimizer, xent, execution="step")
-    program, calls = trainer._program, {"n": 0}
+    program, calls = trainer._engine.program, {"n": 0}
     real_runner = program.runner
 
-    def interrupting_runner(*args):
-        real = real_runner(*args)
+    def interrupting_runner(*args, **kwargs):
+        real = real_runner(*args, **kwargs)
 
         def run(*a, **k):
             out = real(*a, **k)

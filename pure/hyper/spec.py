@@ -26,7 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["LeafSpec", "ParamSpec", "check_params", "path_str", "ravel"]
+__all__ = [
+    "LeafSpec",
+    "ParamSpec",
+    "check_params",
+    "path_str",
+    "ravel",
+    "spec_from_split",
+    "variable_leaves",
+]
 
 Path = tuple[Any, ...]
 

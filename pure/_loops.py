@@ -1,0 +1,134 @@
+"""The one training loop body, scanned over stacks of batches or over indices into a data
+set, for one model or for members vmapped.
+
+Every compiled training call of nnxscan (``scan_steps``, ``make_epoch``,
+``make_population_epoch`` and the shell's calls) runs :func:`scan_batches`' body, so a step
+trained from a stack of batches and the same step trained on rows gathered by index compute
+the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnxscan.pure._batching import shard_batch, take_batch
+from nnxscan.pure.nonfinite import tree_select
+from nnxscan.pure.train_step import StepFn
+
+
+def scan_loop(body: Any, carry: Any, xs: Any, *, unroll: int | bool = 1) -> tuple[Any, Any]:
+    """``lax.scan(body, carry, xs, unroll=unroll)``, except that a fully unrolled scan of
+    length 1 really has no loop.
+
+    jax 0.10 lowers ``lax.scan(..., unroll=True)`` of length 1 to a ``while`` loop, and on
+    the CPU a loop body runs convolution gradients far slower (jax#12868): a one-step call
+    must not pay that.
+    """
+    length = jax.tree.leaves(xs)[0].shape[0]
+    full = unroll is True or (not isinstance(unroll, bool) and unroll >= length)
+    if length == 1 and full:
+        carry, out = body(carry, jax.tree.map(lambda x: x[0], xs))
+        return carry, jax.tree.map(lambda y: y[None], out)
+    return jax.lax.scan(body, carry, xs, unroll=unroll)
+
+
+def scan_batches(
+    step: StepFn,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    opt_state: Any,
+    xs: Any,
+    batch_of: Callable[[Any], Any],
+    *,
+    unroll: int | bool = 1,
+    batch_sharding: jax.sharding.Sharding | None = None,
+) -> tuple[nnx.State, Any, Any]:
+    """The one training loop body: ``step`` on ``batch_of(x)`` for each entry ``x`` of ``xs``."""
+
+    def body(carry, x):
+        state, opt_state = carry
+        batch = shard_batch(batch_of(x), batch_sharding)
+        state, opt_state, out = step(graphdef, state, opt_state, batch)
+        return (state, opt_state), out
+
+    (state, opt_state), outs = scan_loop(body, (state, opt_state), xs, unroll=unroll)
+    return state, opt_state, outs
+
+
+def scan_indexed_steps(
+    step: StepFn,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    opt_state: Any,
+    data: Any,
+    indices: jax.Array,
+    *,
+    unroll: int | bool = 1,
+    batch_sharding: jax.sharding.Sharding | None = None,
+) -> tuple[nnx.State, Any, Any]:
+    """Scans ``step`` over batches gathered from ``data`` by a ``(steps, batch)`` index array
+    (or ``(steps,)``: row ``i`` of ``data`` is a whole batch, as in a stream's chunk).
+
+    The gather happens inside the loop, so memory holds one batch at a time besides ``data``.
+    """
+    return scan_batches(
+        step, graphdef, state, opt_state, indices, lambda idx: take_batch(data, idx),
+        unroll=unroll, batch_sharding=batch_sharding,
+    )  # fmt: skip
+
+
+def _frozen_aware(step: StepFn, active: jax.Array) -> StepFn:
+    """``step`` for ONE member that changes nothing while ``active`` is False: the loss is
+    still computed (at the frozen state) and reported."""
+
+    def guarded(graphdef, state, opt_state, batch):
+        new_state, new_opt_state, out = step(graphdef, state, opt_state, batch)
+        state = tree_select(active, new_state, state)
+        return state, tree_select(active, new_opt_state, opt_state), out
+
+    return guarded
+
+
+def scan_member_steps(
+    step: StepFn,
+    graphdef: Any,
+    states: Any,
+    opt_states: Any,
+    data: Any,
+    indices: jax.Array,
+    *,
+    active: jax.Array | None = None,
+    unroll: int | bool = 1,
+    member_axis: str | None = None,
+    batch_sharding: jax.sharding.Sharding | None = None,
+    data_per_member: bool = False,
+) -> tuple[Any, Any, Any]:
+    """:func:`scan_indexed_steps` vmapped over the members of a population.
+
+    ``indices`` has shape ``(N, steps, ...)``: member ``i`` trains the batches ``indices[i]``
+    gathered from the shared ``data`` (or from ``data[i]`` with ``data_per_member``: every
+    leaf then has a leading members axis). ``active`` (``(N,)`` bool) freezes the members
+    where it is False: their state and optax state stay as they are at every step.
+    ``member_axis`` names the mesh axis the members are sharded over (``vmap``'s
+    ``spmd_axis_name``), so a ``batch_sharding`` of one member's batch becomes a sharding
+    of the members' batches over both axes. Returns the outputs with a leading steps axis,
+    then members: ``(steps, N, ...)``.
+    """
+
+    def member(state, opt_state, member_data, idx, alive):
+        member_step = step if alive is None else _frozen_aware(step, alive)
+        return scan_indexed_steps(
+            member_step, graphdef, state, opt_state, member_data, idx, unroll=unroll,
+            batch_sharding=batch_sharding,
+        )  # fmt: skip
+
+    in_axes = (0, 0, 0 if data_per_member else None, 0, None if active is None else 0)
+    states, opt_states, outs = jax.vmap(member, in_axes=in_axes, spmd_axis_name=member_axis)(
+        states, opt_states, data, indices, active
+    )
+    return states, opt_states, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)

@@ -1,0 +1,458 @@
+"""The one fit engine behind ``Trainer`` and ``Population``.
+
+A front-end checks its own arguments, then hands the engine what differs between them,
+declared rather than duplicated:
+
+- an owner (:class:`~nnxscan.shell._owner.ModelOwner`, or the members'
+  :class:`~nnxscan.shell._members.StackedOwner`),
+- a member layout for the runner (``None``: one model; else the members vmapped),
+- the shuffle seeds of the run (one seed, or one per member).
+
+Everything else is written once, here and in ``_fit``: the fit-time checks, the plan, the
+epoch source (arrays or streams), evaluation during fit, checkpoints, resume, and the
+call to the one :class:`~nnxscan.shell._fit.FitLoop`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+
+from nnxscan.adapters.data import GrainEpochs
+from nnxscan.pure._checks import (
+    abstract_batch,
+    check_batch_size,
+    check_count,
+    check_leading_size,
+)
+from nnxscan.pure._node import node_of
+from nnxscan.shell import _checkpointing
+from nnxscan.shell._calls import Execution, prepare_execution
+from nnxscan.shell._epochs import (
+    ArrayEpochs,
+    Epochs,
+    StreamEpochs,
+    peek_stream,
+    with_steps_per_call,
+)
+from nnxscan.shell._fit import CallbackList, Checkpoints, Evaluation, FitLoop
+from nnxscan.shell._logs import empty_losses
+from nnxscan.shell._owner import Owner, metric_logs
+from nnxscan.shell._placement import Placement, device_of, to_host
+from nnxscan.shell._plans import Plan
+from nnxscan.shell._programs import (
+    MemberLayout,
+    TrainProgram,
+    evaluator,
+    member_evaluator,
+    metrics_evaluator,
+)
+from nnxscan.shell._streaming import EpochSource, default_chunk_size, is_stream
+from nnxscan.shell.history import History
+
+
+class FitOptions(NamedTuple):
+    """``fit``'s arguments once checked (the same for a Trainer and a Population)."""
+
+    epochs: int
+    batch_size: int | None
+    shuffle: bool
+    steps_per_call: int | None
+    drop_remainder: bool
+    prefetch: bool
+    callbacks: Sequence[Any]
+    progress: bool
+    evaluation: Evaluation | None
+    checkpoint_dir: pathlib.Path | None
+    checkpoints: Checkpoints | None
+    resume: bool
+    #: What identifies the run's data order, checked on resume and saved with it: one
+    #: model's ``{"seed": s or None}``, a population's ``{"shared_order": bool}``.
+    run_keys: dict[str, Any]
+    member_batches: bool = False
+
+
+class Engine:
+    """Trains, evaluates, saves and restores what ``owner`` holds.
+
+    Args:
+      program: the cached compiled pieces of the step (``_programs.train_program``).
+      owner: who holds the state (one model, or members stacked).
+      placement: one device, or a mesh.
+      explicit_plan: the plan the user asked for, or None for ``"auto"``.
+      members: the member layout of a population's runner; None for one model.
+      subject: the object callbacks receive (the Trainer or the Population).
+      loss_fn, has_aux, update_metrics, rngs: what NNX metrics are fed with when an
+        evaluation uses them (the front-end's own).
+    """
+
+    def __init__(
+        self,
+        *,
+        program: TrainProgram,
+        owner: Owner,
+        placement: Placement,
+        explicit_plan: Plan | None,
+        members: MemberLayout | None,
+        subject: Any,
+        loss_fn: Callable,
+        has_aux: bool,
+        update_metrics: Callable | None = None,
+        rngs: Any = None,
+    ):
+        self.program, self.owner, self.placement = program, owner, placement
+        self.explicit_plan, self.members, self.subject = explicit_plan, members, subject
+        self._feed = dict(loss_fn=loss_fn, has_aux=has_aux, rngs=rngs)
+        self._update_metrics = update_metrics
+
+    # -- the plan ---------------------------------------------------------------------------
+
+    def execution(self, batch: Any, *, member_batches: bool = False) -> Execution:
+        """Traces ONE model's step on ``batch``'s shapes (no compile): the plan and whether
+        the carry may be donated. Bad data raises here, before anything compiles."""
+        graphdef, state, opt_state = self.owner.read()
+        if self.members is not None:
+            # Shapes only: slicing the arrays would compile a slice per leaf shape.
+            one = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
+            state, opt_state = jax.tree.map(one, (state, opt_state))
+            if member_batches:
+                batch = jax.tree.map(one, batch)
+        return prepare_execution(
+            self.program, self.explicit_plan, graphdef, state, opt_state, batch
+        )
+
+    def make_runner(self, member_batches: bool = False) -> Callable[..., Any]:
+        """``make(carry_def, carry_shardings, donate)``: the compiled runner of this fit."""
+        graphdef = self.owner.read()[0]
+        members = self.members
+        if members is not None and member_batches:
+            members = members._replace(data_per_member=True)
+
+        def make(carry_def: Any, carry_shardings: Any, donate: bool) -> Any:
+            return self.program.runner(
+                graphdef, carry_def, donate=donate, carry_shardings=carry_shardings,
+                batch_sharding=self.placement.batch_sharding, members=members,
+            )  # fmt: skip
+
+        return make
+
+    # -- fit --------------------------------------------------------------------------------
+
+    def fit(self, data: Any, options: FitOptions) -> History:
+        """Trains ``options.epochs`` more epochs (the whole run's, with ``resume``).
+
+        Every check runs and the step is traced before the owner changes: a fit that
+        raises before training leaves everything as it was (a resume's restore aside,
+        which is itself checked first).
+        """
+        epochs, run = options.epochs, {}
+        members = self.owner.num_members
+        if options.resume:  # the last step that may change the objects before training
+            epochs, run = self._resume(options, data)
+            if epochs == 0:
+                return run["history"]
+        if is_stream(data):
+            epoch_calls, execution = self._stream(data, epochs, options)
+            if epoch_calls is None:
+                return History(losses=empty_losses(members))
+        else:
+            epoch_calls, execution = self._arrays(data, options)
+        self.owner.begin_run(options.run_keys)  # every input is known good now
+        loop = FitLoop(
+            program=self.program, execution=execution, owner=self.owner,
+            placement=self.placement, make_runner=self.make_runner(options.member_batches),
+            callbacks=CallbackList(options.callbacks, self.subject), progress=options.progress,
+            evaluation=options.evaluation, checkpoints=options.checkpoints,
+        )  # fmt: skip
+        return loop.run(epochs, epoch_calls, **run)
+
+    def _arrays(self, data, options: FitOptions) -> tuple[Epochs, Execution]:
+        member_batches = options.member_batches
+        if options.batch_size is None:
+            raise ValueError("batch_size is required when data is a data set of arrays.")
+        n = self._examples(data, member_batches)
+        batch_size = check_batch_size(options.batch_size, n, drop_remainder=True)
+        self.placement.check_batch_size(batch_size)
+        if not options.drop_remainder:
+            self.placement.check_batch_size(n % batch_size or batch_size)
+        state = self.owner.read()[1]
+        data = self.placement.put_data(data, state)
+        if member_batches:
+            batch = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((x.shape[0], batch_size, *x.shape[2:]), x.dtype),
+                data,
+            )
+        else:
+            batch = abstract_batch(data, leading=batch_size)
+        execution = self.execution(batch, member_batches=member_batches)
+        plan = with_steps_per_call(execution.plan, options.steps_per_call)
+        epoch_calls = ArrayEpochs(
+            plan, data, functools.partial(self.placement.put_data, device=device_of(state)),
+            num_examples=n, batch_size=batch_size, seeds=self.owner.run_seeds(options.run_keys),
+            shuffle=options.shuffle,
+            keep_tail=not options.drop_remainder and n % batch_size > 0,
+        )  # fmt: skip
+        return epoch_calls, execution._replace(plan=plan)
+
+    def _examples(self, data: Any, member_batches: bool) -> int:
+        if not member_batches:
+            return check_leading_size(data, "data")
+        size = self.owner.num_members
+        if check_leading_size(data, "data") != size:
+            raise ValueError(
+                f"with member_batches=True every data leaf needs a leading members axis of "
+                f"{size}: (members, examples, ...)."
+            )
+        return check_leading_size(jax.tree.map(lambda x: x[0], data), "data[member]")
+
+    def _stream(self, data, epochs: int, options: FitOptions):
+        source = EpochSource(data, epochs)
+        if epochs == 0:
+            return None, None
+        state = self.owner.read()[1]
+        first, first_epoch = peek_stream(source)
+        member_batches = options.member_batches
+        members = self.owner.num_members if member_batches else None
+        one = jax.tree.map(lambda x: x[0], first) if member_batches else first
+        if members is not None and check_leading_size(first, "batch 0") != members:
+            raise ValueError(
+                f"with member_batches=True every batch needs a leading members axis of "
+                f"{members}: (members, batch, ...)."
+            )
+        # Each process streams its own share of every batch: check the local size.
+        self.placement.check_batch_size(jax.tree.leaves(one)[0].shape[0], local=True)
+        execution = self.execution(abstract_batch(first), member_batches=member_batches)
+        batch_size = options.batch_size
+        epoch_calls = StreamEpochs(
+            source, first_epoch, execution.plan,
+            chunk_size=options.steps_per_call or default_chunk_size(first),
+            put=functools.partial(
+                self.placement.put_chunk, device=device_of(state), member_batches=member_batches
+            ),
+            batch_size=batch_size, drop_remainder=options.drop_remainder,
+            tail_divisor=self.placement.local_data_parallel(), prefetch=options.prefetch,
+            members=self.owner.num_members, member_batches=member_batches,
+        )  # fmt: skip
+        return epoch_calls, execution
+
+    def _resume(self, options: FitOptions, data: Any):
+        """Restores the latest checkpoint, if any; returns the epochs left and the run."""
+        members = self.owner.num_members
+        history, partial = History(losses=empty_losses(members)), None
+        directory = options.checkpoint_dir
+        if _checkpointing.latest_step(directory) is not None:
+            self.restore(directory, run_keys=options.run_keys)
+            history, partial = _checkpointing.parse_run(self.owner.restored_run, members)
+        if isinstance(data, GrainEpochs):
+            data.epoch = self.owner.epoch  # grain draws each epoch's order from its index
+        left = max(options.epochs - self.owner.epoch, 0)
+        return left, {"history": history, "partial": partial}
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def checkpoints(
+        self, directory: Any, every: Any, every_steps: Any, resume: bool
+    ) -> tuple[pathlib.Path | None, Checkpoints | None]:
+        """Checks fit's checkpoint arguments; returns the directory and when to save."""
+        every = check_count(every, "checkpoint_every", 1)
+        if every_steps is not None:
+            every_steps = check_count(every_steps, "checkpoint_every_steps", 1)
+        if directory is None:
+            if resume or every_steps is not None:
+                raise ValueError(
+                    "resume=True and checkpoint_every_steps need a checkpoint_dir to save "
+                    "to and resume from."
+                )
+            return None, None
+        directory = pathlib.Path(directory).resolve()
+
+        def save(history: History, partial: np.ndarray) -> None:
+            self.save(directory, run=_checkpointing.run_json(history, partial))
+
+        return directory, Checkpoints(every, every_steps, save)
+
+    def save(
+        self, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""
+    ) -> pathlib.Path:
+        return _checkpointing.save(self.owner, directory, max_to_keep=max_to_keep, run=run)
+
+    def restore(
+        self,
+        directory: str | os.PathLike[str],
+        step: int | None = None,
+        run_keys: dict[str, Any] | None = None,
+    ) -> int:
+        return _checkpointing.restore(self.owner, self.placement, directory, step, run_keys)
+
+    # -- evaluation -------------------------------------------------------------------------
+
+    def evaluation(
+        self,
+        data: Any,
+        metric_fn: Callable | None,
+        every: Any,
+        eval_batch_size: Any,
+        batch_size: Any,
+    ) -> Evaluation | None:
+        """Checks fit's evaluation arguments (before anything compiles)."""
+        if data is None and metric_fn is None:
+            return None
+        if data is None:
+            raise ValueError(
+                "evaluation during fit needs both eval_data and a metric_fn (or NNX "
+                "metrics= and update_metrics=)."
+            )
+        if metric_fn is None and self.owner.metrics is None:
+            raise ValueError(
+                "evaluation during fit needs both eval_data and a metric_fn, or NNX "
+                "metrics given as metrics=/update_metrics=."
+            )
+        n = check_leading_size(data, "eval_data")
+        every = check_count(every, "eval_every", 1)
+        size = eval_batch_size or (batch_size if isinstance(batch_size, int) else 256)
+        size = check_batch_size(
+            min(check_count(size, "eval_batch_size", 1), n), n, drop_remainder=False
+        )
+        run = self.evaluator(metric_fn, None, None, size, True)
+        return Evaluation(every, lambda: run(data))
+
+    def evaluator(
+        self,
+        metric_fn: Callable | None,
+        metrics: nnx.Metric | None,
+        update_metrics: Callable | None,
+        batch_size: int,
+        eval_mode: bool,
+    ) -> Callable[[Any], dict[str, Any]]:
+        """Checks the evaluation arguments (before anything compiles); returns ``run(data)``.
+
+        ``metric_fn(model, batch)``, or NNX ``metrics`` fed by ``update_metrics`` with the
+        training ``loss_fn`` (defaults: the front-end's own). For members, both run vmapped
+        and every value gains a leading members axis.
+        """
+        if metric_fn is not None:
+            if metrics is not None or update_metrics is not None:
+                raise ValueError("pass either metric_fn or metrics/update_metrics, not both.")
+            if not callable(metric_fn):
+                raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
+        else:
+            metrics = self.owner.metrics if metrics is None else metrics
+            update_metrics = self._update_metrics if update_metrics is None else update_metrics
+            if metrics is None or update_metrics is None:
+                raise ValueError(
+                    "evaluate needs a metric_fn, or NNX metrics: metrics= and "
+                    "update_metrics= here or on the Trainer (or Population)."
+                )
+            if not isinstance(metrics, nnx.Metric):
+                raise TypeError(f"metrics must be an nnx.Metric, got {type(metrics).__name__}.")
+        return self._evaluate_program(metric_fn, metrics, update_metrics, batch_size, eval_mode)
+
+    def _evaluate_program(self, metric_fn, metrics, update_metrics, batch_size, eval_mode):
+        owner, members = self.owner, self.owner.num_members
+        loss_fn, has_aux, rngs = self._feed["loss_fn"], self._feed["has_aux"], self._feed["rngs"]
+        if metric_fn is not None:
+            program = evaluator(metric_fn, batch_size, eval_mode)
+        else:
+            program = metrics_evaluator(
+                loss_fn, update_metrics, batch_size, has_aux=has_aux,
+                with_rngs=rngs is not None, eval_mode=eval_mode,
+            )  # fmt: skip
+        if members is not None:
+            program = member_evaluator(program)
+
+        def read() -> tuple[Any, Any]:
+            if members is not None:
+                return owner.evaluation_node(metric_fn is not None)
+            node = owner.model if metric_fn is not None else node_of(owner.model, rngs, metrics)
+            return nnx.split(node)
+
+        def run(data: Any) -> dict[str, Any]:
+            graphdef, state = read()
+            leaves, treedef = jax.tree.flatten(state)
+            state = jax.tree.unflatten(treedef, self.placement.put_carry(leaves))
+            data = self.placement.put_data(data, state)
+            values = to_host(program(graphdef, state, data))
+            if metric_fn is None:
+                return metric_logs(values, metrics)
+            return {k: _host_value(v, members) for k, v in values.items()}
+
+        return run
+
+
+def _host_value(value: Any, members: int | None) -> Any:
+    """A metric on the host: a float for one model's scalar, else a float32 array."""
+    if members is None and np.ndim(value) == 0:
+        return float(value)
+    return np.asarray(value, np.float32)
+
+
+def fit_options(
+    engine: Engine,
+    data: Any,
+    *,
+    epochs: Any,
+    batch_size: Any,
+    shuffle: bool,
+    steps_per_call: Any,
+    drop_remainder: bool,
+    prefetch: bool,
+    callbacks: Sequence[Any],
+    progress: bool,
+    eval_data: Any,
+    metric_fn: Callable | None,
+    eval_every: Any,
+    eval_batch_size: Any,
+    checkpoint_dir: Any,
+    checkpoint_every: Any,
+    checkpoint_every_steps: Any,
+    resume: bool,
+    run_keys: dict[str, Any],
+    member_batches: bool = False,
+) -> FitOptions:
+    """Checks ``fit``'s arguments, the same for every front-end, before anything compiles."""
+    epochs = check_count(epochs, "epochs", 0)
+    directory, checkpoints = engine.checkpoints(
+        checkpoint_dir, checkpoint_every, checkpoint_every_steps, resume
+    )
+    if steps_per_call is not None:
+        steps_per_call = check_count(steps_per_call, "steps_per_call", 1)
+    elif checkpoints is not None and checkpoints.every_steps:
+        steps_per_call = checkpoints.every_steps  # call boundaries to save at
+    if batch_size is not None:
+        batch_size = check_count(batch_size, "batch_size", 1)
+    evaluation = engine.evaluation(eval_data, metric_fn, eval_every, eval_batch_size, batch_size)
+    if isinstance(callbacks, str) or not isinstance(callbacks, Sequence):
+        raise TypeError(
+            f"callbacks must be a list of callback objects, got {type(callbacks).__name__}."
+        )
+    return FitOptions(
+        epochs=epochs, batch_size=batch_size, shuffle=bool(shuffle),
+        steps_per_call=steps_per_call, drop_remainder=bool(drop_remainder),
+        prefetch=bool(prefetch), callbacks=list(callbacks), progress=bool(progress),
+        evaluation=evaluation, checkpoint_dir=directory, checkpoints=checkpoints,
+        resume=bool(resume), run_keys=run_keys, member_batches=bool(member_batches),
+    )  # fmt: skip
+
+
+def evaluate(
+    engine: Engine,
+    data: Any,
+    metric_fn: Callable | None,
+    *,
+    batch_size: Any,
+    eval_mode: bool,
+    metrics: nnx.Metric | None = None,
+    update_metrics: Callable | None = None,
+) -> dict[str, Any]:
+    """``evaluate`` of a front-end: every example of ``data``, checked before compiling."""
+    n = check_leading_size(data, "data")
+    batch_size = check_batch_size(batch_size, n, drop_remainder=False)
+    run = engine.evaluator(metric_fn, metrics, update_metrics, batch_size, bool(eval_mode))
+    return run(data)

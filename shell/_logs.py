@@ -1,0 +1,130 @@
+"""An epoch's logs from its outputs on the host: one reducer for one model and for members.
+
+A model's per-step losses have shape ``(steps,)``; a population's ``(steps, N)``. Every
+statistic reduces over the steps axis only, so the same code gives a float for one model
+and an ``(N,)`` array for N members; ``members`` says which, never the shapes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from nnxscan.pure._members import injected_values
+from nnxscan.shell._placement import to_host
+
+RESERVED_LOGS = frozenset(
+    {
+        "epoch",
+        "loss",
+        "steps",
+        "steps_per_sec",
+        "wall_time",
+        "dropped_examples",
+        "skipped_steps",
+        "learning_rate",
+        "active",
+    }
+)
+
+
+def _value(x: np.ndarray, members: int | None) -> Any:
+    """A reduced statistic: a float for one model, a float32 ``(N,)`` array for members."""
+    return float(x) if members is None else np.asarray(x, np.float32)
+
+
+def _mean(values: np.ndarray, skipping: bool) -> np.ndarray:
+    """The mean over steps; with ``skipping``, skipped (NaN) steps left out, and NaN where
+    every step was skipped (without numpy's empty-slice warning)."""
+    if not skipping:
+        return np.mean(values, axis=0)
+    finite = np.isfinite(values)
+    if values.ndim == 1:
+        return np.mean(values[finite]) if finite.any() else np.float32(np.nan)
+    counts = finite.sum(axis=0)
+    sums = np.where(finite, values, 0).sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan).astype(values.dtype)
+
+
+def aux_means(aux: Any, members: int | None, skipping: bool = False) -> dict[str, Any]:
+    """Means over steps of every aux leaf that is a scalar per step (per member), keyed by
+    its path; a key that would shadow one of fit's own logs gets ``aux/``."""
+    per_step = 1 if members is None else 2
+    logs = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+        if np.ndim(leaf) == per_step:
+            key = jax.tree_util.keystr(path, simple=True, separator="/") or "aux"
+            value = _mean(np.asarray(leaf), skipping)
+            logs[f"aux/{key}" if key in RESERVED_LOGS else key] = _value(value, members)
+    return logs
+
+
+def epoch_logs(
+    epoch: int,
+    stacked: Any,
+    wall_time: float,
+    *,
+    has_aux: bool,
+    members: int | None,
+    skipping: bool = False,
+    dropped: int = 0,
+) -> tuple[dict[str, Any], np.ndarray]:
+    """The epoch's logs and its per-step losses (``(steps,)`` or ``(steps, N)``)."""
+    losses, aux = stacked if has_aux else (stacked, None)
+    losses = np.asarray(losses, np.float32)
+    logs: dict[str, Any] = {"epoch": epoch}
+    logs["loss"] = _value(_mean(losses, skipping), members)
+    if skipping:
+        skipped = np.sum(~np.isfinite(losses), axis=0)
+        logs["skipped_steps"] = int(skipped) if members is None else skipped.astype(np.int64)
+    if aux is not None:
+        logs.update(aux_means(aux, members, skipping))
+    steps = int(losses.shape[0])
+    logs.update(steps=steps, steps_per_sec=steps / max(wall_time, 1e-9), wall_time=wall_time)
+    if dropped:
+        logs["dropped_examples"] = dropped
+    return logs, losses
+
+
+def learning_rate(opt_state: Any, members: int | None) -> Any:
+    """The current learning rate (an ``(N,)`` array for members), when ``tx`` came from
+    ``optax.inject_hyperparams``; else None. The first injected state holding one is used
+    (e.g. inside an ``optax.chain``); one host read."""
+    value = injected_values(opt_state, "learning_rate")
+    if value is None:
+        return None
+    return _value(to_host(value), members)
+
+
+def host_outputs(outs: list[Any], start: float) -> tuple[Any, float]:
+    """The calls' stacked outputs joined on the host, and the seconds since ``start``.
+
+    One host transfer per epoch (or fused group of epochs): the only sync fit makes. The
+    clock stops after it, so steps/s counts the work, not just its asynchronous dispatch.
+    """
+    outs = to_host(outs)
+    wall_time = time.perf_counter() - start
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *outs), wall_time
+
+
+def split_steps(stacked: Any, count: int) -> list[Any]:
+    """``stacked`` outputs of ``count`` fused epochs of equal length, one per epoch."""
+    return [jax.tree.map(lambda x, i=i: np.array_split(x, count)[i], stacked) for i in range(count)]
+
+
+def prepend_losses(partial: np.ndarray, stacked: Any, has_aux: bool) -> Any:
+    """The resumed epoch's outputs with the losses trained before the interruption first
+    (their aux is not kept across a resume)."""
+    if has_aux:
+        losses, aux = stacked
+        return np.concatenate([partial, np.asarray(losses, np.float32)]), aux
+    return np.concatenate([partial, np.asarray(stacked, np.float32)])
+
+
+def empty_losses(members: int | None) -> np.ndarray:
+    """No steps' losses yet: ``(0,)`` or ``(0, N)``."""
+    return np.zeros((0,) if members is None else (0, members), np.float32)
