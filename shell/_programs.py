@@ -25,6 +25,7 @@ from nnxscan.pure import (
 from nnxscan.pure.population import scan_population_steps
 from nnxscan.pure.scan import scan_indexed_steps
 from nnxscan.shell._plans import StepTraits, step_traits
+from nnxscan.shell._trace_notes import noting_batch
 
 _MAX_CACHED = 32
 _TRAIN: OrderedDict[Hashable, TrainProgram] = OrderedDict()
@@ -106,6 +107,7 @@ class TrainProgram:
             update_metrics=update_metrics,
         )
         self.step = step
+        self.loss_fn = loss_fn
         self._jitted: OrderedDict[Hashable, Callable] = OrderedDict()
         self.has_aux = has_aux
         # "stop": every call halts at its first non-finite step and reports whether it did.
@@ -158,11 +160,12 @@ class TrainProgram:
         """The step's traits for these shapes, traced once (no compile) and remembered."""
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch))
         key = (graphdef, shapes, jax.tree.structure(batch))
-        return _lookup(
-            self._traits,
-            key,
-            lambda: step_traits(self.jitted_step(graphdef), graphdef, state, opt_state, batch),
-        )
+        with noting_batch("training step", self.loss_fn, batch):
+            return _lookup(
+                self._traits,
+                key,
+                lambda: step_traits(self.jitted_step(graphdef), graphdef, state, opt_state, batch),
+            )
 
     def jitted_step(self, graphdef: Any) -> Callable:
         """The step for this graphdef under ``jax.jit`` (XLA inlines it in the compiled

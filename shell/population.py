@@ -54,6 +54,7 @@ from nnxscan.shell._population_fit import (
     order_seeds,
 )
 from nnxscan.shell._programs import population_evaluator, population_runner, train_program
+from nnxscan.shell._trace_notes import noting_batch
 from nnxscan.shell.history import History
 
 __all__ = ["Population"]
@@ -498,7 +499,8 @@ class Population:
         run = population_evaluator(metric_fn, batch_size, bool(eval_mode))
         members = self._members
         data = members.placement.put_data(data, members.leaves)
-        values = to_host(run(self.graphdef, members.carry()[0], data))
+        with noting_batch("evaluation", metric_fn, data, batch_size=batch_size):
+            values = to_host(run(self.graphdef, members.carry()[0], data))
         values = {k: np.asarray(v, np.float32) for k, v in values.items()}
         self._latest.update(values)
         return values

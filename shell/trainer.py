@@ -37,6 +37,7 @@ from nnxscan.shell._placement import Placement, device_of, to_host
 from nnxscan.shell._plans import Plan, resolve_plan
 from nnxscan.shell._programs import evaluator, metrics_evaluator, train_program
 from nnxscan.shell._streaming import EpochSource, default_chunk_size, is_stream
+from nnxscan.shell._trace_notes import noting_batch
 from nnxscan.shell.history import History
 
 __all__ = ["Trainer"]
@@ -581,13 +582,15 @@ class Trainer:
                 with_rngs=self.rngs is not None, eval_mode=eval_mode,
             )  # fmt: skip
             node = node_of(self.model, self.rngs, metrics)
+        traced = metric_fn or {"loss_fn": self.loss_fn, "update_metrics": update_metrics}
 
         def run(data: Any) -> dict[str, Any]:
             graphdef, state = nnx.split(node)
             leaves, treedef = jax.tree.flatten(state)
             state = jax.tree.unflatten(treedef, self._placement.put_carry(leaves))
             data = self._placement.put_data(data, state)
-            values = to_host(program(graphdef, state, data))
+            with noting_batch("evaluation", traced, data, batch_size=batch_size):
+                values = to_host(program(graphdef, state, data))
             if metric_fn is None:
                 return metric_logs(values, metrics)
             return {k: float(v) for k, v in values.items()}
