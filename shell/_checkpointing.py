@@ -93,6 +93,7 @@ def run_json(history: History, partial: np.ndarray) -> str:
         "epochs": epochs,
         "losses": np.asarray(history.losses[:done], np.float64).tolist(),
         "partial": np.asarray(partial, np.float64).tolist(),
+        "events": history.events,
     }
     return json.dumps(record, default=_plain)
 
@@ -103,6 +104,7 @@ def parse_run(text: str) -> tuple[History, np.ndarray]:
         return History(), np.zeros((0,), np.float32)
     record = json.loads(text)
     history = History(np.asarray(record["losses"], np.float32), list(record["epochs"]))
+    history.events = list(record.get("events", []))  # older checkpoints hold none
     return history, np.asarray(record["partial"], np.float32)
 
 

@@ -218,6 +218,9 @@ class FitLoop:
             self.callbacks.close()
             raise
         self.callbacks("on_train_end", history)
+        if self.checkpoints is not None and self.owner.loaded_since_checkpoint:
+            # EarlyStopping restored its best epoch: the checkpoint holds it, and its events.
+            self.checkpoints.save(history, np.zeros((0,), np.float32))
         return history
 
     def _fused_groups(self, first: int, epochs: int, epoch_calls: Any, injected: bool) -> list:

@@ -218,7 +218,7 @@ def history_from_run(run: tuple[History, np.ndarray], size: int) -> History:
         {k: np.asarray(v) if isinstance(v, list) else v for k, v in logs.items()}
         for logs in history.epochs
     ]
-    return History(losses, epochs)
+    return History(losses, epochs, history.events)
 
 
 def order_seeds(seeds: Sequence[int], shared_order: bool) -> tuple[int, ...]:

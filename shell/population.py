@@ -176,6 +176,11 @@ class Population:
         return len(self.seeds)
 
     @property
+    def num_members(self) -> int:
+        """How many members: what callbacks and writers read to spread per-member logs."""
+        return len(self.seeds)
+
+    @property
     def graphdef(self) -> nnx.GraphDef:
         """The members' shared ``nnx.GraphDef``."""
         return self._members.graphdef
