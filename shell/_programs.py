@@ -107,7 +107,8 @@ class TrainProgram:
             update_metrics=update_metrics,
         )
         self.step = step
-        self.loss_fn = loss_fn
+        named = {"loss_fn": loss_fn, "update_metrics": update_metrics}
+        self.user_functions = {k: f for k, f in named.items() if f is not None}  # error notes
         self._jitted: OrderedDict[Hashable, Callable] = OrderedDict()
         self.has_aux = has_aux
         # "stop": every call halts at its first non-finite step and reports whether it did.
@@ -160,7 +161,7 @@ class TrainProgram:
         """The step's traits for these shapes, traced once (no compile) and remembered."""
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch))
         key = (graphdef, shapes, jax.tree.structure(batch))
-        with noting_batch("training step", self.loss_fn, batch):
+        with noting_batch("training step", self.user_functions, batch):
             return _lookup(
                 self._traits,
                 key,
