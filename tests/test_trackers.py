@@ -21,6 +21,7 @@ import types
 import numpy as np
 import optax
 import pytest
+import wandb
 from flax import nnx
 from mlflow.tracking import MlflowClient
 
@@ -211,7 +212,12 @@ WANDB_TIMEOUT_S = 120
 @pytest.fixture
 def wandb_offline(tmp_path, monkeypatch):
     """Offline W&B in ``tmp_path``: no network (a Python socket that reaches past the
-    loopback raises), nothing under ``~``, and a deadline: a test that would hang fails."""
+    loopback raises), nothing under ``~``, and a deadline: a test that would hang fails.
+
+    wandb reads its environment once per process, when its first run starts (an earlier
+    test, the docs, may have started one): ``wandb.teardown()`` before and after makes the
+    next run read this environment again, and stops wandb's service.
+    """
     for name, value in {
         "WANDB_MODE": "offline", "WANDB_DIR": tmp_path, "WANDB_CONFIG_DIR": tmp_path / "config",
         "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data",
@@ -237,9 +243,13 @@ def wandb_offline(tmp_path, monkeypatch):
 
     previous = signal.signal(signal.SIGALRM, too_long)
     signal.alarm(WANDB_TIMEOUT_S)
-    yield tmp_path
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+    wandb.teardown()
+    try:
+        yield tmp_path
+    finally:
+        wandb.teardown()
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _inspect(run_dir, *flags) -> str:
