@@ -1,4 +1,5 @@
-"""Metric writers: callbacks that record each epoch's logs to CSV, JSON lines, TensorBoard or text.
+"""Metric writers: callbacks that record each epoch's logs to CSV, JSON lines, TensorBoard, text,
+MLflow or Weights & Biases (the last two live in :mod:`nnxscan.adapters.trackers`).
 
 Each writer is a ``fit`` callback. It reads only the epoch logs ``fit`` hands it (plain Python
 numbers, already on the host) and ``trainer.step``, so none of them adds a device sync.
@@ -12,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import csv
-import functools
 import json
 import math
 import numbers
@@ -25,50 +25,28 @@ from typing import Any, TextIO
 import numpy as np
 
 from nnxscan.adapters._extras import require_extra
-from nnxscan.adapters.distributed import is_primary
+from nnxscan.adapters._log_values import is_number as _is_number
+from nnxscan.adapters._log_values import plain as _plain
+from nnxscan.adapters._log_values import primary_only as _primary_only
+from nnxscan.adapters._log_values import spread
+from nnxscan.adapters.trackers import MLflowWriter, WandbWriter
 
-__all__ = ["CSVWriter", "JSONLinesWriter", "TensorBoardWriter", "TextLogger"]
+__all__ = [
+    "CSVWriter",
+    "JSONLinesWriter",
+    "MLflowWriter",
+    "TensorBoardWriter",
+    "TextLogger",
+    "WandbWriter",
+]
 
 PathLike = str | os.PathLike[str]
 
 
-def _plain(value: Any) -> Any:
-    """A numpy scalar as the Python number it holds; anything else unchanged."""
-    item = getattr(value, "item", None)
-    if item is not None and getattr(value, "shape", None) == ():
-        return item()
-    return value
-
-
 def _spread(logs: dict[str, Any]) -> dict[str, Any]:
-    """Logs with every array value spread into one entry per element: ``key/i``, and
-    ``key/i/j`` for two axes. A ``Population``'s logs put the member first (``loss/2`` is
-    member 2's loss); a Trainer's array metric (``per_class``) gives one entry per class;
-    scalars are unchanged."""
-    out: dict[str, Any] = {}
-    for key, value in logs.items():
-        if len(getattr(value, "shape", ())) >= 1:
-            inner = _spread({f"{key}/{i}": v for i, v in enumerate(value)})
-            out.update(inner)
-        else:
-            out[key] = value
-    return out
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _primary_only(hook: Any) -> Any:
-    """Runs a writer's hook on process 0 only: several processes train one model, and
-    one log is wanted, not one per process writing over the others."""
-
-    @functools.wraps(hook)
-    def wrapped(self: Any, *args: Any) -> None:
-        if is_primary():
-            hook(self, *args)
-
-    return wrapped
+    """Logs with every array value spread into one entry per element (``key/i``, and
+    ``key/i/j`` for two axes): see :func:`nnxscan.adapters._log_values.spread`."""
+    return spread(logs)
 
 
 class CSVWriter:

@@ -24,15 +24,37 @@ Example:
   >>> history = Trainer(model, optax.adam(1e-3), loss_fn).fit(data, epochs=5, batch_size=32)
 """
 
-from nnxscan.shell._compile_cache import enable_compilation_cache
-from nnxscan.shell._fit import Preempted
-from nnxscan.shell._plans import Plan
-from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
-from nnxscan.shell.continual import train_tasks
-from nnxscan.shell.history import History
-from nnxscan.shell.population import Population
-from nnxscan.shell.scan_train import scan_train
-from nnxscan.shell.trainer import Trainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on first use
+    from nnxscan.shell._compile_cache import enable_compilation_cache
+    from nnxscan.shell._fit import Preempted
+    from nnxscan.shell._plans import Plan
+    from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
+    from nnxscan.shell.continual import train_tasks
+    from nnxscan.shell.history import History
+    from nnxscan.shell.population import Population
+    from nnxscan.shell.scan_train import scan_train
+    from nnxscan.shell.trainer import Trainer
+
+# Where each public name lives. Importing ``nnxscan.shell`` (or any module in it, such as
+# the CLI) loads none of them, so nothing imports jax until a name is used: ``nnxscan
+# --help`` answers before jax would have finished importing (PEP 562).
+_PUBLIC = {
+    "EarlyStopping": "nnxscan.shell.callbacks",
+    "History": "nnxscan.shell.history",
+    "LambdaCallback": "nnxscan.shell.callbacks",
+    "Plan": "nnxscan.shell._plans",
+    "Population": "nnxscan.shell.population",
+    "Preempted": "nnxscan.shell._fit",
+    "Trainer": "nnxscan.shell.trainer",
+    "enable_compilation_cache": "nnxscan.shell._compile_cache",
+    "scan_train": "nnxscan.shell.scan_train",
+    "train_tasks": "nnxscan.shell.continual",
+}
 
 __all__ = [
     "EarlyStopping",
@@ -46,3 +68,17 @@ __all__ = [
     "scan_train",
     "train_tasks",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Imports a public name's module on first use and keeps the name here (PEP 562)."""
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

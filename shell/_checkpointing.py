@@ -99,6 +99,7 @@ def run_json(history: History, partial: np.ndarray) -> str:
         "epochs": epochs,
         "losses": np.asarray(history.losses[:done], np.float64).tolist(),
         "partial": np.asarray(partial, np.float64).tolist(),
+        "events": history.events,
     }
     return json.dumps(record, default=_plain)
 
@@ -118,7 +119,9 @@ def parse_run(text: str, members: int | None = None) -> tuple[History, np.ndarra
     ]
     losses = np.asarray(record["losses"], np.float32).reshape(shape)
     partial = np.asarray(record["partial"], np.float32).reshape(shape)
-    return History(losses, epochs), partial
+    history = History(losses, epochs)
+    history.events = list(record.get("events", []))
+    return history, partial
 
 
 def _plain(value: Any) -> Any:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import pathlib
 
-import jax
-
 DEFAULT_DIR = "~/.cache/nnxscan/jax"
 
 
@@ -30,6 +28,9 @@ def enable_compilation_cache(path: str | os.PathLike[str] | None = None) -> path
       >>> enable_compilation_cache("/tmp/jax-cache")
       PosixPath('/tmp/jax-cache')
     """
+    # Imported here: the CLI reads DEFAULT_DIR for its --help, which must not wait for jax.
+    import jax
+
     folder = pathlib.Path(path if path is not None else DEFAULT_DIR).expanduser().resolve()
     folder.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(folder))

@@ -55,6 +55,7 @@ from nnxscan.shell._programs import (
     metrics_evaluator,
 )
 from nnxscan.shell._streaming import EpochSource, default_chunk_size, is_stream
+from nnxscan.shell._trace_notes import noting_batch
 from nnxscan.shell.history import History
 
 
@@ -373,12 +374,16 @@ class Engine:
             node = owner.model if metric_fn is not None else node_of(owner.model, rngs, metrics)
             return nnx.split(node)
 
+        # What an error while tracing names (with the batch's leaves): the user's functions.
+        traced = metric_fn or {"loss_fn": loss_fn, "update_metrics": update_metrics}
+
         def run(data: Any) -> dict[str, Any]:
             graphdef, state = read()
             leaves, treedef = jax.tree.flatten(state)
             state = jax.tree.unflatten(treedef, self.placement.put_carry(leaves))
             data = self.placement.put_data(data, state)
-            values = to_host(program(graphdef, state, data))
+            with noting_batch("evaluation", traced, data, batch_size=batch_size):
+                values = to_host(program(graphdef, state, data))
             if metric_fn is None:
                 return metric_logs(values, metrics)
             return {k: _host_value(v, members) for k, v in values.items()}

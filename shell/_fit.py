@@ -217,7 +217,8 @@ class FitLoop:
             raise
         self.callbacks("on_train_end", history)
         if self.checkpoints is not None and owner.loaded_since_checkpoint:
-            # A callback put the best epoch's weights back: the last checkpoint holds them.
+            # EarlyStopping put the best epoch's weights back: the checkpoint holds them and
+            # the History's events.
             self.checkpoints.save(history, empty_losses(self.members))
         return history
 

@@ -26,6 +26,7 @@ from nnxscan.pure import (
 from nnxscan.pure._loops import scan_indexed_steps, scan_member_steps
 from nnxscan.pure._node import unpack
 from nnxscan.shell._plans import StepTraits, step_traits
+from nnxscan.shell._trace_notes import noting_batch
 
 _MAX_CACHED = 32
 _TRAIN: OrderedDict[Hashable, TrainProgram] = OrderedDict()
@@ -115,6 +116,8 @@ class TrainProgram:
             update_metrics=update_metrics,
         )
         self.step = step
+        named = {"loss_fn": loss_fn, "update_metrics": update_metrics}
+        self.user_functions = {k: f for k, f in named.items() if f is not None}  # error notes
         self._jitted: OrderedDict[Hashable, Callable] = OrderedDict()
         self.has_aux = has_aux
         # "stop": every call halts at its first non-finite step and reports whether it did.
@@ -194,11 +197,12 @@ class TrainProgram:
         """The step's traits for these shapes, traced once (no compile) and remembered."""
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch))
         key = (graphdef, shapes, jax.tree.structure(batch))
-        return _lookup(
-            self._traits,
-            key,
-            lambda: step_traits(self.jitted_step(graphdef), graphdef, state, opt_state, batch),
-        )
+        with noting_batch("training step", self.user_functions, batch):
+            return _lookup(
+                self._traits,
+                key,
+                lambda: step_traits(self.jitted_step(graphdef), graphdef, state, opt_state, batch),
+            )
 
     def jitted_step(self, graphdef: Any) -> Callable:
         """The step for this graphdef under ``jax.jit`` (XLA inlines it in the compiled

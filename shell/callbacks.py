@@ -29,6 +29,7 @@ from flax import nnx
 
 from nnxscan.adapters.distributed import is_primary
 from nnxscan.pure._members import select_members
+from nnxscan.shell._stop_events import record_early_stopping
 
 __all__ = ["EarlyStopping", "LambdaCallback"]
 
@@ -289,6 +290,7 @@ class EarlyStopping:
             )
 
     def on_train_end(self, trainer: Any, history: Any) -> None:
+        record_early_stopping(self, trainer, history)  # history.events, before restoring
         if self._epochs and not self._checked:
             warnings.warn(
                 f"EarlyStopping(monitor={self.monitor!r}): no epoch of this fit logged any "

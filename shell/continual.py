@@ -113,6 +113,7 @@ def train_tasks(
     seed: int = 0,
     wrt: nnx.filterlib.Filter = nnx.Param,
     progress: bool = True,
+    label: str | None = None,
 ) -> np.ndarray:
     """Trains ``model`` on each task in turn; returns held-out accuracy after every task.
 
@@ -146,7 +147,10 @@ def train_tasks(
       eval_batch_size: evaluation batch size (default: each test set whole).
       seed: task ``t`` shuffles with ``seed + t``.
       wrt: the filter of the trained variables.
-      progress: show ``fit``'s progress bar.
+      progress: show ``fit``'s progress bar (off a terminal, its lines per epoch), each
+        task's under a line naming it: ``"<label>: task 2 of 5"``.
+      label: the name of this learner in those lines, so that the progress of several
+        ``train_tasks`` runs can be told apart (default: none, ``"task 2 of 5"``).
 
     Returns:
       ``accuracy``, a ``(T, T)`` float64 array: ``accuracy[i, j]`` is task ``j``'s metric
@@ -180,6 +184,8 @@ def train_tasks(
     for name, fn in (("loss_for_task", loss_for_task), ("metric_for_task", metric_for_task)):
         if not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}.")
+    if label is not None and not isinstance(label, str):
+        raise TypeError(f"label must be a str (or None), got {type(label).__name__}.")
     epochs = check_count(epochs, "epochs", 1)
     batch_size = check_count(batch_size, "batch_size", 1)
     if eval_batch_size is not None:
@@ -193,6 +199,8 @@ def train_tasks(
     for t, (train, _) in enumerate(tasks):
         loss_fn = loss_for_task(t, model)
         trainer = Trainer(model, tx, loss_fn, wrt=wrt)
+        if progress:
+            print(f"{f'{label}: ' if label else ''}task {t + 1} of {len(tasks)}", flush=True)
         trainer.fit(train, epochs=epochs, batch_size=batch_size, seed=seed + t, progress=progress)
         for j in range(t + 1):
             test = tasks[j][1]

@@ -23,6 +23,12 @@ class History:
       losses: per-step training losses of this call, a 1-D numpy array.
       epochs: one dict of logs per epoch: ``epoch`` (global index), ``loss`` (mean),
         the means of scalar ``aux`` leaves, ``steps``, ``steps_per_sec`` and ``wall_time``.
+      events: what callbacks recorded about the run, in order, as plain dicts that
+        checkpoints keep: ``EarlyStopping`` adds ``{"epoch": e, "step": s, "what":
+        "early_stopping_stopped"}`` when it stops ``fit`` and ``{..., "what":
+        "restored_best"}`` when it writes its best epoch back (``epoch`` the global
+        index, ``step`` the global step count at that epoch's end; a ``Population``'s
+        carry ``"member": i``, one per member). ``plot`` marks them.
 
     Example:
       >>> history = trainer.fit(data, epochs=3, batch_size=32)
@@ -33,6 +39,7 @@ class History:
 
     losses: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,), np.float32))
     epochs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def _append(self, losses: np.ndarray, logs: dict[str, Any]) -> None:
         self.losses = np.concatenate([self.losses, np.asarray(losses, np.float32)])
@@ -48,8 +55,10 @@ class History:
         the member's colour. The y-axis is logarithmic when every
         finite loss is positive. When any epoch logged ``eval_*`` metrics, a second panel
         below, on the same step axis, marks each at its epoch's last step (the running sum of
-        the epochs' ``steps``). Needs matplotlib: ``pip install 'nnxscan[demo]'``; pyplot's
-        global state is not touched.
+        the epochs' ``steps``); its label says when they were logged (``eval (every 5th
+        epoch)``). The epochs :attr:`events` name (EarlyStopping's stop and restore) are
+        marked by a labelled vertical line at their last step. Needs matplotlib: ``pip
+        install 'nnxscan[demo]'``; pyplot's global state is not touched.
 
         Args:
           path: where to write the PNG.
@@ -105,8 +114,6 @@ class History:
         if finite.any() and (columns[finite] > 0).all():
             ax.set_yscale("log")
         ax.set_ylabel("training loss" if members == 1 else f"training loss, {members} members")
-        if labelled:
-            ax.legend(loc="upper right", fontsize="small")
         styles = ("-", "--", ":", "-.")
         names = sorted({name for name, _ in evals})
         for (name, member), (xs, ys) in evals.items():
@@ -118,9 +125,12 @@ class History:
                 axes[1].plot(xs, ys, marker="o", ms=2, lw=1.0, ls=style,
                              color=f"C{member % 10}", label=label)  # fmt: skip
         if evals:
-            axes[1].set_ylabel("eval (per epoch)")
+            axes[1].set_ylabel(f"eval ({_eval_cadence(self.epochs)})")
             if labelled:
                 axes[1].legend(loc="best", fontsize="small")
+        _mark_events(axes, self.events, self.epochs, ends, single=members == 1)
+        if labelled or self.events:
+            ax.legend(loc="upper right", fontsize="small")
         # Epoch boundaries help read the loss against the eval points; past a few dozen
         # epochs they would only hatch the plot.
         if 1 < len(ends) <= 40:
@@ -237,3 +247,59 @@ def _eval_series(
                 xs.append(end)
                 ys.append(float(v))
     return series
+
+
+def _ordinal(n: int) -> str:
+    if 10 <= n % 100 <= 20:
+        return f"{n}th"
+    return f"{n}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th') }"
+
+
+def _eval_cadence(epochs: list[dict[str, Any]]) -> str:
+    """When the eval metrics were logged, in words: "per epoch", "every 5th epoch",
+    "epochs 3, 7 and 20", "12 of 40 epochs"."""
+    logged = [
+        int(logs.get("epoch", i))
+        for i, logs in enumerate(epochs)
+        if any(key.startswith("eval_") for key in logs)
+    ]
+    gaps = set(np.diff(logged).tolist())
+    if len(logged) > 1 and len(gaps) == 1:
+        (gap,) = gaps
+        return "per epoch" if gap == 1 else f"every {_ordinal(gap)} epoch"
+    if len(logged) == 1:
+        return f"epoch {logged[0]}"
+    if len(logged) <= 4:
+        return f"epochs {', '.join(map(str, logged[:-1]))} and {logged[-1]}"
+    return f"{len(logged)} of {len(epochs)} epochs"
+
+
+# How each event is drawn: colour (a single model's; a population's use the member's),
+# line style, and the words of its label.
+_EVENT_STYLES = {
+    "early_stopping_stopped": ("C3", "--", "early stopping: stopped"),
+    "restored_best": ("C2", ":", "restored best"),
+}
+
+
+def _mark_events(axes, events, epochs, ends: np.ndarray, *, single: bool) -> None:
+    """A vertical line on every panel at the last step of each event's epoch, labelled in
+    the top panel's legend (one entry per kind for a population's per-member lines)."""
+    row_of = {logs.get("epoch", i): i for i, logs in enumerate(epochs)}
+    labelled = set()
+    for event in events:
+        style, row = _EVENT_STYLES.get(event.get("what")), row_of.get(event.get("epoch"))
+        if style is None or row is None:  # another callback's event, or another fit's epoch
+            continue
+        color, line, words = style
+        member = event.get("member")
+        if member is not None:
+            color = f"C{member % 10}"
+        x = float(ends[row])
+        label = (
+            f"{words} (epoch {event['epoch']})" if single else f"{words}, in each member's colour"
+        )
+        for i, ax in enumerate(axes):
+            first = i == 0 and label not in labelled
+            ax.axvline(x, color=color, ls=line, lw=1.2, zorder=3, label=label if first else None)
+        labelled.add(label)

@@ -13,9 +13,30 @@ from nnxscan.shell.demos import hypernet_cl
 from nnxscan.shell.demos.hypernet_cl import format_accuracy_matrix, run_hypernet_cl_demo
 
 
-def test_hypernet_cl_demo_remembers_every_task_where_fine_tuning_forgets(tmp_path, capsys):
-    result = run_hypernet_cl_demo(tmp_path / "out", progress=False)
+def test_hypernet_cl_demo_remembers_every_task_where_fine_tuning_forgets(
+    tmp_path, capsys, monkeypatch
+):
+    # Through the command line, progress on: off a terminal (captured), fit prints a line
+    # per epoch (its first and last at least), each under a line naming learner and task.
+    results = []
+    monkeypatch.setattr(
+        hypernet_cl, "run_hypernet_cl_demo",
+        lambda *a, **k: results.append(run_hypernet_cl_demo(*a, **k)) or results[-1],
+    )  # fmt: skip
+    assert main(["demo", "hypernet-cl", "--out", str(tmp_path / "out"), "--no-compile-cache"]) == 0
+    (result,) = results
     out = capsys.readouterr().out
+
+    learners = ["hypernetwork", "fine-tuned baseline"]
+    headers = [f"{name}: task {t} of 5" for name in learners for t in range(1, 6)]
+    lines = out.splitlines()
+    at = [i for i, line in enumerate(lines) if line in headers]
+    assert [lines[i] for i in at] == headers, "each learner's tasks, in order"
+    for start, end in zip(at, [*at[1:], len(lines)], strict=True):
+        group = [line for line in lines[start + 1 : end] if re.match(r"epoch \d+ ", line)]
+        assert group and group[0].startswith("epoch 0 ") and group[-1].startswith("epoch 29 ")
+    first_epoch_line = next(i for i, line in enumerate(lines) if re.match(r"epoch \d+ ", line))
+    assert first_epoch_line > at[0], "no epoch line comes before its learner and task"
 
     png = (tmp_path / "out" / "nnxscan_demo_hypernet-cl.png").resolve()
     assert result["plot"] == str(png)

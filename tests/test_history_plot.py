@@ -157,3 +157,41 @@ def test_a_populations_history_plots_a_curve_and_eval_line_per_member(tmp_path):
     assert xs == ends.tolist()
     np.testing.assert_allclose(ys, [e["eval_accuracy"][2] for e in history.epochs])
     _read_png(_population_history(24).plot(tmp_path / "many.png"))  # no legend past 10
+
+
+def _eval_label(tmp_path, logged_at: list[int], epochs: int, monkeypatch) -> str:
+    """The eval panel's y label of a History that logged eval_* at ``logged_at``."""
+    figure = pytest.importorskip("matplotlib.figure")
+    saved, original = [], figure.Figure.savefig
+    monkeypatch.setattr(
+        figure.Figure,
+        "savefig",
+        lambda self, *a, **k: saved.append(self) or original(self, *a, **k),
+    )
+    history = History()
+    for epoch in range(epochs):
+        logs = {"epoch": epoch, "steps": 5, "loss": 1.0}
+        if epoch in logged_at:
+            logs["eval_accuracy"] = 0.5
+        history._append(np.linspace(2.0, 1.0, 5), logs)
+    history.plot(tmp_path / f"eval_{len(saved)}.png")
+    return saved[-1].axes[1].get_ylabel()
+
+
+@pytest.mark.parametrize(
+    "logged_at, epochs, label",
+    [
+        ([4, 9, 14, 19, 24, 29], 30, "eval (every 5th epoch)"),  # the digits demo's eval_every=5
+        (list(range(6)), 6, "eval (per epoch)"),
+        ([1, 3, 5], 6, "eval (every 2nd epoch)"),
+        ([2, 5, 8], 9, "eval (every 3rd epoch)"),
+        ([10, 21], 22, "eval (every 11th epoch)"),
+        ([3], 6, "eval (epoch 3)"),
+        ([0, 3, 4], 6, "eval (epochs 0, 3 and 4)"),
+        ([0, 1, 3, 6, 10], 12, "eval (5 of 12 epochs)"),
+    ],
+)
+def test_the_eval_panel_says_which_epochs_it_was_logged_at(
+    tmp_path, monkeypatch, logged_at, epochs, label
+):
+    assert _eval_label(tmp_path, logged_at, epochs, monkeypatch) == label

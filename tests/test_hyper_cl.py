@@ -772,3 +772,22 @@ def test_train_tasks_checks_every_task_and_metric_before_training_any():
             train_tasks(learner, optax.adam(1e-2), tasks, counting_losses, make, **fit)
         unchanged()
     assert calls == []  # no task started
+
+
+def test_train_tasks_names_each_task_above_its_progress(capsys):
+    tasks = toy_tasks(2)
+    fit = dict(epochs=2, batch_size=16)
+    train_tasks(build_learner(), optax.adam(1e-2), tasks, regularized_losses,
+                lambda j: task_accuracy, progress=True, **fit)  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    headers = [i for i, line in enumerate(lines) if line.startswith("task ")]
+    assert [lines[i] for i in headers] == ["task 1 of 2", "task 2 of 2"]
+    assert headers[0] == 0, "nothing is printed before the first task's line"
+    for start, end in zip(headers, [*headers[1:], len(lines)], strict=True):
+        assert [line.split("  ")[0] for line in lines[start + 1 : end]] == ["epoch 0", "epoch 1"]
+    train_tasks(build_learner(), optax.adam(1e-2), tasks, regularized_losses,
+                lambda j: task_accuracy, progress=False, label="quiet", **fit)  # fmt: skip
+    assert "quiet" not in capsys.readouterr().out
+    with pytest.raises(TypeError, match="label must be a str"):
+        train_tasks(build_learner(), optax.adam(1e-2), tasks, regularized_losses,
+                    lambda j: task_accuracy, label=3, **fit)  # fmt: skip

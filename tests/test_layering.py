@@ -105,6 +105,8 @@ def test_import_has_no_side_effects():
         import nnxscan.pure, nnxscan.pure.hyper, nnxscan.shell, nnxscan.adapters
         import nnxscan.adapters.nnx_optimizer, nnxscan.adapters.data, nnxscan.adapters.checkpoint
         import nnxscan.adapters.writers
+        # nnxscan.shell loads its public names on first use: load every one.
+        [getattr(nnxscan.shell, name) for name in nnxscan.shell.__all__]
         after = (dict(jax.config.values), list(warnings.filters),
                  list(logging.getLogger().handlers), logging.getLogger().level)
         assert before == after, "importing nnxscan changed global configuration"

@@ -246,11 +246,12 @@ def run_hypernet_cl_demo(
     matrices = {
         f"hypernetwork + output regularizer (β = {beta:g})": train_tasks(
             ContinualLearner(hnet), optax.adam(LEARNING_RATE), tasks,
-            hypernetwork_losses(float(beta)), lambda j: hypernetwork_accuracy, **fit,
+            hypernetwork_losses(float(beta)), lambda j: hypernetwork_accuracy,
+            label="hypernetwork", **fit,
         ),
         "fine-tuned network (baseline)": train_tasks(
             TaskNet(rngs=nnx.Rngs(seed)), optax.adam(LEARNING_RATE), tasks,
-            baseline_loss, lambda j: fine_tuning_accuracy, **fit,
+            baseline_loss, lambda j: fine_tuning_accuracy, label="fine-tuned baseline", **fit,
         ),
     }  # fmt: skip
     hnet_acc, base_acc = matrices.values()

@@ -29,15 +29,48 @@ def format_sweep_table(rates: list[float], seeds: list[int], acc: np.ndarray) ->
     return "\n".join(lines)
 
 
+# Members with the same score would hide behind each other: each seed's markers are
+# shifted along the log x-axis by its own small offset (in decades; the rates are half a
+# decade apart, so a shifted marker stays with its rate), and drawn hollow in a shape of
+# its own, so even markers that still touch show both outlines. The accuracy (y) is exact.
+SEED_OFFSET_DECADES = 0.06
+SEED_MARKERS = "osD^v<>p"
+
+
+def _rate_label(rate: float) -> str:
+    """``3e-4`` for 0.0003: numpy's ``3e-04`` without the padding zero."""
+    mantissa, exponent = f"{rate:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def draw_sweep(rates: list[float], seeds: list[int], acc: np.ndarray) -> Any:
-    """A matplotlib Figure: held-out accuracy against learning rate (log x), a dot per seed."""
+    """A matplotlib Figure: held-out accuracy against learning rate (log x), a marker per
+    seed (hollow, shifted a little along x per seed, so equal scores stay visible), the
+    mean over seeds, and every decade and every swept rate labelled on the x-axis."""
     Figure = require_extra("matplotlib.figure", "demo", needed_by="nnxscan demo sweep").Figure
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
+    rates_array = np.asarray(rates, np.float64)
+    offsets = np.linspace(-1.0, 1.0, len(seeds)) * SEED_OFFSET_DECADES if len(seeds) > 1 else [0]
     for j, seed in enumerate(seeds):
-        ax.scatter(rates, acc[:, j], label=f"seed {seed}", alpha=0.8)
+        ax.scatter(
+            rates_array * 10.0 ** offsets[j], acc[:, j], label=f"seed {seed}", s=40, lw=1.4,
+            marker=SEED_MARKERS[j % len(SEED_MARKERS)], facecolors="none", edgecolors=f"C{j}",
+        )  # fmt: skip
     ax.plot(rates, acc.mean(axis=1), color="black", lw=1, label="mean over seeds")
     ax.set_xscale("log")
+    # Whole decades from below the smallest rate to above the largest, each labelled; the
+    # swept rates between them get labelled minor ticks.
+    low = int(np.floor(np.log10(rates_array.min()) + 1e-9))
+    high = int(np.ceil(np.log10(rates_array.max()) - 1e-9))
+    decades = [10.0**k for k in range(low, high + 1)]
+    margin = 10.0 ** (2 * SEED_OFFSET_DECADES)
+    ax.set_xlim(
+        min(decades[0], rates_array.min()) / margin, max(decades[-1], rates_array.max()) * margin
+    )
+    ax.set_xticks(decades, [_rate_label(d) for d in decades])
+    between = [r for r in rates if not np.isclose(np.log10(r), np.round(np.log10(r)))]
+    ax.set_xticks(between, [_rate_label(r) for r in between], minor=True, fontsize="small")
     ax.set_xlabel("learning rate (Adam)")
     ax.set_ylabel("held-out accuracy")
     ax.set_title(f"digits MLP: {acc.size} members trained in one Population")

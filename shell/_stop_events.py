@@ -1,0 +1,63 @@
+"""What EarlyStopping leaves in the History: the epoch it stopped at, the epoch it restored.
+
+``History.events`` is a list of small dicts, so ``History.plot`` can mark them and a
+checkpoint (the History as JSON) keeps them. Each is::
+
+    {"epoch": e, "step": s, "what": "early_stopping_stopped" | "restored_best"}
+
+``epoch`` is the global epoch index ``fit`` logs; ``step`` the global step count at that
+epoch's end. A ``Population``'s are per member, with ``"member": i`` added.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+STOPPED = "early_stopping_stopped"
+RESTORED = "restored_best"
+
+
+def _step_after(history: Any, epoch: int, last_step: int) -> int:
+    """The global step count at the end of ``epoch``: the count now, less the steps of the
+    History's epochs after it."""
+    later = [logs for logs in history.epochs if logs.get("epoch", -1) > epoch]
+    return int(last_step) - sum(int(logs.get("steps", 0)) for logs in later)
+
+
+def record_early_stopping(stop: Any, trainer: Any, history: Any) -> None:
+    """Appends ``stop``'s events of this ``fit`` to ``history.events``.
+
+    Called first in ``EarlyStopping.on_train_end``, before it restores anything: it reads
+    the callback's record (``stopped_epoch``, ``best_epoch`` and the kept best state) and
+    writes an event only for what happened: a stop, and a restore that changed the model
+    (none when the last epoch trained was the best). ``getattr(trainer, "num_members",
+    None)`` says whether it serves one model or a population's members. A ``history``
+    without ``events`` (a test driving the callback by hand) is left alone.
+    """
+    events = getattr(history, "events", None)
+    if events is None:
+        return
+    members = getattr(trainer, "num_members", None)
+    kept_best = stop._best_state is not None  # restore_best, and some epoch improved
+    if members is None:
+        if stop.stopped_epoch is not None:
+            events.append({"epoch": int(stop.stopped_epoch), "step": int(trainer.step),
+                           "what": STOPPED})  # fmt: skip
+        if kept_best and trainer.step != stop._best_step:
+            events.append({"epoch": int(stop.best_epoch), "step": int(stop._best_step),
+                           "what": RESTORED})  # fmt: skip
+        return
+    if not isinstance(stop.wait, np.ndarray):  # no epoch of this fit logged the monitor
+        return
+    last = history.epochs[-1]["epoch"] if history.epochs else None
+    for i in range(members):
+        stopped, best = int(stop.stopped_epoch[i]), int(stop.best_epoch[i])
+        if stopped >= 0:
+            events.append({"epoch": stopped, "step": _step_after(history, stopped, trainer.step),
+                           "what": STOPPED, "member": i})  # fmt: skip
+        trained_until = stopped if stopped >= 0 else last
+        if kept_best and best >= 0 and best != trained_until:
+            events.append({"epoch": best, "step": _step_after(history, best, trainer.step),
+                           "what": RESTORED, "member": i})  # fmt: skip
