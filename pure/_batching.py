@@ -36,6 +36,17 @@ def take_batch(data: Any, indices: jax.Array) -> Any:
     return jax.tree.map(lambda x: jnp.take(x, indices, axis=0), data)
 
 
+def constrain(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` with ``sharding`` inside a traced function, on any mesh: on an Explicit mesh
+    the sharding is part of the array's type, so it is changed with
+    ``jax.sharding.reshard``; on an Auto mesh ``with_sharding_constraint`` tells XLA."""
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    if types and all(t == jax.sharding.AxisType.Explicit for t in types):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def shard_batch(batch: Any, sharding: jax.sharding.Sharding | None) -> Any:
     """Constrains every leaf of ``batch`` to ``sharding`` (its batch axis over devices).
 
@@ -44,7 +55,21 @@ def shard_batch(batch: Any, sharding: jax.sharding.Sharding | None) -> Any:
     """
     if sharding is None:
         return batch
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), batch)
+    return jax.tree.map(lambda x: constrain(x, sharding) if _divides(x, sharding) else x, batch)
+
+
+def _divides(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
+    """Whether the leading dimension splits evenly over the sharding's first entry (a
+    short final batch that does not stays as it is)."""
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if not spec or spec[0] is None or mesh is None or not jnp.ndim(x):
+        return True
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    size = 1
+    for axis in axes:
+        size *= mesh.shape[axis]
+    return jnp.shape(x)[0] % size == 0
 
 
 def full_then_tail(

@@ -65,12 +65,18 @@ def make_eval_step(
 
 
 def make_evaluate(
-    metric_fn: MetricFn, *, batch_size: int, eval_mode: bool = True
+    metric_fn: MetricFn,
+    *,
+    batch_size: int,
+    eval_mode: bool = True,
+    batch_sharding: jax.sharding.Sharding | None = None,
 ) -> Callable[[nnx.GraphDef, nnx.State, Any], dict[str, jax.Array]]:
     """Builds ``evaluate(graphdef, state, data) -> dict`` averaging over EVERY example.
 
     Full batches are scanned; the final short batch runs once at its own size; each batch's
     mean is weighted by its size, so the result is the exact mean over all examples.
+    ``batch_sharding`` shards each batch as training does (e.g.
+    ``NamedSharding(mesh, P("data"))``; a batch that does not divide stays as it is).
 
     Example:
       >>> evaluate = jax.jit(make_evaluate(accuracy, batch_size=256))
@@ -87,7 +93,10 @@ def make_evaluate(
         )
 
         def scan(carry, idx, unroll):
-            body = lambda c, i: (c, eval_step(graphdef, state, _batching.take_batch(data, i)))  # noqa: E731
+            def body(carry, i):
+                batch = _batching.shard_batch(_batching.take_batch(data, i), batch_sharding)
+                return carry, eval_step(graphdef, state, batch)
+
             return _loops.scan_loop(body, carry, idx, unroll=unroll)
 
         _, per_batch = _batching.full_then_tail(scan, None, full, tail)
@@ -112,6 +121,7 @@ def make_evaluate_metrics(
     has_aux: bool = False,
     with_rngs: bool = False,
     eval_mode: bool = True,
+    batch_sharding: jax.sharding.Sharding | None = None,
 ) -> Callable[[nnx.GraphDef, nnx.State, Any], Any]:
     """Builds ``evaluate(graphdef, state, data) -> metrics.compute()`` for NNX metrics.
 
@@ -155,7 +165,10 @@ def make_evaluate_metrics(
         )
 
         def scan(state, idx, unroll):
-            body = lambda s, i: (update(graphdef, s, _batching.take_batch(data, i)), None)  # noqa: E731
+            def body(state, i):
+                batch = _batching.shard_batch(_batching.take_batch(data, i), batch_sharding)
+                return update(graphdef, state, batch), None
+
             return _loops.scan_loop(body, state, idx, unroll=unroll)
 
         state, _ = _batching.full_then_tail(scan, state, full, tail)

@@ -67,8 +67,9 @@ class LiveState:
     ):
         self.placement = placement or Placement()
         leaves, self.treedef = jax.tree.flatten((state, opt_state))
-        self.leaves = _unaliased(self.placement.put_carry(leaves), key=_buffer_key)
-        self.shardings = self.placement.carry_shardings(self.leaves)
+        # Decided once per run of calls, from the model (see _placement): pinned in and out.
+        self.shardings = self.placement.carry_shardings(state, opt_state)
+        self.leaves = _unaliased(self.placement.put_carry(leaves, self.shardings), key=_buffer_key)
         self._make_runner = make_runner
         self._runner: tuple | None = None
         self._write = write
@@ -89,7 +90,7 @@ class LiveState:
         assert not self.unwritten, "reload would lose unwritten steps"
         leaves, treedef = jax.tree.flatten((state, self.carry()[1]))
         assert treedef == self.treedef, "the carry's structure changed"
-        self.leaves = _unaliased(self.placement.put_carry(leaves), key=_buffer_key)
+        self.leaves = _unaliased(self.placement.put_carry(leaves, self.shardings), key=_buffer_key)
 
     def runner(self, donate: bool) -> Any:
         """The compiled runner for this carry, looked up once per fit, not per epoch:

@@ -65,7 +65,8 @@ def restore(
     """
     template = owner.checkpoint_tree()
     carry, treedef = jax.tree.flatten((template["state"], template["opt_state"]))
-    shardings = placement.carry_shardings(carry)
+    # The model's CURRENT shardings (another mesh than the saved one's, too: elastic).
+    shardings = placement.carry_shardings(template["state"], template["opt_state"])
     if shardings is not None:
         # On a mesh, orbax reads straight into the layout training uses (replicated,
         # FSDP, members over their axis), rather than onto one device of one process.

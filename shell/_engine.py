@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from nnxscan.adapters.data import GrainEpochs
 from nnxscan.pure._checks import (
@@ -108,23 +110,38 @@ class Engine:
         update_metrics: Callable | None = None,
         rngs: Any = None,
     ):
-        self.program, self.owner, self.placement = program, owner, placement
+        self.program, self.owner = program, owner
+        # As configured; ``placement`` is it bound to the mesh of the call in progress.
+        self.layout = self.placement = placement
         self.explicit_plan, self.members, self.subject = explicit_plan, members, subject
         self._feed = dict(loss_fn=loss_fn, has_aux=has_aux, rngs=rngs)
         self._update_metrics = update_metrics
+
+    def bind(self) -> Placement:
+        """Resolves the mesh of this call (``mesh=``, else ``jax.set_mesh``'s)."""
+        self.placement = self.layout.bound()
+        return self.placement
 
     # -- the plan ---------------------------------------------------------------------------
 
     def execution(self, batch: Any, *, member_batches: bool = False) -> Execution:
         """Traces ONE model's step on ``batch``'s shapes (no compile): the plan and whether
-        the carry may be donated. Bad data raises here, before anything compiles."""
+        the carry may be donated. Bad data raises here, before anything compiles.
+
+        On a mesh the shapes carry the shardings the compiled calls give them (on an
+        Explicit mesh they are part of the types the model's code sees)."""
+        placement = self.placement
         graphdef, state, opt_state = self.owner.read()
-        if self.members is not None:
-            # Shapes only: slicing the arrays would compile a slice per leaf shape.
-            one = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
-            state, opt_state = jax.tree.map(one, (state, opt_state))
-            if member_batches:
-                batch = jax.tree.map(one, batch)
+        shardings = placement.carry_shardings(state, opt_state)
+        leaves, treedef = jax.tree.flatten((state, opt_state))
+        stacked = self.members is not None
+        if shardings is None:
+            shardings = [None] * len(leaves)
+        abstract = [_one_model(x, s, stacked) for x, s in zip(leaves, shardings, strict=True)]
+        state, opt_state = jax.tree.unflatten(treedef, abstract)
+        drop = member_batches and stacked
+        sharding = placement.batch_sharding
+        batch = jax.tree.map(lambda x: _one_model(x, sharding, drop, member=False), batch)
         return prepare_execution(
             self.program, self.explicit_plan, graphdef, state, opt_state, batch
         )
@@ -133,8 +150,8 @@ class Engine:
         """``make(carry_def, carry_shardings, donate)``: the compiled runner of this fit."""
         graphdef = self.owner.read()[0]
         members = self.members
-        if members is not None and member_batches:
-            members = members._replace(data_per_member=True)
+        if members is not None:  # over the member axis of this call's mesh, if it has one
+            members = MemberLayout(self.placement.member_axis, bool(member_batches))
 
         def make(carry_def: Any, carry_shardings: Any, donate: bool) -> Any:
             return self.program.runner(
@@ -153,6 +170,10 @@ class Engine:
         raises before training leaves everything as it was (a resume's restore aside,
         which is itself checked first).
         """
+        with self.bind().context():
+            return self._fit(data, options)
+
+    def _fit(self, data: Any, options: FitOptions) -> History:
         epochs, run = options.epochs, {}
         members = self.owner.num_members
         if options.resume:  # the last step that may change the objects before training
@@ -240,6 +261,7 @@ class Engine:
             batch_size=batch_size, drop_remainder=options.drop_remainder,
             tail_divisor=self.placement.local_data_parallel(), prefetch=options.prefetch,
             members=self.owner.num_members, member_batches=member_batches,
+            put_indices=functools.partial(self.placement.put_data, device=device_of(state)),
         )  # fmt: skip
         return epoch_calls, execution
 
@@ -290,7 +312,9 @@ class Engine:
         step: int | None = None,
         run_keys: dict[str, Any] | None = None,
     ) -> int:
-        return _checkpointing.restore(self.owner, self.placement, directory, step, run_keys)
+        # Onto the model's current shardings, on the mesh of this call.
+        placement = self.bind()
+        return _checkpointing.restore(self.owner, placement, directory, step, run_keys)
 
     # -- evaluation -------------------------------------------------------------------------
 
@@ -358,15 +382,18 @@ class Engine:
     def _evaluate_program(self, metric_fn, metrics, update_metrics, batch_size, eval_mode):
         owner, members = self.owner, self.owner.num_members
         loss_fn, has_aux, rngs = self._feed["loss_fn"], self._feed["has_aux"], self._feed["rngs"]
-        if metric_fn is not None:
-            program = evaluator(metric_fn, batch_size, eval_mode)
-        else:
-            program = metrics_evaluator(
-                loss_fn, update_metrics, batch_size, has_aux=has_aux,
-                with_rngs=rngs is not None, eval_mode=eval_mode,
-            )  # fmt: skip
-        if members is not None:
-            program = member_evaluator(program)
+
+        def program(batch_sharding: Any) -> Callable:
+            # Looked up per call (cached): the batch sharding is the mesh's of this call.
+            if metric_fn is not None:
+                run = evaluator(metric_fn, batch_size, eval_mode, batch_sharding)
+            else:
+                run = metrics_evaluator(
+                    loss_fn, update_metrics, batch_size, has_aux=has_aux,
+                    with_rngs=rngs is not None, eval_mode=eval_mode,
+                    batch_sharding=batch_sharding,
+                )  # fmt: skip
+            return run if members is None else member_evaluator(run)
 
         def read() -> tuple[Any, Any]:
             if members is not None:
@@ -378,12 +405,19 @@ class Engine:
         traced = metric_fn or {"loss_fn": loss_fn, "update_metrics": update_metrics}
 
         def run(data: Any) -> dict[str, Any]:
+            placement = self.bind()
+            with placement.context():
+                return logs(placement, data)
+
+        def logs(placement: Placement, data: Any) -> dict[str, Any]:
             graphdef, state = read()
             leaves, treedef = jax.tree.flatten(state)
-            state = jax.tree.unflatten(treedef, self.placement.put_carry(leaves))
-            data = self.placement.put_data(data, state)
+            placed = placement.put_carry(leaves, placement.state_shardings(state))
+            state = jax.tree.unflatten(treedef, placed)
+            data = placement.put_data(data, state)
+            evaluate = program(placement.batch_sharding)
             with noting_batch("evaluation", traced, data, batch_size=batch_size):
-                values = to_host(program(graphdef, state, data))
+                values = to_host(evaluate(graphdef, state, data))
             if metric_fn is None:
                 return metric_logs(values, metrics)
             return {k: _host_value(v, members) for k, v in values.items()}
@@ -461,3 +495,17 @@ def evaluate(
     batch_size = check_batch_size(batch_size, n, drop_remainder=False)
     run = engine.evaluator(metric_fn, metrics, update_metrics, batch_size, bool(eval_mode))
     return run(data)
+
+
+def _one_model(x: Any, sharding: Any, stacked: bool, *, member: bool = True) -> Any:
+    """The shape (and, on a mesh, sharding) of ONE model's leaf: a population's leaves lose
+    their leading members axis (and its entry in the sharding)."""
+    shape = tuple(np.shape(x))[1:] if stacked else tuple(np.shape(x))
+    dtype = jax.numpy.result_type(x) if not hasattr(x, "dtype") else x.dtype
+    if sharding is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    spec = tuple(sharding.spec)
+    if stacked and member:
+        spec = spec[1:]
+    spec = spec[: len(shape)]
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(sharding.mesh, P(*spec)))

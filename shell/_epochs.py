@@ -200,12 +200,15 @@ class StreamEpochs:
         tail_divisor: int = 1,
         members: int | None = None,
         member_batches: bool = False,
+        put_indices: Callable[[Any], Any] = lambda x: x,
     ):
         self.source, self.plan = source, plan
+        self.put_indices = put_indices
         self._pending = [first_epoch]
         # One checker for the whole fit: the step was traced on the first batch.
         self.checker = BatchChecker(batch_size, members=members if member_batches else None)
         self.members = members
+        self._placed: dict[int, Any] = {}
         self.options = dict(
             prefetch=prefetch, chunk_size=chunk_size, keep_tail=not drop_remainder, put=put,
             tail_divisor=tail_divisor, stack_axis=1 if member_batches else 0,
@@ -213,6 +216,13 @@ class StreamEpochs:
 
     def calls(self, count: int = 1) -> None:
         return None
+
+    def _indices(self, length: int) -> Any:
+        """The chunk's index array, placed next to the data once per chunk length."""
+        cached = self._placed.get(length)
+        if cached is None:
+            cached = self._placed[length] = self.put_indices(_arange(length, self.members))
+        return cached
 
     def __call__(
         self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
@@ -230,7 +240,7 @@ class StreamEpochs:
         try:
             for chunk in stream:
                 sink: list = []
-                indices = _arange(chunk.steps, self.members)
+                indices = self._indices(chunk.steps)
                 for start, length in self.plan.chunks(chunk.steps):
                     yield Call(chunk.data, indices, start, length, sink=sink)
                 if previous is not None:

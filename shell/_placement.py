@@ -1,20 +1,46 @@
-"""Where the carry (state, optax state) and the data live: one device, or a mesh.
+"""Where the carry (state, optax state) and the data live: one device, or a mesh — with the
+shardings the model brings.
 
 Without a mesh everything is committed to the device that holds the model (so numpy,
 uncommitted and committed inputs all reach the compiled call the same way and compile
-once). With a ``jax.sharding.Mesh``, training is data-parallel over ``data_axis``: every
-batch is sharded along its batch dimension, the state is replicated, and XLA inserts the
-gradient all-reduce itself (GSPMD) — no hand-written communication. Optionally
-(``fsdp_min_size``) large arrays of the carry are sharded too, FSDP-style.
+once). With a ``jax.sharding.Mesh`` — the ``mesh=`` given, else the one ``jax.set_mesh``
+put in context when the call runs — every variable keeps the sharding the model gives it,
+decided once per call by this rule, the first that applies:
+
+1. a path rule (``shardings={regex: PartitionSpec}``) matching the variable's path: the
+   caller's explicit choice wins, as Keras's ``LayoutMap`` does;
+2. the ``NamedSharding`` its array already carries (a model created under
+   ``jax.set_mesh`` with Flax's eager sharding, or trained before);
+3. its NNX annotation (``nnx.with_partitioning``, ``sharding=``, ``out_sharding=``), logical
+   names mapped by ``nnx.logical_axis_rules`` in context or the variable's
+   ``sharding_rules`` — what ``nnx.get_partition_spec`` reads;
+4. the FSDP rule (``fsdp_min_size``): the largest dimension the data axes divide;
+5. replicated.
+
+Optax moments follow their parameters (``optax.tree_utils.tree_map_params``); scalar
+counters are replicated. A population's leaves carry a leading members axis, sharded over
+``member_axis``; each member's own dimensions follow the rule above. Batches are split over
+the data axes (``data_axis``: a name or a tuple; by default the mesh's ``"data"`` axis when
+it has one, else none: batches replicated). XLA partitions the step itself (GSPMD); the
+compiled calls pin the carry's shardings in and out, so a model comes back sharded exactly
+as it went in.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
+import optax
+from flax import nnx
+from flax.nnx import spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nnxscan.pure import split_wrt
 
 
 def device_of(like: Any) -> Any:
@@ -24,7 +50,7 @@ def device_of(like: Any) -> Any:
     return next(iter(devices)) if len(devices) == 1 else jax.devices()[0]
 
 
-def fsdp_spec(shape: tuple[int, ...], axis_size: int, axis: str, min_size: int) -> PartitionSpec:
+def fsdp_spec(shape: tuple[int, ...], axis_size: int, axis: Any, min_size: int) -> PartitionSpec:
     """The FSDP rule: shard the largest dimension that ``axis_size`` divides over ``axis``.
 
     Arrays with fewer than ``min_size`` elements, and those with no such dimension, stay
@@ -43,49 +69,180 @@ def fsdp_spec(shape: tuple[int, ...], axis_size: int, axis: str, min_size: int) 
     return PartitionSpec(*[axis if d == dim else None for d in range(len(shape))])
 
 
+def context_mesh() -> Mesh | None:
+    """The concrete mesh ``jax.set_mesh`` put in context, or None."""
+    mesh = jax.sharding.get_mesh()
+    return mesh if isinstance(mesh, Mesh) and not mesh.empty else None
+
+
+def _spec_names(spec: PartitionSpec) -> list[str]:
+    names = []
+    for entry in spec:
+        if entry is None:
+            continue
+        names += list(entry) if isinstance(entry, tuple) else [entry]
+    return names
+
+
+def _path(path: tuple) -> str:
+    """A variable's path as ``layers/dot1/kernel`` (what path rules match)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def check_rules(rules: Any) -> tuple[tuple[re.Pattern, PartitionSpec], ...]:
+    """``shardings={regex: spec}`` as compiled patterns and PartitionSpecs (checked now)."""
+    if rules is None:
+        return ()
+    if not isinstance(rules, Mapping):
+        raise TypeError(
+            f"shardings must map a regular expression on variable paths (e.g. "
+            f"r'attn/.*/kernel') to a PartitionSpec, got {type(rules).__name__}."
+        )
+    checked = []
+    for pattern, spec in rules.items():
+        try:
+            compiled = re.compile(pattern)
+        except (re.error, TypeError) as error:
+            message = f"shardings: {pattern!r} is not a regular expression: {error}"
+            raise ValueError(message) from None
+        if isinstance(spec, tuple | list) or spec is None:
+            spec = PartitionSpec(*(spec or ()))
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(
+                f"shardings[{pattern!r}] must be a PartitionSpec (or a tuple of axis names), "
+                f"got {type(spec).__name__}."
+            )
+        checked.append((compiled, spec))
+    return tuple(checked)
+
+
 class Placement:
-    """Places the carry, a data set, and stream chunks; validates batch sizes for a mesh."""
+    """Places the carry, a data set and stream chunks; validates sizes for a mesh.
+
+    Built once by a front-end with the user's options; :meth:`bound` resolves the mesh at
+    each call (``mesh=``, else the context's), so the same Trainer trains on one device or
+    under ``jax.set_mesh``.
+    """
 
     def __init__(
         self,
         mesh: Mesh | None = None,
-        data_axis: str | None = "data",
+        data_axis: str | tuple[str, ...] | None = None,
         fsdp_min_size: int | None = None,
         member_axis: str | None = None,
+        *,
+        rules: Any = None,
+        tx: optax.GradientTransformation | None = None,
+        wrt: Any = nnx.Param,
+        members: int | None = None,
     ):
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+        if data_axis is not None and not isinstance(data_axis, str | tuple):
+            raise TypeError(
+                f"data_axis must be a mesh axis name or a tuple of them, got "
+                f"{type(data_axis).__name__}."
+            )
+        self._mesh, self._data_axis = mesh, data_axis
+        self.fsdp_min_size, self._member_axis = fsdp_min_size, member_axis
+        self.rules = check_rules(rules)
+        self.tx, self.wrt, self.members = tx, wrt, members
+        self.stacked = members is not None
+        self.mesh: Mesh | None = None
+        self.data_axes: tuple[str, ...] = ()
+        self.member_axis: str | None = None
         if mesh is not None:
-            if not isinstance(mesh, Mesh):
-                raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-            for name, axis in (("data_axis", data_axis), ("member_axis", member_axis)):
-                if axis is not None and axis not in mesh.axis_names:
-                    raise ValueError(
-                        f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}."
-                    )
-        elif fsdp_min_size is not None:
-            raise ValueError("fsdp_min_size shards parameters over a mesh: pass mesh= too.")
-        self.mesh, self.data_axis, self.fsdp_min_size = mesh, data_axis, fsdp_min_size
-        # A population's members: the carry's leading (members) axis is sharded over it.
-        self.member_axis = member_axis if mesh is not None else None
+            self._bind(mesh)
+
+    # -- the mesh of this call ----------------------------------------------------------------
+
+    def bound(self) -> Placement:
+        """This placement on the mesh of the current call: ``mesh=``, else the one
+        ``jax.set_mesh`` put in context (none: one device). Raises ValueError for a
+        ``mesh=`` that differs from the context's, or axes the mesh lacks."""
+        context = context_mesh()
+        mesh = self._mesh if self._mesh is not None else context
+        if self._mesh is not None and context is not None and context != self._mesh:
+            raise ValueError(
+                f"mesh= is {self._mesh.shape_tuple} but jax.set_mesh put another mesh in "
+                f"context ({context.shape_tuple}): pass one of them."
+            )
+        if mesh is None:
+            if self._data_axis is not None or self.fsdp_min_size is not None:
+                what = "data_axis" if self._data_axis is not None else "fsdp_min_size"
+                raise ValueError(
+                    f"{what} shards over a mesh: pass mesh=, or call inside jax.set_mesh(mesh)."
+                )
+            unbound = Placement(tx=self.tx, wrt=self.wrt, members=self.members)
+            unbound.rules = self.rules
+            return unbound
+        if mesh is self.mesh:
+            return self
+        bound = Placement(
+            None, self._data_axis, self.fsdp_min_size, self._member_axis,
+            tx=self.tx, wrt=self.wrt, members=self.members,
+        )  # fmt: skip
+        bound.rules = self.rules
+        bound._bind(mesh)
+        return bound
+
+    def _bind(self, mesh: Mesh) -> None:
+        names = tuple(mesh.axis_names)
+        axes = self._data_axis
+        if axes is None:
+            axes = ("data",) if "data" in names else ()
+        elif isinstance(axes, str):
+            axes = (axes,)
+        for axis in axes:
+            if axis not in names:
+                raise ValueError(f"data_axis {axis!r} is not an axis of the mesh {names}.")
+        member = self._member_axis if self._member_axis in names else None
+        if member is not None and member in axes:
+            raise ValueError(
+                f"member_axis and data_axis are both {member!r}: the members spread over one "
+                f"mesh axis and each member's batches over another."
+            )
+        if member is not None and self.members % mesh.shape[member]:
+            size = mesh.shape[member]
+            raise ValueError(
+                f"{self.members} members do not divide over the {size} devices of mesh axis "
+                f"{member!r}: use a multiple of {size} seeds."
+            )
+        self.mesh, self.data_axes, self.member_axis = mesh, tuple(axes), member
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """``jax.set_mesh(mesh)`` around a call given ``mesh=`` outside one: model code
+        written for Flax's guide (a bare ``PartitionSpec`` in ``with_sharding_constraint``,
+        ``out_sharding=``) needs the mesh in context when it is traced."""
+        if self.mesh is None or context_mesh() is not None:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.mesh)
 
     @property
     def data_parallel(self) -> int:
         """Devices a batch is split over (1 without a mesh)."""
-        if self.mesh is None or self.data_axis is None:
+        if self.mesh is None:
             return 1
-        return self.mesh.shape[self.data_axis]
+        return int(np.prod([self.mesh.shape[a] for a in self.data_axes], dtype=np.int64))
 
     @property
     def batch_sharding(self) -> NamedSharding | None:
-        """Leading (batch) dimension over ``data_axis``; ``None`` without a mesh."""
-        if self.mesh is None or self.data_axis is None:
+        """One batch's leading dimension over the data axes; ``None`` without a mesh."""
+        if self.mesh is None:
             return None
-        return NamedSharding(self.mesh, PartitionSpec(self.data_axis))
+        return NamedSharding(self.mesh, PartitionSpec(self._data_entry()))
+
+    def _data_entry(self) -> Any:
+        if not self.data_axes:
+            return None
+        return self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
 
     def local_data_parallel(self) -> int:
         """Devices of this process a local batch is split over."""
-        if self.mesh is None or self.data_axis is None:
+        if self.mesh is None:
             return 1
-        return self.mesh.local_mesh.shape[self.data_axis]
+        local = self.mesh.local_mesh
+        return int(np.prod([local.shape[a] for a in self.data_axes], dtype=np.int64))
 
     def check_batch_size(self, batch_size: int, *, local: bool = False) -> None:
         """A (global, or with ``local`` this process's) batch must split evenly."""
@@ -94,56 +251,158 @@ class Placement:
             where = "this process's devices" if local else "devices"
             raise ValueError(
                 f"batch size {batch_size} does not divide by the {devices} {where} of mesh "
-                f"axis {self.data_axis!r}; use a multiple of {devices}."
+                f"axes {self.data_axes}; use a multiple of {devices}."
             )
 
-    def carry_shardings(self, leaves: list) -> tuple | None:
-        """One sharding per carry leaf on a mesh: replicated, by the FSDP rule, or (a
-        population's) leading members axis over ``member_axis``."""
+    # -- the carry ------------------------------------------------------------------------
+
+    def state_shardings(self, state: Any) -> list | None:
+        """One sharding per leaf of a (module) state, by the rule above; None off a mesh."""
         if self.mesh is None:
             return None
+        variables = jax.tree_util.tree_flatten_with_path(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )[0]
         shardings = []
-        members = (self.member_axis,) if self.member_axis else ()
-        for leaf in leaves:
-            spec = PartitionSpec(*members)
-            is_key = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-            if self.fsdp_min_size is not None and self.data_axis is not None and not is_key:
-                # A member's own dimensions (past the members axis) follow the FSDP rule.
-                shape = tuple(leaf.shape)[len(members) :]
-                rule = fsdp_spec(shape, self.data_parallel, self.data_axis, self.fsdp_min_size)
-                spec = PartitionSpec(*members, *rule)
+        for path, variable in variables:
+            value = variable.get_value() if isinstance(variable, nnx.Variable) else variable
+            spec = self._variable_spec(_path(path), variable, value)
             shardings.append(NamedSharding(self.mesh, spec))
-        return tuple(shardings)
+        return shardings
 
-    def put_carry(self, leaves: list) -> list:
-        shardings = self.carry_shardings(leaves)
-        if shardings is None:
+    def carry_shardings(self, state: Any, opt_state: Any) -> tuple | None:
+        """One sharding per leaf of ``(state, opt_state)`` (flattened as a compiled call's
+        carry); None off a mesh. Optax moments take their parameter's."""
+        if self.mesh is None:
+            return None
+        state_shardings = self.state_shardings(state)
+        treedef = jax.tree.structure(state)
+        by_leaf = jax.tree.unflatten(treedef, state_shardings)
+        params, _ = split_wrt(by_leaf, self.wrt)
+        return (*state_shardings, *self._opt_shardings(opt_state, params))
+
+    def _opt_shardings(self, opt_state: Any, param_shardings: Any) -> list:
+        members = (self.member_axis,) if self.stacked else ()
+        counter = NamedSharding(self.mesh, PartitionSpec(*members))
+        if self.tx is not None:
+            try:
+                mapped = optax.tree_utils.tree_map_params(
+                    self.tx, lambda _, sharding: sharding, opt_state, param_shardings,
+                    transform_non_params=lambda leaf: jax.tree.map(lambda _: counter, leaf),
+                    is_leaf=lambda x: isinstance(x, NamedSharding),
+                )  # fmt: skip
+                leaves = jax.tree.leaves(mapped, is_leaf=lambda x: isinstance(x, NamedSharding))
+                if len(leaves) == len(jax.tree.leaves(opt_state)):
+                    return leaves
+            except Exception:
+                pass
+        # Fallback: the arrays' own shardings (tx.init keeps a parameter's), else replicated.
+        return [self._own_or(leaf, counter) for leaf in jax.tree.leaves(opt_state)]
+
+    def _own_or(self, leaf: Any, default: NamedSharding) -> NamedSharding:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and set(_spec_names(sharding.spec)) <= set(
+            self.mesh.axis_names
+        ):
+            return NamedSharding(self.mesh, sharding.spec)
+        return default
+
+    def _variable_spec(self, path: str, variable: Any, value: Any) -> PartitionSpec:
+        """The rule of the module docstring for one variable (checked against the mesh)."""
+        shape = tuple(np.shape(value))
+        members = (self.member_axis,) if self.stacked else ()
+        own = shape[len(members) :] if self.stacked else shape
+        is_key = jax.dtypes.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key)
+        spec, source = None, None
+        for pattern, rule in self.rules:
+            if pattern.search(path):
+                spec, source = rule, f"the path rule {pattern.pattern!r}"
+                break
+        if spec is None:
+            sharding = getattr(value, "sharding", None)
+            if isinstance(sharding, NamedSharding) and not _replicated_on_one(sharding):
+                full = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+                spec = PartitionSpec(*full[len(members) :])
+                source = "its array's sharding"
+        annotated = isinstance(variable, nnx.Variable) and variable.get_metadata().get(
+            "out_sharding"
+        )
+        if spec is None and annotated:
+            spec = spmd.get_var_pspec(variable)
+            source = "its annotation"
+            if self.stacked and len(tuple(spec)) == len(shape):  # annotated after stacking
+                spec = PartitionSpec(*tuple(spec)[1:])
+        if spec is None and self.fsdp_min_size is not None and self.data_axes and not is_key:
+            spec = fsdp_spec(own, self.data_parallel, self._data_entry(), self.fsdp_min_size)
+            source = "the FSDP rule"
+        spec = PartitionSpec() if spec is None else spec
+        self._check_spec(path, own, spec, source)
+        return PartitionSpec(*members, *tuple(spec))
+
+    def _check_spec(self, path: str, shape: tuple, spec: PartitionSpec, source: Any) -> None:
+        if len(tuple(spec)) > len(shape):
+            raise ValueError(
+                f"variable {path} has shape {shape} but {source} gives {spec}, which has "
+                f"more entries than dimensions."
+            )
+        names = tuple(self.mesh.axis_names)
+        for dim, entry in enumerate(tuple(spec)):
+            axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            for axis in axes:
+                if axis not in names:
+                    raise ValueError(
+                        f"variable {path} is sharded {spec} by {source}, but the mesh has no "
+                        f"axis {axis!r} (its axes: {names}). Map logical names with "
+                        f"nnx.logical_axis_rules(...) around the call, or use a mesh with "
+                        f"that axis."
+                    )
+                if axis == self.member_axis and self.stacked:
+                    raise ValueError(
+                        f"variable {path} is sharded over {axis!r} by {source}, but that is "
+                        f"the population's member_axis: shard a member over its other axes."
+                    )
+            size = int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
+            if shape[dim] % size:
+                raise ValueError(
+                    f"variable {path} has shape {shape}: dimension {dim} ({shape[dim]}) does "
+                    f"not divide over the {size} devices of mesh axes {axes} ({source} gives "
+                    f"{spec})."
+                )
+
+    def put_carry(self, leaves: list, shardings: Any = None) -> list:
+        """The carry's leaves on their shardings (off a mesh: on the model's device)."""
+        if self.mesh is None or shardings is None:
             return _commit(leaves, device_of(leaves))
         return [_put(x, s) for x, s in zip(leaves, shardings, strict=True)]
 
     def put_data(self, tree: Any, like: Any = None, *, device: Any = None) -> Any:
         """A whole data set: next to the model (``like``'s device, or ``device``), or
         replicated over the mesh — a full copy on every device (each step's batch is then
-        gathered and sharded over ``data_axis`` inside the compiled call). For a data set
+        gathered and sharded over the data axes inside the compiled call). For a data set
         too big for that, stream it: a stream's chunks are sharded."""
         if self.mesh is None:
             return _commit(tree, device if device is not None else device_of(like))
         return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
     def put_chunk(self, tree: Any, device: Any, *, member_batches: bool = False) -> Any:
-        """A stream chunk ``(steps, batch, ...)``: batch dimension over ``data_axis``; a
+        """A stream chunk ``(steps, batch, ...)``: batch dimension over the data axes; a
         population's per-member chunk ``(members, steps, batch, ...)``: members over
         ``member_axis`` too."""
         if self.mesh is None:
             return jax.device_put(tree, device)
-        spec = (None, self.data_axis)
+        spec = (None, self._data_entry())
         if member_batches:
-            spec = (self.member_axis, None, self.data_axis)
+            spec = (self.member_axis, None, self._data_entry())
         sharding = NamedSharding(self.mesh, PartitionSpec(*spec))
         if jax.process_count() > 1:
             # Each process holds its own share of every batch: assemble the global chunk.
             return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
         return jax.device_put(tree, sharding)
+
+
+def _replicated_on_one(sharding: NamedSharding) -> bool:
+    """A NamedSharding that shards nothing (``P()``) says no more than "unannotated"."""
+    return not _spec_names(sharding.spec)
 
 
 def _put(x: Any, sharding: Any) -> Any:

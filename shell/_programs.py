@@ -23,6 +23,7 @@ from nnxscan.pure import (
     make_evaluate_metrics,
     make_train_step,
 )
+from nnxscan.pure._batching import constrain
 from nnxscan.pure._loops import scan_indexed_steps, scan_member_steps
 from nnxscan.pure._node import unpack
 from nnxscan.shell._plans import StepTraits, step_traits
@@ -242,10 +243,7 @@ def chunk_runner(
         opt_state, halted = carry if halts else (carry, no_halt(idx))
         leaves = jax.tree.leaves((state, opt_state))
         if carry_shardings is not None:
-            leaves = [
-                jax.lax.with_sharding_constraint(x, s)
-                for x, s in zip(leaves, carry_shardings, strict=True)
-            ]
+            leaves = [constrain(x, s) for x, s in zip(leaves, carry_shardings, strict=True)]
         return leaves, outs, halted
 
     donated = (0,) if donate else ()
@@ -282,14 +280,13 @@ def train_program(
     )
 
 
-def evaluator(metric_fn: Callable, batch_size: int, eval_mode: bool = True) -> Callable:
+def evaluator(
+    metric_fn: Callable, batch_size: int, eval_mode: bool = True, batch_sharding: Any = None
+) -> Callable:
     """The cached, jitted ``evaluate(graphdef, state, data) -> dict`` for ``metric_fn``."""
-    key = (_identity_key(metric_fn), batch_size, eval_mode)
-    return _lookup(
-        _EVAL,
-        key,
-        lambda: jax.jit(make_evaluate(metric_fn, batch_size=batch_size, eval_mode=eval_mode)),
-    )
+    options = dict(batch_size=batch_size, eval_mode=eval_mode, batch_sharding=batch_sharding)
+    key = (_identity_key(metric_fn), *options.items())
+    return _lookup(_EVAL, key, lambda: jax.jit(make_evaluate(metric_fn, **options)))
 
 
 def metrics_evaluator(
@@ -300,9 +297,13 @@ def metrics_evaluator(
     has_aux: bool,
     with_rngs: bool,
     eval_mode: bool = True,
+    batch_sharding: Any = None,
 ) -> Callable:
     """The cached, jitted ``evaluate(graphdef, state, data) -> metrics.compute()``."""
-    options = dict(batch_size=batch_size, has_aux=has_aux, with_rngs=with_rngs, eval_mode=eval_mode)
+    options = dict(
+        batch_size=batch_size, has_aux=has_aux, with_rngs=with_rngs, eval_mode=eval_mode,
+        batch_sharding=batch_sharding,
+    )  # fmt: skip
     key = ("metrics", _identity_key(loss_fn), _identity_key(update_metrics), *options.items())
     return _lookup(
         _EVAL, key, lambda: jax.jit(make_evaluate_metrics(loss_fn, update_metrics, **options))

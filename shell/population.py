@@ -42,7 +42,6 @@ from nnxscan.shell._population_checks import (
     check_hyperparam_names,
     check_hyperparams,
     check_seeds,
-    mesh_axes,
 )
 from nnxscan.shell._programs import MemberLayout, train_program
 from nnxscan.shell.history import History
@@ -73,11 +72,12 @@ class Population:
         on its steps with a non-finite loss or gradient (the other members train on);
         ``"stop"`` freezes a member at the state before its first such step, warns, and
         the others go on.
-      mesh, member_axis, data_axis: spread the members over the mesh axis ``member_axis``
-        (N must divide by its size) and split each member's batches over ``data_axis``
-        (data parallelism); a mesh may have either axis or both.
-      fsdp_min_size: with a mesh's ``data_axis``, also shard every member's arrays of at
-        least this many elements along their largest dimension (as ``Trainer``'s).
+      mesh, member_axis, data_axis: train on ``mesh`` (else the mesh ``jax.set_mesh``
+        put in context): the members spread over ``member_axis`` when the mesh has it (N
+        must divide by its size), each member's batches over ``data_axis`` (a name or a
+        tuple, by default ``"data"`` when the mesh has it), and each member sharded over
+        the other axes as ``Trainer`` shards one model.
+      fsdp_min_size, shardings: as for ``Trainer``, for each member's own dimensions.
       rngs: call-time Rngs for ``loss_fn(model, batch, rngs)``: an ``nnx.Rngs`` every member
         starts from (the same dropout streams), or ``rngs(seed) -> nnx.Rngs`` for each
         member's own (member ``i`` then gets ``rngs(seeds[i])``).
@@ -117,8 +117,9 @@ class Population:
         accumulate: int = 1,
         mesh: Mesh | None = None,
         member_axis: str = "members",
-        data_axis: str = "data",
+        data_axis: str | tuple[str, ...] | None = None,
         fsdp_min_size: int | None = None,
+        shardings: Mapping[str, Any] | None = None,
         rngs: nnx.Rngs | Callable[[int], nnx.Rngs] | None = None,
         metrics: nnx.Metric | None = None,
         update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
@@ -152,8 +153,10 @@ class Population:
         check_companions(None, metrics)
         accumulate = check_count(accumulate, "accumulate", 1)
         explicit_plan = resolve_plan(execution)
-        member_axis, data_axis = mesh_axes(mesh, member_axis, data_axis, len(seeds))
-        placement = Placement(mesh, data_axis, fsdp_min_size, member_axis=member_axis)
+        placement = Placement(
+            mesh, data_axis, fsdp_min_size, member_axis, rules=shardings, tx=tx, wrt=wrt,
+            members=len(seeds),
+        )  # fmt: skip
         check_hyperparam_names(model_fn, tx, wrt, seeds[0], hyperparams)
 
         self._config = dict(
@@ -170,7 +173,7 @@ class Population:
         )  # fmt: skip
         self._engine = Engine(
             program=program, owner=self._owner, placement=placement,
-            explicit_plan=explicit_plan, members=MemberLayout(member_axis), subject=self,
+            explicit_plan=explicit_plan, members=MemberLayout(), subject=self,
             loss_fn=loss_fn, has_aux=bool(has_aux), update_metrics=update_metrics,
             rngs=rngs,
         )  # fmt: skip
@@ -370,7 +373,8 @@ class Population:
         """
         one = (lambda x: x[0]) if member_batches else (lambda x: x)
         batch = abstract_batch(jax.tree.map(one, data), leading=batch_size)
-        return self._engine.execution(batch).plan
+        with self._engine.bind().context():
+            return self._engine.execution(batch).plan
 
     # -- training -------------------------------------------------------------------------
 

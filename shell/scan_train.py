@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -12,7 +12,8 @@ import numpy as np
 from flax import nnx
 
 from nnxscan.pure._checks import abstract_batch, check_batch_size, check_leading_size
-from nnxscan.shell._calls import LiveState, plan_calls, prepare_execution, run_calls
+from nnxscan.shell._calls import LiveState, plan_calls, run_calls
+from nnxscan.shell._engine import Engine
 from nnxscan.shell._epochs import ArrayEpochs, EpochStats
 from nnxscan.shell._owner import ModelOwner
 from nnxscan.shell._placement import Placement, device_of
@@ -32,6 +33,9 @@ def scan_train(
     drop_remainder: bool = True,
     rngs: nnx.Rngs | None = None,
     execution: str | Plan = "auto",
+    mesh: jax.sharding.Mesh | None = None,
+    data_axis: str | tuple[str, ...] | None = None,
+    shardings: Mapping[str, Any] | None = None,
 ) -> jax.Array:
     """Trains one step per batch, compiled as one scan, on the user's model and optimizer.
 
@@ -53,6 +57,9 @@ def scan_train(
         do not fill a step; ``False`` trains them as one more, shorter step.
       rngs: call-time ``nnx.Rngs`` passed to ``loss_fn`` and advanced as in a plain loop.
       execution: the plan, as for :class:`Trainer` (``"auto"`` by default).
+      mesh, data_axis, shardings: as for :class:`Trainer`: on ``mesh=`` (or the mesh
+        ``jax.set_mesh`` put in context) every variable keeps the sharding the model gives
+        it (see ``docs/scaling.md``) and each batch is split over the data axes.
 
     Returns:
       The per-step losses, a ``(steps,)`` device array (not synced to the host).
@@ -74,31 +81,39 @@ def scan_train(
         batch_size = check_batch_size(batch_size, num, drop_remainder=drop_remainder)
     explicit = resolve_plan(execution)
     owner = ModelOwner(model, optimizer, rngs=rngs)
-    graphdef, state, opt_state = owner.read()
     program = train_program(loss_fn, owner.tx, owner.wrt, False, with_rngs=rngs is not None)
-    placement = Placement()
-    batches = placement.put_data(batches, state)
+    placement = Placement(mesh, data_axis, rules=shardings, tx=owner.tx, wrt=owner.wrt)
+    engine = Engine(
+        program=program, owner=owner, placement=placement, explicit_plan=explicit,
+        members=None, subject=None, loss_fn=loss_fn, has_aux=False,
+    )  # fmt: skip
+    placement = engine.bind()
+    with placement.context():
+        return _scan(engine, placement, batches, num, batch_size, drop_remainder)
+
+
+def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> jax.Array:
+    owner, program = engine.owner, engine.program
+    _, state, opt_state = owner.read()
+    device = device_of(state)
     if batch_size is None:
-        one_batch = abstract_batch(batches, drop_leading=True)
+        placement.check_batch_size(jax.tree.leaves(batches)[0].shape[1])
+        batches = placement.put_chunk(batches, device)  # each step's batch split over data
+        execution = engine.execution(abstract_batch(batches, drop_leading=True))
+        indices = placement.put_data(np.arange(num, dtype=np.int32), device=device)
+        calls = plan_calls(execution.plan, batches, indices, num)
     else:
-        one_batch = abstract_batch(batches, leading=batch_size)
-    execution = prepare_execution(program, explicit, graphdef, state, opt_state, one_batch)
-    if batch_size is None:
-        calls = plan_calls(execution.plan, batches, jnp.arange(num, dtype=jnp.int32), num)
-    else:
+        placement.check_batch_size(batch_size)
+        batches = placement.put_data(batches, state)
+        execution = engine.execution(abstract_batch(batches, leading=batch_size))
         # The same cut as an unshuffled epoch of Trainer.fit.
         epoch_calls = ArrayEpochs(
-            execution.plan, batches, functools.partial(placement.put_data, device=device_of(state)),
-            num_examples=num,
-            batch_size=batch_size, seeds=0, shuffle=False,
+            execution.plan, batches, functools.partial(placement.put_data, device=device),
+            num_examples=num, batch_size=batch_size, seeds=0, shuffle=False,
             keep_tail=not drop_remainder and num % batch_size > 0,
         )  # fmt: skip
         calls = epoch_calls(0, EpochStats())
-
-    def make_runner(carry_def, carry_shardings, donate):
-        return program.runner(graphdef, carry_def, donate=donate, carry_shardings=carry_shardings)
-
-    live = LiveState(state, opt_state, owner.writer(), placement, make_runner)
+    live = LiveState(state, opt_state, owner.writer(), placement, engine.make_runner())
     outs = run_calls(program, execution, live, calls)
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
 

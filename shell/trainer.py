@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -71,13 +71,17 @@ class Trainer:
         and step, with the model at the state before that step (one host sync per call).
       accumulate: split each batch into this many micro-batches and apply their averaged
         gradient once (see :func:`nnxscan.pure.make_train_step`).
-      mesh, data_axis: train data-parallel over the ``data_axis`` of a
-        ``jax.sharding.Mesh``: batches are sharded along their batch dimension, the state
-        is replicated, XLA all-reduces the gradients. Batch sizes must divide by the
-        number of devices on that axis.
-      fsdp_min_size: with a mesh, also shard every carry array (parameters, optax
-        moments) of at least this many elements along its largest dimension that the
-        axis size divides (FSDP-style; see ``docs/scaling.md``).
+      mesh, data_axis: the ``jax.sharding.Mesh`` to train on; without one, the mesh
+        ``jax.set_mesh`` put in context when ``fit`` runs (none: one device). Every
+        variable keeps the sharding the model gives it (its array's ``NamedSharding``, or
+        its NNX annotation, logical names included), optax moments follow their
+        parameters, and each batch is split over ``data_axis`` (a name or a tuple; by
+        default the mesh's ``"data"`` axis when it has one). See ``docs/scaling.md``.
+      fsdp_min_size: on a mesh, also shard every array the model does not place, of at
+        least this many elements, along its largest dimension the data axes divide.
+      shardings: path rules ``{regex: PartitionSpec}`` for variables (searched in paths
+        such as ``"layers/0/attention/query/kernel"``): a matching rule wins over the
+        model's own sharding; shards a third-party model without editing it.
       rngs: call-time ``nnx.Rngs``, as the Flax NNX tutorial passes to each step: the loss
         is called as ``loss_fn(model, batch, rngs)``, the Rngs' state travels through every
         compiled call and is written back, advancing exactly as in the tutorial's loop.
@@ -113,8 +117,9 @@ class Trainer:
         on_nonfinite: str = "ignore",
         accumulate: int = 1,
         mesh: jax.sharding.Mesh | None = None,
-        data_axis: str = "data",
+        data_axis: str | tuple[str, ...] | None = None,
         fsdp_min_size: int | None = None,
+        shardings: Mapping[str, Any] | None = None,
         rngs: nnx.Rngs | None = None,
         metrics: nnx.Metric | None = None,
         update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
@@ -139,8 +144,10 @@ class Trainer:
                 f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(_NONFINITE_POLICIES)}."
             )
         accumulate = check_count(accumulate, "accumulate", 1)
-        placement = Placement(mesh, data_axis, fsdp_min_size)
         self._owner = ModelOwner(model, tx_or_optimizer, wrt, rngs=rngs, metrics=metrics)
+        placement = Placement(
+            mesh, data_axis, fsdp_min_size, rules=shardings, tx=self.tx, wrt=self.wrt
+        )
         # What the compiled program is built from: read-only from here on (properties).
         self._config = dict(
             loss_fn=loss_fn, has_aux=bool(has_aux), update_metrics=update_metrics,
@@ -258,7 +265,8 @@ class Trainer:
           >>> trainer.plan_for({"x": x, "y": y}, 32)
           Plan(kind='scan', steps_per_call=None)
         """
-        return self._engine.execution(abstract_batch(data, leading=batch_size)).plan
+        with self._engine.bind().context():
+            return self._engine.execution(abstract_batch(data, leading=batch_size)).plan
 
     # -- training -------------------------------------------------------------------------
 

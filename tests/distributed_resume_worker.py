@@ -4,7 +4,10 @@
 of two processes on 127.0.0.1 (jax.distributed, gloo) training one data-parallel model over
 the mesh of both processes' devices. Both processes hold the whole data set; every batch is
 split over the two devices. MODEL is ``bn`` (Linear, BatchNorm, Linear: batch statistics
-move) or ``bn_dropout`` (with Dropout too: its RNG key and count move). The phases:
+move) or ``bn_dropout`` (with Dropout too: its RNG key and count move), or ``tp``: Flax's
+scale-up guide's ``MultiDotReluDot``, tensor-parallel on a 2 x 4 ``('data', 'model')`` mesh
+spanning both processes' 4 devices each (run with 4 simulated devices per process; with
+PID ``solo`` one process holds all 8: the one-process reference). The phases:
 
 - ``straight``: ``EPOCHS`` epochs, no checkpoints (the reference).
 - ``first``: ``FIRST_EPOCHS`` epochs with a checkpoint at each epoch's end, then exit.
@@ -30,11 +33,14 @@ class Cut(Exception):
 
 
 def main(
-    pid: int, port: str, model_name: str, phase: str, checkpoint_dir: str, out: str, cache: str
+    pid: str, port: str, model_name: str, phase: str, checkpoint_dir: str, out: str, cache: str
 ) -> None:
     from nnxscan.adapters.distributed import initialize
 
-    initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60)
+    if pid != "solo":
+        initialize(
+            f"127.0.0.1:{port}", num_processes=2, process_id=int(pid), initialization_timeout=60
+        )
     import jax
     import numpy as np
     import optax
@@ -65,13 +71,24 @@ def main(
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(EXAMPLES, 4)).astype(np.float32)
-    data = {"x": x, "y": np.argmax(x @ rng.normal(size=(4, 3)), axis=-1).astype(np.int32)}
+    if model_name == "tp":
+        from gspmd_models import DEPTH, LAYERS, MultiDotReluDot, mse
 
-    assert jax.process_count() == 2 and len(jax.devices()) == 2, jax.devices()
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    model = BNDropout({"bn": False, "bn_dropout": True}[model_name], rngs=nnx.Rngs(0))
-    trainer = Trainer(model, optax.adam(1e-2), xent, mesh=mesh)
+        x = rng.normal(size=(EXAMPLES, DEPTH)).astype(np.float32)
+        data = {"x": x, "y": np.tanh(x @ rng.normal(size=(DEPTH, DEPTH))).astype(np.float32)}
+        assert len(jax.devices()) == 8, jax.devices()
+        auto = (jax.sharding.AxisType.Auto,) * 2  # the guide's auto-mode mesh
+        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
+        with jax.set_mesh(mesh):  # the guide's annotated model is sharded as it is built
+            model = MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0))
+        trainer = Trainer(model, optax.adam(1e-2), mse, mesh=mesh)
+    else:
+        x = rng.normal(size=(EXAMPLES, 4)).astype(np.float32)
+        data = {"x": x, "y": np.argmax(x @ rng.normal(size=(4, 3)), axis=-1).astype(np.int32)}
+        assert jax.process_count() == 2 and len(jax.devices()) == 2, jax.devices()
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        model = BNDropout({"bn": False, "bn_dropout": True}[model_name], rngs=nnx.Rngs(0))
+        trainer = Trainer(model, optax.adam(1e-2), xent, mesh=mesh)
     fit = dict(batch_size=BATCH, seed=SEED, progress=False)
     if phase == "straight":
         history = trainer.fit(data, epochs=EPOCHS, **fit)
@@ -101,4 +118,4 @@ def main(
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), *sys.argv[2:8])
+    main(*sys.argv[1:8])

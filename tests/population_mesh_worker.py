@@ -53,10 +53,9 @@ def main(out: str) -> None:
             results["alone_trained"] = state_arrays(alone)[0]
     errors = []
     odd = {k: v[:63] for k, v in data.items()}
-    stray = Mesh(np.array(jax.devices()).reshape(2, 2), ("members", "x"))
     for bad in (
         lambda: Population(model_fn, tx, xent, seeds=[0, 1, 2], mesh=mesh),
-        lambda: Population(model_fn, tx, xent, seeds=[0, 1], mesh=stray),
+        lambda: Population(model_fn, tx, xent, seeds=[0, 1], mesh=mesh, data_axis="members"),
         lambda: Population(model_fn, tx, xent, seeds=[0, 1], mesh=mesh).fit(
             odd, epochs=1, batch_size=8, drop_remainder=False
         ),

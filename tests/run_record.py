@@ -18,7 +18,12 @@ def _host(leaf: Any) -> np.ndarray:
     if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         leaf = jax.random.key_data(leaf)
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        leaf = leaf.addressable_shards[0].data  # replicated: the local copy is whole
+        if leaf.sharding.is_fully_replicated:
+            leaf = leaf.addressable_shards[0].data  # the local copy is whole
+        else:  # sharded over both processes' devices: the test's record needs it whole
+            from jax.experimental import multihost_utils
+
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
     return np.asarray(leaf)
 
 

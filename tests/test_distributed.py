@@ -99,13 +99,16 @@ def test_mesh_arguments_are_checked():
     import optax
     from jax.sharding import Mesh
 
-    from conftest import MLP, xent
+    from conftest import MLP, make_data, xent
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-    with pytest.raises(ValueError, match="data_axis='data' is not an axis"):
-        Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), xent, mesh=mesh)
-    with pytest.raises(ValueError, match="pass mesh="):
-        Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), xent, fsdp_min_size=10)
+    with pytest.raises(ValueError, match="data_axis 'data' is not an axis of the mesh"):
+        Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), xent, mesh=mesh, data_axis="data")
+    # No mesh given and none in context when fit runs: FSDP has nothing to shard over.
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), xent, fsdp_min_size=10)
+    with pytest.raises(ValueError, match=r"pass mesh=, or call inside jax.set_mesh"):
+        trainer.fit(make_data(), epochs=1, batch_size=8, progress=False)
+    assert trainer.step == 0
 
 
 def free_port():

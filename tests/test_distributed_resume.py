@@ -24,9 +24,12 @@ WORKER = str(pathlib.Path(__file__).with_name("distributed_resume_worker.py"))
 STEPS_PER_EPOCH = worker.EXAMPLES // worker.BATCH
 
 
-def env() -> dict:
+def env(devices: int = 1) -> dict:
     clean = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device each
-    return {**clean, "JAX_PLATFORMS": "cpu"}
+    flags = (
+        {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"} if devices > 1 else {}
+    )
+    return {**clean, "JAX_PLATFORMS": "cpu", **flags}
 
 
 def free_port() -> int:
@@ -35,28 +38,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(tmp: pathlib.Path, model: str, phase: str) -> list[dict[str, np.ndarray]]:
-    """Runs ``phase`` in two processes; returns what each holds at the end."""
+def run_pair(
+    tmp: pathlib.Path, model: str, phase: str, pids: tuple = (0, 1)
+) -> list[dict[str, np.ndarray]]:
+    """Runs ``phase`` in two processes (``pids=("solo",)``: one process with all the
+    devices); returns what each holds at the end."""
     tmp.mkdir(exist_ok=True)
     port = str(free_port())
-    outs = [tmp / f"{phase}.p{pid}.npz" for pid in range(2)]
+    outs = [tmp / f"{phase}.p{pid}.npz" for pid in pids]
     command, run = [sys.executable, WORKER], [model, phase, str(tmp / "checkpoints")]
+    devices = (8 // len(pids)) if model == "tp" else 1
     procs = [
         subprocess.Popen(
-            [*command, str(pid), port, *run, str(outs[pid]), str(tmp / "jax-cache" / f"p{pid}")],
-            env=env(),
+            [*command, str(pid), port, *run, str(out), str(tmp / "jax-cache" / f"p{pid}")],
+            env={**env(devices), "PYTHONPATH": str(pathlib.Path(__file__).parent)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for pid in range(2)
+        for pid, out in zip(pids, outs, strict=True)
     ]
     try:
         results = [p.communicate(timeout=120) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for pid, (p, (out, err)) in enumerate(zip(procs, results, strict=True)):
+    for pid, (p, (out, err)) in zip(pids, zip(procs, results, strict=True), strict=True):
         assert p.returncode == 0 and "done" in out, f"{phase}, process {pid}:\n{err[-3000:]}"
     arrays = []
     for out in outs:
@@ -69,8 +76,9 @@ def checkpoint_steps(directory: pathlib.Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
-@pytest.mark.parametrize("model", ["bn", "bn_dropout"])
+@pytest.mark.parametrize("model", ["bn", "bn_dropout", "tp"])
 def test_two_processes_resume_a_data_parallel_run_bitwise(tmp_path, model):
+    """``tp``: tensor parallel over a mesh spanning both processes (4 devices each)."""
     straight = run_pair(tmp_path / "straight", model, "straight")
     run = tmp_path / "run"
     first = run_pair(run, model, "first")
@@ -95,3 +103,14 @@ def test_two_processes_resume_a_data_parallel_run_bitwise(tmp_path, model):
                 np.testing.assert_allclose(got[name], value, rtol=1e-6, err_msg=name)
             else:
                 np.testing.assert_array_equal(got[name], value, err_msg=f"process {pid}: {name}")
+
+
+def test_a_tensor_parallel_fit_over_two_processes_equals_one_process_with_all_8(tmp_path):
+    """The guide's model on a 2 x 4 mesh: 2 processes x 4 devices (gloo between them) end
+    where one process with the 8 devices ends (the collectives may sum in another order)."""
+    two = run_pair(tmp_path / "two", "tp", "straight")
+    (one,) = run_pair(tmp_path / "one", "tp", "straight", pids=("solo",))
+    for got in two:
+        assert sorted(got) == sorted(one)
+        for name, value in one.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -291,7 +291,7 @@ def test_fit_arguments_are_checked_before_anything_runs(data, compile_count):
 def test_members_sharded_over_a_mesh_train_as_on_one_device(tmp_path):
     """4 simulated devices: 4 members over a 2 x 2 (members x data) mesh, and the same with
     FSDP inside each member, equal the same population on one device; N that does not
-    divide, and stray axes, are refused."""
+    divide, and one axis for both members and batches, are refused."""
     run = subprocess.run(
         [sys.executable, WORKER, str(tmp_path / "out.npz")],
         env={
@@ -314,7 +314,7 @@ def test_members_sharded_over_a_mesh_train_as_on_one_device(tmp_path):
         assert z["mesh_shard"].tolist() == [2, 4, 8] and z["fsdp_shard"].tolist() == [2, 4, 4]
         errors = str(z["errors"]).splitlines()
         assert "3 members do not divide over the 2 devices of mesh axis 'members'" in errors[0]
-        assert "mesh axis 'x' (size 2) is neither member_axis" in errors[1]
+        assert "member_axis and data_axis are both 'members'" in errors[1]
         assert "batch size 7 does not divide by the 2 devices" in errors[2]
         # A frozen member on the mesh stays bitwise; member(i) trains with a plain Trainer.
         np.testing.assert_array_equal(z["frozen_after"], z["frozen_before"])
