@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -74,6 +75,9 @@ class LiveState:
         self._runner: tuple | None = None
         self._write = write
         self.unwritten_steps = 0
+        # Seconds spent compiling calls of this run (their dispatch blocks while XLA
+        # compiles): what the logs subtract to report steady steps/s.
+        self.compile_s = 0.0
         # Whether the leaves differ from what the owner holds. Not the same as
         # unwritten_steps > 0: a call that halted at its first step trained 0 steps, yet
         # consumed (donated) the buffers the owner holds, so its output must be written.
@@ -238,9 +242,12 @@ def run_calls(
             # for the next batch: a stalled loader can still be interrupted.
             with held_interrupts() as interrupted:
                 leaves = _unaliased(live.leaves) if donate else live.leaves
+                compiled, started = _cache_size(run), time.perf_counter()
                 leaves, out, halted = run(
                     leaves, data, indices, mask, start, length=length, unroll=unroll
                 )
+                if _cache_size(run) > compiled:  # this call traced and compiled a program
+                    live.compile_s += time.perf_counter() - started
                 if not donate:
                     jax.block_until_ready(leaves)  # a callback's failure surfaces here
                 trained = length
@@ -269,6 +276,12 @@ def run_calls(
         if close is not None:
             close()
     return outs
+
+
+def _cache_size(run: Any) -> int:
+    """How many programs a jitted function has compiled (0 where JAX does not say)."""
+    size = getattr(run, "_cache_size", None)
+    return size() if callable(size) else 0
 
 
 def _losses(out: Any, program: TrainProgram) -> Any:

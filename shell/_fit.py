@@ -292,7 +292,7 @@ class FitLoop:
 
         def on_call(steps: int, out: Any) -> None:
             outs.append(out)
-            bar.call_done(epoch, steps, out)
+            bar.call_done(epoch, steps, out, live.compile_s)
             if next_save[0] is not None and owner.step >= next_save[0]:
                 # At the first call boundary at or after each multiple of every_steps
                 # (before the hooks: a hook that raises finds the call saved). A call that
@@ -309,6 +309,7 @@ class FitLoop:
                 callbacks("on_call_end", {"epoch": epoch, "step": owner.step})
 
         self._device = device_of(live.leaves)
+        compiled_before = live.compile_s
         calls = epoch_calls(epoch, stats, count, skip)
         try:
             run_calls(
@@ -340,18 +341,21 @@ class FitLoop:
             stacked = prepend_losses(self._partial, stacked, self.program.has_aux)
         self._partial = empty_losses(self.members)
         pieces = [stacked] if count == 1 else split_steps(stacked, count)
+        compile_time = (live.compile_s - compiled_before) / count
         for i, piece in enumerate(pieces):
-            self._log_epoch(history, epoch + i, piece, wall_time / count, stats, complete, live,
+            timing = (wall_time / count, compile_time)
+            self._log_epoch(history, epoch + i, piece, timing, stats, complete, live,
                             injected, bar)  # fmt: skip
         return not self._stop_requested and self._anyone_trains()
 
     def _logs(
-        self, epoch: int, stacked: Any, wall_time: float, stats: EpochStats, skipping=None
+        self, epoch: int, stacked: Any, timing: Any, stats: EpochStats, skipping=None
     ) -> tuple:
         skipping = self.program.skips_nonfinite if skipping is None else skipping
+        wall_time, compile_time = timing if isinstance(timing, tuple) else (timing, 0.0)
         return epoch_logs(
             epoch, stacked, wall_time, has_aux=self.program.has_aux, members=self.members,
-            skipping=skipping, dropped=stats.dropped,
+            skipping=skipping, dropped=stats.dropped, compile_time=compile_time,
         )  # fmt: skip
 
     def _losses_so_far(self, outs: list) -> np.ndarray:
@@ -391,10 +395,10 @@ class FitLoop:
             f"fit with resume=True to go on."
         )
 
-    def _log_epoch(self, history, epoch, outputs, wall_time, stats, complete, live, injected, bar):
+    def _log_epoch(self, history, epoch, outputs, timing, stats, complete, live, injected, bar):
         """One epoch's logs: losses, metrics, evaluation; then the on_epoch_end hooks."""
         owner = self.owner
-        logs, losses = self._logs(epoch, outputs, wall_time, stats)
+        logs, losses = self._logs(epoch, outputs, timing, stats)
         if owner.metrics is not None:
             logs.update({f"train_{k}": v for k, v in owner.take_metrics().items()})
             # take_metrics reset the metrics: the next epoch starts from them.

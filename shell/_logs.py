@@ -27,6 +27,7 @@ RESERVED_LOGS = frozenset(
         "skipped_steps",
         "learning_rate",
         "active",
+        "compile_time",
     }
 )
 
@@ -72,8 +73,14 @@ def epoch_logs(
     members: int | None,
     skipping: bool = False,
     dropped: int = 0,
+    compile_time: float = 0.0,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """The epoch's logs and its per-step losses (``(steps,)`` or ``(steps, N)``)."""
+    """The epoch's logs and its per-step losses (``(steps,)`` or ``(steps, N)``).
+
+    ``wall_time`` is the epoch's seconds from its first call to its outputs on the host;
+    ``compile_time`` the part of it spent compiling (the first epoch's calls);
+    ``steps_per_sec`` counts the steps over the rest: the steady rate, compile excluded.
+    """
     losses, aux = stacked if has_aux else (stacked, None)
     losses = np.asarray(losses, np.float32)
     logs: dict[str, Any] = {"epoch": epoch}
@@ -84,7 +91,11 @@ def epoch_logs(
     if aux is not None:
         logs.update(aux_means(aux, members, skipping))
     steps = int(losses.shape[0])
-    logs.update(steps=steps, steps_per_sec=steps / max(wall_time, 1e-9), wall_time=wall_time)
+    running = max(wall_time - compile_time, 1e-9)
+    logs.update(
+        steps=steps, steps_per_sec=steps / running, wall_time=wall_time,
+        compile_time=compile_time,
+    )  # fmt: skip
     if dropped:
         logs["dropped_examples"] = dropped
     return logs, losses

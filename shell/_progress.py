@@ -102,6 +102,7 @@ class RunProgress:
         self._start = time.perf_counter()
         self._steps = 0
         self._printed = -1.0
+        self._compile_s = 0.0
         self._last_epoch: int | None = None
         if not enabled or not self._console.is_terminal:
             return
@@ -148,14 +149,16 @@ class RunProgress:
         """The global index of the run's last epoch (always printed off a terminal)."""
         self._last_epoch = epoch
 
-    def call_done(self, epoch: int, steps: int, out: Any) -> None:
-        """After a compiled call of ``steps`` steps whose outputs are ``out``."""
+    def call_done(self, epoch: int, steps: int, out: Any, compile_s: float = 0.0) -> None:
+        """After a compiled call of ``steps`` steps whose outputs are ``out``;
+        ``compile_s``: the seconds this run spent compiling so far (left out of the rate)."""
         self._steps += steps
+        self._compile_s = compile_s
         if self._progress is None:
             return
         loss = _ready_loss(out, self._has_aux)
         self._loss = self._loss if loss is None else loss
-        rate = self._steps / max(time.perf_counter() - self._start, 1e-9)
+        rate = self._steps / max(time.perf_counter() - self._start - compile_s, 1e-9)
         status = _status(self._loss, rate, self._evals, self._status_room(epoch))
         self._progress.update(self._task, advance=1, epoch=epoch, status=status)
 
@@ -173,7 +176,10 @@ class RunProgress:
                 active = logs.get("active")
                 if active is not None:
                     extras += f"  {int(np.sum(active))} of {np.size(active)} training"
-                line = f"epoch {epoch}  {_loss_text(logs)}{extras}  {rate:,.0f} steps/s"
+                compiled = logs.get("compile_time", 0.0)
+                # The rate is the steady one; a first epoch's compile is named apart.
+                after = f" after a {compiled:.1f} s compile" if compiled >= 0.05 else ""
+                line = f"epoch {epoch}  {_loss_text(logs)}{extras}  {rate:,.0f} steps/s{after}"
                 self._console.print(line, highlight=False, markup=False)
                 self._printed = now
         else:

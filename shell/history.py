@@ -22,7 +22,9 @@ class History:
     Attributes:
       losses: per-step training losses of this call, a 1-D numpy array.
       epochs: one dict of logs per epoch: ``epoch`` (global index), ``loss`` (mean),
-        the means of scalar ``aux`` leaves, ``steps``, ``steps_per_sec`` and ``wall_time``.
+        the means of scalar ``aux`` leaves, ``steps``, ``wall_time`` (compilation included),
+        ``compile_time`` (its compiling part) and ``steps_per_sec`` (the steady rate:
+        ``steps / (wall_time - compile_time)``).
       events: what callbacks recorded about the run, in order, as plain dicts that
         checkpoints keep: ``EarlyStopping`` adds ``{"epoch": e, "step": s, "what":
         "early_stopping_stopped"}`` when it stops ``fit`` and ``{..., "what":

@@ -189,3 +189,19 @@ def test_no_host_sync_per_step_only_one_per_epoch(data, monkeypatch):
     with jax.transfer_guard_device_to_host("disallow"):
         trainer.fit(data, epochs=3, batch_size=BS, steps_per_call=1, progress=False)
     assert gets["n"] == 1  # nothing needs the host between epochs: one read for all three
+
+
+def test_steps_per_sec_is_the_steady_rate_with_the_compile_logged_apart(data, capsys):
+    """The first fit's first epoch compiles: its compile_time is logged on its own and
+    left out of steps_per_sec (steps / (wall_time - compile_time)); a second fit of the
+    same program compiles nothing and logs 0."""
+    trainer = Trainer(MLP(rngs=nnx.Rngs(7)), optax.sgd(0.05), xent)  # a program of its own
+    apart = LambdaCallback(on_epoch_end=lambda *args: None)  # one call per epoch, not fused
+    first = trainer.fit(data, epochs=2, batch_size=8, callbacks=[apart])
+    again = trainer.fit(data, epochs=1, batch_size=8, progress=False)
+    compiled = [logs["compile_time"] for logs in first.epochs + again.epochs]
+    assert compiled[0] > 0 and compiled[1:] == [0.0, 0.0]
+    for logs in first.epochs + again.epochs:
+        running = logs["wall_time"] - logs["compile_time"]
+        assert logs["steps_per_sec"] == pytest.approx(logs["steps"] / running)
+    assert f"after a {compiled[0]:.1f} s compile" in capsys.readouterr().out
