@@ -30,8 +30,13 @@ On-disk layout (orbax-checkpoint ``CheckpointManager``, default step naming)::
                                         "['state']['l1']['kernel']"), kind ("array", "key",
                                         or a Python type), shape, dtype, key implementation,
                                         array name, or the Python value itself
-        arrays/                         orbax PyTree (OCDBT/tensorstore): one array per array
-                                        or key leaf, named leaf_00000, leaf_00001, ...
+        arrays/                         orbax PyTree (OCDBT/tensorstore): the arrays this
+                                        process holds whole (one device, replicated, numpy)
+                                        joined into one flat buffer per dtype (pack_float32,
+                                        ...; the manifest records each leaf's offset); each
+                                        array sharded over devices or processes on its own,
+                                        named leaf_00000, leaf_00001, ... (each process
+                                        writes its shards)
       <step>.orbax-checkpoint-tmp/      a save in progress, or one killed mid-way: never
                                         listed, never restored; the next save of that step
                                         replaces it
@@ -60,10 +65,16 @@ from flax import nnx
 
 from nnxscan.pure._checks import check_count
 
-__all__ = ["all_steps", "latest_step", "restore_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointWriter",
+    "all_steps",
+    "latest_step",
+    "restore_checkpoint",
+    "save_checkpoint",
+]
 
 _FORMAT = "nnxscan.checkpoint"
-_VERSION = 1
+_VERSION = 2  # 2: small arrays packed into one buffer per dtype
 _PYTHON_KINDS = {"bool": bool, "int": int, "float": float, "str": str}
 _ARRAY_KINDS = ("array", "key")
 
@@ -89,6 +100,9 @@ class _Leaf:
     impl: str = ""  # PRNG implementation name, for keys
     name: str = ""  # the array's name in the orbax item, for arrays and keys
     value: Any = None  # the value itself, for Python leaves
+    pack: str = ""  # the packed buffer holding this array's elements (see _pack), if any
+    offset: int = 0  # where in that buffer its elements start
+    data_shape: tuple[int, ...] = ()  # a packed key's raw data (its shape + the impl's)
 
     def describe(self) -> str:
         if self.kind == "array":
@@ -108,13 +122,16 @@ class _Leaf:
             record.update(shape=list(self.shape), dtype=self.dtype, name=self.name)
             if self.kind == "key":
                 record["impl"] = self.impl
+            if self.pack:
+                record.update(pack=self.pack, offset=self.offset, data_shape=list(self.data_shape))
         else:
             record["value"] = self.value
         return record
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> _Leaf:
-        return cls(**{**record, "shape": tuple(record.get("shape", ()))})
+        shapes = {k: tuple(record.get(k, ())) for k in ("shape", "data_shape")}
+        return cls(**{**record, **shapes})
 
 
 def _is_variable(x: Any) -> bool:
@@ -179,7 +196,54 @@ def _records_and_arrays(tree: dict[str, Any]) -> tuple[list[_Leaf], dict[str, An
                 record = dataclasses.replace(record, name=name)
                 arrays[name] = np.asarray(leaf) if isinstance(leaf, np.generic) else leaf
         records.append(record)
-    return records, arrays
+    return _pack(records, arrays)
+
+
+def _packable(x: Any) -> bool:
+    """An array this process holds whole: on one device, replicated, or numpy."""
+    if isinstance(x, np.ndarray):
+        return True
+    sharding = getattr(x, "sharding", None)
+    return (
+        isinstance(x, jax.Array)
+        and x.is_fully_addressable
+        and (len(sharding.device_set) == 1 or sharding.is_fully_replicated)
+    )
+
+
+def _pack(records: list[_Leaf], arrays: dict[str, Any]) -> tuple[list[_Leaf], dict[str, Any]]:
+    """Joins the arrays this process holds whole into one flat buffer per dtype.
+
+    orbax's cost is per array (~1 ms of CPU each here): a model of a hundred small leaves
+    saves several times faster as a few buffers. The copy to the host happens here, in one
+    transfer (an asynchronous save needs it before returning anyway). Arrays sharded over
+    several devices or processes are left to orbax, each process writing its own shards.
+    """
+    names = [r.name for r in records if r.name and _packable(arrays[r.name])]
+    if not names:
+        return records, arrays
+    host = dict(zip(names, jax.device_get([arrays[n] for n in names]), strict=True))
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(str(host[name].dtype), []).append(name)
+    placed, packed = {}, {}
+    for dtype, members in groups.items():
+        offset = 0
+        for name in members:
+            placed[name] = (f"pack_{dtype}", offset)
+            offset += host[name].size
+        packed[f"pack_{dtype}"] = np.concatenate([host[n].reshape(-1) for n in members])
+    records = [
+        dataclasses.replace(
+            r, name="", pack=placed[r.name][0], offset=placed[r.name][1],
+            data_shape=tuple(host[r.name].shape),
+        )
+        if r.name in placed
+        else r
+        for r in records
+    ]  # fmt: skip
+    rest = {name: array for name, array in arrays.items() if name not in placed}
+    return records, {**rest, **packed}
 
 
 def _resolve(directory: str | os.PathLike[str]) -> pathlib.Path:
@@ -195,6 +259,125 @@ def _reader(ocp: Any, path: pathlib.Path) -> Any:
     # create=False: reading must not create the directory, nor write anything into it.
     options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
     return ocp.CheckpointManager(path, options=options)
+
+
+class CheckpointWriter:
+    """One orbax ``CheckpointManager`` for a run of saves into ``directory``.
+
+    With ``asynchronous`` (the default) a :meth:`save` returns once the arrays are copied
+    from the devices to the host, and writes them to disk in a background thread: the next
+    compiled call may donate the device buffers at once, and training goes on while the
+    checkpoint is written. Every other use of the directory waits for the write in flight
+    first — the next save, :meth:`latest_step`, :meth:`wait`, :meth:`close` — so a
+    checkpoint is never read half-written and a run never ends before its last save is on
+    disk. A process killed mid-write loses only that save (orbax renames a checkpoint into
+    place only once every file is written). ``asynchronous=False`` makes each save durable
+    on return.
+
+    Nothing touches the disk before the first save. Use it as a context manager, or call
+    :meth:`close`.
+
+    Example:
+      >>> with CheckpointWriter("runs/ckpt") as writer:
+      ...     writer.save(100, {"state": nnx.state(model), "meta": {"step": 100}})
+      ...     train_more()                 # while step 100 is written
+      ...     writer.save(200, tree)       # waits for step 100 first
+      PosixPath('/home/me/runs/ckpt/100')
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int = 3,
+        asynchronous: bool = True,
+    ) -> None:
+        self.path = _resolve(directory)
+        self.max_to_keep = check_count(max_to_keep, "max_to_keep", 1)
+        self.asynchronous = bool(asynchronous)
+        self._manager: Any = None
+
+    def _open(self) -> Any:
+        if self._manager is None:
+            ocp = _orbax()
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self.max_to_keep,
+                create=True,
+                enable_async_checkpointing=self.asynchronous,
+            )
+            self._manager = ocp.CheckpointManager(self.path, options=options)
+        return self._manager
+
+    def wait(self) -> None:
+        """Returns once the save in flight (if any) is on disk; re-raises its failure."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
+    def latest_step(self) -> int | None:
+        """The newest finished checkpoint's step (after waiting for the one in flight)."""
+        if self._manager is None:
+            return latest_step(self.path)
+        self.wait()
+        steps = sorted(self._manager.all_steps())
+        return steps[-1] if steps else None
+
+    def save(self, step: int, tree: dict[str, Any], *, replace: bool = False) -> pathlib.Path:
+        """Saves ``tree`` as checkpoint ``step`` (see :func:`save_checkpoint` for the tree,
+        ``replace`` and the errors); returns ``<directory>/<step>``, on disk once
+        :meth:`wait` returns (at once with ``asynchronous=False``)."""
+        if not isinstance(tree, dict):
+            raise TypeError(f"tree must be a dict of pytrees, got {type(tree).__name__}")
+        step = _as_step(step, "step")
+        # Every leaf is checked before anything touches the disk.
+        records, arrays = _records_and_arrays(tree)
+        ocp = _orbax()
+        manifest = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "leaves": [record.to_json() for record in records],
+        }
+        manager = self._open()
+        self.wait()  # the previous save is on disk before this one is checked against it
+        steps = sorted(manager.all_steps())
+        if step in steps and replace:
+            manager.delete(step)
+            steps.remove(step)
+        if step in steps:
+            raise FileExistsError(
+                f"checkpoint {step} already exists in {self.path}: save under a new step, "
+                f"or delete {self.path / str(step)} first"
+            )
+        if steps and step < steps[-1]:
+            # orbax would silently skip such a save, and max_to_keep would delete it first.
+            raise ValueError(
+                f"step {step} is older than the latest checkpoint {steps[-1]} in "
+                f"{self.path}: checkpoint steps must increase. Save into another directory, "
+                f"or delete the newer checkpoints first."
+            )
+        items = {"manifest": ocp.args.JsonSave(manifest)}
+        if arrays:
+            items["arrays"] = ocp.args.PyTreeSave(arrays)
+        # force: the step checks above replace orbax's save-interval policy. With async
+        # checkpointing this returns once the arrays are on the host.
+        manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if not self.asynchronous:
+            manager.wait_until_finished()
+        return self.path / str(step)
+
+    def close(self) -> None:
+        """Waits for the save in flight, then releases the manager (and its threads)."""
+        if self._manager is not None:
+            manager, self._manager = self._manager, None
+            try:
+                manager.wait_until_finished()
+            finally:
+                manager.close()
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def save_checkpoint(
@@ -232,50 +415,9 @@ def save_checkpoint(
       >>> save_checkpoint("runs/ckpt", 200, tree)
       PosixPath('/home/me/runs/ckpt/200')
     """
-    if not isinstance(tree, dict):
-        raise TypeError(f"tree must be a dict of pytrees, got {type(tree).__name__}")
-    step = _as_step(step, "step")
-    max_to_keep = check_count(max_to_keep, "max_to_keep", 1)
-    # Every leaf is checked before anything touches the disk.
-    records, arrays = _records_and_arrays(tree)
-    ocp = _orbax()
-    path = _resolve(directory)
-    manifest = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "leaves": [record.to_json() for record in records],
-    }
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep,
-        create=True,
-        # The caller needs the checkpoint durable on return, so an async save would only
-        # add a background thread to wait for.
-        enable_async_checkpointing=False,
-    )
-    with ocp.CheckpointManager(path, options=options) as manager:
-        steps = sorted(manager.all_steps())
-        if step in steps and replace:
-            manager.delete(step)
-            steps.remove(step)
-        if step in steps:
-            raise FileExistsError(
-                f"checkpoint {step} already exists in {path}: save under a new step, or "
-                f"delete {path / str(step)} first"
-            )
-        if steps and step < steps[-1]:
-            # orbax would silently skip such a save, and max_to_keep would delete it first.
-            raise ValueError(
-                f"step {step} is older than the latest checkpoint {steps[-1]} in {path}: "
-                f"checkpoint steps must increase. Save into another directory, or delete the "
-                f"newer checkpoints first."
-            )
-        items = {"manifest": ocp.args.JsonSave(manifest)}
-        if arrays:
-            items["arrays"] = ocp.args.PyTreeSave(arrays)
-        # force: the step checks above replace orbax's save-interval policy.
-        manager.save(step, args=ocp.args.Composite(**items), force=True)
-        manager.wait_until_finished()
-    return path / str(step)
+    # The writer checks every leaf before anything touches the disk.
+    with CheckpointWriter(directory, max_to_keep=max_to_keep, asynchronous=False) as writer:
+        return writer.save(step, tree, replace=replace)
 
 
 def _pick_step(manager: Any, path: pathlib.Path, step: int | None) -> int:
@@ -342,9 +484,25 @@ def _restore_args(ocp: Any, saved: _Leaf, template: Any) -> Any:
     return ocp.ArrayRestoreArgs(sharding=getattr(template, "sharding", None) or _default_sharding())
 
 
+def _unpack(saved: _Leaf, template: Any, arrays: dict[str, Any]) -> Any:
+    """A packed array's elements, reshaped and placed as the template's leaf (keys: their
+    raw data, placed; wrapped by the caller)."""
+    shape = saved.data_shape
+    size = int(np.prod(shape, dtype=np.int64))
+    value = np.asarray(arrays[saved.pack][saved.offset : saved.offset + size]).reshape(shape)
+    if saved.kind != "key" and isinstance(template, np.ndarray | np.generic):
+        return value
+    return jax.device_put(value, getattr(template, "sharding", None) or _default_sharding())
+
+
 def _rebuild_leaf(saved: _Leaf, template: Any, arrays: dict[str, Any]) -> Any:
     if saved.kind in _PYTHON_KINDS:
         return _PYTHON_KINDS[saved.kind](saved.value)
+    if saved.pack:
+        data = _unpack(saved, template, arrays)
+        if saved.kind == "key":
+            return jax.random.wrap_key_data(data, impl=saved.impl)
+        return data[()] if isinstance(template, np.generic) else data
     data = arrays[saved.name]
     if saved.kind == "key":
         sharding = getattr(template, "sharding", None)
@@ -413,8 +571,10 @@ def restore_checkpoint(
         restore_args = {
             record.name: _restore_args(ocp, record, leaf)
             for record, leaf in matched
-            if record.kind in _ARRAY_KINDS
+            if record.kind in _ARRAY_KINDS and not record.pack
         }
+        for pack in {record.pack for record, _ in matched if record.pack}:
+            restore_args[pack] = ocp.RestoreArgs(restore_type=np.ndarray)
         arrays = {}
         if restore_args:
             item = ocp.args.PyTreeRestore(restore_args=restore_args)

@@ -1,6 +1,11 @@
-"""What preemption safety costs: the time per checkpoint save, and the overhead of a resume.
+"""What preemption safety costs: a checkpoint every epoch, the time per save, and a resume.
 
 On the digits MLP of ``_workloads.py`` (and the byte-level LM, a model 30x larger):
+
+- a checkpoint every epoch: ``fit(checkpoint_every=1)`` with asynchronous saves (the
+  default: a save returns once the arrays are on the host) and with synchronous ones
+  (``checkpoint_async=False``), against the same ``fit`` without checkpoints (epochs fused
+  when nothing needs the host); warm runs, interleaved, medians, ratios;
 
 - per save: ``fit`` with ``checkpoint_every_steps=k`` against the same ``fit`` without
   checkpoints (interleaved, medians), the difference divided by the number of saves;
@@ -79,10 +84,51 @@ def resume_cost(name: str, reps: int) -> str:
     return f"| {name} | {1000 * statistics.median(costs):.0f} |"
 
 
+def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) -> str:
+    """``fit`` with a checkpoint every epoch (async and sync) ÷ the same fit without."""
+    workload = WORKLOADS[name](False)
+    data = workload.data
+    if steps_per_epoch is not None:
+        data = data[: steps_per_epoch * workload.batch_size]
+    nodes = workload.nodes()
+    trainer = Trainer(nodes[0], nodes[1], workload.loss_fn, **workload.trainer_options(nodes))
+    fit = dict(batch_size=workload.batch_size, progress=False)
+    times: dict[str, list[float]] = {"none": [], "async": [], "sync": []}
+    for variant in times:  # compile every program first: saves are measured warm
+        with tempfile.TemporaryDirectory() as folder:
+            options = {} if variant == "none" else dict(checkpoint_dir=folder)
+            trainer.fit(data, epochs=epochs, **fit, **options,
+                        **({"checkpoint_async": False} if variant == "sync" else {}))  # fmt: skip
+    for rep in range(reps):
+        order = list(times) if rep % 2 == 0 else list(reversed(times))
+        for variant in order:
+            with tempfile.TemporaryDirectory() as folder:
+                options = {} if variant == "none" else dict(checkpoint_dir=folder)
+                if variant == "sync":
+                    options["checkpoint_async"] = False
+                start = time.perf_counter()
+                trainer.fit(data, epochs=epochs, **fit, **options)
+                times[variant].append(time.perf_counter() - start)
+    none, asynchronous, synchronous = (statistics.median(times[v]) for v in times)
+    return (
+        f"| {name} | {epochs} x {len(data) // workload.batch_size} | {none:.3f} | "
+        f"{synchronous:.3f} | {synchronous / none:.2f}x | {asynchronous:.3f} | "
+        f"{asynchronous / none:.2f}x |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
+    print(
+        "| workload | epochs x steps | fit s, no checkpoints | every epoch, sync s | ÷ none | "
+        "every epoch, async s | ÷ none |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, epochs, steps in (("lm_24", 4, 8), ("mlp_digits", 10, None)):
+        print(every_epoch(name, epochs, steps, args.reps), flush=True)
+    print()
     print("| workload | steps | save every | fit s | fit with saves s | saves | ms per save |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, every in (("mlp_digits", 100), ("lm_200", 50)):

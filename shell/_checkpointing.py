@@ -28,25 +28,36 @@ def _adapter() -> Any:
     return checkpoint
 
 
+def writer(
+    directory: str | os.PathLike[str], *, max_to_keep: int = 3, asynchronous: bool = True
+) -> Any:
+    """The one checkpoint writer of a fit (``adapters.checkpoint.CheckpointWriter``):
+    saves return once the arrays are on the host and are written in the background."""
+    return _adapter().CheckpointWriter(
+        directory, max_to_keep=max_to_keep, asynchronous=asynchronous
+    )
+
+
 def save(
     owner: Owner, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""
 ) -> pathlib.Path:
+    """Saves the owner's objects and counters now, durable on return (``save()``)."""
+    with writer(directory, max_to_keep=max_to_keep, asynchronous=False) as synchronous:
+        return save_with(synchronous, owner, run)
+
+
+def save_with(checkpoints: Any, owner: Owner, run: str = "") -> pathlib.Path:
     """Saves the owner's objects and counters (and ``run``, the History so far as JSON) as
-    checkpoint number ``owner.step``.
+    checkpoint number ``owner.step`` through ``checkpoints`` (a ``CheckpointWriter``).
 
     Saving again at a step that already has a checkpoint keeps that one (e.g. ``save()``
     right after ``restore()``), unless a state was loaded into the owner since (e.g.
     EarlyStopping's best epoch): then it replaces it."""
-    ckpt = _adapter()
-    path = pathlib.Path(directory).resolve()
     step = owner.step
-    existing = ckpt.latest_step(path) == step
-    if existing and not owner.loaded_since_checkpoint:  # e.g. save() right after restore()
-        return path / str(step)
-    # A state loaded at the same step (EarlyStopping's best epoch) replaces the checkpoint.
-    saved = ckpt.save_checkpoint(
-        path, step, owner.checkpoint_tree(run), max_to_keep=max_to_keep, replace=existing
-    )
+    existing = checkpoints.latest_step() == step  # waits for a save in flight
+    if existing and not owner.loaded_since_checkpoint:
+        return checkpoints.path / str(step)
+    saved = checkpoints.save(step, owner.checkpoint_tree(run), replace=existing)
     owner.loaded_since_checkpoint = False
     return saved
 

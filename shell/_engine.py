@@ -281,9 +281,11 @@ class Engine:
     # -- checkpoints ------------------------------------------------------------------------
 
     def checkpoints(
-        self, directory: Any, every: Any, every_steps: Any, resume: bool
+        self, directory: Any, every: Any, every_steps: Any, resume: bool, asynchronous: bool = True
     ) -> tuple[pathlib.Path | None, Checkpoints | None]:
-        """Checks fit's checkpoint arguments; returns the directory and when to save."""
+        """Checks fit's checkpoint arguments; returns the directory and when to save (one
+        writer for the fit, asynchronous unless asked otherwise; nothing touches the disk
+        before the first save)."""
         every = check_count(every, "checkpoint_every", 1)
         if every_steps is not None:
             every_steps = check_count(every_steps, "checkpoint_every_steps", 1)
@@ -295,11 +297,13 @@ class Engine:
                 )
             return None, None
         directory = pathlib.Path(directory).resolve()
+        writer = _checkpointing.writer(directory, asynchronous=asynchronous)
 
         def save(history: History, partial: np.ndarray) -> None:
-            self.save(directory, run=_checkpointing.run_json(history, partial))
+            run = _checkpointing.run_json(history, partial)
+            _checkpointing.save_with(writer, self.owner, run)
 
-        return directory, Checkpoints(every, every_steps, save)
+        return directory, Checkpoints(every, every_steps, save, writer.close)
 
     def save(
         self, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""
@@ -454,11 +458,12 @@ def fit_options(
     resume: bool,
     run_keys: dict[str, Any],
     member_batches: bool = False,
+    checkpoint_async: bool = True,
 ) -> FitOptions:
     """Checks ``fit``'s arguments, the same for every front-end, before anything compiles."""
     epochs = check_count(epochs, "epochs", 0)
     directory, checkpoints = engine.checkpoints(
-        checkpoint_dir, checkpoint_every, checkpoint_every_steps, resume
+        checkpoint_dir, checkpoint_every, checkpoint_every_steps, resume, bool(checkpoint_async)
     )
     if steps_per_call is not None:
         steps_per_call = check_count(steps_per_call, "steps_per_call", 1)

@@ -86,11 +86,14 @@ class Checkpoints(NamedTuple):
     of the owner's objects with the run so far; every ``every_epochs`` epochs, every
     ``every_steps`` steps (at call boundaries; None: never mid-epoch), on SIGTERM or
     SIGINT, and once more at the end when a callback loaded a state (EarlyStopping's best
-    epoch) since the last save."""
+    epoch) since the last save. A save may return before its checkpoint is on disk (it is
+    written in the background); ``close()`` waits for it, and fit calls it on every way
+    out (the end, a preemption, an exception)."""
 
     every_epochs: int
     every_steps: int | None
     save: Callable[[History, np.ndarray], Any]
+    close: Callable[[], None] = lambda: None
 
 
 class Preempted(Exception):
@@ -210,16 +213,21 @@ class FitLoop:
                     if not self._epochs(history, live, epoch_calls, count, bar, injected):
                         break
         except BaseException as error:
-            # The epochs trained so far stay reachable, and files the callbacks opened
-            # are closed: an exception must not lose the run's record.
+            # The epochs trained so far stay reachable, files the callbacks opened are
+            # closed, a checkpoint in flight is finished: an exception loses no record.
             error.history = history
             self.callbacks.close()
+            if self.checkpoints is not None:
+                with contextlib.suppress(Exception):  # the error on its way out matters more
+                    self.checkpoints.close()
             raise
         self.callbacks("on_train_end", history)
-        if self.checkpoints is not None and owner.loaded_since_checkpoint:
-            # EarlyStopping put the best epoch's weights back: the checkpoint holds them and
-            # the History's events.
-            self.checkpoints.save(history, empty_losses(self.members))
+        if self.checkpoints is not None:
+            if owner.loaded_since_checkpoint:
+                # EarlyStopping put the best epoch's weights back: the checkpoint holds them
+                # and the History's events.
+                self.checkpoints.save(history, empty_losses(self.members))
+            self.checkpoints.close()  # every checkpoint is on disk when fit returns
         return history
 
     def _anyone_trains(self) -> bool:
@@ -386,6 +394,7 @@ class FitLoop:
             logs, losses = self._logs(self.owner.epoch - 1, stacked, wall_time, EpochStats())
             history._append(losses, logs)
         self.checkpoints.save(history, partial)
+        self.checkpoints.close()  # on disk before the process is told it may exit
         signum = self._signals[0]
         if signum == signal.SIGINT:
             raise KeyboardInterrupt

@@ -395,6 +395,7 @@ class Population:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 1,
         checkpoint_every_steps: int | None = None,
+        checkpoint_async: bool = True,
         resume: bool = False,
         eval_data: Any = None,
         metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
@@ -442,7 +443,8 @@ class Population:
             callbacks=callbacks, progress=progress, eval_data=eval_data, metric_fn=metric_fn,
             eval_every=eval_every, eval_batch_size=eval_batch_size,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            checkpoint_every_steps=checkpoint_every_steps, resume=resume,
+            checkpoint_every_steps=checkpoint_every_steps, checkpoint_async=checkpoint_async,
+            resume=resume,
             run_keys={"shared_order": bool(shared_order)}, member_batches=member_batches,
         )  # fmt: skip
         history = self._engine.fit(data, options)

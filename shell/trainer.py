@@ -286,6 +286,7 @@ class Trainer:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 1,
         checkpoint_every_steps: int | None = None,
+        checkpoint_async: bool = True,
         resume: bool = False,
         eval_data: Any = None,
         metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
@@ -348,6 +349,11 @@ class Trainer:
             preemption gives bitwise the model an uninterrupted run gives.
           checkpoint_dir: save a checkpoint (:meth:`save`) here every ``checkpoint_every``
             epochs, counted by the global epoch index.
+          checkpoint_async: a save returns once the arrays are copied to the host and is
+            written to disk in the background while training goes on (the next save, the
+            end of ``fit``, a preemption and any exception wait for it, so every checkpoint
+            is on disk when ``fit`` returns or raises; a SIGKILL loses at most the one in
+            flight). ``False``: each save is on disk before training goes on.
           eval_data, metric_fn, eval_every, eval_batch_size: every ``eval_every`` epochs,
             :meth:`evaluate` ``metric_fn`` on ``eval_data`` (a data set of arrays) and log
             each metric as ``eval_<name>`` (``eval_batch_size`` defaults to ``batch_size``,
@@ -365,7 +371,8 @@ class Trainer:
             callbacks=callbacks, progress=progress, eval_data=eval_data, metric_fn=metric_fn,
             eval_every=eval_every, eval_batch_size=eval_batch_size,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            checkpoint_every_steps=checkpoint_every_steps, resume=resume,
+            checkpoint_every_steps=checkpoint_every_steps, checkpoint_async=checkpoint_async,
+            resume=resume,
             run_keys={"seed": seed},
         )  # fmt: skip
         return self._engine.fit(data, options)
