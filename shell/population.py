@@ -33,6 +33,7 @@ from nnxscan.pure._checks import (
     check_no_captured_nnx,
     check_transform,
 )
+from nnxscan.shell._config import Config
 from nnxscan.shell._engine import Engine, evaluate, fit_options
 from nnxscan.shell._members import build_members
 from nnxscan.shell._owner import check_companions
@@ -192,47 +193,20 @@ class Population:
         """How many members train: callbacks and writers read this (a Trainer: None)."""
         return self._owner.num_members
 
-    @property
-    def seeds(self) -> tuple[int, ...]:
-        """Each member's seed (its initialization and its shuffle)."""
-        return self._config["seeds"]
+    seeds = Config("Each member's seed (its initialization and its shuffle).")
+    model_fn = Config("``model_fn(rngs) -> nnx.Module``, which built every member.")
+    tx = Config("The optax transform of every member.")
+    loss_fn = Config("The loss the compiled step was built from.")
+    wrt = Config("The filter of the trained variables.")
+    has_aux = Config("Whether ``loss_fn`` returns ``(loss, aux)``.")
+    on_nonfinite = Config('The non-finite policy: ``"ignore"``, ``"skip"`` or ``"stop"``.')
+    accumulate = Config("Micro-batches per step (1: none).")
+    update_metrics = Config("The NNX metrics update run inside the step, when given.")
 
     @property
     def hyperparams(self) -> dict[str, list]:
         """The per-member hyperparameters the population was built with (a copy)."""
         return {k: list(v) for k, v in self._config["hyperparams"].items()}
-
-    @property
-    def model_fn(self) -> Callable[[nnx.Rngs], nnx.Module]:
-        return self._config["model_fn"]
-
-    @property
-    def tx(self) -> optax.GradientTransformation:
-        return self._config["tx"]
-
-    @property
-    def loss_fn(self) -> Callable[..., Any]:
-        return self._config["loss_fn"]
-
-    @property
-    def wrt(self) -> nnx.filterlib.Filter:
-        return self._config["wrt"]
-
-    @property
-    def has_aux(self) -> bool:
-        return self._config["has_aux"]
-
-    @property
-    def on_nonfinite(self) -> str:
-        return self._config["on_nonfinite"]
-
-    @property
-    def accumulate(self) -> int:
-        return self._config["accumulate"]
-
-    @property
-    def update_metrics(self) -> Callable[..., Any] | None:
-        return self._config["update_metrics"]
 
     @property
     def metrics(self) -> nnx.Metric | None:

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from nnxscan.pure._checks import abstract_batch, check_count, check_no_captured_nnx
+from nnxscan.shell._config import Config
 from nnxscan.shell._engine import Engine, evaluate, fit_options
 from nnxscan.shell._owner import ModelOwner
 from nnxscan.shell._placement import Placement
@@ -170,31 +171,11 @@ class Trainer:
     #: A Trainer trains one model (a ``Population``: N). Callbacks and writers read this.
     num_members = None
 
-    @property
-    def loss_fn(self) -> Callable[..., Any]:
-        """The loss the compiled step was built from (read-only: build a new Trainer to
-        train another loss)."""
-        return self._config["loss_fn"]
-
-    @property
-    def has_aux(self) -> bool:
-        """Whether ``loss_fn`` returns ``(loss, aux)``."""
-        return self._config["has_aux"]
-
-    @property
-    def update_metrics(self) -> Callable[..., Any] | None:
-        """The NNX metrics update run inside the step, when given."""
-        return self._config["update_metrics"]
-
-    @property
-    def on_nonfinite(self) -> str:
-        """The non-finite policy: ``"ignore"``, ``"skip"`` or ``"stop"``."""
-        return self._config["on_nonfinite"]
-
-    @property
-    def accumulate(self) -> int:
-        """Micro-batches per step (1: none)."""
-        return self._config["accumulate"]
+    loss_fn = Config("The loss the compiled step was built from.")
+    has_aux = Config("Whether ``loss_fn`` returns ``(loss, aux)``.")
+    update_metrics = Config("The NNX metrics update run inside the step, when given.")
+    on_nonfinite = Config('The non-finite policy: ``"ignore"``, ``"skip"`` or ``"stop"``.')
+    accumulate = Config("Micro-batches per step (1: none).")
 
     # -- the user's objects and the counters (all held by the owner) ----------------------
 
