@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -34,8 +33,7 @@ from nnxscan.pure._checks import (
     check_count,
     check_leading_size,
 )
-from nnxscan.pure._node import node_of
-from nnxscan.shell import _checkpointing
+from nnxscan.shell import _checkpointing, _evaluation
 from nnxscan.shell._calls import Execution, prepare_execution
 from nnxscan.shell._epochs import (
     ArrayEpochs,
@@ -46,18 +44,14 @@ from nnxscan.shell._epochs import (
 )
 from nnxscan.shell._fit import CallbackList, Checkpoints, Evaluation, FitLoop
 from nnxscan.shell._logs import empty_losses
-from nnxscan.shell._owner import Owner, metric_logs
-from nnxscan.shell._placement import Placement, device_of, to_host
+from nnxscan.shell._owner import Owner
+from nnxscan.shell._placement import Placement, device_of
 from nnxscan.shell._plans import Plan
 from nnxscan.shell._programs import (
     MemberLayout,
     TrainProgram,
-    evaluator,
-    member_evaluator,
-    metrics_evaluator,
 )
 from nnxscan.shell._streaming import EpochSource, default_chunk_size, is_stream
-from nnxscan.shell._trace_notes import noting_batch
 from nnxscan.shell.history import History
 
 
@@ -114,8 +108,8 @@ class Engine:
         # As configured; ``placement`` is it bound to the mesh of the call in progress.
         self.layout = self.placement = placement
         self.explicit_plan, self.members, self.subject = explicit_plan, members, subject
-        self._feed = dict(loss_fn=loss_fn, has_aux=has_aux, rngs=rngs)
-        self._update_metrics = update_metrics
+        self.feed = dict(loss_fn=loss_fn, has_aux=has_aux, rngs=rngs)
+        self.update_metrics = update_metrics
 
     def bind(self) -> Placement:
         """Resolves the mesh of this call (``mesh=``, else ``jax.set_mesh``'s)."""
@@ -322,118 +316,15 @@ class Engine:
 
     # -- evaluation -------------------------------------------------------------------------
 
-    def evaluation(
-        self,
-        data: Any,
-        metric_fn: Callable | None,
-        every: Any,
-        eval_batch_size: Any,
-        batch_size: Any,
-    ) -> Evaluation | None:
-        """Checks fit's evaluation arguments (before anything compiles)."""
-        if data is None and metric_fn is None:
-            return None
-        if data is None:
-            raise ValueError(
-                "evaluation during fit needs both eval_data and a metric_fn (or NNX "
-                "metrics= and update_metrics=)."
-            )
-        if metric_fn is None and self.owner.metrics is None:
-            raise ValueError(
-                "evaluation during fit needs both eval_data and a metric_fn, or NNX "
-                "metrics given as metrics=/update_metrics=."
-            )
-        n = check_leading_size(data, "eval_data")
-        every = check_count(every, "eval_every", 1)
-        size = eval_batch_size or (batch_size if isinstance(batch_size, int) else 256)
-        size = check_batch_size(
-            min(check_count(size, "eval_batch_size", 1), n), n, drop_remainder=False
+    def evaluation(self, data, metric_fn, every, eval_batch_size, batch_size) -> Any:
+        """Checks fit's evaluation arguments (see ``_evaluation.fit_evaluation``)."""
+        return _evaluation.fit_evaluation(self, data, metric_fn, every, eval_batch_size, batch_size)
+
+    def evaluator(self, metric_fn, metrics, update_metrics, batch_size, eval_mode) -> Callable:
+        """``run(data)`` of one evaluation (see ``_evaluation.evaluator``)."""
+        return _evaluation.evaluator(
+            self, metric_fn, metrics, update_metrics, batch_size, eval_mode
         )
-        run = self.evaluator(metric_fn, None, None, size, True)
-        return Evaluation(every, lambda: run(data))
-
-    def evaluator(
-        self,
-        metric_fn: Callable | None,
-        metrics: nnx.Metric | None,
-        update_metrics: Callable | None,
-        batch_size: int,
-        eval_mode: bool,
-    ) -> Callable[[Any], dict[str, Any]]:
-        """Checks the evaluation arguments (before anything compiles); returns ``run(data)``.
-
-        ``metric_fn(model, batch)``, or NNX ``metrics`` fed by ``update_metrics`` with the
-        training ``loss_fn`` (defaults: the front-end's own). For members, both run vmapped
-        and every value gains a leading members axis.
-        """
-        if metric_fn is not None:
-            if metrics is not None or update_metrics is not None:
-                raise ValueError("pass either metric_fn or metrics/update_metrics, not both.")
-            if not callable(metric_fn):
-                raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
-        else:
-            metrics = self.owner.metrics if metrics is None else metrics
-            update_metrics = self._update_metrics if update_metrics is None else update_metrics
-            if metrics is None or update_metrics is None:
-                raise ValueError(
-                    "evaluate needs a metric_fn, or NNX metrics: metrics= and "
-                    "update_metrics= here or on the Trainer (or Population)."
-                )
-            if not isinstance(metrics, nnx.Metric):
-                raise TypeError(f"metrics must be an nnx.Metric, got {type(metrics).__name__}.")
-        return self._evaluate_program(metric_fn, metrics, update_metrics, batch_size, eval_mode)
-
-    def _evaluate_program(self, metric_fn, metrics, update_metrics, batch_size, eval_mode):
-        owner, members = self.owner, self.owner.num_members
-        loss_fn, has_aux, rngs = self._feed["loss_fn"], self._feed["has_aux"], self._feed["rngs"]
-
-        def program(batch_sharding: Any) -> Callable:
-            # Looked up per call (cached): the batch sharding is the mesh's of this call.
-            if metric_fn is not None:
-                run = evaluator(metric_fn, batch_size, eval_mode, batch_sharding)
-            else:
-                run = metrics_evaluator(
-                    loss_fn, update_metrics, batch_size, has_aux=has_aux,
-                    with_rngs=rngs is not None, eval_mode=eval_mode,
-                    batch_sharding=batch_sharding,
-                )  # fmt: skip
-            return run if members is None else member_evaluator(run)
-
-        def read() -> tuple[Any, Any]:
-            if members is not None:
-                return owner.evaluation_node(metric_fn is not None)
-            node = owner.model if metric_fn is not None else node_of(owner.model, rngs, metrics)
-            return nnx.split(node)
-
-        # What an error while tracing names (with the batch's leaves): the user's functions.
-        traced = metric_fn or {"loss_fn": loss_fn, "update_metrics": update_metrics}
-
-        def run(data: Any) -> dict[str, Any]:
-            placement = self.bind()
-            with placement.context():
-                return logs(placement, data)
-
-        def logs(placement: Placement, data: Any) -> dict[str, Any]:
-            graphdef, state = read()
-            leaves, treedef = jax.tree.flatten(state)
-            placed = placement.put_carry(leaves, placement.state_shardings(state))
-            state = jax.tree.unflatten(treedef, placed)
-            data = placement.put_data(data, state)
-            evaluate = program(placement.batch_sharding)
-            with noting_batch("evaluation", traced, data, batch_size=batch_size):
-                values = to_host(evaluate(graphdef, state, data))
-            if metric_fn is None:
-                return metric_logs(values, metrics)
-            return {k: _host_value(v, members) for k, v in values.items()}
-
-        return run
-
-
-def _host_value(value: Any, members: int | None) -> Any:
-    """A metric on the host: a float for one model's scalar, else a float32 array."""
-    if members is None and np.ndim(value) == 0:
-        return float(value)
-    return np.asarray(value, np.float32)
 
 
 def fit_options(
@@ -483,23 +374,6 @@ def fit_options(
         evaluation=evaluation, checkpoint_dir=directory, checkpoints=checkpoints,
         resume=bool(resume), run_keys=run_keys, member_batches=bool(member_batches),
     )  # fmt: skip
-
-
-def evaluate(
-    engine: Engine,
-    data: Any,
-    metric_fn: Callable | None,
-    *,
-    batch_size: Any,
-    eval_mode: bool,
-    metrics: nnx.Metric | None = None,
-    update_metrics: Callable | None = None,
-) -> dict[str, Any]:
-    """``evaluate`` of a front-end: every example of ``data``, checked before compiling."""
-    n = check_leading_size(data, "data")
-    batch_size = check_batch_size(batch_size, n, drop_remainder=False)
-    run = engine.evaluator(metric_fn, metrics, update_metrics, batch_size, bool(eval_mode))
-    return run(data)
 
 
 def _one_model(x: Any, sharding: Any, stacked: bool, *, member: bool = True) -> Any:

@@ -34,7 +34,8 @@ from nnxscan.pure._checks import (
     check_transform,
 )
 from nnxscan.shell._config import Config
-from nnxscan.shell._engine import Engine, evaluate, fit_options
+from nnxscan.shell._engine import Engine, fit_options
+from nnxscan.shell._evaluation import evaluate
 from nnxscan.shell._members import build_members
 from nnxscan.shell._owner import check_companions
 from nnxscan.shell._placement import Placement

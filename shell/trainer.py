@@ -19,7 +19,8 @@ from flax import nnx
 
 from nnxscan.pure._checks import abstract_batch, check_count, check_no_captured_nnx
 from nnxscan.shell._config import Config
-from nnxscan.shell._engine import Engine, evaluate, fit_options
+from nnxscan.shell._engine import Engine, fit_options
+from nnxscan.shell._evaluation import evaluate
 from nnxscan.shell._owner import ModelOwner
 from nnxscan.shell._placement import Placement
 from nnxscan.shell._plans import Plan, resolve_plan

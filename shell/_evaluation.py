@@ -1,0 +1,157 @@
+"""Evaluation for a Trainer and a Population alike: ``metric_fn`` or NNX metrics over every
+example, on the mesh of the call, vmapped over members for a population.
+
+The engine (``_engine.Engine``) hands itself in: its owner (what to evaluate), the
+front-end's loss and metrics update (what NNX metrics are fed with) and ``bind()`` (the
+mesh of this call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from nnxscan.pure._checks import check_batch_size, check_count, check_leading_size
+from nnxscan.pure._node import node_of
+from nnxscan.shell import _programs
+from nnxscan.shell._fit import Evaluation
+from nnxscan.shell._owner import metric_logs
+from nnxscan.shell._placement import Placement, to_host
+from nnxscan.shell._trace_notes import noting_batch
+
+
+def fit_evaluation(
+    engine: Any,
+    data: Any,
+    metric_fn: Callable | None,
+    every: Any,
+    eval_batch_size: Any,
+    batch_size: Any,
+) -> Evaluation | None:
+    """Checks fit's evaluation arguments (before anything compiles)."""
+    if data is None and metric_fn is None:
+        return None
+    if data is None:
+        raise ValueError(
+            "evaluation during fit needs both eval_data and a metric_fn (or NNX "
+            "metrics= and update_metrics=)."
+        )
+    if metric_fn is None and engine.owner.metrics is None:
+        raise ValueError(
+            "evaluation during fit needs both eval_data and a metric_fn, or NNX "
+            "metrics given as metrics=/update_metrics=."
+        )
+    n = check_leading_size(data, "eval_data")
+    every = check_count(every, "eval_every", 1)
+    size = eval_batch_size or (batch_size if isinstance(batch_size, int) else 256)
+    size = check_batch_size(
+        min(check_count(size, "eval_batch_size", 1), n), n, drop_remainder=False
+    )
+    run = evaluator(engine, metric_fn, None, None, size, True)
+    return Evaluation(every, lambda: run(data))
+
+
+def evaluator(
+    engine: Any,
+    metric_fn: Callable | None,
+    metrics: nnx.Metric | None,
+    update_metrics: Callable | None,
+    batch_size: int,
+    eval_mode: bool,
+) -> Callable[[Any], dict[str, Any]]:
+    """Checks the evaluation arguments (before anything compiles); returns ``run(data)``.
+
+    ``metric_fn(model, batch)``, or NNX ``metrics`` fed by ``update_metrics`` with the
+    training ``loss_fn`` (defaults: the front-end's own). For members, both run vmapped
+    and every value gains a leading members axis.
+    """
+    if metric_fn is not None:
+        if metrics is not None or update_metrics is not None:
+            raise ValueError("pass either metric_fn or metrics/update_metrics, not both.")
+        if not callable(metric_fn):
+            raise TypeError(f"metric_fn must be callable, got {type(metric_fn).__name__}.")
+    else:
+        metrics = engine.owner.metrics if metrics is None else metrics
+        update_metrics = engine.update_metrics if update_metrics is None else update_metrics
+        if metrics is None or update_metrics is None:
+            raise ValueError(
+                "evaluate needs a metric_fn, or NNX metrics: metrics= and "
+                "update_metrics= here or on the Trainer (or Population)."
+            )
+        if not isinstance(metrics, nnx.Metric):
+            raise TypeError(f"metrics must be an nnx.Metric, got {type(metrics).__name__}.")
+    return _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode)
+
+
+def _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode):
+    owner, members = engine.owner, engine.owner.num_members
+    loss_fn, has_aux, rngs = engine.feed["loss_fn"], engine.feed["has_aux"], engine.feed["rngs"]
+
+    def program(batch_sharding: Any) -> Callable:
+        # Looked up per call (cached): the batch sharding is the mesh's of this call.
+        if metric_fn is not None:
+            run = _programs.evaluator(metric_fn, batch_size, eval_mode, batch_sharding)
+        else:
+            run = _programs.metrics_evaluator(
+                loss_fn, update_metrics, batch_size, has_aux=has_aux,
+                with_rngs=rngs is not None, eval_mode=eval_mode,
+                batch_sharding=batch_sharding,
+            )  # fmt: skip
+        return run if members is None else _programs.member_evaluator(run)
+
+    def read() -> tuple[Any, Any]:
+        if members is not None:
+            return owner.evaluation_node(metric_fn is not None)
+        node = owner.model if metric_fn is not None else node_of(owner.model, rngs, metrics)
+        return nnx.split(node)
+
+    # What an error while tracing names (with the batch's leaves): the user's functions.
+    traced = metric_fn or {"loss_fn": loss_fn, "update_metrics": update_metrics}
+
+    def run(data: Any) -> dict[str, Any]:
+        placement = engine.bind()
+        with placement.context():
+            return logs(placement, data)
+
+    def logs(placement: Placement, data: Any) -> dict[str, Any]:
+        graphdef, state = read()
+        leaves, treedef = jax.tree.flatten(state)
+        placed = placement.put_carry(leaves, placement.state_shardings(state))
+        state = jax.tree.unflatten(treedef, placed)
+        data = placement.put_data(data, state)
+        evaluate = program(placement.batch_sharding)
+        with noting_batch("evaluation", traced, data, batch_size=batch_size):
+            values = to_host(evaluate(graphdef, state, data))
+        if metric_fn is None:
+            return metric_logs(values, metrics)
+        return {k: _host_value(v, members) for k, v in values.items()}
+
+    return run
+
+
+def _host_value(value: Any, members: int | None) -> Any:
+    """A metric on the host: a float for one model's scalar, else a float32 array."""
+    if members is None and np.ndim(value) == 0:
+        return float(value)
+    return np.asarray(value, np.float32)
+
+
+def evaluate(
+    engine: Any,
+    data: Any,
+    metric_fn: Callable | None,
+    *,
+    batch_size: Any,
+    eval_mode: bool,
+    metrics: nnx.Metric | None = None,
+    update_metrics: Callable | None = None,
+) -> dict[str, Any]:
+    """``evaluate`` of a front-end: every example of ``data``, checked before compiling."""
+    n = check_leading_size(data, "data")
+    batch_size = check_batch_size(batch_size, n, drop_remainder=False)
+    run = engine.evaluator(metric_fn, metrics, update_metrics, batch_size, bool(eval_mode))
+    return run(data)
