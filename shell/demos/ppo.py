@@ -197,7 +197,7 @@ def ppo_loss(
 # -- the whole run ------------------------------------------------------------------------------
 
 
-def check_config(config: PPOConfig) -> PPOConfig:
+def _check_config(config: PPOConfig) -> PPOConfig:
     """Raises ValueError on sizes the program can't be built with; returns ``config``."""
     for name in ("num_envs", "num_steps", "total_timesteps", "update_epochs",
                  "num_minibatches", "hidden"):  # fmt: skip
@@ -385,7 +385,7 @@ def make_ppo_train(
       >>> run.metrics["episode_return"].shape
       (976,)
     """
-    config = check_config(PPOConfig() if config is None else config)
+    config = _check_config(PPOConfig() if config is None else config)
     buffer_size = config.num_envs * config.num_steps
     graphdef = nnx.graphdef(
         nnx.eval_shape(lambda: make_policy(env, env_params, config, nnx.Rngs(0)))

@@ -104,19 +104,19 @@ class ActorCritic(nnx.Module):
     """
 
     def __init__(self, obs_size: int, num_actions: int, *, hidden: int = 64, rngs: nnx.Rngs):
-        root2 = float(np.sqrt(2))
-        sizes = [(obs_size, hidden), (hidden, hidden)]
-        shapes = [*sizes, (hidden, num_actions), *sizes, (hidden, 1)]
-        scales = [root2, root2, 0.01, root2, root2, 1.0]
-        keys = [rngs.params() for _ in shapes]
-        kernels = iter(orthogonal_kernels(keys, shapes, scales))
+        # Each layer draws its kernel's key as with kernel_init=orthogonal(scale) (the same
+        # weights, to rounding, as nnx.initializers.orthogonal), then all six kernels are
+        # orthogonalized in one loop.
+        keys = []
 
         def dense(fan_in: int, fan_out: int) -> nnx.Linear:
-            kernel = next(kernels)
+            def record_key(key, shape, dtype):
+                keys.append(key)
+                return jnp.zeros(shape, dtype)
+
             return nnx.Linear(
                 fan_in, fan_out, rngs=rngs,
-                kernel_init=lambda key, shape, dtype: kernel.astype(dtype),
-                bias_init=nnx.initializers.zeros_init(),
+                kernel_init=record_key, bias_init=nnx.initializers.zeros_init(),
             )  # fmt: skip
 
         self.actor = nnx.Sequential(
@@ -129,6 +129,12 @@ class ActorCritic(nnx.Module):
             dense(hidden, hidden), nnx.tanh,
             dense(hidden, 1),
         )  # fmt: skip
+        layers = [*self.actor.layers[::2], *self.critic.layers[::2]]
+        root2 = float(np.sqrt(2))
+        scales = [root2, root2, 0.01, root2, root2, 1.0]
+        shapes = [layer.kernel.shape for layer in layers]
+        for layer, kernel in zip(layers, orthogonal_kernels(keys, shapes, scales), strict=True):
+            layer.kernel[...] = kernel
 
     def __call__(self, obs: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(logits (..., actions), value (...))``."""
