@@ -247,3 +247,26 @@ def test_learning_rate_anneals_per_update_to_zero_as_purejaxrl():
 def test_bad_sizes_are_refused_before_anything_compiles(config, words):
     with pytest.raises(ValueError, match=words.replace("\n", " ")):
         make_ppo_train(ENV, ENV_PARAMS, config)
+
+
+def test_actor_critic_has_the_weights_nnx_orthogonal_init_gives_the_same_module():
+    root2 = float(np.sqrt(2))
+
+    def dense(fan_in, fan_out, scale, rngs):
+        return nnx.Linear(fan_in, fan_out, rngs=rngs,
+                          kernel_init=nnx.initializers.orthogonal(scale),
+                          bias_init=nnx.initializers.zeros_init())  # fmt: skip
+
+    class NnxInit(nnx.Module):  # PureJaxRL's towers with nnx's own (LAPACK) orthogonal init
+        def __init__(self, rngs):
+            self.actor = nnx.Sequential(dense(4, 64, root2, rngs), nnx.tanh,
+                                        dense(64, 64, root2, rngs), nnx.tanh,
+                                        dense(64, 2, 0.01, rngs))  # fmt: skip
+            self.critic = nnx.Sequential(dense(4, 64, root2, rngs), nnx.tanh,
+                                         dense(64, 64, root2, rngs), nnx.tanh,
+                                         dense(64, 1, 1.0, rngs))  # fmt: skip
+
+    ours = nnx.to_pure_dict(nnx.state(ActorCritic(4, 2, rngs=nnx.Rngs(5))))
+    want = nnx.to_pure_dict(nnx.state(NnxInit(nnx.Rngs(5))))
+    for got, expected in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, expected, atol=2e-5)
