@@ -77,6 +77,35 @@ def test_hypergradient_of_the_learning_rate_matches_central_differences(loop):
     assert grad == pytest.approx(numeric, rel=1e-5)
 
 
+def test_skip_nonfinite_is_transparent_to_the_hypergradient_until_a_step_is_skipped():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(2)
+        x = rng.uniform(-2, 2, (12, 16, 1))
+        bad_y = np.sin(x)
+        bad_y[5, 0, 0] = np.nan  # one non-finite label: step 5 is skipped
+        x_val = rng.uniform(-2, 2, (64, 1))
+        val = {"x": x_val, "y": np.sin(x_val)}
+        tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+        graphdef, state = nnx.split(Tanh64(nnx.Rngs(1)))
+        plain, skipping = make_train_step(mse, tx), make_train_step(mse, tx, skip_nonfinite=True)
+
+        @jax.value_and_grad
+        def val_loss(lr, batches, skip):
+            opt_state = with_hyperparams(init_opt_state(tx, state), learning_rate=lr)
+            step = skipping if skip else plain
+            trained, _, _ = scan_steps(step, graphdef, state, opt_state, batches)
+            return mse(nnx.merge(graphdef, trained), val)
+
+        val_loss = jax.jit(val_loss, static_argnums=2)
+        lr, good = jnp.float64(0.1), {"x": x, "y": np.sin(x)}
+        assert val_loss(lr, good, True) == val_loss(lr, good, False)  # the select is exact
+        kept = {"x": np.delete(x, 5, 0), "y": np.delete(np.sin(x), 5, 0)}
+        skipped_loss, skipped_grad = val_loss(lr, {"x": x, "y": bad_y}, True)
+        without_loss, without_grad = val_loss(lr, kept, False)
+    assert float(skipped_loss) == pytest.approx(float(without_loss), rel=1e-12)  # trains right
+    assert np.isfinite(without_grad) and np.isnan(skipped_grad)  # 0 x NaN in the backward pass
+
+
 # -- MAML ------------------------------------------------------------------------------------
 
 INNER_STEPS, INNER_LR, SHOTS = 5, 0.01, 10
