@@ -8,6 +8,8 @@ over their keys; one seed is ``jax.jit(train)`` as PureJaxRL's own ``__main__`` 
 
   whole    from building ``train`` to the trained result (blocked on), compile included;
   compile  of that, tracing + lowering + XLA compiling;
+  CPU      the process's CPU time (all threads) over the whole run: on a shared machine
+           it moves far less with the load than the wall clock does;
   return   the mean episode return over each seed's last 10 updates, PureJaxRL's logged
            ``returned_episode_returns`` (500 is CartPole's maximum): the seeds' mean and
            their minimum.
@@ -83,12 +85,12 @@ def theirs(
 
 
 def whole_run(build: Callable[[], tuple[Callable, Callable]], seeds: int, label: str):
-    """One whole run from empty compilation caches: (whole s, compile s, final returns)."""
+    """One whole run from empty compilation caches: (whole s, compile s, CPU s, returns)."""
     jax.clear_caches()
     watchdog = threading.Timer(RUN_TIMEOUT_S, _hung, args=(label, seeds))
     watchdog.start()
     try:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         train, returns_of = build()
         if seeds == 1:
             keys = jax.random.PRNGKey(0)
@@ -99,11 +101,11 @@ def whole_run(build: Callable[[], tuple[Callable, Callable]], seeds: int, label:
         compiled = program.lower(keys).compile()
         compiled_at = time.perf_counter()
         out = jax.block_until_ready(compiled(keys))
-        done = time.perf_counter()
+        done, cpu_done = time.perf_counter(), time.process_time()
     finally:
         watchdog.cancel()
     finals = np.atleast_1d(final_return(returns_of(out)))
-    return done - start, compiled_at - start, finals
+    return done - start, compiled_at - start, cpu_done - cpu_start, finals
 
 
 def _hung(label: str, seeds: int) -> None:
@@ -135,18 +137,18 @@ def main() -> None:
     tiny = PPOConfig(total_timesteps=config.num_envs * config.num_steps)
     whole_run(lambda: ours(tiny), 1, "warm-up")
 
-    results: dict[tuple[str, int], list[tuple[float, float, np.ndarray]]] = {}
+    results: dict[tuple[str, int], list[tuple[float, float, float, np.ndarray]]] = {}
     for r in range(rounds):
         cells = [(name, n) for name in variants for n in seed_counts]
         random.Random(r).shuffle(cells)
         for name, n in cells:
             result = whole_run(variants[name], n, name)
             results.setdefault((name, n), []).append(result)
-            whole, compile_s, finals = result
+            whole, compile_s, cpu, finals = result
             print(
                 f"round {r}: {name:>9} {n:>2} seed(s): whole {whole:6.2f} s "
-                f"(compile {compile_s:5.2f} s), return mean {finals.mean():6.1f} "
-                f"min {finals.min():6.1f}",
+                f"(compile {compile_s:5.2f} s), CPU {cpu:6.2f} s, return mean "
+                f"{finals.mean():6.1f} min {finals.min():6.1f}",
                 flush=True,
             )
 
@@ -155,26 +157,39 @@ def main() -> None:
         f"steps per seed; {platform.machine()}, {os.cpu_count()} cores, jax "
         f"{jax.__version__}; medians of {rounds} round(s), compile included",
         "",
-        "| seeds | variant | whole run (s) | compile (s) | per seed (s) | return: mean | min |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| seeds | variant | whole run (s) | compile (s) | CPU (s) | per seed (s) | return: mean"
+        " | min |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for n in seed_counts:
         for name in variants:
             runs = results[(name, n)]
             whole = statistics.median(run[0] for run in runs)
             compile_s = statistics.median(run[1] for run in runs)
-            finals = np.concatenate([run[2] for run in runs])
+            cpu = statistics.median(run[2] for run in runs)
+            finals = np.concatenate([run[3] for run in runs])
             lines.append(
-                f"| {n} | {name} | {whole:.2f} | {compile_s:.2f} | {whole / n:.2f} | "
-                f"{finals.mean():.1f} | {finals.min():.1f} |"
+                f"| {n} | {name} | {whole:.2f} | {compile_s:.2f} | {cpu:.2f} | {whole / n:.2f} "
+                f"| {finals.mean():.1f} | {finals.min():.1f} |"
             )
     if "PureJaxRL" in variants:
-        lines += ["", "| seeds | whole run, nnxscan ÷ PureJaxRL |", "|---:|---:|"]
+        lines += [
+            "",
+            "| seeds | nnxscan ÷ PureJaxRL: whole run | CPU | median of paired rounds |",
+            "|---:|---:|---:|---:|",
+        ]
         for n in seed_counts:
-            ratio = statistics.median(run[0] for run in results[("nnxscan", n)]) / (
-                statistics.median(run[0] for run in results[("PureJaxRL", n)])
+            ours_runs, their_runs = results[("nnxscan", n)], results[("PureJaxRL", n)]
+
+            def ratio(i, ours_runs=ours_runs, their_runs=their_runs):
+                return statistics.median(r[i] for r in ours_runs) / statistics.median(
+                    r[i] for r in their_runs
+                )
+
+            paired = statistics.median(
+                a[0] / b[0] for a, b in zip(ours_runs, their_runs, strict=True)
             )
-            lines.append(f"| {n} | {ratio:.2f}× |")
+            lines.append(f"| {n} | {ratio(0):.2f}× | {ratio(2):.2f}× | {paired:.2f}× |")
     table = "\n".join(lines)
     print("\n" + table)
     if args.out:
