@@ -15,6 +15,7 @@ DEMOS = {
     "digits": "an MLP on scikit-learn's digits (the default)",
     "hypernet": "one hypernetwork learns a family of sine functions",
     "hypernet-cl": "tasks in sequence: a hypernetwork remembers, fine-tuning forgets",
+    "ppo": "PPO on CartPole, --seeds N runs vmapped in one jit (needs [rl])",
     "sweep": "a learning-rate x seed sweep: 16 MLPs in one compiled program",
 }
 DEMO_LIST = "demos:\n" + "".join(f"  {name:<12}{text}\n" for name, text in DEMOS.items())
@@ -61,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
         help="seeds the data, the initial weights and the shuffling (default: 0)",
     )  # fmt: skip
     demo.add_argument(
+        "--seeds", type=int, default=1, metavar="N",
+        help="ppo: train N seeds (seed, seed+1, ...) vmapped in one program (default: 1)",
+    )  # fmt: skip
+    demo.add_argument(
         "--no-progress", action="store_true",
         help="show no progress bar (and, off a terminal, no line per epoch)",
     )  # fmt: skip
@@ -96,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nnxscan.shell.demos.hypernet_cl import run_hypernet_cl_demo
 
         run_hypernet_cl_demo(args.out, seed=args.seed, progress=not args.no_progress)
+    elif args.name == "ppo":
+        from nnxscan.shell.demos.ppo_demo import run_ppo_demo
+
+        run_ppo_demo(args.out, seeds=args.seeds, seed=args.seed)
     elif args.name == "sweep":
         from nnxscan.shell.demos.sweep import run_sweep_demo
 

@@ -1,2 +1,3 @@
-"""The ``nnxscan demo`` programs: ``digits`` (an MLP on scikit-learn's digits) and
-``hypernet`` (one hypernetwork learns a family of functions). They need the ``demo`` extra."""
+"""The ``nnxscan demo`` programs: ``digits`` (an MLP on scikit-learn's digits), ``hypernet``
+(one hypernetwork learns a family of functions), ``hypernet-cl``, ``sweep`` and ``ppo``
+(PureJaxRL's PPO on gymnax's CartPole). They need the ``demo`` extra; ``ppo`` the ``rl`` one."""
