@@ -21,6 +21,9 @@ losses, the small write that idiom makes. This times, in each virtual environmen
                                 epoch of 5,000 steps (one compiled call writing 5,000 losses)
   lm_fit_200                    ``Trainer.fit`` (scan plan) of _workloads' byte-level
                                 transformer LM (2 layers, width 128), one epoch of 200 steps
+  tiny_fit_100k                 ``Trainer.fit`` (scan plan) of one ``nnx.Linear(8, 1)``, batch
+                                8, sgd, one epoch of 100,000 steps in one call: the worst
+                                case, a cheap step writing its loss into a long buffer
 
 as µs per loop iteration (the first five) or per training step (the fit cases), compile
 excluded (each case runs twice before it is timed; ``first_s`` is the first fit call,
@@ -129,13 +132,28 @@ def scan_gather_rows(n: int) -> Case:
 def fit_case(workload: str, steps_per_epoch: int, epochs: int) -> Case:
     def build(quick: bool):
         import jax
+        import numpy as np
         import optax
         from flax import nnx
 
         from nnxscan.shell import Trainer
 
         steps = min(steps_per_epoch, 4) if quick else steps_per_epoch
-        if workload == "mlp":
+        if workload == "tiny":
+            # The cheapest step there is, so the per-step write of the loss shows.
+            rng = np.random.default_rng(0)
+            x = rng.normal(size=(steps * 8, 8)).astype(np.float32)
+            data = jax.device_put({"x": x, "y": x.sum(-1, keepdims=True)})
+            make_model, tx, batch_size = (
+                (lambda: nnx.Linear(8, 1, rngs=nnx.Rngs(0))),
+                optax.sgd(1e-2),
+                8,
+            )
+
+            def loss_fn(model, batch):
+                return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+        elif workload == "mlp":
             from bench_train import loss_fn, make_case
 
             make_model, tx, batch_size, data, _ = make_case("small", steps)
@@ -165,19 +183,20 @@ CASES: dict[str, Case] = {
     "mlp_fit_200": fit_case("mlp", 200, 5),
     "mlp_fit_5000": fit_case("mlp", 5_000, 1),
     "lm_fit_200": fit_case("lm", 200, 1),
+    "tiny_fit_100k": fit_case("tiny", 100_000, 1),
 }
 UNITS = {name: "µs/step" if "fit" in name else "µs/iter" for name in CASES}
 
 
-def child(reps: int, quick: bool) -> dict:
-    """Times every case in this interpreter: ``{case: [µs per iteration or step, ...]}``."""
+def child(reps: int, quick: bool, names: list[str]) -> dict:
+    """Times the cases ``names`` in this interpreter: ``{case: [µs per iteration or step]}``."""
     import flax
     import jax
     import optax
 
     runs, first = {}, {}
-    for name, build in CASES.items():
-        run, count = build(quick)
+    for name in names:
+        run, count = CASES[name](quick)
         start = time.perf_counter()
         run()  # compiles
         first[name] = time.perf_counter() - start
@@ -206,9 +225,10 @@ def child(reps: int, quick: bool) -> dict:
     }
 
 
-def run_child(python: str, reps: int, quick: bool) -> dict:
+def run_child(python: str, reps: int, quick: bool, names: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     cmd = [python, str(Path(__file__).resolve()), "--child", "--reps", str(reps)]
+    cmd += ["--cases", ",".join(names)]
     cmd += ["--quick"] if quick else []
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
@@ -217,21 +237,21 @@ def run_child(python: str, reps: int, quick: bool) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def table(results: list[dict]) -> str:
+def table(results: list[dict], names: list[str]) -> str:
     labels = [r["label"] for r in results]
     base = results[0]["times"]
     lines = [
         "| case | unit | " + " | ".join(labels) + " |",
         "|---|---|" + "---:|" * len(labels),
     ]
-    for name in CASES:
+    for name in names:
         cells = []
         for r in results:
             us = statistics.median(r["times"][name])
             ratio = us / statistics.median(base[name])
             cells.append(f"{us:,.3f} ({ratio:.2f}×)" if us < 10 else f"{us:,.0f} ({ratio:.2f}×)")
         lines.append(f"| {name} | {UNITS[name]} | " + " | ".join(cells) + " |")
-    for name in (n for n in CASES if "fit" in n):
+    for name in (n for n in names if "fit" in n):
         cells = [f"{statistics.median(r['first_s'][name]):.1f}" for r in results]
         lines.append(f"| {name} first call | s | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -243,11 +263,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="processes per interpreter")
     parser.add_argument("--reps", type=int, default=5, help="timings per case per process")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks it runs")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     parser.add_argument("--json", help="also write every timing to this file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    names = args.cases.split(",")
+    if unknown := sorted(set(names) - set(CASES)):
+        parser.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")
     if args.child:
-        print("RESULT " + json.dumps(child(args.reps, args.quick)))
+        print("RESULT " + json.dumps(child(args.reps, args.quick, names)))
         return
     pythons = args.python or [sys.executable]
     merged: dict[str, dict] = {}
@@ -255,7 +279,7 @@ def main() -> None:
     for round_index in range(args.rounds):
         ordered = pythons if round_index % 2 == 0 else pythons[::-1]
         for python in ordered:
-            result = run_child(python, args.reps, args.quick)
+            result = run_child(python, args.reps, args.quick, names)
             print(f"round {round_index}: {result['label']} done", file=sys.stderr, flush=True)
             into = merged.setdefault(python, {**result, "times": {}, "first_s": {}})
             for name, values in result["times"].items():
@@ -269,7 +293,7 @@ def main() -> None:
         f"(ratio to the first column); 1-min load average over the run "
         f"{min(load):.1f}–{max(load):.1f}\n"
     )
-    print(table(results))
+    print(table(results, names))
     for r in results:
         print(f"\n{r['label']}: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()))
     if args.json:
