@@ -107,3 +107,74 @@ def test_no_newer_python_prints_nothing_and_fails(tmp_path):
     (tmp_path / "bin").mkdir()
     found = _find(tmp_path / "bin", tmp_path / "no-pyenv")
     assert (found.returncode, found.stdout) == (1, "")
+
+
+# -- .ci/run's two runs, on fake interpreters -------------------------------------------------
+
+_FAKE_PYTHON = """\
+# "-m venv DIR" makes a venv whose pip exits $PIP_{which} and pytest exits $PYTEST_{which};
+# anything else (a version check, a script) succeeds and prints nothing.
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then
+  {mkdir} -p "$3/bin"
+  printf '#!{sh}\\nexit 0\\n' > "$3/bin/python"
+  printf '#!{sh}\\nexit %s\\n' "${{PIP_{which}:-0}}" > "$3/bin/pip"
+  printf '#!{sh}\\necho "pytest ran in %s"\\nexit %s\\n' "$3" "${{PYTEST_{which}:-0}}" \\
+    > "$3/bin/pytest"
+  {chmod} +x "$3/bin/python" "$3/bin/pip" "$3/bin/pytest"
+fi
+exit 0
+"""
+
+
+def _ci(tmp_path: pathlib.Path, newer: bool, **statuses: int) -> subprocess.CompletedProcess:
+    """Runs a copy of .ci/run where ``python3`` (and, if ``newer``, ``python3.13``) are
+    fakes, and only the tools the script needs are on PATH."""
+    repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
+    (repo / ".ci").mkdir(parents=True)
+    bin_dir.mkdir()
+    for name in ("run", "find_newer_python"):
+        shutil.copy2(ROOT / ".ci" / name, repo / ".ci" / name)
+    for tool in ("bash", "rm", "dirname", "sort"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    tools = {name: shutil.which(name) for name in ("sh", "mkdir", "chmod")}
+    _fake(bin_dir / "python3", _FAKE_PYTHON.format(which="MAIN", **tools))
+    if newer:
+        _fake(bin_dir / "python3.13", _FAKE_PYTHON.format(which="NEWEST", **tools))
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "PYENV_ROOT": str(tmp_path / "none")}
+    env |= {name.upper(): str(status) for name, status in statuses.items()}
+    return subprocess.run(
+        [shutil.which("bash"), str(repo / ".ci/run")],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+
+
+def test_ci_passes_when_both_runs_pass_and_runs_the_newest_after_the_main(tmp_path):
+    out = _ci(tmp_path, newer=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ran = [line for line in out.stdout.splitlines() if line.startswith("pytest ran")]
+    assert [r.split()[-1] for r in ran] == [".venv", ".venv-newest"]
+    assert "CI: newest run passed" in out.stdout
+
+
+@pytest.mark.parametrize("failure", [{"pytest_main": 1}, {"pip_main": 1}, {"pytest_main": 5}])
+def test_a_failed_main_run_fails_ci_and_the_newest_run_never_starts(tmp_path, failure):
+    out = _ci(tmp_path, newer=True, **failure)
+    assert out.returncode != 0
+    assert ".venv-newest" not in out.stdout + out.stderr
+    assert not (tmp_path / "repo/.venv-newest").exists()
+
+
+@pytest.mark.parametrize("failure", [{"pytest_newest": 1}, {"pip_newest": 1}])
+def test_a_failed_newest_run_fails_ci(tmp_path, failure):
+    out = _ci(tmp_path, newer=True, **failure)
+    assert out.returncode != 0
+    assert "CI: main run passed" in out.stdout
+    assert "CI: newest run passed" not in out.stdout
+
+
+def test_without_a_newer_python_ci_prints_one_line_and_passes_on_the_main_run(tmp_path):
+    out = _ci(tmp_path, newer=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-2].startswith("CI: main run passed")
+    assert lines[-1].startswith("CI: no Python >= 3.12") and "skipped" in lines[-1]
