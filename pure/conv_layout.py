@@ -18,6 +18,7 @@ the result back to where the original dimension numbers put it, in nested jaxprs
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -30,9 +31,12 @@ __all__ = ["canonical_conv_layout"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Leaves a traced call takes as arguments, as jax.jit does; anything else (a GraphDef, a
-# string, None inside a container) is closed over, as a static argument would be.
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+# Leaves traced as the wrapped function's inputs; anything else (a GraphDef, a Python
+# number, a string) is passed through as a static value, as jax.jit's static arguments are.
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+# Rewritten jaxprs a wrapped function keeps, so the trace jax.jit caches for a jitted ``fn``
+# maps to one rewritten jaxpr (and one compiled program when called outside jit).
+_KEPT_REWRITES = 16
 
 
 def canonical_conv_layout(fn: F) -> F:
@@ -40,39 +44,41 @@ def canonical_conv_layout(fn: F) -> F:
 
     The returned function has ``fn``'s signature and computes the same values. Each call
     traces ``fn`` to a jaxpr and evaluates that jaxpr with every ``conv_general_dilated``
-    whose dimension numbers are not canonical (input batch-first and features-last, kernel
+    that is not in the canonical layout (input batch-first and features-last, kernel
     ``(spatial..., in, out)``, output batch-first and features-last) rebound as: the two
     operands transposed into that layout, the same convolution (strides, padding, lhs and rhs
-    dilation, ``feature_group_count``, ``batch_group_count``, precision unchanged) with
-    canonical dimension numbers, and the result transposed back to the layout the original
-    dimension numbers gave. This is the rewrite XLA:CPU's ``ConvCanonicalization`` pass
-    makes in a program's entry computation, so a jitted step gives bitwise the same results
-    with or without it; the pass skips while-loop bodies, so inside ``lax.scan`` (where the
-    gradient convolutions of a training step would otherwise take XLA's slow generic code,
-    jax#12868) the rewrite makes a CNN step as fast as it is outside a loop.
+    dilation, ``feature_group_count``, precision unchanged) with canonical dimension numbers,
+    and the result transposed back to where the original dimension numbers put it. A
+    convolution with ``batch_group_count`` > 1 (the weight gradient of a grouped one) is
+    first rewritten as XLA:CPU rewrites it, with the groups as one more spatial dimension.
 
-    What it rewrites: every convolution in ``fn``'s trace, forward and the gradient
-    convolutions of any ``jax.grad`` taken INSIDE ``fn`` (a training step from
-    :func:`make_train_step`), 1-D, 2-D and 3-D, in jaxprs nested at any depth (``jax.jit``,
-    ``lax.scan``/``while_loop``/``cond`` bodies, ``jax.checkpoint``, the primal of
-    ``custom_jvp``/``custom_vjp`` functions). A jaxpr without a non-canonical convolution
-    is left as it was (the same object), so wrapping a function without convolutions costs
-    one trace and changes nothing.
+    This is what XLA:CPU's own passes do to a program's entry computation, so a jitted step
+    gives bitwise the same results with or without the wrapper. Those passes skip while-loop
+    bodies: inside ``lax.scan`` the weight- and input-gradient convolutions of a training step
+    otherwise take XLA's generic code, ~30x slower (jax#12868); wrapped, they run the fast
+    kernels of the per-step program. (The rest of a loop body is still XLA's to fuse; it
+    rounds like the per-step program in the cases tested, but a different fusion of the
+    surrounding element-wise code can change the last bit.)
 
-    What it does not rewrite: convolutions that do not exist yet when ``fn`` is traced --
-    those a ``jax.grad``/``jax.vjp`` taken OUTSIDE the wrapped function emits (wrap the
+    What it rewrites: every convolution in ``fn``'s trace -- the forward ones and those of
+    any ``jax.grad`` taken INSIDE ``fn`` (a step of :func:`make_train_step`), 1-D, 2-D and
+    3-D, at any depth of nested jaxprs (``jax.jit``, ``lax.scan``/``while_loop``/``cond``
+    bodies, ``jax.checkpoint``, ``custom_jvp``/``custom_vjp`` functions). A jaxpr with
+    nothing to rewrite is left as it is (the same object).
+
+    What it does not: convolutions that do not exist yet when ``fn`` is traced -- those a
+    ``jax.grad``, ``jax.vjp`` or ``jax.vmap`` taken OUTSIDE the wrapper emits (wrap the
     outermost function: ``canonical_conv_layout(jax.grad(loss))``, not
-    ``jax.grad(canonical_conv_layout(loss))``), and those of a ``custom_jvp`` rule or a
-    ``custom_vjp`` backward pass that only an outer transform would run. Convolutions with
-    an explicit ``out_sharding`` are left as they are. Nothing is rewritten on the way to
-    XLA for other backends either: the rewrite is backend-neutral, but only XLA:CPU is
-    known to need it.
+    ``jax.grad(canonical_conv_layout(loss))``), and those of a ``custom_jvp`` rule or
+    ``custom_vjp`` backward pass that only an outer transform runs; convolutions with an
+    explicit ``out_sharding``. The rewrite follows XLA:CPU; on other backends the results
+    are the same but no faster.
 
     It is a pure function transform: it works under ``jax.jit``, ``jax.vmap``, ``jax.grad``
-    and inside ``lax.scan`` (each call traces ``fn`` again, so call it under ``jax.jit``).
-    Arguments are pytrees; their array leaves (and Python scalars) are traced as ``jax.jit``
-    traces them, other leaves (an ``nnx.GraphDef``, strings) are passed through as static
-    values. Its outputs must be pytrees of arrays.
+    and inside ``lax.scan``. Each call traces ``fn``, so call it under ``jax.jit`` -- or wrap
+    a ``jax.jit``-ed ``fn``, whose trace jit caches: the wrapper then costs no second trace.
+    Array leaves of the arguments are traced; other leaves (an ``nnx.GraphDef``, Python
+    numbers, strings) are passed to ``fn`` as static values. Outputs are pytrees of arrays.
 
     Args:
       fn: the function to wrap, e.g. a training step ``step(graphdef, state, opt_state,
@@ -88,6 +94,7 @@ def canonical_conv_layout(fn: F) -> F:
     """
     if not callable(fn):
         raise TypeError(f"canonical_conv_layout takes a function, got {type(fn).__name__}.")
+    kept: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
 
     @functools.wraps(fn)
     def rewritten(*args: Any, **kwargs: Any) -> Any:
@@ -102,11 +109,41 @@ def canonical_conv_layout(fn: F) -> F:
             return fn(*call_args, **call_kwargs)
 
         closed, out_shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
-        closed = _rewrite_closed(closed, {})
+        memo = _Memo(kept)
+        top = closed
+        closed = _rewrite_closed(closed, memo)
+        memo.keep_nested(skip=(top, top.jaxpr))
         outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *dynamic)
         return jax.tree.unflatten(jax.tree.structure(out_shapes), outs)
 
     return rewritten  # type: ignore[return-value]
+
+
+class _Memo:
+    """Rewritten jaxprs by ``id`` of the original (held, so the id stays valid): the ones of
+    this call, and the last few nested ones of earlier calls (``kept``)."""
+
+    def __init__(self, kept: OrderedDict):
+        self.kept, self.now = kept, {}
+
+    def get(self, jaxpr: Any) -> Any:
+        hit = self.now.get(id(jaxpr)) or self.kept.get(id(jaxpr))
+        return None if hit is None else hit[1]
+
+    def put(self, jaxpr: Any, result: Any) -> None:
+        self.now[id(jaxpr)] = (jaxpr, result)
+
+    def keep_nested(self, skip: tuple) -> None:
+        """Keeps the jaxprs nested in this call's top-level one (``skip``, new on every
+        call): those are what jit caches and hands out again."""
+        skipped = {id(x) for x in skip}
+        for key, entry in self.now.items():
+            if key in skipped:
+                continue
+            self.kept[key] = entry
+            self.kept.move_to_end(key)
+        while len(self.kept) > _KEPT_REWRITES:
+            self.kept.popitem(last=False)
 
 
 def _canonical_specs(num_spatial: int) -> lax.ConvDimensionNumbers:
@@ -232,12 +269,17 @@ def _canonical_conv_eqns(eqn: Any) -> list[Any]:
     ]
 
 
-def _rewrite_closed(closed: jex.ClosedJaxpr, memo: dict) -> jex.ClosedJaxpr:
+def _rewrite_closed(closed: jex.ClosedJaxpr, memo: _Memo) -> jex.ClosedJaxpr:
+    hit = memo.get(closed)
+    if hit is not None:
+        return hit
     jaxpr = _rewrite_jaxpr(closed.jaxpr, memo)
-    return closed if jaxpr is closed.jaxpr else jex.ClosedJaxpr(jaxpr, closed.consts)
+    result = closed if jaxpr is closed.jaxpr else jex.ClosedJaxpr(jaxpr, closed.consts)
+    memo.put(closed, result)
+    return result
 
 
-def _rewrite_param(value: Any, memo: dict) -> Any:
+def _rewrite_param(value: Any, memo: _Memo) -> Any:
     if isinstance(value, jex.ClosedJaxpr):
         return _rewrite_closed(value, memo)
     if isinstance(value, jex.Jaxpr):
@@ -250,12 +292,13 @@ def _rewrite_param(value: Any, memo: dict) -> Any:
     return value
 
 
-def _rewrite_jaxpr(jaxpr: jex.Jaxpr, memo: dict) -> jex.Jaxpr:
+def _rewrite_jaxpr(jaxpr: jex.Jaxpr, memo: _Memo) -> jex.Jaxpr:
     """``jaxpr`` with its convolutions in the canonical layout; ``jaxpr`` itself when it
-    has none to rewrite. ``memo`` maps ``id(jaxpr)`` to ``(jaxpr, result)`` so a jaxpr
-    shared by many equations (one jitted function called twice) is rewritten once."""
-    if id(jaxpr) in memo:
-        return memo[id(jaxpr)][1]
+    has none to rewrite. Through ``memo`` a jaxpr shared by many equations (one jitted
+    function called twice) is rewritten once."""
+    hit = memo.get(jaxpr)
+    if hit is not None:
+        return hit
     eqns, changed = [], False
     for eqn in jaxpr.eqns:
         if eqn.primitive is lax.conv_general_dilated_p and _needs_rewrite(eqn):
@@ -268,5 +311,5 @@ def _rewrite_jaxpr(jaxpr: jex.Jaxpr, memo: dict) -> jex.Jaxpr:
             changed = True
         eqns.append(eqn)
     result = jaxpr.replace(eqns=eqns) if changed else jaxpr
-    memo[id(jaxpr)] = (jaxpr, result)
+    memo.put(jaxpr, result)
     return result
