@@ -36,7 +36,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 # Rewritten jaxprs a wrapped function keeps, so the trace jax.jit caches for a jitted ``fn``
 # maps to one rewritten jaxpr (and one compiled program when called outside jit).
-_KEPT_REWRITES = 16
+_KEPT_REWRITES = 64
 
 
 def canonical_conv_layout(fn: F) -> F:
@@ -138,8 +138,8 @@ class _Memo:
         call): those are what jit caches and hands out again."""
         skipped = {id(x) for x in skip}
         for key, entry in self.now.items():
-            if key in skipped:
-                continue
+            if key in skipped or entry[0] is entry[1]:
+                continue  # new every call, or left alone (cheap to find so again)
             self.kept[key] = entry
             self.kept.move_to_end(key)
         while len(self.kept) > _KEPT_REWRITES:

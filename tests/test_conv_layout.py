@@ -454,6 +454,21 @@ def test_static_leaves_and_keywords_pass_through():
     np.testing.assert_array_equal(out, jax.jit(conv_net)(w, x) * 2.0)
 
 
+def test_a_wrapped_jitted_function_compiles_once(compile_count):
+    """Wrapping a jax.jit-ed function reuses jit's trace, and the same rewritten program,
+    so calling it again (outside any jit) compiles nothing."""
+    w, x = nested_inputs()
+    w2 = jax.block_until_ready(w * 1.5)
+    grad = jax.jit(jax.grad(conv_net))
+    rewritten = canonical_conv_layout(grad)
+    first = rewritten(w, x)
+    compiled = compile_count()
+    again = rewritten(w2, x)
+    assert compile_count() == compiled
+    np.testing.assert_array_equal(first, grad(w, x))
+    np.testing.assert_array_equal(again, grad(w2, x))
+
+
 def test_rejects_a_non_function():
     with pytest.raises(TypeError, match="takes a function"):
         canonical_conv_layout(3)
