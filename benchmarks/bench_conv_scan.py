@@ -14,7 +14,7 @@ seed=0)`` trains):
 
   whole   from a fresh ``jax.jit`` (``jax.clear_caches()`` first) to ``--epochs`` epochs
           trained, compile included;
-  steady  µs per step of the same epochs run again, compiled.
+  steady  µs per step of the same epochs run again, compiled (the median of 3 runs).
 
 Each repetition runs every variant once in a new shuffled order; medians, and each variant
 ÷ ``step``. The final parameters of the rewritten scan are compared bit for bit with the
@@ -53,6 +53,7 @@ from nnxscan.pure import canonical_conv_layout, epoch_order, init_opt_state, mak
 from nnxscan.pure.scan import scan_indexed_steps, scan_steps
 
 VARIANTS = ("step", "scan", "rewritten_scan")
+STEADY_RUNS = 3  # compiled runs per repetition; their median is the repetition's steady
 
 
 class TwoConv(nnx.Module):
@@ -188,11 +189,13 @@ def run_variant(name: str, setup: Setup, data: dict, indices: jax.Array) -> Run:
     state, opt_state = jax.block_until_ready(train(state, opt_state, data, indices))
     whole = time.perf_counter() - start
     params = [np.asarray(x) for x in jax.tree.leaves(nnx.split_state(state, nnx.Param, ...)[0])]
-    again = fresh(setup.state), fresh(setup.opt_state)
-    start = time.perf_counter()
-    jax.block_until_ready(train(*again, data, indices))
-    steady = (time.perf_counter() - start) / len(indices)
-    return Run(whole, 1e6 * steady, params)
+    steady = []
+    for _ in range(STEADY_RUNS):
+        again = fresh(setup.state), fresh(setup.opt_state)
+        start = time.perf_counter()
+        jax.block_until_ready(train(*again, data, indices))
+        steady.append((time.perf_counter() - start) / len(indices))
+    return Run(whole, 1e6 * statistics.median(steady), params)
 
 
 def bench(setup: Setup, epochs: int, reps: int, shuffler: random.Random, log) -> dict:
@@ -239,13 +242,13 @@ def table(setup: Setup, runs: dict, epochs: int, reps: int) -> str:
 
 
 def trace_cost(name: str, reps: int) -> str:
-    """The shell's traces of a step (the plan probe, then the chunk runner's), with the step
-    jitted as it is and wrapped in canonical_conv_layout, interleaved, medians."""
+    """The shell's traces of a step without convolutions -- the plan probe's, then the
+    chunk runner's (a scan of the jitted step) -- with the runner as it is and wrapped in
+    canonical_conv_layout as the shell wraps it on the CPU; interleaved, medians."""
     workload = WORKLOADS[name](False)
-    model = workload.nodes()[0]
     tx = workload.make_tx()
     step = make_train_step(workload.loss_fn, tx)
-    graphdef, state = nnx.split(model)
+    graphdef, state = nnx.split(workload.nodes()[0])
     opt_state = init_opt_state(tx, state)
     batch = jax.tree.map(lambda a: a[: workload.batch_size], workload.data)
     batches = jax.tree.map(lambda a: np.stack([a] * 4), batch)
@@ -254,26 +257,26 @@ def trace_cost(name: str, reps: int) -> str:
         for wrapped in (False, True):
             start = time.perf_counter()
             jitted = jax.jit(lambda s, o, b: step(graphdef, s, o, b))
-            if wrapped:
-                jitted = canonical_conv_layout(jitted)
 
             def as_step(_g, s, o, b, jitted=jitted):
                 return jitted(s, o, b)
 
+            def run(s, o, b, as_step=as_step):
+                return scan_steps(as_step, graphdef, s, o, b)
+
             jax.make_jaxpr(as_step, static_argnums=0)(graphdef, state, opt_state, batch)
-            jax.jit(scan_steps, static_argnums=(0, 1)).trace(
-                as_step, graphdef, state, opt_state, batches
-            )
+            jax.jit(canonical_conv_layout(run) if wrapped else run).trace(state, opt_state, batches)
             seconds[wrapped].append(time.perf_counter() - start)
     plain, wrapped = (1e3 * statistics.median(seconds[k]) for k in (False, True))
-    return f"| {name} | {plain:.1f} | {wrapped:.1f} | {wrapped - plain:+.1f} | {wrapped / plain:.2f}× |"
+    extra = f"{wrapped - plain:+.1f} | {wrapped / plain:.2f}×"
+    return f"| {name} | {plain:.1f} | {wrapped:.1f} | {extra} |"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="cnn_8x8,two_conv")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--epochs", type=int, default=2, help="epochs per run (default 2)")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs per run (default 1)")
     parser.add_argument("--trace", action="store_true", help="also time the no-conv trace cost")
     args = parser.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)
@@ -294,8 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.trace:
         print(
             "Trace cost of the wrapper on steps without convolutions (plan probe + chunk "
-            "runner trace, ms, medians)\n\n| workload | jitted step | wrapped | extra ms | ratio |"
-            "\n|---|---:|---:|---:|---:|"
+            f"runner trace, ms, medians of {args.reps})\n\n"
+            "| workload | runner as it is | wrapped | extra ms | ratio |\n|---|---:|---:|---:|---:|"
         )
         for name in ("mlp_digits", "vae", "lm_200"):
             print(trace_cost(name, args.reps), flush=True)

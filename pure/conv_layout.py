@@ -194,12 +194,9 @@ def _conv_in_canonical_layout(lhs: jax.Array, rhs: jax.Array, *, params: dict) -
     out = lax.conv_general_dilated_p.bind(
         lhs, rhs, **{**params, "dimension_numbers": _canonical_specs(num_spatial)}
     )
-    # out is (batch, spatial..., features); put each axis where out_spec says.
-    back = [0] * (num_spatial + 2)
-    back[numbers.out_spec[1]] = num_spatial + 1
-    for i, axis in enumerate(numbers.out_spec[2:]):
-        back[axis] = i + 1
-    out = lax.transpose(out, tuple(back))
+    # out is (batch, spatial..., features): the axes out_spec puts at these places.
+    placed = (numbers.out_spec[0], *numbers.out_spec[2:], numbers.out_spec[1])
+    out = lax.transpose(out, tuple(int(i) for i in np.argsort(placed)))
     return out if out_shape is None else out.reshape(out_shape)
 
 
@@ -222,9 +219,7 @@ def _batch_groups_as_spatial(lhs: jax.Array, rhs: jax.Array, params: dict):
     groups = params["batch_group_count"]
 
     def split(x, axis):  # (..., n, ...) -> (..., G, n/G, ...) at ``axis``
-        shape = list(x.shape)
-        shape[axis : axis + 1] = [groups, shape[axis] // groups]
-        return x.reshape(shape)
+        return x.reshape(*x.shape[:axis], groups, x.shape[axis] // groups, *x.shape[axis + 1 :])
 
     def shifted(dims, at):  # dimension indices after a new axis is inserted at ``at``
         return tuple(d + 1 if d > at else d for d in dims)
@@ -255,9 +250,8 @@ def _canonical_conv_eqns(eqn: Any) -> list[Any]:
     small = jax.make_jaxpr(functools.partial(_conv_in_canonical_layout, params=eqn.params))(
         *specs
     ).jaxpr
-    renamed = dict(zip(small.invars, eqn.invars, strict=True))
     (result,) = small.outvars
-    renamed[result] = eqn.outvars[0]
+    renamed = {**dict(zip(small.invars, eqn.invars, strict=True)), result: eqn.outvars[0]}
     return [
         e.replace(
             invars=[renamed.get(v, v) if isinstance(v, jex.Var) else v for v in e.invars],

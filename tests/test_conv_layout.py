@@ -241,9 +241,15 @@ class Case:
         return state_arrays(state), state_arrays(opt_state), np.asarray(losses)
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+@functools.cache
+def case_of(name: str) -> Case:
+    """Each model's Case is built (and its reference compiled) once per session."""
+    return Case(*MODELS[name])
+
+
+@pytest.fixture(params=list(MODELS))
 def case(request) -> Case:
-    return Case(*MODELS[request.param])
+    return case_of(request.param)
 
 
 def assert_same_bits(got: list[np.ndarray], want: list[np.ndarray], what: str) -> None:
@@ -273,7 +279,7 @@ def test_scanned_rewritten_step_is_bitwise_the_per_step_program(case):
 def test_batchnorm_and_dropout_state_moves_every_step():
     """The bitwise comparisons are only worth something if the carried state moves: batch
     statistics and RNG counts change every step (and the dropout masks with them)."""
-    case = Case(*MODELS["tutorial_bn_dropout"])
+    case = case_of("tutorial_bn_dropout")
     states = [case.state] + [t[3] for t in case.trajectory]
     for kind in (nnx.BatchStat, nnx.RngCount):
         arrays = [state_arrays(nnx.split_state(s, kind, ...)[0]) for s in states]
