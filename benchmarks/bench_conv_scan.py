@@ -239,7 +239,7 @@ def table(setup: Setup, runs: dict, epochs: int, reps: int) -> str:
         lines.append(
             f"| {v} | {whole[v]:.3f} | {whole[v] / whole['step']:.2f}× | {steady[v]:,.0f} | "
             f"{steady[v] / steady['step']:.2f}× | {cpu[v]:,.0f} | {cpu[v] / cpu['step']:.2f}× | "
-            f"{'bitwise' if same else f'max |Δ| {worst:.1e}'} |"
+            f"{'bitwise' if same else f'max abs diff {worst:.1e}'} |"
         )
     return "\n".join(lines)
 
