@@ -12,6 +12,8 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
   example.
 - :func:`all_finite`, :func:`tree_select`, :func:`halt_after_nonfinite`: non-finite guards
   that stay inside the compiled loop.
+- :func:`canonical_conv_layout`: a step's convolutions in the layout XLA:CPU's fast kernels
+  take, also inside a ``lax.scan`` (where XLA leaves them slow, jax#12868).
 - :func:`stack_states`, :func:`unstack_states`, :func:`with_hyperparams`,
   :func:`make_population_epoch`: many models trained side by side (a population).
 - :mod:`nnxscan.pure.hyper`: networks run on generated weights.
@@ -24,6 +26,7 @@ Example:
   ...     step, graphdef, state, opt_state, batches)
 """
 
+from nnxscan.pure.conv_layout import canonical_conv_layout
 from nnxscan.pure.epoch import epoch_order, make_epoch
 from nnxscan.pure.evaluation import make_eval_step, make_evaluate, make_evaluate_metrics
 from nnxscan.pure.nonfinite import all_finite, halt_after_nonfinite, tree_select
@@ -38,6 +41,7 @@ from nnxscan.pure.train_step import init_opt_state, make_train_step, split_wrt
 
 __all__ = [
     "all_finite",
+    "canonical_conv_layout",
     "epoch_order",
     "halt_after_nonfinite",
     "init_opt_state",

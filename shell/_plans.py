@@ -1,8 +1,6 @@
 """Execution plans: how the shell runs a stretch of training steps.
 
-A ``lax.scan`` over the whole epoch is the fastest plan for most models, but on the CPU XLA
-runs some ops far slower inside a loop body: the weight-gradient convolution is ~30x slower
-in a scan (jax#12868). Three plans cover it:
+Three plans:
 
 - ``"scan"``: one ``lax.scan`` over every step of the epoch, one compiled call per epoch.
 - ``"unrolled"``: chunks of ``steps_per_call`` steps (default 4), fully unrolled (no while
@@ -10,13 +8,17 @@ in a scan (jax#12868). Three plans cover it:
 - ``"step"``: one compiled step per call, dispatched asynchronously, no per-step host sync.
 
 The ``"auto"`` rule is deterministic (no timing race, so every process picks the same plan
-and a run is reproducible): on the CPU, if the step's jaxpr contains a convolution, pick
-``"step"``; otherwise (and on GPU/TPU) pick ``"scan"``, with consecutive epochs fused into
-one call when nothing needs the host between them. It minimizes the WHOLE run, compile
-included: on the CPU a convolution's gradient inside a loop body runs many times slower, so
-a scan loses; unrolled chunks run as fast per step as single steps but compile several
-times longer, which a run of a few thousand steps never pays back. The measurements behind
-it are in ``docs/performance.md``.
+and a run is reproducible): ``"scan"``, with consecutive epochs fused into one call when
+nothing needs the host between them, on every backend and for every model. It minimizes the
+WHOLE run, compile included. CNNs on the CPU used to be the exception: XLA:CPU runs a
+training step's gradient convolutions ~30x slower inside a loop body (jax#12868), because it
+canonicalizes convolution layouts only in a program's entry computation. The compiled
+programs now rewrite every convolution into that layout themselves
+(:func:`nnxscan.pure.canonical_conv_layout`, see ``_programs.chunk_runner``), so a scanned
+CNN step runs as fast as the per-step program (with the same bits, in the cases tested).
+Unrolled chunks run as
+fast per step as single steps but compile several times longer, which a run of a few
+thousand steps never pays back. The measurements behind it are in ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import jax
 
 from nnxscan.pure._checks import abstract_batch, check_count
 
-# Chunks of 4 unrolled steps measured best for the NNX MNIST tutorial CNN on this CPU
-# (1.07 ms/step vs 1.48 for 8 and 1.65 for one step per call).
+# Chunks of 4 unrolled steps measured best for the NNX MNIST tutorial CNN on this CPU before
+# convolutions were canonicalized (1.07 ms/step vs 1.48 for 8 and 1.65 for one step a call).
 UNROLLED_STEPS_PER_CALL = 4
 _KINDS = ("scan", "unrolled", "step")
 # Host callbacks can fail inside a compiled call, after its inputs were donated.
@@ -91,7 +93,8 @@ def resolve_plan(execution: str | Plan) -> Plan | None:
 
 
 class StepTraits(NamedTuple):
-    """What the shell needs to know about a traced step: the plan rule and donation."""
+    """What the shell knows about a traced step before training: for the plan rule and
+    donation."""
 
     has_convolution: bool
     has_callback: bool
@@ -111,14 +114,16 @@ def primitive_names(jaxpr: Any) -> set[str]:
 
 
 def choose_plan(traits: StepTraits, backend: str) -> Plan:
-    """The ``"auto"`` rule: one step per call for convolutions on the CPU, else one scan.
+    """The ``"auto"`` rule: one scan (epochs fused when nothing needs the host between them).
+
+    ``traits`` and ``backend`` are what the rule may read, all known before training; since
+    the compiled programs put convolutions in XLA:CPU's canonical layout, neither changes
+    the plan (a CNN on the CPU scans as fast as it steps, see ``docs/performance.md``).
 
     Example:
       >>> choose_plan(step_traits(step, graphdef, state, opt_state, batch), "cpu")
       Plan(kind='scan', steps_per_call=None)
     """
-    if backend == "cpu" and traits.has_convolution:
-        return Plan("step", 1)
     return Plan("scan")
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscan.pure import (
+    canonical_conv_layout,
     halt_after_nonfinite,
     make_evaluate,
     make_evaluate_metrics,
@@ -247,6 +248,8 @@ def chunk_runner(
         return leaves, outs, halted
 
     donated = (0,) if donate else ()
+    if jax.default_backend() == "cpu":  # loop-body convolutions are slow there (jax#12868)
+        run = canonical_conv_layout(run)  # after vmap: a population's convs too
     return jax.jit(run, static_argnames=("length", "unroll"), donate_argnums=donated)
 
 

@@ -69,7 +69,8 @@ class Population:
         its shuffle (``epoch_order(seed, epoch, n)``, the rule of ``Trainer.fit``).
       hyperparams: ``{name: [one value per member]}`` for names the injected ``tx`` holds
         (``learning_rate``, ``b1``...); each member's optax state starts with its values.
-      wrt, has_aux, execution, accumulate: as for ``Trainer``.
+      wrt, has_aux, execution, accumulate: as for ``Trainer`` (``"auto"``: one call per
+        epoch, CNNs on the CPU too).
       on_nonfinite: as for ``Trainer``, per member: ``"skip"`` leaves a member unchanged
         on its steps with a non-finite loss or gradient (the other members train on);
         ``"stop"`` freezes a member at the state before its first such step, warns, and

@@ -196,7 +196,13 @@ def test_the_cycle_finder_finds_a_cycle():
 # layer does (BatchNorm's running mean): Hypernetwork writes back the batch statistics and
 # RNG counts its target's forward moved. That is the module's own state under its own call,
 # not a mutation of a user object from outside; nothing else in pure/ may assign in place.
-IN_PLACE_ALLOWED = {("pure/hyper/hypernetwork.py", "_write_back_changes")}
+# canonical_conv_layout's memo of rewritten jaxprs is a trace-time cache (dict entries, no
+# pytree or Variable), like jax.jit's own.
+IN_PLACE_ALLOWED = {
+    ("pure/hyper/hypernetwork.py", "_write_back_changes"),
+    ("pure/conv_layout.py", "put"),
+    ("pure/conv_layout.py", "keep_nested"),
+}
 
 
 def _in_place_writes(path: pathlib.Path) -> list[tuple[str, int]]:
@@ -252,7 +258,7 @@ PUBLIC = {
     "nnxscan.pure": {
         "make_train_step", "init_opt_state", "scan_steps", "make_epoch", "epoch_order",
         "make_eval_step", "make_evaluate", "make_evaluate_metrics", "split_wrt",
-        "all_finite", "tree_select", "halt_after_nonfinite",
+        "all_finite", "tree_select", "halt_after_nonfinite", "canonical_conv_layout",
         "stack_states", "unstack_states", "with_hyperparams", "make_population_epoch",
     },
     "nnxscan.shell": {

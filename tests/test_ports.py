@@ -123,7 +123,10 @@ def tutorial_run(mnist_like):
     return model, optimizer, rngs, per_epoch, evaluation
 
 
-def test_the_mnist_tutorial_runs_through_trainer_bitwise(mnist_like, tutorial_run):
+# "auto" scans the epoch: on the CPU its convolutions are canonicalized like the tutorial's
+# per-step program's, so it gives the tutorial's bits too.
+@pytest.mark.parametrize("execution", ["step", "auto"])
+def test_the_mnist_tutorial_runs_through_trainer_bitwise(mnist_like, tutorial_run, execution):
     train, test = mnist_like
     ref_model, ref_optimizer, ref_rngs, ref_epochs, ref_eval = tutorial_run
     # The port of the tutorial's training section: its own objects, no edit to them.
@@ -132,7 +135,7 @@ def test_the_mnist_tutorial_runs_through_trainer_bitwise(mnist_like, tutorial_ru
     train_model = nnx.view(model, deterministic=False, use_running_average=False)
     trainer = Trainer(
         train_model, optimizer, loss_fn, has_aux=True, rngs=rngs, metrics=metrics,
-        update_metrics=update_metrics, execution="step",
+        update_metrics=update_metrics, execution=execution,
     )  # fmt: skip
     history = trainer.fit(train, epochs=2, batch_size=32, shuffle=False, progress=False)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -209,11 +208,12 @@ def test_evaluate_averages_every_example_with_ragged_tail():
 
 
 def test_auto_plan_rule():
+    # CNNs scan on the CPU too: the compiled programs canonicalize convolution layouts
+    # themselves, so a loop body no longer runs their gradients slowly (jax#12868).
     x = np.zeros((8, 8, 8, 1), np.float32)
     cnn = Trainer(SmallCNN(rngs=nnx.Rngs(0)), TX, xent)
     mlp = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
-    expected_cnn = Plan("step", 1) if jax.default_backend() == "cpu" else Plan("scan")
-    assert cnn.plan_for({"x": x, "y": np.zeros(8, np.int32)}, 4) == expected_cnn
+    assert cnn.plan_for({"x": x, "y": np.zeros(8, np.int32)}, 4) == Plan("scan")
     assert mlp.plan_for(make_data(8), 4) == Plan("scan")
 
 

@@ -1,0 +1,309 @@
+"""Convolutions in the layout XLA:CPU's fast kernels take, inside loop bodies too.
+
+XLA:CPU runs a convolution with its fast (Eigen) kernels only when its operands are in one
+canonical layout: the input batch first and features last, the kernel ``(spatial..., in,
+out)``, the output batch first and features last. Its ``ConvCanonicalization`` pass puts
+convolutions into that layout, but it visits only a program's entry computation, never a
+while-loop body. A forward ``nnx.Conv`` (NHWC input, HWIO kernel) is already canonical; the
+weight- and input-gradient convolutions JAX's transpose rules emit are not (the weight
+gradient's "batch" is the channel axis), so inside a ``lax.scan`` they fall back to XLA's
+generic loop code, ~30x slower (jax#12868).
+
+:func:`canonical_conv_layout` does the pass's rewrite before XLA sees the program: every
+non-canonical ``conv_general_dilated`` of a traced function becomes transposes into the
+canonical layout, the same convolution with canonical dimension numbers, and a transpose of
+the result back to where the original dimension numbers put it, in nested jaxprs too.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+from jax import lax
+
+__all__ = ["canonical_conv_layout"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Leaves traced as the wrapped function's inputs; anything else (a GraphDef, a Python
+# number, a string) is passed through as a static value, as jax.jit's static arguments are.
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+# Rewritten jaxprs a wrapped function keeps, so the trace jax.jit caches for a jitted ``fn``
+# maps to one rewritten jaxpr (and one compiled program when called outside jit).
+_KEPT_REWRITES = 64
+
+
+def canonical_conv_layout(fn: F) -> F:
+    """Wraps ``fn`` so every convolution it computes runs in XLA:CPU's canonical layout.
+
+    The returned function has ``fn``'s signature and computes the same values. Each call
+    traces ``fn`` to a jaxpr and evaluates that jaxpr with every ``conv_general_dilated``
+    that is not in the canonical layout (input batch-first and features-last, kernel
+    ``(spatial..., in, out)``, output batch-first and features-last) rebound as: the two
+    operands transposed into that layout, the same convolution (strides, padding, lhs and rhs
+    dilation, ``feature_group_count``, precision unchanged) with canonical dimension numbers,
+    and the result transposed back to where the original dimension numbers put it. A
+    convolution with ``batch_group_count`` > 1 (the weight gradient of a grouped one) is
+    first rewritten as XLA:CPU rewrites it, with the groups as one more spatial dimension.
+
+    This is what XLA:CPU's own passes do to a program's entry computation, so a jitted step
+    gives bitwise the same results with or without the wrapper. Those passes skip while-loop
+    bodies: inside ``lax.scan`` the weight- and input-gradient convolutions of a training step
+    otherwise take XLA's generic code, ~30x slower (jax#12868); wrapped, they run the fast
+    kernels of the per-step program. (The rest of a loop body is still XLA's to fuse; it
+    rounds like the per-step program in the cases tested, but a different fusion of the
+    surrounding element-wise code can change the last bit.)
+
+    What it rewrites: every convolution in ``fn``'s trace -- the forward ones and those of
+    any ``jax.grad`` taken INSIDE ``fn`` (a step of :func:`make_train_step`), 1-D, 2-D and
+    3-D, at any depth of nested jaxprs (``jax.jit``, ``lax.scan``/``while_loop``/``cond``
+    bodies, ``jax.checkpoint``, ``custom_jvp``/``custom_vjp`` functions). A jaxpr with
+    nothing to rewrite is left as it is (the same object).
+
+    What it does not: convolutions that do not exist yet when ``fn`` is traced -- those a
+    ``jax.grad``, ``jax.vjp`` or ``jax.vmap`` taken OUTSIDE the wrapper emits (wrap the
+    outermost function: ``canonical_conv_layout(jax.grad(loss))``, not
+    ``jax.grad(canonical_conv_layout(loss))``), and those of a ``custom_jvp`` rule or
+    ``custom_vjp`` backward pass that only an outer transform runs; convolutions with an
+    explicit ``out_sharding``. The rewrite follows XLA:CPU; on other backends the results
+    are the same but no faster.
+
+    It is a pure function transform: it works under ``jax.jit``, ``jax.vmap``, ``jax.grad``
+    and inside ``lax.scan``. Each call traces ``fn``, so call it under ``jax.jit`` -- or wrap
+    a ``jax.jit``-ed ``fn``, whose trace jit caches: the wrapper then costs no second trace.
+    Array leaves of the arguments are traced; other leaves (an ``nnx.GraphDef``, Python
+    numbers, strings) are passed to ``fn`` as static values. Outputs are pytrees of arrays.
+
+    Args:
+      fn: the function to wrap, e.g. a training step ``step(graphdef, state, opt_state,
+        batch)``.
+
+    Returns:
+      A function with ``fn``'s signature and results.
+
+    Example:
+      >>> step = canonical_conv_layout(make_train_step(loss_fn, tx))
+      >>> state, opt_state, losses = jax.jit(scan_steps, static_argnums=0)(
+      ...     step, graphdef, state, opt_state, batches)
+    """
+    if not callable(fn):
+        raise TypeError(f"canonical_conv_layout takes a function, got {type(fn).__name__}.")
+    kept: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
+
+    @functools.wraps(fn)
+    def rewritten(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        traced = [isinstance(x, _ARRAY_TYPES) for x in leaves]
+        dynamic = [x for x, t in zip(leaves, traced, strict=True) if t]
+
+        def flat_fn(*values):
+            values = iter(values)
+            full = [next(values) if t else x for x, t in zip(leaves, traced, strict=True)]
+            call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+            return fn(*call_args, **call_kwargs)
+
+        closed, out_shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
+        memo = _Memo(kept)
+        top = closed
+        closed = _rewrite_closed(closed, memo)
+        memo.keep_nested(skip=(top, top.jaxpr))
+        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *dynamic)
+        return jax.tree.unflatten(jax.tree.structure(out_shapes), outs)
+
+    return rewritten  # type: ignore[return-value]
+
+
+class _Memo:
+    """Rewritten jaxprs by ``id`` of the original (held, so the id stays valid): the ones of
+    this call, and the last few nested ones of earlier calls (``kept``)."""
+
+    def __init__(self, kept: OrderedDict):
+        self.kept, self.now = kept, {}
+
+    def get(self, jaxpr: Any) -> Any:
+        hit = self.now.get(id(jaxpr)) or self.kept.get(id(jaxpr))
+        return None if hit is None else hit[1]
+
+    def put(self, jaxpr: Any, result: Any) -> None:
+        self.now[id(jaxpr)] = (jaxpr, result)
+
+    def keep_nested(self, skip: tuple) -> None:
+        """Keeps the jaxprs nested in this call's top-level one (``skip``, new on every
+        call): those are what jit caches and hands out again."""
+        skipped = {id(x) for x in skip}
+        for key, entry in self.now.items():
+            if key in skipped or entry[0] is entry[1]:
+                continue  # new every call, or left alone (cheap to find so again)
+            self.kept[key] = entry
+            self.kept.move_to_end(key)
+        while len(self.kept) > _KEPT_REWRITES:
+            self.kept.popitem(last=False)
+
+
+def _canonical_specs(num_spatial: int) -> lax.ConvDimensionNumbers:
+    """Batch first and features last on the input and output, kernel (spatial..., in, out)."""
+    spatial = tuple(range(1, num_spatial + 1))
+    features = num_spatial + 1
+    return lax.ConvDimensionNumbers(
+        lhs_spec=(0, features, *spatial),
+        rhs_spec=(num_spatial + 1, num_spatial, *range(num_spatial)),
+        out_spec=(0, features, *spatial),
+    )
+
+
+def _needs_rewrite(eqn: Any) -> bool:
+    params = eqn.params
+    if params.get("out_sharding") is not None:
+        return False  # its sharding names the original layout's axes
+    numbers = params["dimension_numbers"]
+    lhs_shape, rhs_shape = (v.aval.shape for v in eqn.invars)
+    return numbers != _canonical_specs(len(lhs_shape) - 2) or _expands_batch_groups(
+        params["batch_group_count"], lhs_shape[numbers.lhs_spec[0]], rhs_shape[numbers.rhs_spec[0]]
+    )
+
+
+def _expands_batch_groups(groups: int, batch: int, out_features: int) -> bool:
+    """Whether XLA:CPU turns this batch-grouped convolution into one with an extra spatial
+    dimension (it masks the filter instead when the batch and the output features both have
+    size ``groups``)."""
+    return groups > 1 and not (batch == groups and out_features == groups)
+
+
+def _conv_in_canonical_layout(lhs: jax.Array, rhs: jax.Array, *, params: dict) -> jax.Array:
+    """The convolution ``params`` describes, computed as XLA:CPU computes it in an entry
+    computation: batch groups expanded first, then every operand in the canonical layout."""
+    numbers = params["dimension_numbers"]
+    out_shape = None
+    if _expands_batch_groups(
+        params["batch_group_count"], lhs.shape[numbers.lhs_spec[0]], rhs.shape[numbers.rhs_spec[0]]
+    ):
+        out_shape = _conv_shape(lhs, rhs, params)
+        lhs, rhs, params = _batch_groups_as_spatial(lhs, rhs, params)
+        numbers = params["dimension_numbers"]
+    num_spatial = len(numbers.lhs_spec) - 2
+    # Spatial dimensions keep their dimension-number order, so strides, padding and
+    # dilations (given per spatial dimension in that order) apply unchanged.
+    lhs = lax.transpose(lhs, (numbers.lhs_spec[0], *numbers.lhs_spec[2:], numbers.lhs_spec[1]))
+    rhs = lax.transpose(rhs, (*numbers.rhs_spec[2:], numbers.rhs_spec[1], numbers.rhs_spec[0]))
+    out = lax.conv_general_dilated_p.bind(
+        lhs, rhs, **{**params, "dimension_numbers": _canonical_specs(num_spatial)}
+    )
+    # out is (batch, spatial..., features): the axes out_spec puts at these places.
+    placed = (numbers.out_spec[0], *numbers.out_spec[2:], numbers.out_spec[1])
+    out = lax.transpose(out, tuple(int(i) for i in np.argsort(placed)))
+    return out if out_shape is None else out.reshape(out_shape)
+
+
+def _conv_shape(lhs: jax.Array, rhs: jax.Array, params: dict) -> tuple[int, ...]:
+    return jax.eval_shape(
+        lambda a, b: lax.conv_general_dilated_p.bind(a, b, **params), lhs, rhs
+    ).shape
+
+
+def _batch_groups_as_spatial(lhs: jax.Array, rhs: jax.Array, params: dict):
+    """XLA's ``ConvolutionGroupConverter`` rewrite of a batch-grouped convolution, step for
+    step: the G batch groups of the input and the G output-feature groups of the kernel
+    become one more spatial dimension (the last), which a window of size G, stride G-1 and
+    input dilation G walks so that input group g meets kernel group g only (every other
+    product meets a dilation zero). XLA does this before it canonicalizes layouts, so in a
+    loop body the convolution it builds is never canonicalized; building it here lets the
+    canonical rewrite reach it. Returns the new operands and parameters; the result has the
+    output groups as its spatial dimension and reshapes to the original result."""
+    numbers = params["dimension_numbers"]
+    groups = params["batch_group_count"]
+
+    def split(x, axis):  # (..., n, ...) -> (..., G, n/G, ...) at ``axis``
+        return x.reshape(*x.shape[:axis], groups, x.shape[axis] // groups, *x.shape[axis + 1 :])
+
+    def shifted(dims, at):  # dimension indices after a new axis is inserted at ``at``
+        return tuple(d + 1 if d > at else d for d in dims)
+
+    b, f, *lhs_spatial = numbers.lhs_spec
+    o, i, *rhs_spatial = numbers.rhs_spec
+    ob, of, *out_spatial = numbers.out_spec
+    lhs_spec = (b + 1, f + 1 if f > b else f, *shifted(lhs_spatial, b), b)
+    rhs_spec = (o + 1, i + 1 if i > o else i, *shifted(rhs_spatial, o), o)
+    out_spec = (ob + 1 if ob > of else ob, of + 1, *shifted(out_spatial, of), of)
+    params = {
+        **params,
+        "window_strides": (*params["window_strides"], groups - 1),
+        "padding": (*params["padding"], (0, 0)),
+        "lhs_dilation": (*params["lhs_dilation"], groups),
+        "rhs_dilation": (*params["rhs_dilation"], 1),
+        "batch_group_count": 1,
+        "dimension_numbers": lax.ConvDimensionNumbers(lhs_spec, rhs_spec, out_spec),
+    }
+    return split(lhs, b), split(rhs, o), params
+
+
+def _canonical_conv_eqns(eqn: Any) -> list[Any]:
+    """The equations that compute ``eqn`` (a convolution) in the canonical layout, reading
+    ``eqn``'s inputs and writing its output."""
+    avals = [v.aval for v in eqn.invars]
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+    small = jax.make_jaxpr(functools.partial(_conv_in_canonical_layout, params=eqn.params))(
+        *specs
+    ).jaxpr
+    (result,) = small.outvars
+    renamed = {**dict(zip(small.invars, eqn.invars, strict=True)), result: eqn.outvars[0]}
+    return [
+        e.replace(
+            invars=[renamed.get(v, v) if isinstance(v, jex.Var) else v for v in e.invars],
+            outvars=[renamed.get(v, v) for v in e.outvars],
+            source_info=eqn.source_info,
+            ctx=eqn.ctx,
+        )
+        for e in small.eqns
+    ]
+
+
+def _rewrite_closed(closed: jex.ClosedJaxpr, memo: _Memo) -> jex.ClosedJaxpr:
+    hit = memo.get(closed)
+    if hit is not None:
+        return hit
+    jaxpr = _rewrite_jaxpr(closed.jaxpr, memo)
+    result = closed if jaxpr is closed.jaxpr else jex.ClosedJaxpr(jaxpr, closed.consts)
+    memo.put(closed, result)
+    return result
+
+
+def _rewrite_param(value: Any, memo: _Memo) -> Any:
+    if isinstance(value, jex.ClosedJaxpr):
+        return _rewrite_closed(value, memo)
+    if isinstance(value, jex.Jaxpr):
+        return _rewrite_jaxpr(value, memo)
+    if isinstance(value, tuple | list) and any(
+        isinstance(v, jex.ClosedJaxpr | jex.Jaxpr) for v in value
+    ):
+        new = type(value)(_rewrite_param(v, memo) for v in value)
+        return value if all(a is b for a, b in zip(new, value, strict=True)) else new
+    return value
+
+
+def _rewrite_jaxpr(jaxpr: jex.Jaxpr, memo: _Memo) -> jex.Jaxpr:
+    """``jaxpr`` with its convolutions in the canonical layout; ``jaxpr`` itself when it
+    has none to rewrite. Through ``memo`` a jaxpr shared by many equations (one jitted
+    function called twice) is rewritten once."""
+    hit = memo.get(jaxpr)
+    if hit is not None:
+        return hit
+    eqns, changed = [], False
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is lax.conv_general_dilated_p and _needs_rewrite(eqn):
+            eqns += _canonical_conv_eqns(eqn)
+            changed = True
+            continue
+        params = {k: _rewrite_param(v, memo) for k, v in eqn.params.items()}
+        if any(params[k] is not v for k, v in eqn.params.items()):
+            eqn = eqn.replace(params=params)
+            changed = True
+        eqns.append(eqn)
+    result = jaxpr.replace(eqns=eqns) if changed else jaxpr
+    memo.put(jaxpr, result)
+    return result
