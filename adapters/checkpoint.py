@@ -296,6 +296,9 @@ class CheckpointWriter:
         self.max_to_keep = check_count(max_to_keep, "max_to_keep", 1)
         self.asynchronous = bool(asynchronous)
         self._manager: Any = None
+        # The steps on disk or being written, newest last: read from the directory once,
+        # then kept by this writer, so asking "is step N saved?" never waits for a write.
+        self._steps: list[int] = []
 
     def _open(self) -> Any:
         if self._manager is None:
@@ -306,7 +309,14 @@ class CheckpointWriter:
                 enable_async_checkpointing=self.asynchronous,
             )
             self._manager = ocp.CheckpointManager(self.path, options=options)
+            self._steps = sorted(self._manager.all_steps())
         return self._manager
+
+    def newest_step(self) -> int | None:
+        """The newest checkpoint's step, on disk or being written (never waits)."""
+        if self._manager is None:
+            return latest_step(self.path)
+        return self._steps[-1] if self._steps else None
 
     def wait(self) -> None:
         """Returns once the save in flight (if any) is on disk; re-raises its failure."""
@@ -337,9 +347,9 @@ class CheckpointWriter:
             "leaves": [record.to_json() for record in records],
         }
         manager = self._open()
-        self.wait()  # the previous save is on disk before this one is checked against it
-        steps = sorted(manager.all_steps())
+        steps = self._steps
         if step in steps and replace:
+            self.wait()  # the step being replaced may still be in flight
             manager.delete(step)
             steps.remove(step)
         if step in steps:
@@ -359,7 +369,9 @@ class CheckpointWriter:
             items["arrays"] = ocp.args.PyTreeSave(arrays)
         # force: the step checks above replace orbax's save-interval policy. With async
         # checkpointing this returns once the arrays are on the host.
+        # orbax waits for the previous save here before it starts this one.
         manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._steps = [*steps, step][-self.max_to_keep :]  # what max_to_keep will leave
         if not self.asynchronous:
             manager.wait_until_finished()
         return self.path / str(step)

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+import jax
 from _workloads import WORKLOADS
 
 from nnxscan.adapters.checkpoint import all_steps
@@ -89,7 +90,8 @@ def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) 
     workload = WORKLOADS[name](False)
     data = workload.data
     if steps_per_epoch is not None:
-        data = data[: steps_per_epoch * workload.batch_size]
+        data = jax.tree.map(lambda a: a[: steps_per_epoch * workload.batch_size], data)
+    steps = len(jax.tree.leaves(data)[0]) // workload.batch_size
     nodes = workload.nodes()
     trainer = Trainer(nodes[0], nodes[1], workload.loss_fn, **workload.trainer_options(nodes))
     fit = dict(batch_size=workload.batch_size, progress=False)
@@ -111,7 +113,7 @@ def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) 
                 times[variant].append(time.perf_counter() - start)
     none, asynchronous, synchronous = (statistics.median(times[v]) for v in times)
     return (
-        f"| {name} | {epochs} x {len(data) // workload.batch_size} | {none:.3f} | "
+        f"| {name} | {epochs} x {steps} | {none:.3f} | "
         f"{synchronous:.3f} | {synchronous / none:.2f}x | {asynchronous:.3f} | "
         f"{asynchronous / none:.2f}x |"
     )

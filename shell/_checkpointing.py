@@ -54,7 +54,7 @@ def save_with(checkpoints: Any, owner: Owner, run: str = "") -> pathlib.Path:
     right after ``restore()``), unless a state was loaded into the owner since (e.g.
     EarlyStopping's best epoch): then it replaces it."""
     step = owner.step
-    existing = checkpoints.latest_step() == step  # waits for a save in flight
+    existing = checkpoints.newest_step() == step  # on disk or in flight; never waits
     if existing and not owner.loaded_since_checkpoint:
         return checkpoints.path / str(step)
     saved = checkpoints.save(step, owner.checkpoint_tree(run), replace=existing)
