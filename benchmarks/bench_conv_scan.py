@@ -50,8 +50,14 @@ import optax
 from _workloads import WORKLOADS, digits, tutorial_cnn, update_metrics
 from flax import nnx
 
-from nnxscan.pure import canonical_conv_layout, epoch_order, init_opt_state, make_train_step
-from nnxscan.pure.scan import scan_indexed_steps, scan_steps
+from nnxscan.pure import (
+    canonical_conv_layout,
+    epoch_order,
+    init_opt_state,
+    make_train_step,
+    scan_steps,
+)
+from nnxscan.pure._loops import scan_indexed_steps
 
 VARIANTS = ("step", "scan", "rewritten_scan")
 STEADY_RUNS = 3  # compiled runs per repetition; their median is the repetition's steady
