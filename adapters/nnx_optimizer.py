@@ -10,6 +10,7 @@ structure. Nothing here mutates the optimizer: the shell applies the result with
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,28 +37,43 @@ def optax_state_from_optimizer(optimizer: nnx.Optimizer, params: nnx.State) -> A
     Example:
       >>> opt_state = optax_state_from_optimizer(optimizer, nnx.state(model, nnx.Param))
     """
-    template = jax.eval_shape(optimizer.tx.init, params)
+    expected, shapes = _expected_structure(optimizer, params)
     leaves = jax.tree.leaves(optimizer.opt_state)
-    expected = jax.tree.structure(template)
     if len(leaves) != expected.num_leaves:
         raise ValueError(
             f"the nnx.Optimizer's state has {len(leaves)} leaves but its transform "
             f"expects {expected.num_leaves} for this model's wrt={optimizer.wrt!r} "
             f"variables. Was the optimizer built for another model?"
         )
-    for path, want, got in zip(
-        (p for p, _ in jax.tree_util.tree_flatten_with_path(template)[0]),
-        jax.tree.leaves(template),
-        leaves,
-        strict=True,
-    ):
-        if tuple(want.shape) != tuple(jnp.shape(got)):
+    for (path, want), got in zip(shapes, leaves, strict=True):
+        if want != tuple(jnp.shape(got)):
             raise ValueError(
-                f"the nnx.Optimizer's state leaf {jax.tree_util.keystr(path)} has shape "
-                f"{tuple(jnp.shape(got))}, but this model needs {tuple(want.shape)}. Was the "
-                f"optimizer built for another model?"
+                f"the nnx.Optimizer's state leaf {path} has shape {tuple(jnp.shape(got))}, "
+                f"but this model needs {want}. Was the optimizer built for another model?"
             )
     return jax.tree.unflatten(expected, leaves)
+
+
+# Per optimizer: the structure tx.init gives for a params structure. Tracing tx.init costs
+# milliseconds, and the shell reads the optax state at every checkpoint.
+_STRUCTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _expected_structure(optimizer: nnx.Optimizer, params: nnx.State) -> tuple[Any, list]:
+    """``(treedef, [(leaf path, shape), ...])`` of ``optimizer.tx.init(params)``."""
+    leaves, treedef = jax.tree.flatten(params)
+    key = (optimizer.tx, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+    known = _STRUCTURES.get(optimizer)
+    if known is not None and known[0] == key:
+        return known[1]
+    template = jax.eval_shape(optimizer.tx.init, params)
+    shapes = [
+        (jax.tree_util.keystr(path), tuple(leaf.shape))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(template)[0]
+    ]
+    structure = (jax.tree.structure(template), shapes)
+    _STRUCTURES[optimizer] = (key, structure)
+    return structure
 
 
 def optimizer_state_writer(optimizer: nnx.Optimizer) -> Callable[[Any, Any], nnx.State]:

@@ -170,15 +170,19 @@ class ModelOwner:
     @property
     def opt_state(self) -> Any:
         """The optax state, in the structure ``tx.init(params)`` gives."""
+        return self._opt_state_of(nnx.state(self.node))
+
+    def _opt_state_of(self, state: nnx.State) -> Any:
+        """The optax state, given the node's state as just read (one graph walk, not two)."""
         if self.optimizer is None:
             return self._opt_state
-        params, _ = split_wrt(nnx.state(self.node), self.wrt)
+        params, _ = split_wrt(state, self.wrt)
         return optax_state_from_optimizer(self.optimizer, params)
 
     def read(self) -> tuple[nnx.GraphDef, nnx.State, Any]:
         """``(graphdef, state, opt_state)`` of the user's objects (their own buffers)."""
         graphdef, state = nnx.split(self.node)
-        return graphdef, state, self.opt_state
+        return graphdef, state, self._opt_state_of(state)
 
     def read_state(self) -> nnx.State:
         """The module state of the user's objects (model, and rngs/metrics when given)."""
@@ -251,7 +255,8 @@ class ModelOwner:
             "epoch_step": self.epoch_step,
             "run": run,
         }
-        return {"state": nnx.state(self.node), "opt_state": self.opt_state, "meta": meta}
+        state = nnx.state(self.node)
+        return {"state": state, "opt_state": self._opt_state_of(state), "meta": meta}
 
     def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None:
         """Writes a checkpoint tree (as :meth:`checkpoint_tree` made it) into the objects.

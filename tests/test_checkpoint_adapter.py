@@ -30,8 +30,6 @@ from nnxscan.adapters.checkpoint import (
 
 from conftest import MLP, BNDropout
 
-TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax names a save in progress <step><TMP_SUFFIX>
-
 
 def snapshot(tree) -> dict:
     """Host copies of every leaf by path: arrays copied, PRNG keys as raw bits, scalars as is."""
@@ -258,12 +256,13 @@ CRASHING_SAVER = textwrap.dedent(
     import numpy as np
     from nnxscan.adapters.checkpoint import save_checkpoint
 
-    directory = sys.argv[1]
+    directory, storage = sys.argv[1:]
     small = np.arange(12, dtype=np.float32).reshape(3, 4)
     big = np.random.default_rng(0).random(50_000_000, dtype=np.float32)
-    save_checkpoint(directory, 1, {"w": small, "meta": {"step": 1}})
+    save_checkpoint(directory, 1, {"w": small, "meta": {"step": 1}}, storage=storage)
     print("saved 1", flush=True)
-    save_checkpoint(directory, 2, {"w": small + 1, "big": big, "meta": {"step": 2}})
+    save_checkpoint(directory, 2, {"w": small + 1, "big": big, "meta": {"step": 2}},
+                    storage=storage)
     print("saved 2", flush=True)
     """
 )
@@ -279,17 +278,23 @@ def bytes_under(directory) -> int:
     return total
 
 
-def test_a_save_killed_midway_leaves_the_previous_checkpoint_restorable(tmp_path):
-    in_progress = tmp_path / f"2{TMP_SUFFIX}"
+def save_in_progress(directory, step: int):
+    """The folder of a save of ``step`` in progress (orbax's ``<step>.orbax-checkpoint-tmp-*``,
+    nnxscan's own ``<step>.nnxscan-tmp``), or None."""
+    return next((p for p in directory.iterdir() if p.name.startswith(f"{step}.")), None)
+
+
+@pytest.mark.parametrize("storage", ["auto", "orbax"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_restorable(tmp_path, storage):
     child = subprocess.Popen(
-        [sys.executable, "-c", CRASHING_SAVER, str(tmp_path)],
+        [sys.executable, "-c", CRASHING_SAVER, str(tmp_path), storage],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         deadline = time.monotonic() + 60
-        while not in_progress.exists() and child.poll() is None:
+        while (in_progress := save_in_progress(tmp_path, 2)) is None and child.poll() is None:
             assert time.monotonic() < deadline, "checkpoint 2 never started"
             time.sleep(0.01)
         # Kill once the 200 MB array is being written (or after 1 s, still mid-save).
@@ -316,7 +321,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_restorable(tmp_path
     )
 
     # Resuming saves step 2 again: the half-written directory is replaced, not an obstacle.
-    save_checkpoint(tmp_path, 2, {"w": np.ones((3, 4), np.float32), "meta": {"step": 2}})
+    tree = {"w": np.ones((3, 4), np.float32), "meta": {"step": 2}}
+    save_checkpoint(tmp_path, 2, tree, storage=storage)
     assert all_steps(tmp_path) == [1, 2] and not in_progress.exists()
     tree, step = restore_checkpoint(tmp_path, like)
     assert step == 2 and tree["meta"] == {"step": 2}

@@ -1,0 +1,154 @@
+"""The two storages of nnxscan.adapters.checkpoint: nnxscan's own files (a tree one process
+holds whole) and orbax (arrays sharded over devices or processes, or ``storage="orbax"``).
+
+The references: the tree that was saved (read back bitwise, dtype by dtype), the same tree
+saved through orbax, and a directory listing read by hand.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nnxscan.adapters import _checkpoint_files
+from nnxscan.adapters.checkpoint import (
+    CheckpointWriter,
+    all_steps,
+    restore_checkpoint,
+    save_checkpoint,
+)
+
+
+def every_kind(step: int) -> dict:
+    """Leaves of every dtype a model holds, bfloat16 and PRNG keys included, on the device
+    and on the host, plus Python counters."""
+    rng = np.random.default_rng(step)
+    return {
+        "f32": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
+        "bf16": jnp.asarray(rng.normal(size=(7,)), jnp.bfloat16),
+        "f16_host": rng.normal(size=(2, 2)).astype(np.float16),
+        "i8": jnp.asarray(rng.integers(-100, 100, (9,)), jnp.int8),
+        "u32": jnp.asarray(rng.integers(0, 2**31, (4,)), jnp.uint32),
+        "flag": jnp.asarray(rng.random(5) < 0.5),
+        "scalar": np.float64(step + 0.25),
+        "empty": jnp.zeros((0, 3), jnp.float32),
+        "key": jax.random.key(step),
+        "raw_key": jax.random.PRNGKey(step),
+        "meta": {"step": step, "lr": 0.1 * step, "done": False, "tag": f"s{step}"},
+    }
+
+
+def host(tree: dict) -> dict:
+    """Every leaf by path as numpy (keys as their raw bits) or as the Python value."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = ("key", str(jax.random.key_impl(leaf)), np.asarray(jax.random.key_data(leaf)))
+        elif isinstance(leaf, jax.Array | np.ndarray | np.generic):
+            leaf = np.asarray(leaf)
+        out[jax.tree_util.keystr(path)] = leaf
+    return out
+
+
+def assert_same(got: dict, want: dict) -> None:
+    got, want = host(got), host(want)
+    assert list(got) == list(want)
+    for path, expected in want.items():
+        actual = got[path]
+        if isinstance(expected, tuple):
+            assert actual[:2] == expected[:2], path
+            actual, expected = actual[2], expected[2]
+        if isinstance(expected, np.ndarray):
+            assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+            np.testing.assert_array_equal(actual, expected, err_msg=path, strict=True)
+        else:
+            assert type(actual) is type(expected) and actual == expected, path
+
+
+def test_a_tree_held_whole_is_written_as_own_files_and_reads_back_bitwise(tmp_path):
+    saved = every_kind(3)
+    where = save_checkpoint(tmp_path, 3, saved)
+    assert _checkpoint_files.holds_files_checkpoint(where)
+    assert sorted(p.name for p in where.iterdir()) == ["arrays.bin", "manifest.json"]
+    tree, step = restore_checkpoint(tmp_path, every_kind(0))
+    assert step == 3
+    assert_same(tree, saved)
+    assert isinstance(tree["f16_host"], np.ndarray) and isinstance(tree["scalar"], np.float64)
+    tree["f16_host"][0, 0] = 1.0  # restored numpy leaves are the caller's to write
+
+
+def test_both_storages_restore_the_same_bits(tmp_path):
+    saved = every_kind(4)
+    save_checkpoint(tmp_path / "own", 4, saved)
+    save_checkpoint(tmp_path / "orbax", 4, saved, storage="orbax")
+    assert not _checkpoint_files.holds_files_checkpoint(tmp_path / "orbax" / "4")
+    own, _ = restore_checkpoint(tmp_path / "own", every_kind(0))
+    through_orbax, _ = restore_checkpoint(tmp_path / "orbax", every_kind(0))
+    assert_same(own, saved)
+    assert_same(through_orbax, saved)
+
+
+def test_one_directory_may_hold_both_and_max_to_keep_counts_both(tmp_path):
+    with CheckpointWriter(tmp_path, max_to_keep=3, storage="orbax") as writer:
+        for step in (1, 2):
+            writer.save(step, every_kind(step))
+    with CheckpointWriter(tmp_path, max_to_keep=3) as writer:
+        writer.save(3, every_kind(3))
+        writer.save(4, every_kind(4))  # deletes orbax's step 1
+        assert writer.latest_step() == 4
+    assert all_steps(tmp_path) == [2, 3, 4]
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    assert listing == ["2", "3", "4"], listing  # nothing half-deleted or temporary left
+    for step in (2, 3, 4):
+        tree, got = restore_checkpoint(tmp_path, every_kind(0), step=step)
+        assert got == step
+        assert_same(tree, every_kind(step))
+    with CheckpointWriter(tmp_path, max_to_keep=3, storage="orbax") as writer:
+        writer.save(5, every_kind(5))  # orbax deletes our step 2
+    assert all_steps(tmp_path) == [3, 4, 5]
+
+
+def test_a_failed_background_write_raises_at_the_next_wait_and_lists_nothing(tmp_path, monkeypatch):
+    def broken_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with CheckpointWriter(tmp_path) as writer:
+        writer.save(1, every_kind(1))
+        writer.wait()
+        monkeypatch.setattr(_checkpoint_files, "write", broken_disk)
+        writer.save(2, every_kind(2))  # returns: the write fails in the background
+        with pytest.raises(OSError, match="No space left"):
+            writer.wait()
+        assert writer.newest_step() == 1  # the failed save is not counted as saved
+        monkeypatch.undo()
+        writer.save(2, every_kind(2))  # the same step again, now that the disk works
+    assert all_steps(tmp_path) == [1, 2]
+    assert_same(restore_checkpoint(tmp_path, every_kind(0))[0], every_kind(2))
+
+
+def test_a_truncated_data_file_raises_naming_it(tmp_path):
+    where = save_checkpoint(tmp_path, 1, every_kind(1))
+    data = where / "arrays.bin"
+    data.write_bytes(data.read_bytes()[:16])
+    with pytest.raises(ValueError, match=r"arrays\.bin is truncated"):
+        restore_checkpoint(tmp_path, every_kind(0))
+
+
+def test_leftovers_of_a_killed_process_are_never_listed_and_are_cleaned(tmp_path):
+    save_checkpoint(tmp_path, 1, every_kind(1))
+    for leftover in ("2.nnxscan-tmp", "1.nnxscan-deleting", "3.orbax-checkpoint-tmp-99"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "arrays.bin").write_bytes(b"half")
+    assert all_steps(tmp_path) == [1]
+    with CheckpointWriter(tmp_path) as writer:
+        writer.save(2, every_kind(2))
+    # Ours are gone; orbax's temporary folder is orbax's to clean.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3.orbax-checkpoint-tmp-99"]
+    assert_same(restore_checkpoint(tmp_path, every_kind(0))[0], every_kind(2))
+
+
+def test_storage_must_be_known():
+    with pytest.raises(ValueError, match="storage must be one of"):
+        CheckpointWriter("anywhere", storage="zarr")
