@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import pathlib
 from typing import Any
@@ -172,11 +173,17 @@ def _is_key(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+@functools.cache
+def _dtype_kind(dtype: Any) -> tuple[str, str]:
+    # Cached: a save describes every leaf, and naming a dtype costs microseconds each.
+    return ("key" if _is_key(dtype) else "array"), str(dtype)
+
+
 def _describe_template(path: str, leaf: Any) -> _Leaf:
     # numpy scalars first: np.float64 is also a Python float, but it is an array leaf.
     if isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
-        kind = "key" if _is_key(leaf.dtype) else "array"
-        return _Leaf(path, kind, tuple(leaf.shape), str(leaf.dtype))
+        kind, dtype = _dtype_kind(leaf.dtype)
+        return _Leaf(path, kind, tuple(leaf.shape), dtype)
     if type(leaf) in _PYTHON_KINDS.values():  # exact types: an IntEnum is not a counter
         return _Leaf(path, type(leaf).__name__, value=leaf)
     raise TypeError(
@@ -197,16 +204,15 @@ def _records_and_arrays(tree: dict[str, Any]) -> tuple[list[_Leaf], dict[str, An
             )
         record = _describe_template(path, leaf)
         if record.kind in _ARRAY_KINDS:
-            name = f"leaf_{index:05d}"
+            name, impl = f"leaf_{index:05d}", ""
             if record.kind == "key":
                 # orbax cannot write typed key arrays; their raw bits and the implementation
                 # name rebuild them exactly.
                 impl = str(jax.random.key_impl(leaf))
-                record = dataclasses.replace(record, impl=impl, name=name)
                 arrays[name] = jax.random.key_data(leaf)
             else:
-                record = dataclasses.replace(record, name=name)
                 arrays[name] = np.asarray(leaf) if isinstance(leaf, np.generic) else leaf
+            record = _Leaf(path, record.kind, record.shape, record.dtype, impl, name)
         records.append(record)
     return _pack(records, arrays)
 
@@ -237,7 +243,7 @@ def _pack(records: list[_Leaf], arrays: dict[str, Any]) -> tuple[list[_Leaf], di
     host = dict(zip(names, jax.device_get([arrays[n] for n in names]), strict=True))
     groups: dict[str, list[str]] = {}
     for name in names:
-        groups.setdefault(str(host[name].dtype), []).append(name)
+        groups.setdefault(_dtype_kind(host[name].dtype)[1], []).append(name)
     placed, packed = {}, {}
     for dtype, members in groups.items():
         offset = 0
@@ -246,10 +252,8 @@ def _pack(records: list[_Leaf], arrays: dict[str, Any]) -> tuple[list[_Leaf], di
             offset += host[name].size
         packed[f"pack_{dtype}"] = np.concatenate([host[n].reshape(-1) for n in members])
     records = [
-        dataclasses.replace(
-            r, name="", pack=placed[r.name][0], offset=placed[r.name][1],
-            data_shape=tuple(host[r.name].shape),
-        )
+        _Leaf(r.path, r.kind, r.shape, r.dtype, r.impl, "", None, *placed[r.name],
+              tuple(host[r.name].shape))
         if r.name in placed
         else r
         for r in records

@@ -4,8 +4,10 @@ On the digits MLP of ``_workloads.py`` (and the byte-level LM, a model 30x large
 
 - a checkpoint every epoch: ``fit(checkpoint_every=1)`` with asynchronous saves (the
   default: a save returns once the arrays are on the host) and with synchronous ones
-  (``checkpoint_async=False``), against the same ``fit`` without checkpoints (epochs fused
-  when nothing needs the host); warm runs, interleaved, medians, ratios;
+  (``checkpoint_async=False``), and asynchronous saves through orbax (how every save was
+  written before nnxscan's own files storage), against the same ``fit`` without
+  checkpoints (epochs fused when nothing needs the host); warm runs, interleaved, medians,
+  ratios;
 
 - per save: ``fit`` with ``checkpoint_every_steps=k`` against the same ``fit`` without
   checkpoints (interleaved, medians), the difference divided by the number of saves;
@@ -18,6 +20,8 @@ On the digits MLP of ``_workloads.py`` (and the byte-level LM, a model 30x large
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import statistics
 import sys
 import tempfile
@@ -26,8 +30,8 @@ import time
 import jax
 from _workloads import WORKLOADS
 
-from nnxscan.adapters.checkpoint import all_steps
-from nnxscan.shell import LambdaCallback, Trainer
+from nnxscan.adapters.checkpoint import CheckpointWriter, all_steps
+from nnxscan.shell import LambdaCallback, Trainer, _checkpointing
 
 
 def timed_fit(workload, every: int, **fit) -> tuple[float, Trainer]:
@@ -50,19 +54,25 @@ def _nothing(*args) -> None:
 
 
 def per_save(name: str, every: int, reps: int) -> str:
+    """ms per save of ``checkpoint_every_steps=every`` (own files, and through orbax)."""
     workload = WORKLOADS[name](False)
-    plain, saving, saves = [], [], 0
-    for _ in range(reps):
-        plain.append(timed_fit(workload, every)[0])
-        with tempfile.TemporaryDirectory() as folder:
-            options = dict(checkpoint_every_steps=every, checkpoint_every=10**6)
-            seconds, _ = timed_fit(workload, every, checkpoint_dir=folder, **options)
-            saving.append(seconds)
-            saves = (workload.steps) // every
-    extra = statistics.median(saving) - statistics.median(plain)
+    times: dict[str | None, list[float]] = {"plain": [], None: [], "orbax": []}
+    saves = workload.steps // every
+    for rep in range(reps):
+        order = list(times) if rep % 2 == 0 else list(reversed(times))
+        for variant in order:
+            if variant == "plain":
+                times[variant].append(timed_fit(workload, every)[0])
+                continue
+            with tempfile.TemporaryDirectory() as folder, storage(variant):
+                options = dict(checkpoint_every_steps=every, checkpoint_every=10**6)
+                seconds, _ = timed_fit(workload, every, checkpoint_dir=folder, **options)
+                times[variant].append(seconds)
+    plain, own, orbax = (statistics.median(times[v]) for v in times)
     return (
-        f"| {name} | {workload.steps} | {every} | {statistics.median(plain):.3f} | "
-        f"{statistics.median(saving):.3f} | {saves} | {1000 * extra / max(saves, 1):.1f} |"
+        f"| {name} | {workload.steps} | {every} | {plain:.3f} | {own:.3f} | {saves} | "
+        f"{1000 * (own - plain) / max(saves, 1):.1f} | "
+        f"{1000 * (orbax - plain) / max(saves, 1):.1f} |"
     )
 
 
@@ -85,8 +95,38 @@ def resume_cost(name: str, reps: int) -> str:
     return f"| {name} | {1000 * statistics.median(costs):.0f} |"
 
 
+VARIANTS = {
+    "none": {},
+    "sync": {"checkpoint_async": False},
+    "async": {},
+    "async, orbax": {"storage": "orbax"},
+}
+
+
+@contextlib.contextmanager
+def storage(name: str | None):
+    """Every checkpoint writer fit opens writes through ``name`` (``None``: the default).
+    ``"orbax"`` is what every save went through before nnxscan's own files storage."""
+    if name is None:
+        yield
+        return
+    original = _checkpointing.writer
+    _checkpointing.writer = functools.partial(_writer, name)
+    try:
+        yield
+    finally:
+        _checkpointing.writer = original
+
+
+def _writer(name, directory, *, max_to_keep=3, asynchronous=True):
+    return CheckpointWriter(
+        directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name
+    )
+
+
 def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) -> str:
-    """``fit`` with a checkpoint every epoch (async and sync) ÷ the same fit without."""
+    """``fit`` with a checkpoint every epoch (async and sync, own files; async through
+    orbax) ÷ the same fit without."""
     workload = WORKLOADS[name](False)
     data = workload.data
     if steps_per_epoch is not None:
@@ -95,28 +135,27 @@ def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) 
     nodes = workload.nodes()
     trainer = Trainer(nodes[0], nodes[1], workload.loss_fn, **workload.trainer_options(nodes))
     fit = dict(batch_size=workload.batch_size, progress=False)
-    times: dict[str, list[float]] = {"none": [], "async": [], "sync": []}
+    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+
+    def run(variant: str) -> float:
+        options = dict(VARIANTS[variant])
+        with tempfile.TemporaryDirectory() as folder, storage(options.pop("storage", None)):
+            if variant != "none":
+                options["checkpoint_dir"] = folder
+            start = time.perf_counter()
+            trainer.fit(data, epochs=epochs, **fit, **options)
+            return time.perf_counter() - start
+
     for variant in times:  # compile every program first: saves are measured warm
-        with tempfile.TemporaryDirectory() as folder:
-            options = {} if variant == "none" else dict(checkpoint_dir=folder)
-            trainer.fit(data, epochs=epochs, **fit, **options,
-                        **({"checkpoint_async": False} if variant == "sync" else {}))  # fmt: skip
+        run(variant)
     for rep in range(reps):
         order = list(times) if rep % 2 == 0 else list(reversed(times))
         for variant in order:
-            with tempfile.TemporaryDirectory() as folder:
-                options = {} if variant == "none" else dict(checkpoint_dir=folder)
-                if variant == "sync":
-                    options["checkpoint_async"] = False
-                start = time.perf_counter()
-                trainer.fit(data, epochs=epochs, **fit, **options)
-                times[variant].append(time.perf_counter() - start)
-    none, asynchronous, synchronous = (statistics.median(times[v]) for v in times)
-    return (
-        f"| {name} | {epochs} x {steps} | {none:.3f} | "
-        f"{synchronous:.3f} | {synchronous / none:.2f}x | {asynchronous:.3f} | "
-        f"{asynchronous / none:.2f}x |"
-    )
+            times[variant].append(run(variant))
+    medians = {variant: statistics.median(seconds) for variant, seconds in times.items()}
+    none = medians["none"]
+    cells = " | ".join(f"{medians[v]:.3f} | {medians[v] / none:.2f}x" for v in list(VARIANTS)[1:])
+    return f"| {name} | {epochs} x {steps} | {none:.3f} | {cells} |"
 
 
 def main() -> None:
@@ -125,14 +164,17 @@ def main() -> None:
     args = parser.parse_args()
     print(
         "| workload | epochs x steps | fit s, no checkpoints | every epoch, sync s | ÷ none | "
-        "every epoch, async s | ÷ none |"
+        "every epoch, async s | ÷ none | async through orbax s | ÷ none |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, epochs, steps in (("lm_24", 4, 8), ("mlp_digits", 10, None)):
         print(every_epoch(name, epochs, steps, args.reps), flush=True)
     print()
-    print("| workload | steps | save every | fit s | fit with saves s | saves | ms per save |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| workload | steps | save every | fit s | fit with saves s | saves | ms per save | "
+        "ms per save through orbax |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, every in (("mlp_digits", 100), ("lm_200", 50)):
         print(per_save(name, every, args.reps), flush=True)
     print("\n| workload | resume (restore) ms |\n|---|---:|")
