@@ -103,7 +103,7 @@ def write(
         file.flush()
         os.fsync(file.fileno())
     with open(tmp / MANIFEST, "w") as file:
-        json.dump({**manifest, "buffers": placed}, file)
+        file.write(json.dumps({**manifest, "buffers": placed}))  # one write, not dozens
         file.flush()
         os.fsync(file.fileno())
     _fsync(tmp)

@@ -336,6 +336,7 @@ class CheckpointWriter:
         self._manager: Any = None  # orbax's, opened by the first save that needs it
         self._thread: Any = None  # the background writer of our own files
         self._in_flight: Any = None  # that writer's Future
+        self._cleaned = False  # leftovers of killed processes removed (at the first save)
         # The steps on disk or being written, newest last: read from the directory once,
         # then kept by this writer, so asking "is step N saved?" never waits for a write.
         self._steps: list[int] | None = None
@@ -428,11 +429,13 @@ class CheckpointWriter:
             _files.write(self.path, step, manifest, buffers)
             _files.keep_newest(self.path, self.max_to_keep)
 
+        if not self._cleaned:
+            _files.remove_leftovers(self.path)  # of a process killed mid-save or mid-delete
+            self._cleaned = True
         if not self.asynchronous:
             write()
             return
         if self._thread is None:
-            _files.remove_leftovers(self.path)  # of a process killed mid-save
             self._thread = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="nnxscan-checkpoint"
             )

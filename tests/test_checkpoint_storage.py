@@ -136,13 +136,14 @@ def test_a_truncated_data_file_raises_naming_it(tmp_path):
         restore_checkpoint(tmp_path, every_kind(0))
 
 
-def test_leftovers_of_a_killed_process_are_never_listed_and_are_cleaned(tmp_path):
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_leftovers_of_a_killed_process_are_never_listed_and_are_cleaned(tmp_path, asynchronous):
     save_checkpoint(tmp_path, 1, every_kind(1))
-    for leftover in ("2.nnxscan-tmp", "1.nnxscan-deleting", "3.orbax-checkpoint-tmp-99"):
+    for leftover in ("2.nnxscan-tmp", "0.nnxscan-deleting", "3.orbax-checkpoint-tmp-99"):
         (tmp_path / leftover).mkdir()
         (tmp_path / leftover / "arrays.bin").write_bytes(b"half")
     assert all_steps(tmp_path) == [1]
-    with CheckpointWriter(tmp_path) as writer:
+    with CheckpointWriter(tmp_path, asynchronous=asynchronous) as writer:
         writer.save(2, every_kind(2))
     # Ours are gone; orbax's temporary folder is orbax's to clean.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3.orbax-checkpoint-tmp-99"]
