@@ -2,9 +2,10 @@
 bitwise where a run that was never interrupted ends.
 
 ``chaos_worker.py`` trains 6 epochs of 25 steps with ``resume=True`` and a checkpoint every
-4 steps (most of its time goes to saving), and reports on stdout when it is ready to call
-``fit``, when ``fit``'s loop begins and the global step after every compiled call. The
-reference is the same command run once, uninterrupted, in a directory of its own.
+4 steps (each call of 4 steps paced to take at least ``PACE_S``), and reports on stdout
+when it is ready to call ``fit``, when ``fit``'s loop begins and the global step after
+every compiled call. The reference is the same command run once, uninterrupted, in a
+directory of its own.
 
 When the signals land: a kill drawn from the whole length of an uninterrupted run ends the
 run within three or four kills, since each rerun keeps what the last one saved. So the
@@ -14,7 +15,7 @@ in the save after that call, in the next calls, or between epochs — whatever t
 speed, and the worker is still running at the last one. Two attempts instead kill during
 the restore, the compile or the first call, timed from the "ready" line.
 
-Every draw comes from ``random.Random(0)``; nothing waits on a fixed sleep (the waits are
+Every draw comes from ``random.Random(0)``; the test waits on no fixed sleep (the waits are
 for a line from the worker, or ``Popen.wait`` with a timeout), and the SIGKILL test takes
 no more kills beyond the tenth when its time budget runs low.
 """
@@ -40,7 +41,9 @@ WORKER = str(pathlib.Path(__file__).with_name("chaos_worker.py"))
 STEPS_PER_EPOCH = chaos_worker.EXAMPLES // chaos_worker.BATCH
 TOTAL_STEPS = chaos_worker.EPOCHS * STEPS_PER_EPOCH
 STARTUP_TIMEOUT_S = 60  # imports and compiles on a busy 2-core machine
-AFTER_CALL_S = 0.15  # a signal lands up to this long after a call's report
+# A signal lands up to this long after a call's report: less than the last quarter of the
+# run takes (9 calls or more of at least chaos_worker.PACE_S each).
+AFTER_CALL_S = 0.08
 
 
 def env() -> dict:
