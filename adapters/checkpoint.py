@@ -229,6 +229,16 @@ def _packable(x: Any) -> bool:
     )
 
 
+def _to_host(arrays: list[Any]) -> list[np.ndarray]:
+    """``jax.device_get`` of a flat list, without its per-leaf tree walk (5x faster for a
+    hundred small arrays here): every transfer is started first, then each is read (on the
+    CPU a read is a view of the device buffer: the caller copies before returning)."""
+    for x in arrays:
+        if isinstance(x, jax.Array):
+            x.copy_to_host_async()
+    return [np.asarray(x) for x in arrays]
+
+
 def _pack(records: list[_Leaf], arrays: dict[str, Any]) -> tuple[list[_Leaf], dict[str, Any]]:
     """Joins the arrays this process holds whole into one flat buffer per dtype.
 
@@ -240,7 +250,7 @@ def _pack(records: list[_Leaf], arrays: dict[str, Any]) -> tuple[list[_Leaf], di
     names = [r.name for r in records if r.name and _packable(arrays[r.name])]
     if not names:
         return records, arrays
-    host = dict(zip(names, jax.device_get([arrays[n] for n in names]), strict=True))
+    host = dict(zip(names, _to_host([arrays[n] for n in names]), strict=True))
     groups: dict[str, list[str]] = {}
     for name in names:
         groups.setdefault(_dtype_kind(host[name].dtype)[1], []).append(name)
