@@ -46,9 +46,12 @@ def save(
         return save_with(synchronous, owner, run)
 
 
-def save_with(checkpoints: Any, owner: Owner, run: str = "") -> pathlib.Path:
+def save_with(
+    checkpoints: Any, owner: Owner, run: str = "", carry: tuple | None = None
+) -> pathlib.Path:
     """Saves the owner's objects and counters (and ``run``, the History so far as JSON) as
-    checkpoint number ``owner.step`` through ``checkpoints`` (a ``CheckpointWriter``).
+    checkpoint number ``owner.step`` through ``checkpoints`` (a ``CheckpointWriter``);
+    ``carry`` is fit's ``(state, opt_state)`` when it was just written into the objects.
 
     Saving again at a step that already has a checkpoint keeps that one (e.g. ``save()``
     right after ``restore()``), unless a state was loaded into the owner since (e.g.
@@ -57,7 +60,7 @@ def save_with(checkpoints: Any, owner: Owner, run: str = "") -> pathlib.Path:
     existing = checkpoints.newest_step() == step  # on disk or in flight; never waits
     if existing and not owner.loaded_since_checkpoint:
         return checkpoints.path / str(step)
-    saved = checkpoints.save(step, owner.checkpoint_tree(run), replace=existing)
+    saved = checkpoints.save(step, owner.checkpoint_tree(run, carry), replace=existing)
     owner.loaded_since_checkpoint = False
     return saved
 

@@ -293,9 +293,9 @@ class Engine:
         directory = pathlib.Path(directory).resolve()
         writer = _checkpointing.writer(directory, asynchronous=asynchronous)
 
-        def save(history: History, partial: np.ndarray) -> None:
+        def save(history: History, partial: np.ndarray, carry: tuple | None = None) -> None:
             run = _checkpointing.run_json(history, partial)
-            _checkpointing.save_with(writer, self.owner, run)
+            _checkpointing.save_with(writer, self.owner, run, carry)
 
         return directory, Checkpoints(every, every_steps, save, writer.close)
 

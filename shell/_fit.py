@@ -82,8 +82,9 @@ class Evaluation(NamedTuple):
 
 
 class Checkpoints(NamedTuple):
-    """Where and when ``fit`` saves: ``save(history, partial_losses)`` writes a checkpoint
-    of the owner's objects with the run so far; every ``every_epochs`` epochs, every
+    """Where and when ``fit`` saves: ``save(history, partial_losses, carry=None)`` writes a
+    checkpoint of the owner's objects (``carry``: the state just written into them) with the
+    run so far; every ``every_epochs`` epochs, every
     ``every_steps`` steps (at call boundaries; None: never mid-epoch), on SIGTERM or
     SIGINT, and once more at the end when a callback loaded a state (EarlyStopping's best
     epoch) since the last save. A save may return before its checkpoint is on disk (it is
@@ -92,8 +93,13 @@ class Checkpoints(NamedTuple):
 
     every_epochs: int
     every_steps: int | None
-    save: Callable[[History, np.ndarray], Any]
+    save: Callable[..., Any]
     close: Callable[[], None] = lambda: None
+
+
+def written_carry(live: LiveState) -> tuple | None:
+    """The carry when the owner's objects hold it (everything flushed), else None."""
+    return None if live.unwritten else live.carry()
 
 
 class Preempted(Exception):
@@ -309,7 +315,7 @@ class FitLoop:
                 if expected is not None and owner.step - first_step >= expected:
                     self._save_at_epoch_end = True
                 else:
-                    self._save_mid_epoch(history, outs, skip + owner.step - first_step)
+                    self._save_mid_epoch(history, outs, skip + owner.step - first_step, live)
                 next_save[0] = (owner.step // every_steps + 1) * every_steps
             if callbacks.has_call_hooks:
                 # Written back after every call when there are hooks: owner.step is a
@@ -374,13 +380,13 @@ class FitLoop:
         losses = stacked[0] if self.program.has_aux else stacked
         return np.concatenate([self._partial, np.asarray(losses, np.float32)])
 
-    def _save_mid_epoch(self, history: History, outs: list, epoch_step: int) -> None:
+    def _save_mid_epoch(self, history: History, outs: list, epoch_step: int, live) -> None:
         """A checkpoint inside an epoch: the model and counters as they are, the epoch's
         losses so far, and how many of its steps are done (what a resume skips)."""
         owner = self.owner
         complete_epoch_step, owner.epoch_step = owner.epoch_step, epoch_step
         try:
-            self.checkpoints.save(history, self._losses_so_far(outs))
+            self.checkpoints.save(history, self._losses_so_far(outs), written_carry(live))
         finally:
             owner.epoch_step = complete_epoch_step
 
@@ -429,7 +435,7 @@ class FitLoop:
             checkpoints = self.checkpoints
             due = self._save_at_epoch_end
             if checkpoints is not None and (due or (epoch + 1) % checkpoints.every_epochs == 0):
-                checkpoints.save(history, empty_losses(self.members))
+                checkpoints.save(history, empty_losses(self.members), written_carry(live))
             self._save_at_epoch_end = False
 
     def _nonfinite_error(self, history, epoch, first_step, stop, start, stats) -> Exception:

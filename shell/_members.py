@@ -189,8 +189,8 @@ class StackedOwner:
             f"a checkpoint of another number of members or another model does not fit it"
         )
 
-    def checkpoint_tree(self, run: str = "") -> dict[str, Any]:
-        state, opt_state = self._carry
+    def checkpoint_tree(self, run: str = "", carry: tuple | None = None) -> dict[str, Any]:
+        state, opt_state = self._carry  # the stacked carry is this owner's own already
         meta = {
             "epoch": self.epoch,
             "step": self.step,

@@ -61,7 +61,7 @@ class Owner(Protocol):
     def reset_metrics(self) -> None: ...
     def take_metrics(self) -> dict[str, Any]: ...
     def load(self, state: nnx.State, where: Any = None) -> None: ...
-    def checkpoint_tree(self, run: str = "") -> dict[str, Any]: ...
+    def checkpoint_tree(self, run: str = "", carry: tuple | None = None) -> dict[str, Any]: ...
     def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None: ...
     def run_seeds(self, run_keys: dict[str, Any]) -> int | tuple[int, ...]: ...
     def begin_run(self, run_keys: dict[str, Any]) -> None: ...
@@ -245,9 +245,13 @@ class ModelOwner:
     def begin_run(self, run_keys: dict[str, Any]) -> None:
         self.seed = self.run_seeds(run_keys)
 
-    def checkpoint_tree(self, run: str = "") -> dict[str, Any]:
+    def checkpoint_tree(self, run: str = "", carry: tuple | None = None) -> dict[str, Any]:
         """What a checkpoint holds: module state, optax state, the counters, and ``run``
-        (the fit's History so far, as JSON: what a resume needs to go on)."""
+        (the fit's History so far, as JSON: what a resume needs to go on).
+
+        ``carry``: fit's ``(state, opt_state)``, just written into the objects: the same
+        arrays, without reading them back out of the module and optimizer (milliseconds
+        a save). Ignored once a state was loaded into the model since (EarlyStopping)."""
         meta = {
             "epoch": self.epoch,
             "step": self.step,
@@ -255,8 +259,12 @@ class ModelOwner:
             "epoch_step": self.epoch_step,
             "run": run,
         }
-        state = nnx.state(self.node)
-        return {"state": state, "opt_state": self._opt_state_of(state), "meta": meta}
+        if carry is not None and not self.loaded_since_checkpoint:
+            state, opt_state = carry
+        else:
+            state = nnx.state(self.node)
+            opt_state = self._opt_state_of(state)
+        return {"state": state, "opt_state": opt_state, "meta": meta}
 
     def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None:
         """Writes a checkpoint tree (as :meth:`checkpoint_tree` made it) into the objects.
