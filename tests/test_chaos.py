@@ -17,11 +17,18 @@ the restore, the compile or the first call, timed from the "ready" line.
 
 Every draw comes from ``random.Random(0)``; the test waits on no fixed sleep (the waits are
 for a line from the worker, or ``Popen.wait`` with a timeout), and the SIGKILL test takes
-no more kills beyond the tenth when its time budget runs low.
+no more kills beyond the fifth when its time budget runs low.
+
+Each rerun costs a process start (imports, a restore, programs read from the compilation
+cache), so the kills are few: what is proven — every kill survived, checkpoints never
+going back, the final state bitwise the uninterrupted one's — does not grow with their
+number. The run stays long (steps are cheap next to a process start), so that a rerun
+killed at its target is still training.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import queue
@@ -198,9 +205,11 @@ def run_to_completion(directory, out, cache, mode="trainer") -> tuple[Worker, fl
 
 
 def kill_steps(rng: random.Random, count: int, below: int = TOTAL_STEPS * 3 // 4) -> list[int]:
-    """``count`` distinct global steps under ``below``, in order. A step a rerun has
+    """``count`` global steps in 1 .. ``below`` - 1, one drawn in each of ``count`` equal
+    slices (so that a few kills still spread over the run), in order. A step a rerun has
     already passed is signalled right after that rerun's first call."""
-    return sorted(rng.sample(range(1, below), count))
+    edges = [1 + i * (below - 1) // count for i in range(count + 1)]
+    return [rng.randrange(lo, hi) for lo, hi in itertools.pairwise(edges)]
 
 
 class Reference:
@@ -228,10 +237,10 @@ def any_reference(request, reference, tmp_path_factory) -> Reference:
     return Reference(tmp_path_factory.mktemp("population"), "population")
 
 
-KILLS = 12  # planned; at least MIN_KILLS must land (the budget may cut the last ones)
-MIN_KILLS = 10
-EARLY = (2, 7)  # these attempts kill during the restore, the compile or the first call
-BUDGET_S = 60
+KILLS = 6  # planned; at least MIN_KILLS must land (the budget may cut the last ones)
+MIN_KILLS = 5
+EARLY = (1, 4)  # these attempts kill during the restore, the compile or the first call
+BUDGET_S = 40
 
 
 def test_a_run_killed_at_random_moments_and_rerun_ends_bitwise_like_an_uninterrupted_one(
@@ -284,10 +293,12 @@ def test_a_run_killed_at_random_moments_and_rerun_ends_bitwise_like_an_uninterru
     assert kills >= MIN_KILLS
     seen = [s for s in latest_seen if s is not None]
     assert seen == sorted(seen), f"a checkpoint went back: {latest_seen}"
-    assert len(set(seen)) >= 5, f"the reruns made too little progress: {latest_seen}"
+    # Of the 5 reruns, the 2 killed early may save nothing new; the others each reach a
+    # slice of their own: at least 3 distinct.
+    assert len(set(seen)) >= 3, f"the reruns made too little progress: {latest_seen}"
 
 
-TERMS = 4
+TERMS = 3
 
 
 def test_sigterm_saves_and_raises_preempted_and_the_rerun_ends_bitwise(reference, tmp_path):

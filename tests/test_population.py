@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,11 +34,16 @@ from conftest import (
     xent_aux,
 )
 
+# One optimizer object per configuration: the shell caches its compiled programs by the
+# optimizer, so the reference Trainer of each member reuses them (optax transforms hold no
+# state: sharing one changes nothing that is trained).
+TX = optax.adam(1e-2)
 BS = 8
 SEEDS = [0, 1, 2]
 RATES = [1e-2, 3e-3, 1e-3]
 
 
+@functools.cache
 def injected_adam(learning_rate: float = 1e-3) -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.adam)(learning_rate=learning_rate)
 
@@ -166,7 +173,7 @@ def test_each_member_equals_its_own_trainer_run(data):
 
 
 def test_shared_order_equals_trainer_runs_with_the_first_seed(data, compile_count):
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=[3, 5])
+    pop = Population(mlp, TX, xent, seeds=[3, 5])
     first = pop.fit(data, epochs=2, batch_size=BS, shared_order=True)
     before = compile_count()
     # The same shapes, the same fused stretch of 2 epochs: nothing new to compile.
@@ -176,9 +183,7 @@ def test_shared_order_equals_trainer_runs_with_the_first_seed(data, compile_coun
     losses = np.concatenate([first.losses, second.losses])
     for i, seed in enumerate([3, 5]):
         model = MLP(rngs=nnx.Rngs(seed))
-        alone = Trainer(model, optax.adam(1e-2), xent).fit(
-            data, epochs=4, batch_size=BS, seed=3, progress=False
-        )
+        alone = Trainer(model, TX, xent).fit(data, epochs=4, batch_size=BS, seed=3, progress=False)
         np.testing.assert_allclose(losses[:, i], alone.losses, rtol=1e-5, atol=1e-6)
         assert_trees_close(pop.member(i), model)
 
@@ -201,12 +206,12 @@ def test_per_member_learning_rates_scale_the_first_adam_step(data):
 
 
 def test_aux_logs_and_a_kept_short_batch_match_trainer(data):
-    pop = Population(mlp, optax.adam(1e-2), xent_aux, seeds=[4, 7], has_aux=True)
+    pop = Population(mlp, TX, xent_aux, seeds=[4, 7], has_aux=True)
     history = pop.fit(data, epochs=2, batch_size=10, drop_remainder=False)
     assert history.losses.shape == (14, 2)  # 6 full batches + one of 4, twice
     assert history.epochs[-1]["acc"].shape == (2,)
     model = MLP(rngs=nnx.Rngs(7))
-    alone = Trainer(model, optax.adam(1e-2), xent_aux, has_aux=True).fit(
+    alone = Trainer(model, TX, xent_aux, has_aux=True).fit(
         data, epochs=2, batch_size=10, seed=7, drop_remainder=False, progress=False
     )
     np.testing.assert_allclose(history.losses[:, 1], alone.losses, rtol=1e-5, atol=1e-6)
@@ -215,7 +220,7 @@ def test_aux_logs_and_a_kept_short_batch_match_trainer(data):
 
 
 def test_evaluate_equals_each_members_trainer_evaluate(data):
-    pop = Population(bn_dropout, optax.adam(1e-2), xent, seeds=SEEDS)
+    pop = Population(bn_dropout, TX, xent, seeds=SEEDS)
     history = pop.fit(data, epochs=2, batch_size=BS)
 
     def metrics(model, batch):
@@ -225,9 +230,7 @@ def test_evaluate_equals_each_members_trainer_evaluate(data):
     values = pop.evaluate(test, metrics, batch_size=20)  # 2 batches of 20 + one of 10
     assert set(values) == {"accuracy", "xent"} and values["xent"].shape == (3,)
     for i in range(3):
-        alone = Trainer(pop.member(i), optax.adam(1e-2), xent).evaluate(
-            test, metrics, batch_size=20
-        )
+        alone = Trainer(pop.member(i), TX, xent).evaluate(test, metrics, batch_size=20)
         for name, value in alone.items():
             np.testing.assert_allclose(values[name][i], value, rtol=1e-5, atol=1e-6)
     assert pop.best("xent") == int(np.argmin(values["xent"]))
@@ -236,14 +239,12 @@ def test_evaluate_equals_each_members_trainer_evaluate(data):
 
 
 def test_member_is_a_fresh_module_that_trains_further(data):
-    pop = Population(bn_dropout, optax.adam(1e-2), xent, seeds=[0, 1])
+    pop = Population(bn_dropout, TX, xent, seeds=[0, 1])
     pop.fit(data, epochs=1, batch_size=BS)
     kept = pop.state
     model = pop.member(1)
     assert model is not pop.member(1)
-    history = Trainer(model, optax.adam(1e-2), xent).fit(
-        data, epochs=2, batch_size=BS, progress=False
-    )
+    history = Trainer(model, TX, xent).fit(data, epochs=2, batch_size=BS, progress=False)
     assert np.isfinite(history.losses).all() and history.losses.shape == (16,)
     assert not np.allclose(model.l2.kernel[...], kept["l2"]["kernel"][1])
     assert_trees_close(pop.state, kept, exact=True)  # the population did not move

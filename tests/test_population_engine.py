@@ -18,6 +18,9 @@ from nnxscan.shell import EarlyStopping, LambdaCallback, Population, Preempted, 
 
 from conftest import MLP, BNDropout, assert_trees_close, make_data, state_arrays, xent
 
+# One optimizer for every run: the programs are cached by it, so each member's reference
+# Trainer and each rerun compiles nothing new (optax transforms hold no state).
+TX = optax.adam(1e-2)
 BS = 8
 SEEDS = [0, 1, 2]
 DATA = make_data(60)  # 7 steps an epoch, 4 examples left over
@@ -58,12 +61,12 @@ def stream_of(data, batch_size=BS):
 
 def test_a_shared_stream_trains_every_member_as_its_own_trainer_on_that_stream():
     batches = stream_of(DATA)  # 14 overlapping batches of 8
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+    pop = Population(mlp, TX, xent, seeds=SEEDS)
     history = pop.fit(batches, epochs=2, steps_per_call=5, progress=False)
     assert history.losses.shape == (28, 3) and pop.step == 28
     runs = []
     for seed in SEEDS:
-        trainer = Trainer(MLP(rngs=nnx.Rngs(seed)), optax.adam(1e-2), xent)
+        trainer = Trainer(MLP(rngs=nnx.Rngs(seed)), TX, xent)
         runs.append((trainer, trainer.fit(batches, epochs=2, steps_per_call=5, progress=False)))
     assert_members_match(pop, history, runs)
 
@@ -74,21 +77,21 @@ def test_per_member_batches_give_member_i_its_own_slice():
         {k: np.stack([m[k][i : i + BS] for m in members]) for k in ("x", "y")}
         for i in range(0, 40, BS)
     ]  # 5 batches of shape (3, 8, ...)
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+    pop = Population(mlp, TX, xent, seeds=SEEDS)
     history = pop.fit(lambda: iter(stacked), epochs=2, member_batches=True, progress=False)
     runs = []
     for i, seed in enumerate(SEEDS):
         own = [{k: b[k][i] for k in b} for b in stacked]
-        trainer = Trainer(MLP(rngs=nnx.Rngs(seed)), optax.adam(1e-2), xent)
+        trainer = Trainer(MLP(rngs=nnx.Rngs(seed)), TX, xent)
         runs.append((trainer, trainer.fit(own, epochs=2, progress=False)))
     assert_members_match(pop, history, runs)
     # A data set with a leading members axis: member i shuffles and trains its own.
     data = {k: np.stack([m[k] for m in members]) for k in ("x", "y")}
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+    pop = Population(mlp, TX, xent, seeds=SEEDS)
     history = pop.fit(data, epochs=2, batch_size=BS, member_batches=True, progress=False)
     runs = []
     for i, seed in enumerate(SEEDS):
-        trainer = Trainer(MLP(rngs=nnx.Rngs(seed)), optax.adam(1e-2), xent)
+        trainer = Trainer(MLP(rngs=nnx.Rngs(seed)), TX, xent)
         own = {k: v[i] for k, v in data.items()}
         runs.append((trainer, trainer.fit(own, epochs=2, batch_size=BS, seed=seed, progress=False)))
     assert_members_match(pop, history, runs)
@@ -101,7 +104,7 @@ def test_per_member_batches_give_member_i_its_own_slice():
 
 def test_steps_per_call_and_fused_epochs_train_bitwise_what_one_call_per_epoch_trains():
     def run(**fit):
-        pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+        pop = Population(mlp, TX, xent, seeds=SEEDS)
         history = pop.fit(DATA, epochs=4, batch_size=BS, progress=False, **fit)
         return pop, history
 
@@ -119,11 +122,11 @@ def test_steps_per_call_and_fused_epochs_train_bitwise_what_one_call_per_epoch_t
 
 
 def test_accumulate_equals_each_members_accumulating_trainer():
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS, accumulate=2)
+    pop = Population(mlp, TX, xent, seeds=SEEDS, accumulate=2)
     history = pop.fit(DATA, epochs=2, batch_size=BS, progress=False)
     runs = []
     for seed in SEEDS:
-        trainer = Trainer(MLP(rngs=nnx.Rngs(seed)), optax.adam(1e-2), xent, accumulate=2)
+        trainer = Trainer(MLP(rngs=nnx.Rngs(seed)), TX, xent, accumulate=2)
         runs.append(
             (trainer, trainer.fit(DATA, epochs=2, batch_size=BS, seed=seed, progress=False))
         )
@@ -162,13 +165,13 @@ def new_metrics():
 def test_call_time_rngs_and_nnx_metrics_per_member_equal_each_members_trainer():
     rngs = lambda seed: nnx.Rngs(100 + seed)  # noqa: E731  each member its own dropout stream
     pop = Population(
-        lambda r: DropoutMLP(rngs=r), optax.adam(1e-2), loss_with_rngs, seeds=SEEDS,
+        lambda r: DropoutMLP(rngs=r), TX, loss_with_rngs, seeds=SEEDS,
         has_aux=True, rngs=rngs, metrics=new_metrics(), update_metrics=update,
     )  # fmt: skip
     history = pop.fit(DATA, epochs=2, batch_size=BS, eval_data=DATA, progress=False)
     for i, seed in enumerate(SEEDS):
         trainer = Trainer(
-            DropoutMLP(rngs=nnx.Rngs(seed)), optax.adam(1e-2), loss_with_rngs, has_aux=True,
+            DropoutMLP(rngs=nnx.Rngs(seed)), TX, loss_with_rngs, has_aux=True,
             rngs=rngs(seed), metrics=new_metrics(), update_metrics=update,
         )  # fmt: skip
         alone = trainer.fit(DATA, epochs=2, batch_size=BS, seed=seed, eval_data=DATA,
@@ -189,7 +192,7 @@ def test_call_time_rngs_and_nnx_metrics_per_member_equal_each_members_trainer():
 
 
 def make_population():
-    return Population(bn_dropout, optax.adam(1e-2), xent, seeds=SEEDS)
+    return Population(bn_dropout, TX, xent, seeds=SEEDS)
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +283,8 @@ def test_trainer_and_population_share_names_defaults_and_signatures():
 
 
 def test_configuration_the_program_is_built_from_is_read_only():
-    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), xent)
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
+    pop = Population(mlp, TX, xent, seeds=SEEDS)
     for subject in (trainer, pop):
         for name in ("loss_fn", "has_aux", "update_metrics", "on_nonfinite", "accumulate"):
             with pytest.raises(AttributeError):
@@ -293,12 +296,12 @@ def test_a_one_member_population_is_told_apart_from_a_trainer_by_declaration():
     """EarlyStopping reads num_members: a one-member population freezes its member, a
     Trainer stops; neither guesses from the logs' shapes."""
     stop = EarlyStopping("loss", patience=1, mode="max", verbose=False)  # loss falls: stops
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=[0])
+    pop = Population(mlp, TX, xent, seeds=[0])
     history = pop.fit(DATA, epochs=5, batch_size=BS, callbacks=[stop], progress=False)
     assert history.epochs[-1]["loss"].shape == (1,)
     assert isinstance(stop.wait, np.ndarray) and stop.stopped_epoch.tolist() == [1]
     assert pop.active.tolist() == [False] and len(history.epochs) == 2
-    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), xent)
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
     history = trainer.fit(DATA, epochs=5, batch_size=BS, callbacks=[stop], progress=False)
     assert stop.stopped_epoch == 1 and len(history.epochs) == 2
 
@@ -316,7 +319,7 @@ def per_class_accuracy(model, batch):
 def test_array_metrics_are_averaged_elementwise_and_never_taken_for_members(tmp_path):
     from nnxscan.adapters.writers import CSVWriter, JSONLinesWriter
 
-    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), xent)
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
     stop = EarlyStopping("eval_accuracy", patience=5, verbose=False)
     writers = [CSVWriter(tmp_path / "logs.csv"), JSONLinesWriter(tmp_path / "logs.jsonl")]
     history = trainer.fit(DATA, epochs=2, batch_size=BS, eval_data=DATA, eval_batch_size=16,
@@ -340,7 +343,7 @@ def test_array_metrics_are_averaged_elementwise_and_never_taken_for_members(tmp_
 
 
 def test_the_progress_line_shows_the_members_median_and_range(capsys):
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+    pop = Population(mlp, TX, xent, seeds=SEEDS)
     pop.freeze(1)
     history = pop.fit(DATA, epochs=1, batch_size=BS)  # progress on by default, as Trainer's
     out = capsys.readouterr().out

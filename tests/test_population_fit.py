@@ -5,6 +5,7 @@ runs (Trainer, a hand-computed loss) or a straight uninterrupted population run.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import os
@@ -35,6 +36,10 @@ from conftest import (
     xent,
 )
 
+# One optimizer object per configuration: the shell caches its compiled programs by the
+# optimizer, so the reference Trainer of each member reuses them (optax transforms hold no
+# state: sharing one changes nothing that is trained).
+TX = optax.adam(1e-2)
 BS = 8
 SEEDS = [0, 1, 2]
 WORKER = str(pathlib.Path(__file__).with_name("population_mesh_worker.py"))
@@ -44,6 +49,7 @@ def mlp(rngs: nnx.Rngs) -> nnx.Module:
     return MLP(rngs=rngs)
 
 
+@functools.cache
 def injected_adam(learning_rate: float = 1e-2) -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.adam)(learning_rate=learning_rate)
 
@@ -162,12 +168,12 @@ def test_scanned_cnn_population_equals_trainer_step_plan():
         "x": rng.normal(size=(32, 8, 8, 1)).astype(np.float32),
         "y": rng.integers(0, 3, 32).astype(np.int32),
     }
-    pop = Population(lambda rngs: SmallCNN(rngs=rngs), optax.adam(1e-2), xent, seeds=[0, 1])
+    pop = Population(lambda rngs: SmallCNN(rngs=rngs), TX, xent, seeds=[0, 1])
     # auto scans CNNs on the CPU too (convolutions canonicalized in the compiled programs)
     assert pop.plan_for(images, BS).kind == "scan"
     history = pop.fit(images, epochs=1, batch_size=BS)
     for i in range(2):
-        trainer = Trainer(SmallCNN(rngs=nnx.Rngs(i)), optax.adam(1e-2), xent, execution="step")
+        trainer = Trainer(SmallCNN(rngs=nnx.Rngs(i)), TX, xent, execution="step")
         alone = trainer.fit(images, epochs=1, batch_size=BS, seed=i, progress=False)
         np.testing.assert_allclose(history.losses[:, i], alone.losses, rtol=1e-5, atol=1e-6)
         assert_trees_close(pop.member(i), trainer.model, rtol=1e-4, atol=1e-6)
@@ -235,7 +241,7 @@ def test_save_and_restore_round_trip_and_refusals(data, tmp_path):
 
 
 def test_sigterm_saves_after_the_epoch_and_a_resume_equals_a_straight_run(data, tmp_path):
-    make = lambda: Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)  # noqa: E731
+    make = lambda: Population(mlp, TX, xent, seeds=SEEDS)  # noqa: E731
     straight = make()
     full = straight.fit(data, epochs=3, batch_size=BS)
     preempt = LambdaCallback(
@@ -253,7 +259,7 @@ def test_sigterm_saves_after_the_epoch_and_a_resume_equals_a_straight_run(data, 
 
 
 def test_writers_record_one_value_per_member(data, tmp_path):
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+    pop = Population(mlp, TX, xent, seeds=SEEDS)
     stream = io.StringIO()
     writers = [
         CSVWriter(tmp_path / "logs.csv"),
@@ -274,18 +280,18 @@ def test_writers_record_one_value_per_member(data, tmp_path):
 
 
 def test_fit_arguments_are_checked_before_anything_runs(data, compile_count):
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+    pop = Population(mlp, TX, xent, seeds=SEEDS)
     with pytest.raises(ValueError, match="both eval_data and a metric_fn"):
         pop.fit(data, epochs=1, batch_size=BS, eval_data=data)
     with pytest.raises(ValueError, match="checkpoint_dir"):
         pop.fit(data, epochs=1, batch_size=BS, resume=True)
     with pytest.raises(ValueError, match="on_nonfinite"):
-        Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS, on_nonfinite="drop")
+        Population(mlp, TX, xent, seeds=SEEDS, on_nonfinite="drop")
     with pytest.raises(ValueError, match="where must be one bool per member"):
         pop.load_state(pop.state, where=[True])
     one = Mesh(np.array(jax.devices()[:1]), ("data",))
     with pytest.raises(ValueError, match="member_axis and data_axis are both 'data'"):
-        Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS, mesh=one, member_axis="data")
+        Population(mlp, TX, xent, seeds=SEEDS, mesh=one, member_axis="data")
     assert compile_count() == 0 and pop.step == 0
 
 
@@ -323,7 +329,7 @@ def test_members_sharded_over_a_mesh_train_as_on_one_device(tmp_path):
 
 
 def test_progress_line_names_the_members_in_training(data, capsys):
-    pop = Population(mlp, optax.adam(1e-2), xent, seeds=SEEDS)
+    pop = Population(mlp, TX, xent, seeds=SEEDS)
     pop.freeze(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
