@@ -84,12 +84,12 @@ class Evaluation(NamedTuple):
 class Checkpoints(NamedTuple):
     """Where and when ``fit`` saves: ``save(history, partial_losses, carry=None)`` writes a
     checkpoint of the owner's objects (``carry``: the state just written into them) with the
-    run so far; every ``every_epochs`` epochs, every
-    ``every_steps`` steps (at call boundaries; None: never mid-epoch), on SIGTERM or
-    SIGINT, and once more at the end when a callback loaded a state (EarlyStopping's best
-    epoch) since the last save. A save may return before its checkpoint is on disk (it is
-    written in the background); ``close()`` waits for it, and fit calls it on every way
-    out (the end, a preemption, an exception)."""
+    run so far; every ``every_epochs`` epochs, every ``every_steps`` steps (at call
+    boundaries; None: never mid-epoch), on SIGTERM or SIGINT, and once more at the end when
+    a callback loaded a state (EarlyStopping's best epoch) since the last save. A save may
+    return before its checkpoint is on disk (it is written in the background); ``close()``
+    waits for it, and fit calls it on every way out (the end, a preemption, an
+    exception)."""
 
     every_epochs: int
     every_steps: int | None
@@ -380,7 +380,9 @@ class FitLoop:
         losses = stacked[0] if self.program.has_aux else stacked
         return np.concatenate([self._partial, np.asarray(losses, np.float32)])
 
-    def _save_mid_epoch(self, history: History, outs: list, epoch_step: int, live) -> None:
+    def _save_mid_epoch(
+        self, history: History, outs: list, epoch_step: int, live: LiveState
+    ) -> None:
         """A checkpoint inside an epoch: the model and counters as they are, the epoch's
         losses so far, and how many of its steps are done (what a resume skips)."""
         owner = self.owner
