@@ -1,6 +1,6 @@
 """nnxscan's own checkpoint storage: one raw file of packed buffers and a JSON manifest.
 
-Used for the trees one process holds whole (after ``checkpoint._pack`` every array is one
+Used for the trees one process holds whole (after ``checkpoint._fill`` every array is one
 host buffer per dtype), which is every single-process run that is not sharded over several
 devices. Orbax is kept for the rest (arrays sharded over devices or processes), because it
 writes each process's shards; its fixed cost (~45 ms of CPU per save for a 5.6 MB model on
@@ -84,7 +84,7 @@ def write(
     """Writes checkpoint ``step`` under ``path`` atomically; returns ``<path>/<step>``.
 
     ``buffers`` are flat, contiguous host arrays that nobody else writes to while this runs
-    (``checkpoint._pack`` makes them: copies, never views of device buffers)."""
+    (``checkpoint._fill`` makes them: copies, never views of device buffers)."""
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / f"{step}{TMP_SUFFIX}"
     if tmp.exists():  # a save of this step killed mid-way: replaced, not an obstacle

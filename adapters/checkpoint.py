@@ -65,7 +65,7 @@ import dataclasses
 import functools
 import os
 import pathlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -109,7 +109,7 @@ class _Leaf:
     impl: str = ""  # PRNG implementation name, for keys
     name: str = ""  # the array's name in the orbax item, for arrays and keys
     value: Any = None  # the value itself, for Python leaves
-    pack: str = ""  # the packed buffer holding this array's elements (see _pack), if any
+    pack: str = ""  # the packed buffer holding this array's elements (see _layout)
     offset: int = 0  # where in that buffer its elements start
     data_shape: tuple[int, ...] = ()  # a packed key's raw data (its shape + the impl's)
 
@@ -193,28 +193,122 @@ def _describe_template(path: str, leaf: Any) -> _Leaf:
     )
 
 
-def _records_and_arrays(tree: dict[str, Any]) -> tuple[list[_Leaf], dict[str, Any]]:
-    """The manifest records of ``tree`` and the arrays orbax writes, keyed by array name."""
-    records, arrays = [], {}
-    for index, (path, leaf) in enumerate(_flatten(tree)):
+class _Layout(NamedTuple):
+    """How a tree of one structure is saved, worked out once per structure: each leaf's
+    record (path, kind, pack and offset), so that a save of the same structure only copies
+    its arrays to the host (a fit saves one structure, every epoch)."""
+
+    records: tuple[_Leaf, ...]  # per leaf; a Python leaf's value is filled in per save
+    entries: tuple[dict[str, Any], ...]  # the records as the manifest's JSON
+    python: tuple[int, ...]  # the Python leaves (bool/int/float/str), by index
+    keys: frozenset[int]  # typed PRNG key leaves: saved as their key data
+    packs: dict[str, tuple[int, ...]]  # packed buffer -> the leaves joined into it, in order
+    arrays: dict[str, int]  # arrays left to orbax (sharded): name -> leaf
+    held_whole: bool  # nnxscan's own files can hold it (see _held_whole)
+    on_host: bool  # every packed array is numpy or on a CPU device: readable in place
+
+
+# The layouts of the last few structures saved, newest first: shared by the writers of
+# successive fits (and save_checkpoint calls) that save the same model. Compared, not
+# hashed: a treedef's Variable metadata need not be hashable.
+_LAYOUTS: list[tuple[Any, _Layout]] = []
+_KEPT_LAYOUTS = 8
+
+
+def _signature(leaf: Any) -> Any:
+    """What a leaf's record depends on besides its path (a Python leaf's value does not)."""
+    if isinstance(leaf, jax.Array):
+        return leaf.shape, leaf.dtype, leaf.sharding
+    if isinstance(leaf, np.ndarray | np.generic):
+        return type(leaf), leaf.shape, leaf.dtype
+    return type(leaf)
+
+
+def _array_data(leaf: Any, is_key: bool) -> Any:
+    if is_key:
+        return jax.random.key_data(leaf)
+    return np.asarray(leaf) if isinstance(leaf, np.generic) else leaf
+
+
+def _layout(tree: dict[str, Any]) -> _Layout:
+    """Checks every leaf of ``tree`` and lays out its manifest and buffers.
+
+    orbax's cost is per array (~1 ms of CPU each here): the arrays this process holds whole
+    (on one device, replicated, or numpy) are joined into one flat buffer per dtype, each
+    leaf recorded by buffer and offset. Arrays sharded over several devices or processes
+    are left to orbax, each process writing its own shards.
+    """
+    pairs = _flatten(tree)
+    leaves = jax.tree.leaves(tree)
+    if len(pairs) != len(leaves):  # pragma: no cover - a Variable with extra children
+        raise TypeError("a Variable in the tree flattens to more than its value")
+    records, python, keys, arrays, on_host = [], [], set(), {}, True
+    packs: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for index, (path, leaf) in enumerate(pairs):
         if isinstance(leaf, jax.ShapeDtypeStruct):
             raise TypeError(
                 f"leaf {path} is an abstract jax.ShapeDtypeStruct: save concrete arrays "
                 f"(templates with ShapeDtypeStruct leaves are for restore_checkpoint)"
             )
         record = _describe_template(path, leaf)
-        if record.kind in _ARRAY_KINDS:
-            name, impl = f"leaf_{index:05d}", ""
-            if record.kind == "key":
-                # orbax cannot write typed key arrays; their raw bits and the implementation
-                # name rebuild them exactly.
-                impl = str(jax.random.key_impl(leaf))
-                arrays[name] = jax.random.key_data(leaf)
-            else:
-                arrays[name] = np.asarray(leaf) if isinstance(leaf, np.generic) else leaf
+        if record.kind not in _ARRAY_KINDS:
+            python.append(index)
+            records.append(record)
+            continue
+        impl = ""
+        if record.kind == "key":
+            # orbax cannot write typed key arrays; their raw bits and the implementation
+            # name rebuild them exactly.
+            impl = str(jax.random.key_impl(leaf))
+            keys.add(index)
+        data = _array_data(leaves[index], record.kind == "key")
+        if _packable(data):
+            pack = f"pack_{_dtype_kind(data.dtype)[1]}"
+            offset = sizes.get(pack, 0)
+            sizes[pack] = offset + data.size
+            packs.setdefault(pack, []).append(index)
+            if isinstance(data, jax.Array):
+                on_host = on_host and all(d.platform == "cpu" for d in data.devices())
+            record = _Leaf(path, record.kind, record.shape, record.dtype, impl, "", None,
+                           pack, offset, tuple(data.shape))  # fmt: skip
+        else:
+            name = f"leaf_{index:05d}"
+            arrays[name] = index
             record = _Leaf(path, record.kind, record.shape, record.dtype, impl, name)
         records.append(record)
-    return _pack(records, arrays)
+    return _Layout(
+        records=tuple(records),
+        entries=tuple(record.to_json() for record in records),
+        python=tuple(python),
+        keys=frozenset(keys),
+        packs={pack: tuple(members) for pack, members in packs.items()},
+        arrays=arrays,
+        held_whole=_held_whole(records),
+        on_host=on_host,
+    )
+
+
+def _fill(layout: _Layout, leaves: list) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The manifest's leaf entries and the arrays to write, for ``leaves`` laid out by
+    ``layout``. The packed buffers are copies made here, on the host: what is written is
+    what the tree held now, whatever happens to its device buffers next."""
+    entries = list(layout.entries)
+    for index in layout.python:
+        leaf = leaves[index]
+        entries[index] = _Leaf(layout.records[index].path, type(leaf).__name__,
+                               value=leaf).to_json()  # fmt: skip
+    arrays = {
+        name: _array_data(leaves[index], index in layout.keys)
+        for name, index in layout.arrays.items()
+    }
+    members = [index for indices in layout.packs.values() for index in indices]
+    values = [_array_data(leaves[i], i in layout.keys) for i in members]
+    host = iter(_to_host(values, start=not layout.on_host))
+    for pack, indices in layout.packs.items():
+        # The copy out of the device buffers (on the CPU, np.asarray is a view of them).
+        arrays[pack] = np.concatenate([next(host).reshape(-1) for _ in indices])
+    return entries, arrays
 
 
 def _packable(x: Any) -> bool:
@@ -229,47 +323,16 @@ def _packable(x: Any) -> bool:
     )
 
 
-def _to_host(arrays: list[Any]) -> list[np.ndarray]:
+def _to_host(arrays: list[Any], start: bool = True) -> list[np.ndarray]:
     """``jax.device_get`` of a flat list, without its per-leaf tree walk (5x faster for a
-    hundred small arrays here): every transfer is started first, then each is read (on the
-    CPU a read is a view of the device buffer: the caller copies before returning)."""
-    for x in arrays:
-        if isinstance(x, jax.Array):
-            x.copy_to_host_async()
+    hundred small arrays here): with ``start``, every transfer is started first (arrays on
+    an accelerator), then each is read (on the CPU a read is a view of the device buffer:
+    the caller copies before returning)."""
+    if start:
+        for x in arrays:
+            if isinstance(x, jax.Array):
+                x.copy_to_host_async()
     return [np.asarray(x) for x in arrays]
-
-
-def _pack(records: list[_Leaf], arrays: dict[str, Any]) -> tuple[list[_Leaf], dict[str, Any]]:
-    """Joins the arrays this process holds whole into one flat buffer per dtype.
-
-    orbax's cost is per array (~1 ms of CPU each here): a model of a hundred small leaves
-    saves several times faster as a few buffers. The copy to the host happens here, in one
-    transfer (an asynchronous save needs it before returning anyway). Arrays sharded over
-    several devices or processes are left to orbax, each process writing its own shards.
-    """
-    names = [r.name for r in records if r.name and _packable(arrays[r.name])]
-    if not names:
-        return records, arrays
-    host = dict(zip(names, _to_host([arrays[n] for n in names]), strict=True))
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        groups.setdefault(_dtype_kind(host[name].dtype)[1], []).append(name)
-    placed, packed = {}, {}
-    for dtype, members in groups.items():
-        offset = 0
-        for name in members:
-            placed[name] = (f"pack_{dtype}", offset)
-            offset += host[name].size
-        packed[f"pack_{dtype}"] = np.concatenate([host[n].reshape(-1) for n in members])
-    records = [
-        _Leaf(r.path, r.kind, r.shape, r.dtype, r.impl, "", None, *placed[r.name],
-              tuple(host[r.name].shape))
-        if r.name in placed
-        else r
-        for r in records
-    ]  # fmt: skip
-    rest = {name: array for name, array in arrays.items() if name not in placed}
-    return records, {**rest, **packed}
 
 
 def _resolve(directory: str | os.PathLike[str]) -> pathlib.Path:
@@ -364,6 +427,20 @@ class CheckpointWriter:
             self._manager.reload()  # our own files may have come and gone since
         return self._manager
 
+    def _layout_of(self, tree: dict[str, Any]) -> tuple[_Layout, list]:
+        """The tree's leaves and their layout: worked out at the first save of each
+        structure, then reused (a flat list and a comparison instead of a path walk)."""
+        leaves, treedef = jax.tree.flatten(tree)
+        key = (treedef, tuple(_signature(leaf) for leaf in leaves))
+        for index, (known, layout) in enumerate(_LAYOUTS):
+            if known == key:
+                _LAYOUTS.insert(0, _LAYOUTS.pop(index))  # most recently used first
+                return layout, leaves
+        layout = _layout(tree)
+        _LAYOUTS.insert(0, (key, layout))
+        del _LAYOUTS[_KEPT_LAYOUTS:]
+        return layout, leaves
+
     def newest_step(self) -> int | None:
         """The newest checkpoint's step, on disk or being written (never waits)."""
         if self._steps is None:
@@ -396,13 +473,10 @@ class CheckpointWriter:
         step = _as_step(step, "step")
         # Every leaf is checked before anything touches the disk. This copies the arrays to
         # the host: what is written is what the tree held now, whatever happens to it next.
-        records, arrays = _records_and_arrays(tree)
-        manifest = {
-            "format": _FORMAT,
-            "version": _VERSION,
-            "leaves": [record.to_json() for record in records],
-        }
-        own_files = self.storage == "auto" and _held_whole(records)
+        layout, leaves = self._layout_of(tree)
+        entries, arrays = _fill(layout, leaves)
+        manifest = {"format": _FORMAT, "version": _VERSION, "leaves": entries}
+        own_files = self.storage == "auto" and layout.held_whole
         # One write at a time, in order: the previous one finishes before this one starts.
         self.wait()
         manager = None if own_files else self._orbax_manager()

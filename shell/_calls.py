@@ -52,7 +52,7 @@ class LiveState:
     """The newest ``(state, opt_state)`` of one run of calls, kept as flat leaves: the carry
     in flight between the owner's reads and writes.
 
-    ``write(state, opt_state, steps)`` (an owner's writer) puts it into the owner's objects
+    ``write(leaves, treedef, steps)`` (an owner's writer) puts it into the owner's objects
     and receives the number of steps trained since the last write. ``make_runner(carry_def,
     carry_shardings, donate)`` builds the compiled runner for this carry (see
     ``_programs.TrainProgram.runner``).
@@ -112,7 +112,7 @@ class LiveState:
     def flush(self) -> None:
         if self.unwritten:
             steps, self.unwritten_steps, self.unwritten = self.unwritten_steps, 0, False
-            self._write(*self.carry(), steps)
+            self._write(self.leaves, self.treedef, steps)
 
 
 @contextlib.contextmanager

@@ -124,8 +124,8 @@ class StackedOwner:
     # -- writing ----------------------------------------------------------------------------
 
     def writer(self) -> Writer:
-        def write(state: Any, opt_state: Any, steps: int) -> None:
-            self._carry = (state, opt_state)
+        def write(leaves: list, treedef: Any, steps: int) -> None:
+            self._carry = jax.tree.unflatten(treedef, leaves)
             self.step += steps
 
         return write

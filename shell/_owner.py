@@ -27,7 +27,9 @@ from nnxscan.pure import init_opt_state, split_wrt
 from nnxscan.pure._checks import check_transform
 from nnxscan.pure._node import node_of
 
-Writer = Callable[[nnx.State, Any, int], None]
+# ``write(leaves, treedef, steps)``: the carry ``(state, opt_state)`` as ``jax.tree.flatten``
+# gives it, and the number of steps trained since the last write.
+Writer = Callable[[list, Any, int], None]
 
 
 class Owner(Protocol):
@@ -204,14 +206,39 @@ class ModelOwner:
     # -- writing ----------------------------------------------------------------------------
 
     def writer(self) -> Writer:
-        """``write(state, opt_state, steps)``: puts a trained state into the user's objects and
-        advances the step counter by ``steps``. Its leaf maps are built once, here: call it
-        once per fit and use the result after every compiled call."""
+        """``write(leaves, treedef, steps)``: puts a trained carry into the user's objects and
+        advances the step counter by ``steps``. Its maps are built once, here: call it once
+        per fit and use the result after every compiled call.
+
+        The carry's leaves go straight into the Variables they were read from (a value swap
+        each, ~10x cheaper than ``nnx.update``'s graph walk: a fit writes back after every
+        compiled call). A carry of another structure, and Variables a swap cannot write
+        (hijax Variables, array refs), go through ``nnx.update``.
+        """
+        state = nnx.state(self.node)
+        opt_state = self._opt_state_of(state)
+        variables = _swappable(state, self.optimizer)
+        # The carry's treedef, compared once per run of calls (LiveState keeps one object).
+        expected, matched = jax.tree.structure((state, opt_state)), [None]
+        model_leaves = len(jax.tree.leaves(state))
+        optax_def = jax.tree.structure(opt_state)
+
+        def direct(leaves: list, treedef: Any) -> bool:
+            if variables is None or not (treedef is matched[0] or treedef == expected):
+                return False
+            matched[0] = treedef
+            for variable, leaf in zip(variables, leaves, strict=False):
+                variable.set_raw_value(leaf)
+            return True
+
         if self.optimizer is None:
 
-            def write(state: nnx.State, opt_state: Any, steps: int) -> None:
-                nnx.update(self.node, state)
-                self._opt_state = opt_state
+            def write(leaves: list, treedef: Any, steps: int) -> None:
+                if direct(leaves, treedef):
+                    self._opt_state = jax.tree.unflatten(optax_def, leaves[model_leaves:])
+                else:
+                    state, self._opt_state = jax.tree.unflatten(treedef, leaves)
+                    nnx.update(self.node, state)
                 self._own_step += steps
 
             return write
@@ -219,11 +246,15 @@ class ModelOwner:
         build = optimizer_state_writer(self.optimizer)
         optimizer = self.optimizer
 
-        def write_with_optimizer(state: nnx.State, opt_state: Any, steps: int) -> None:
+        def write_with_optimizer(leaves: list, treedef: Any, steps: int) -> None:
             new_step = self.step + steps
             step_array = jnp.asarray(new_step, jnp.uint32)
-            nnx.update(self.node, state)
-            nnx.update(optimizer, build(opt_state, step_array))
+            if direct(leaves, treedef):
+                optimizer.step.set_raw_value(step_array)
+            else:
+                state, opt_state = jax.tree.unflatten(treedef, leaves)
+                nnx.update(self.node, state)
+                nnx.update(optimizer, build(opt_state, step_array))
             self._step_cache = (optimizer.step.get_value(), new_step)
 
         return write_with_optimizer
@@ -295,6 +326,27 @@ class ModelOwner:
         self.epoch, self.seed = meta["epoch"], meta["seed"]
         self.epoch_step, self.restored_run = meta["epoch_step"], meta["run"]
         self.loaded_since_checkpoint = False
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _swappable(state: nnx.State, optimizer: nnx.Optimizer | None) -> list | None:
+    """The user's Variables in the carry's leaf order (the module state's, then the
+    optimizer's optax leaves), when each holds one plain array that a value swap can
+    replace; else None (``nnx.update`` writes then)."""
+    variables = jax.tree.leaves(state, is_leaf=_is_variable)
+    if optimizer is not None:
+        variables += jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable)
+    for variable in variables:
+        if (
+            not isinstance(variable, nnx.Variable)
+            or getattr(variable, "hijax", False)
+            or not isinstance(variable.get_raw_value(), jax.Array | np.ndarray)
+        ):
+            return None
+    return variables
 
 
 def check_companions(rngs: Any, metrics: Any) -> None:

@@ -153,3 +153,39 @@ def test_leftovers_of_a_killed_process_are_never_listed_and_are_cleaned(tmp_path
 def test_storage_must_be_known():
     with pytest.raises(ValueError, match="storage must be one of"):
         CheckpointWriter("anywhere", storage="zarr")
+
+
+def test_a_save_reusing_a_known_layout_writes_what_a_fresh_layout_writes(tmp_path, monkeypatch):
+    """Saves of a structure seen before reuse its layout (paths, packs, offsets); the
+    reference is the same tree saved with no layout known. Trees that differ from a known
+    one only in a leaf's dtype, shape, Python type or placement get their own layout."""
+    from nnxscan.adapters import checkpoint
+
+    def variants(step: int) -> list[dict]:
+        tree = every_kind(step)
+        return [
+            tree,
+            {**tree, "f32": tree["f32"].astype(jnp.float16)},  # dtype
+            {**tree, "i8": tree["i8"][:4]},  # shape
+            {**tree, "meta": {**tree["meta"], "step": float(step)}},  # Python type
+            {**tree, "u32": np.asarray(tree["u32"])},  # numpy instead of a device array
+        ]
+
+    monkeypatch.setattr(checkpoint, "_LAYOUTS", [])  # whatever other tests saved before
+    built = []
+    layout = checkpoint._layout
+    monkeypatch.setattr(checkpoint, "_layout", lambda tree: built.append(1) or layout(tree))
+    for step in (1, 2, 3):  # every variant's layout is known after step 1
+        for index, tree in enumerate(variants(step)):
+            before = len(built)
+            save_checkpoint(tmp_path / f"cached{index}", step, tree)
+            assert len(built) - before == (step == 1), (step, index)
+            with monkeypatch.context() as patched:
+                patched.setattr(checkpoint, "_LAYOUTS", [])  # nothing known
+                save_checkpoint(tmp_path / f"fresh{index}", step, tree)
+            cached = (tmp_path / f"cached{index}" / str(step)).iterdir()
+            for file in sorted(cached):
+                fresh = tmp_path / f"fresh{index}" / str(step) / file.name
+                assert file.read_bytes() == fresh.read_bytes(), (index, file.name)
+            restored, _ = restore_checkpoint(tmp_path / f"cached{index}", tree, step=step)
+            assert_same(restored, tree)

@@ -205,3 +205,47 @@ def test_steps_per_sec_is_the_steady_rate_with_the_compile_logged_apart(data, ca
         running = logs["wall_time"] - logs["compile_time"]
         assert logs["steps_per_sec"] == pytest.approx(logs["steps"] / running)
     assert f"after a {compiled[0]:.1f} s compile" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+@pytest.mark.parametrize("carry_kind", ["same structure", "pure dict"])
+def test_the_write_back_puts_a_carry_into_the_users_variables_as_nnx_update_does(
+    with_optimizer, carry_kind, monkeypatch
+):
+    """The owner's writer swaps the carry's leaves into the user's own Variables (a carry of
+    the structure it read); any other carry goes through nnx.update. The reference: fresh
+    objects updated by nnx.update with the same carry."""
+    from nnxscan.adapters.nnx_optimizer import optimizer_state_writer
+    from nnxscan.shell._owner import ModelOwner
+
+    def objects():
+        model = MLP(rngs=nnx.Rngs(0))
+        return model, (nnx.Optimizer(model, TX, wrt=nnx.Param) if with_optimizer else TX)
+
+    model, tx = objects()
+    owner = ModelOwner(model, tx)
+    kernel = model.l1.kernel  # the user's Variable object, kept by the write
+    _, state, opt_state = owner.read()
+    state, opt_state = jax.tree.map(lambda x: x + 1, (state, opt_state))
+    if carry_kind == "pure dict":
+        state = nnx.to_pure_dict(state)
+    leaves, treedef = jax.tree.flatten((state, opt_state))
+    write = owner.writer()
+    if carry_kind == "same structure":  # written by swapping values, no graph walk
+        monkeypatch.setattr(nnx, "update", lambda *args: pytest.fail("nnx.update called"))
+    write(leaves, treedef, 3)
+    write(leaves, treedef, 2)  # the second write takes the checked path again
+    monkeypatch.undo()
+
+    ref_model, ref_tx = objects()
+    nnx.update(ref_model, state)
+    if with_optimizer:
+        nnx.update(ref_tx, optimizer_state_writer(ref_tx)(opt_state, jnp.uint32(5)))
+    assert model.l1.kernel is kernel
+    assert_trees_close(host_state(model), host_state(ref_model), exact=True)
+    if with_optimizer:
+        assert int(tx.step.get_value()) == 5 and owner.step == 5
+        assert_trees_close(nnx.state(tx), nnx.state(ref_tx), exact=True)
+    else:
+        assert owner.step == 5
+        assert_trees_close(owner.opt_state, opt_state, exact=True)
