@@ -144,7 +144,9 @@ def test_the_mnist_tutorial_runs_through_trainer_bitwise(mnist_like, tutorial_ru
     assert_trees_close(optimizer, ref_optimizer, exact=True)  # optax state and step
     for logs, ref in zip(history.epochs, ref_epochs, strict=True):
         assert logs["train_accuracy"] == ref["accuracy"]
-        assert logs["train_loss"] == ref["loss"]
+        # The loss is not on the gradients' path: XLA may reduce it in another order in
+        # the two programs (1 ulp on an AVX-512 machine, bitwise on others).
+        np.testing.assert_allclose(logs["train_loss"], ref["loss"], rtol=1e-6)
     # Its evaluation loop: the trainer's metrics, in eval mode, never touching the objects.
     before = [np.array(x) for x in jax.tree.leaves(nnx.state(metrics))]
     evaluation = trainer.evaluate(test, batch_size=8)
