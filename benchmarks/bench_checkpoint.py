@@ -6,15 +6,16 @@ On the digits MLP of ``_workloads.py`` (and the byte-level LM, a model 30x large
   default: a save returns once the arrays are on the host) and with synchronous ones
   (``checkpoint_async=False``), and asynchronous saves through orbax (how every save was
   written before nnxscan's own files storage), against the same ``fit`` without
-  checkpoints (epochs fused when nothing needs the host); warm runs, interleaved, medians,
-  ratios;
+  checkpoints (epochs fused when nothing needs the host); and that fit with only an empty
+  epoch callback, which keeps the epochs apart as checkpoints do (what that alone costs);
+  warm runs, interleaved, medians, ratios;
 
 - per save: ``fit`` with ``checkpoint_every_steps=k`` against the same ``fit`` without
   checkpoints (interleaved, medians), the difference divided by the number of saves;
 - resume: ``fit(..., resume=True)`` of a finished run (restore, nothing left to train),
   i.e. what a restarted process pays before it trains again, besides compiling.
 
-    python benchmarks/bench_checkpoint.py --reps 5
+    python benchmarks/bench_checkpoint.py --reps 5 [--tables every-epoch,per-save,resume]
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def resume_cost(name: str, reps: int) -> str:
 
 VARIANTS = {
     "none": {},
+    # No checkpoints, the epochs kept apart as checkpoints keep them: what that alone costs.
+    "epoch callback": {"callbacks": [LambdaCallback(on_epoch_end=_nothing)]},
     "sync": {"checkpoint_async": False},
     "async": {},
     "async, orbax": {"storage": "orbax"},
@@ -126,7 +129,7 @@ def _writer(name, directory, *, max_to_keep=3, asynchronous=True):
 
 def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) -> str:
     """``fit`` with a checkpoint every epoch (async and sync, own files; async through
-    orbax) ÷ the same fit without."""
+    orbax), and with only an empty epoch callback, ÷ the same fit without either."""
     workload = WORKLOADS[name](False)
     data = workload.data
     if steps_per_epoch is not None:
@@ -140,7 +143,7 @@ def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) 
     def run(variant: str) -> float:
         options = dict(VARIANTS[variant])
         with tempfile.TemporaryDirectory() as folder, storage(options.pop("storage", None)):
-            if variant != "none":
+            if variant not in ("none", "epoch callback"):
                 options["checkpoint_dir"] = folder
             start = time.perf_counter()
             trainer.fit(data, epochs=epochs, **fit, **options)
@@ -161,14 +164,32 @@ def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--tables", default="every-epoch,per-save,resume",
+                        help="which tables, comma-separated")  # fmt: skip
     args = parser.parse_args()
+    tables = args.tables.split(",")
+    if "every-epoch" in tables:
+        every_epoch_table(args.reps)
+    if "per-save" in tables:
+        per_save_table(args.reps)
+    if "resume" in tables:
+        print("\n| workload | resume (restore) ms |\n|---|---:|")
+        for name in ("mlp_digits", "lm_200"):
+            print(resume_cost(name, args.reps), flush=True)
+
+
+def every_epoch_table(reps: int) -> None:
     print(
-        "| workload | epochs x steps | fit s, no checkpoints | every epoch, sync s | ÷ none | "
-        "every epoch, async s | ÷ none | async through orbax s | ÷ none |"
+        "| workload | epochs x steps | fit s, no checkpoints | an epoch callback instead s | "
+        "÷ none | every epoch, sync s | ÷ none | every epoch, async s | ÷ none | "
+        "async through orbax s | ÷ none |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, epochs, steps in (("lm_24", 4, 8), ("mlp_digits", 10, None)):
-        print(every_epoch(name, epochs, steps, args.reps), flush=True)
+        print(every_epoch(name, epochs, steps, reps), flush=True)
+
+
+def per_save_table(reps: int) -> None:
     print()
     print(
         "| workload | steps | save every | fit s | fit with saves s | saves | ms per save | "
@@ -176,10 +197,7 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, every in (("mlp_digits", 100), ("lm_200", 50)):
-        print(per_save(name, every, args.reps), flush=True)
-    print("\n| workload | resume (restore) ms |\n|---|---:|")
-    for name in ("mlp_digits", "lm_200"):
-        print(resume_cost(name, args.reps), flush=True)
+        print(per_save(name, every, reps), flush=True)
 
 
 if __name__ == "__main__":
