@@ -65,6 +65,7 @@ import dataclasses
 import functools
 import os
 import pathlib
+import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -213,6 +214,7 @@ class _Layout(NamedTuple):
 # hashed: a treedef's Variable metadata need not be hashable.
 _LAYOUTS: list[tuple[Any, _Layout]] = []
 _KEPT_LAYOUTS = 8
+_LAYOUTS_LOCK = threading.Lock()  # writers may save from several threads
 
 
 def _signature(leaf: Any) -> Any:
@@ -432,13 +434,15 @@ class CheckpointWriter:
         structure, then reused (a flat list and a comparison instead of a path walk)."""
         leaves, treedef = jax.tree.flatten(tree)
         key = (treedef, tuple(_signature(leaf) for leaf in leaves))
-        for index, (known, layout) in enumerate(_LAYOUTS):
-            if known == key:
-                _LAYOUTS.insert(0, _LAYOUTS.pop(index))  # most recently used first
-                return layout, leaves
-        layout = _layout(tree)
-        _LAYOUTS.insert(0, (key, layout))
-        del _LAYOUTS[_KEPT_LAYOUTS:]
+        with _LAYOUTS_LOCK:
+            for index, (known, layout) in enumerate(_LAYOUTS):
+                if known == key:
+                    _LAYOUTS.insert(0, _LAYOUTS.pop(index))  # most recently used first
+                    return layout, leaves
+        layout = _layout(tree)  # raises for a bad leaf: nothing is kept then
+        with _LAYOUTS_LOCK:
+            _LAYOUTS.insert(0, (key, layout))
+            del _LAYOUTS[_KEPT_LAYOUTS:]
         return layout, leaves
 
     def newest_step(self) -> int | None:
