@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 
 import jax
@@ -108,9 +109,10 @@ def data():
 # -- the independent reference ------------------------------------------------------------------
 
 
-def reference_loop(model, optimizer, loss_fn, batches: list, has_aux: bool = False):
-    """The plain per-step NNX loop: ``nnx.jit`` + ``nnx.value_and_grad`` + ``optimizer.update``."""
-    wrt = optimizer.wrt
+@functools.cache
+def _reference_step(loss_fn, wrt, has_aux: bool):
+    """The reference's jitted step, one per ``(loss_fn, wrt, has_aux)``: a fresh ``nnx.jit``
+    function per call would recompile for every test, even on the same graphdef and shapes."""
 
     @nnx.jit
     def train_step(model, optimizer, batch):
@@ -119,6 +121,12 @@ def reference_loop(model, optimizer, loss_fn, batches: list, has_aux: bool = Fal
         optimizer.update(model, grads)
         return out
 
+    return train_step
+
+
+def reference_loop(model, optimizer, loss_fn, batches: list, has_aux: bool = False):
+    """The plain per-step NNX loop: ``nnx.jit`` + ``nnx.value_and_grad`` + ``optimizer.update``."""
+    train_step = _reference_step(loss_fn, optimizer.wrt, bool(has_aux))
     return [train_step(model, optimizer, b) for b in batches]
 
 

@@ -74,6 +74,10 @@ def main(pid: str, port: str, models: str, phases: str, root: str, cache: str) -
         logits = model(batch["x"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
+    # One transform per process: the shell caches compiled programs by the transform
+    # object, so the phases a process runs (straight+first) reuse each other's compiles.
+    tx = optax.adam(1e-2)
+
     def run_phase(model_name: str, phase: str, checkpoint_dir: str, out: str) -> None:
         rng = np.random.default_rng(0)
         if model_name == "tp":
@@ -86,14 +90,14 @@ def main(pid: str, port: str, models: str, phases: str, root: str, cache: str) -
             mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
             with jax.set_mesh(mesh):  # the guide's annotated model is sharded as it is built
                 model = MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0))
-            trainer = Trainer(model, optax.adam(1e-2), mse, mesh=mesh)
+            trainer = Trainer(model, tx, mse, mesh=mesh)
         else:
             x = rng.normal(size=(EXAMPLES, 4)).astype(np.float32)
             data = {"x": x, "y": np.argmax(x @ rng.normal(size=(4, 3)), axis=-1).astype(np.int32)}
             assert jax.process_count() == 2 and len(jax.devices()) == 2, jax.devices()
             mesh = Mesh(np.array(jax.devices()), ("data",))
             model = BNDropout({"bn": False, "bn_dropout": True}[model_name], rngs=nnx.Rngs(0))
-            trainer = Trainer(model, optax.adam(1e-2), xent, mesh=mesh)
+            trainer = Trainer(model, tx, xent, mesh=mesh)
         fit = dict(batch_size=BATCH, seed=SEED, progress=False)
         if phase == "straight":
             history = trainer.fit(data, epochs=EPOCHS, **fit)

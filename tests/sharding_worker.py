@@ -40,6 +40,10 @@ DATA = {
 }
 AUTO = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 EXPLICIT = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+# One optax transform for every run and reference: the shell caches compiled programs by
+# the transform object (optax.adam(1e-3) twice is two objects), so sharing it lets each
+# configuration reuse what an earlier one compiled for the same model and mesh.
+TX = optax.adam(1e-3)
 GUIDE = {
     "auto": (MultiDotReluDot, AUTO, ()),
     "logical": (LogicalMultiDotReluDot, AUTO, SHARDING_RULES),
@@ -71,7 +75,7 @@ def guide_losses(cls, mesh, rules, batches) -> tuple[nnx.Module, list[float]]:
     """The reference: the guide's step under nnx.jit, batches sharded as the guide does."""
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         model = cls(DEPTH, LAYERS, rngs=nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
         sharding = NamedSharding(mesh, P("data", None))
         losses = [
             float(guide_step(model, optimizer, *(jax.device_put(b[k], sharding) for k in "xy")))
@@ -93,7 +97,7 @@ def guide_runs(results: dict) -> None:
         with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
             model = cls(DEPTH, LAYERS, rngs=nnx.Rngs(0))
             out["created"] = specs(nnx.state(model))
-            trainer = Trainer(model, optax.adam(1e-3), mse)
+            trainer = Trainer(model, TX, mse)
             history = trainer.fit(DATA, epochs=EPOCHS, batch_size=B, progress=False)
             out["fit_diff"] = max_diff(history.losses, ref_losses)
             out["fit_specs"] = specs(nnx.state(model))
@@ -112,7 +116,7 @@ def guide_runs(results: dict) -> None:
             out["eval_ref"] = float(mse(ref, whole))
 
             model = cls(DEPTH, LAYERS, rngs=nnx.Rngs(0))
-            optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+            optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
             batches = epoch_batches(EPOCHS)
             stacked = {k: np.stack([b[k] for b in batches]) for k in "xy"}
             losses = scan_train(model, optimizer, mse, stacked)
@@ -124,7 +128,7 @@ def guide_runs(results: dict) -> None:
             with jax.set_mesh(mesh):
                 model = cls(DEPTH, LAYERS, rngs=nnx.Rngs(0))
             # No context now: the Trainer enters mesh= itself for the model's own code.
-            trainer = Trainer(model, optax.adam(1e-3), mse, mesh=mesh)
+            trainer = Trainer(model, TX, mse, mesh=mesh)
             history = trainer.fit(DATA, epochs=EPOCHS, batch_size=B, progress=False)
             out["mesh_arg_diff"] = max_diff(history.losses, ref_losses)
             out["mesh_arg_specs"] = specs(nnx.state(model))
@@ -147,7 +151,7 @@ def memory_check(results: dict) -> None:
 
     with jax.set_mesh(AUTO):
         model = MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0))
-        trainer = Trainer(model, optax.adam(1e-3), mse)
+        trainer = Trainer(model, TX, mse)
         trainer.fit(DATA, epochs=1, batch_size=B, steps_per_call=2, progress=False,
                     callbacks=[LambdaCallback(on_call_end=check)])  # fmt: skip
     results["memory"] = {
@@ -176,17 +180,17 @@ def path_rules(results: dict) -> None:
     an annotation; both train as the plain single-device loop does."""
     rules = {r"dot1/kernel": P(None, "model"), r"^w2$": P("model", None)}
     reference = Plain(DEPTH, rngs=nnx.Rngs(0))
-    ref_opt = nnx.Optimizer(reference, optax.adam(1e-3), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(reference, TX, wrt=nnx.Param)
     batches = epoch_batches(1)
     ref_losses = [float(guide_step(reference, ref_opt, b["x"], b["y"])) for b in batches]
     with jax.set_mesh(AUTO):
         model = Plain(DEPTH, rngs=nnx.Rngs(0))
-        trainer = Trainer(model, optax.adam(1e-3), mse, shardings=rules)
+        trainer = Trainer(model, TX, mse, shardings=rules)
         history = trainer.fit(DATA, epochs=1, batch_size=B, progress=False)
         annotated = MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0))
-        Trainer(
-            annotated, optax.adam(1e-3), mse, shardings={r"dot1/kernel": P(None, None, None)}
-        ).fit(DATA, epochs=1, batch_size=B, progress=False)
+        Trainer(annotated, TX, mse, shardings={r"dot1/kernel": P(None, None, None)}).fit(
+            DATA, epochs=1, batch_size=B, progress=False
+        )
     results["rules"] = {
         "diff": max_diff(history.losses, ref_losses),
         "specs": specs(nnx.state(model)),
@@ -217,12 +221,12 @@ def populations(results: dict) -> None:
     mesh = jax.make_mesh((2, 4), ("members", "model"), axis_types=(AxisType.Auto,) * 2)
     seeds = [0, 1]
     with jax.set_mesh(mesh):
-        pop = Population(TPMLP, optax.adam(1e-3), mse, seeds=seeds)
+        pop = Population(TPMLP, TX, mse, seeds=seeds)
         history = pop.fit(DATA, epochs=EPOCHS, batch_size=B, progress=False)
         out = {"specs": specs(pop.state), "diffs": [], "state_diffs": []}
         for i, seed in enumerate(seeds):
             model = TPMLP(nnx.Rngs(seed))
-            alone = Trainer(model, optax.adam(1e-3), mse).fit(
+            alone = Trainer(model, TX, mse).fit(
                 DATA, epochs=EPOCHS, batch_size=B, seed=seed, progress=False
             )
             out["diffs"].append(max_diff(history.losses[:, i], alone.losses))
@@ -248,9 +252,9 @@ def elastic(results: dict) -> None:
     partitioning), and each restored array lands on the model's current sharding."""
     directory = tempfile.mkdtemp()
     with jax.set_mesh(AUTO):
-        straight = Trainer(MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0)), optax.adam(1e-3), mse)
+        straight = Trainer(MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0)), TX, mse)
         full = straight.fit(DATA, epochs=2, batch_size=B, progress=False)
-        first = Trainer(MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0)), optax.adam(1e-3), mse)
+        first = Trainer(MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0)), TX, mse)
         first.fit(DATA, epochs=1, batch_size=B, checkpoint_dir=directory, progress=False)
     out = {}
     meshes = {
@@ -263,7 +267,7 @@ def elastic(results: dict) -> None:
         with jax.set_mesh(mesh):
             model = MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(1))  # other weights
             created = specs(nnx.state(model))
-            trainer = Trainer(model, optax.adam(1e-3), mse)
+            trainer = Trainer(model, TX, mse)
             epoch = trainer.restore(directory)
             restored = {
                 "epoch": epoch,
@@ -293,7 +297,7 @@ def engine_features(results: dict) -> None:
 
         def run(**fit):
             trainer = Trainer(MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0)),
-                              optax.adam(1e-3), mse, on_nonfinite="skip")  # fmt: skip
+                              TX, mse, on_nonfinite="skip")  # fmt: skip
             trainer.fit(DATA, epochs=3, batch_size=B, progress=False, **fit)
             return [np.asarray(x) for x in jax.tree.leaves(nnx.state(trainer.model))]
 
@@ -303,7 +307,7 @@ def engine_features(results: dict) -> None:
         bad = [{k: v[i : i + B] for k, v in DATA.items()} for i in range(0, N, B)]
         bad[1] = {"x": np.full_like(bad[1]["x"], np.nan), "y": bad[1]["y"]}
         trainer = Trainer(MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0)),
-                          optax.adam(1e-3), mse, on_nonfinite="skip")  # fmt: skip
+                          TX, mse, on_nonfinite="skip")  # fmt: skip
         history = trainer.fit(bad, epochs=1, progress=False)
         out["skipped"] = int(history.epochs[0]["skipped_steps"])
         out["stream_specs_kept"] = specs(nnx.state(trainer.model)) == results["auto"]["created"]
@@ -315,15 +319,13 @@ def errors(results: dict) -> None:
     messages = []
     with jax.set_mesh(AUTO):
         plain = lambda depth, rules: Trainer(  # noqa: E731
-            Plain(depth, rngs=nnx.Rngs(0)), optax.adam(1e-3), mse, shardings=rules
+            Plain(depth, rngs=nnx.Rngs(0)), TX, mse, shardings=rules
         )
         cases = [
             lambda: plain(DEPTH, {"dot1": P(None, "tensor")}),  # an axis the mesh lacks
             lambda: plain(DEPTH, {"dot1": P(None, None, "model")}),  # more entries than dims
             lambda: plain(DEPTH + 2, {"dot1": P(None, "model")}),  # 34 over 4 devices
-            lambda: Trainer(
-                MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0)), optax.adam(1e-3), mse
-            ),
+            lambda: Trainer(MultiDotReluDot(DEPTH, LAYERS, rngs=nnx.Rngs(0)), TX, mse),
         ]
         data = [DATA, DATA, {k: np.ones((N, DEPTH + 2), np.float32) for k in "xy"}, DATA]
         sizes = [B, B, B, 7]
@@ -337,7 +339,7 @@ def errors(results: dict) -> None:
             messages[-1] += f" | step {trainer.step}"
     other = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     with jax.set_mesh(AUTO):
-        trainer = Trainer(Plain(DEPTH, rngs=nnx.Rngs(0)), optax.adam(1e-3), mse, mesh=other)
+        trainer = Trainer(Plain(DEPTH, rngs=nnx.Rngs(0)), TX, mse, mesh=other)
         try:
             trainer.fit(DATA, epochs=1, batch_size=B, progress=False)
             messages.append("no error")

@@ -48,8 +48,13 @@ def test_the_next_save_waits_for_the_one_in_flight_and_steps_still_must_increase
     assert all_steps(tmp_path) == [2, 3]  # max_to_keep applied once each write finished
 
 
+# One transform for every Trainer here: the shell caches compiled programs by the
+# transform object, so the fits and restores of the same model reuse one compile.
+TX = optax.adam(1e-2)
+
+
 def fit(directory=None, **options):
-    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), xent)
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
     history = trainer.fit(DATA, epochs=3, batch_size=8, checkpoint_dir=directory,
                           progress=False, **options)  # fmt: skip
     return trainer, history
@@ -63,7 +68,7 @@ def test_every_checkpoint_of_a_fit_is_on_disk_when_fit_returns_and_training_is_u
     assert_trees_close(trainer.model, plain.model, exact=True)  # saves change no bit
     # Epoch ends (8, 16, 24) and step saves (every 3 steps at call boundaries); max 3 kept.
     assert all_steps(tmp_path)[-1] == 24
-    resumed = Trainer(MLP(rngs=nnx.Rngs(5)), optax.adam(1e-2), xent)
+    resumed = Trainer(MLP(rngs=nnx.Rngs(5)), TX, xent)
     assert resumed.restore(tmp_path) == 3
     assert_trees_close(resumed.model, plain.model, exact=True)
 
@@ -80,7 +85,7 @@ def test_an_exception_after_a_save_waits_for_it_before_it_leaves_fit(tmp_path):
         fit(tmp_path, callbacks=[LambdaCallback(on_epoch_begin=explode)])
     # Epoch 1's checkpoint was written in the background; it is whole, and the newest.
     assert all_steps(tmp_path) == [8, 16]
-    trainer = Trainer(MLP(rngs=nnx.Rngs(5)), optax.adam(1e-2), xent)
+    trainer = Trainer(MLP(rngs=nnx.Rngs(5)), TX, xent)
     assert trainer.restore(tmp_path) == 2
 
 

@@ -60,12 +60,29 @@ SCRIPT = textwrap.dedent(
 
 
 def run_script(tmp_path, *args):
+    run_scripts(tmp_path, args)
+
+
+def run_scripts(tmp_path, *runs):
+    """Runs the script once per argument tuple, each in a process of its own, all at once."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    out = subprocess.run(
-        [sys.executable, str(script), *map(str, args)], capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in runs
+    ]
+    try:
+        results = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
 
 
 def load(path):
@@ -90,8 +107,12 @@ def test_train_save_and_resume_in_a_new_process_is_bitwise_training_straight(tmp
 
 
 def test_same_seed_same_data_is_bitwise_equal_across_processes(tmp_path):
-    run_script(tmp_path, 5, tmp_path / "unused", tmp_path / "a.npz")
-    run_script(tmp_path, 5, tmp_path / "unused", tmp_path / "b.npz")
+    # Two independent processes (run side by side): nothing is shared but the script.
+    run_scripts(
+        tmp_path,
+        (5, tmp_path / "unused", tmp_path / "a.npz"),
+        (5, tmp_path / "unused", tmp_path / "b.npz"),
+    )
     (a, *_), (b, *_) = load(tmp_path / "a.npz"), load(tmp_path / "b.npz")
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)

@@ -61,7 +61,8 @@ def _expected_events(history, values, member=None) -> list[dict]:
 def test_a_trainer_records_the_stop_and_the_restore_and_its_checkpoint_keeps_them(tmp_path):
     data, test = _split()
     stop = EarlyStopping("eval_eval_xent", patience=PATIENCE, verbose=False)
-    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(3e-1), xent)
+    tx = optax.adam(3e-1)  # shared with the resumed Trainer: its fit reuses the compile
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), tx, xent)
     history = trainer.fit(data, epochs=30, batch_size=BS, eval_data=test, metric_fn=eval_xent,
                           callbacks=[stop], checkpoint_dir=tmp_path, progress=False)  # fmt: skip
     values = [logs["eval_eval_xent"] for logs in history.epochs]
@@ -70,7 +71,7 @@ def test_a_trainer_records_the_stop_and_the_restore_and_its_checkpoint_keeps_the
 
     # Resumed from the checkpoint with nothing left to train: the History comes back from
     # the checkpoint alone, events included, and the model is the restored best one.
-    again = Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(3e-1), xent)
+    again = Trainer(MLP(rngs=nnx.Rngs(0)), tx, xent)
     resumed = again.fit(data, epochs=trainer.epoch, batch_size=BS, checkpoint_dir=tmp_path,
                         resume=True, progress=False)  # fmt: skip
     assert resumed.events == history.events
