@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import signal
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,24 @@ class SmallCNN(nnx.Module):
     def __call__(self, x):
         h = nnx.relu(self.conv(x))
         return self.out(h.reshape(h.shape[0], -1))
+
+
+def run_together(commands: list[list[str]], timeout: float, **popen) -> list[tuple]:
+    """Starts every command at once (pipes for stdout and stderr, text mode) and returns
+    each one's ``(process, stdout, stderr)``; all are killed if a wait times out or is
+    interrupted, so no process outlives the test."""
+    procs = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+        )
+        for command in commands
+    ]
+    try:
+        results = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p, out, err) for p, (out, err) in zip(procs, results, strict=True)]
 
 
 def xent(model, batch):

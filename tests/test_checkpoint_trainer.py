@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
@@ -13,7 +12,7 @@ from flax import nnx
 
 from nnxscan.shell import Trainer
 
-from conftest import MLP, BNDropout, assert_trees_close, make_data, state_arrays, xent
+from conftest import MLP, BNDropout, assert_trees_close, make_data, run_together, state_arrays, xent
 
 TX = optax.adam(1e-2)
 BS = 8
@@ -67,21 +66,8 @@ def run_scripts(tmp_path, *runs):
     """Runs the script once per argument tuple, each in a process of its own, all at once."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), *map(str, args)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for args in runs
-    ]
-    try:
-        results = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, results, strict=True):
+    for p, _, err in run_together([[sys.executable, str(script), *map(str, args)]
+                                   for args in runs], timeout=300):  # fmt: skip
         assert p.returncode == 0, err[-3000:]
 
 

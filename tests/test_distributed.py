@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 from nnxscan.shell import Trainer
 from nnxscan.shell._placement import fsdp_spec
 
+from conftest import run_together
+
 WORKER = str(pathlib.Path(__file__).with_name("distributed_worker.py"))
 
 
@@ -120,22 +122,8 @@ def free_port():
 def test_two_processes_each_with_half_of_every_batch_equal_one(tmp_path):
     port = str(free_port())
     outs = [str(tmp_path / f"p{i}.npz") for i in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, "process", str(i), port, outs[i]],
-            env=env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        results = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, results, strict=True):
+    commands = [[sys.executable, WORKER, "process", str(i), port, outs[i]] for i in range(2)]
+    for p, _, err in run_together(commands, timeout=240, env=env()):
         assert p.returncode == 0, err[-3000:]
 
     sys.path.insert(0, str(pathlib.Path(WORKER).parent))

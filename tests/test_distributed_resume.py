@@ -20,12 +20,13 @@ import dataclasses
 import os
 import pathlib
 import socket
-import subprocess
 import sys
 
 import distributed_resume_worker as worker
 import numpy as np
 import pytest
+
+from conftest import run_together
 
 WORKER = str(pathlib.Path(__file__).with_name("distributed_resume_worker.py"))
 STEPS_PER_EPOCH = worker.EXAMPLES // worker.BATCH
@@ -58,22 +59,11 @@ def run_pair(
     command = [sys.executable, WORKER]
     run = [",".join(models), phases, str(root)]
     devices = (8 // len(pids)) if models == ("tp",) else 1
-    procs = [
-        subprocess.Popen(
-            [*command, str(pid), port, *run, str(root / "jax-cache" / f"p{pid}")],
-            env={**env(devices), "PYTHONPATH": str(pathlib.Path(__file__).parent)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for pid in pids
-    ]
-    try:
-        results = [p.communicate(timeout=PAIR_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for pid, (p, (out, err)) in zip(pids, zip(procs, results, strict=True), strict=True):
+    commands = [[*command, str(pid), port, *run, str(root / "jax-cache" / f"p{pid}")]
+                for pid in pids]  # fmt: skip
+    environment = {**env(devices), "PYTHONPATH": str(pathlib.Path(__file__).parent)}
+    results = run_together(commands, timeout=PAIR_TIMEOUT_S, env=environment)
+    for pid, (p, out, err) in zip(pids, results, strict=True):
         assert p.returncode == 0 and "done" in out, f"{phases}, process {pid}:\n{err[-3000:]}"
     arrays: dict = {}
     for model in models:
