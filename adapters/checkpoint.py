@@ -70,9 +70,9 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from flax import nnx
 
 from nnxscan.adapters import _checkpoint_files as _files
+from nnxscan.adapters.nnx_optimizer import _is_variable
 from nnxscan.pure._checks import check_count
 
 __all__ = [
@@ -142,10 +142,6 @@ class _Leaf:
     def from_json(cls, record: dict[str, Any]) -> _Leaf:
         shapes = {k: tuple(record.get(k, ())) for k in ("shape", "data_shape")}
         return cls(**{**record, **shapes})
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def _flatten(tree: Any) -> list[tuple[str, Any]]:

@@ -22,7 +22,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnxscan.adapters.nnx_optimizer import optax_state_from_optimizer, optimizer_state_writer
+from nnxscan.adapters.nnx_optimizer import (
+    _is_variable,
+    optax_state_from_optimizer,
+    optimizer_state_writer,
+)
 from nnxscan.pure import init_opt_state, split_wrt
 from nnxscan.pure._checks import check_transform
 from nnxscan.pure._node import node_of
@@ -326,10 +330,6 @@ class ModelOwner:
         self.epoch, self.seed = meta["epoch"], meta["seed"]
         self.epoch_step, self.restored_run = meta["epoch_step"], meta["run"]
         self.loaded_since_checkpoint = False
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def _swappable(state: nnx.State, optimizer: nnx.Optimizer | None) -> list | None:
