@@ -60,6 +60,19 @@ def scan_batches(
     return state, opt_state, outs
 
 
+#: The most bytes of examples one traced loop copies out of the data set at once when it
+#: gathers a call's batches before scanning them (see :func:`scan_indexed_steps`). An epoch
+#: whose batches take more is run as an outer loop over chunks of steps that each fit.
+GATHER_BUDGET_BYTES = 256 * 1024 * 1024
+
+
+def batch_bytes(data: Any, batch_size: int) -> int:
+    """Bytes one batch of ``batch_size`` examples of ``data`` takes (every leaf's rows)."""
+    return batch_size * sum(
+        (x.size // max(x.shape[0], 1)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(data)
+    )
+
+
 def scan_indexed_steps(
     step: StepFn,
     graphdef: nnx.GraphDef,
@@ -70,16 +83,48 @@ def scan_indexed_steps(
     *,
     unroll: int | bool = 1,
     batch_sharding: jax.sharding.Sharding | None = None,
+    gather_budget: int = GATHER_BUDGET_BYTES,
 ) -> tuple[nnx.State, Any, Any]:
     """Scans ``step`` over batches gathered from ``data`` by a ``(steps, batch)`` index array
     (or ``(steps,)``: row ``i`` of ``data`` is a whole batch, as in a stream's chunk).
 
-    The gather happens inside the loop, so memory holds one batch at a time besides ``data``.
+    The batches are gathered ONCE, before the loop (``data[indices]``, shape ``(steps,
+    batch, ...)``), and the loop scans over that stack exactly as :func:`scan_steps` scans
+    a stack of batches: the same loop body, bitwise the same results. A gather of rows by
+    index inside a loop body costs XLA:CPU more than a small model's whole step; one gather
+    per call costs one copy of the call's examples. When that copy would exceed
+    ``gather_budget`` bytes, the steps run as an outer loop over chunks of steps whose
+    batches fit, each gathered once. A ``(steps,)`` index (whole stacked batches) takes
+    each step's batch by a dynamic slice, which costs nothing extra in the loop.
     """
-    return scan_batches(
-        step, graphdef, state, opt_state, indices, lambda idx: take_batch(data, idx),
-        unroll=unroll, batch_sharding=batch_sharding,
-    )  # fmt: skip
+    if indices.ndim == 1:
+        return scan_batches(
+            step, graphdef, state, opt_state, indices, lambda i: take_batch(data, i),
+            unroll=unroll, batch_sharding=batch_sharding,
+        )  # fmt: skip
+    steps, per_step = indices.shape[0], batch_bytes(data, indices.shape[1])
+    chunk = max(1, gather_budget // max(per_step, 1))
+    if chunk >= steps:
+        return scan_batches(
+            step, graphdef, state, opt_state, take_batch(data, indices), lambda b: b,
+            unroll=unroll, batch_sharding=batch_sharding,
+        )  # fmt: skip
+
+    def run_chunk(carry, idx):
+        state, opt_state, outs = scan_batches(
+            step, graphdef, *carry, take_batch(data, idx), lambda b: b,
+            unroll=unroll, batch_sharding=batch_sharding,
+        )  # fmt: skip
+        return (state, opt_state), outs
+
+    num_chunks = steps // chunk
+    head = indices[: num_chunks * chunk].reshape(num_chunks, chunk, *indices.shape[1:])
+    carry, outs = jax.lax.scan(run_chunk, (state, opt_state), head)
+    outs = jax.tree.map(lambda x: x.reshape(num_chunks * chunk, *x.shape[2:]), outs)
+    if steps > num_chunks * chunk:
+        carry, rest = run_chunk(carry, indices[num_chunks * chunk :])
+        outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, rest)
+    return (*carry, outs)
 
 
 def _frozen_aware(step: StepFn, active: jax.Array) -> StepFn:
@@ -107,6 +152,7 @@ def scan_member_steps(
     member_axis: str | None = None,
     batch_sharding: jax.sharding.Sharding | None = None,
     data_per_member: bool = False,
+    gather_budget: int = GATHER_BUDGET_BYTES,
 ) -> tuple[Any, Any, Any]:
     """:func:`scan_indexed_steps` vmapped over the members of a population.
 
@@ -117,14 +163,16 @@ def scan_member_steps(
     ``member_axis`` names the mesh axis the members are sharded over (``vmap``'s
     ``spmd_axis_name``), so a ``batch_sharding`` of one member's batch becomes a sharding
     of the members' batches over both axes. Returns the outputs with a leading steps axis,
-    then members: ``(steps, N, ...)``.
+    then members: ``(steps, N, ...)``. Each member gathers its own batches once (a copy per
+    member): ``gather_budget`` bounds the members' copies together.
     """
+    member_budget = max(1, gather_budget // indices.shape[0])
 
     def member(state, opt_state, member_data, idx, alive):
         member_step = step if alive is None else _frozen_aware(step, alive)
         return scan_indexed_steps(
             member_step, graphdef, state, opt_state, member_data, idx, unroll=unroll,
-            batch_sharding=batch_sharding,
+            batch_sharding=batch_sharding, gather_budget=member_budget,
         )  # fmt: skip
 
     in_axes = (0, 0, 0 if data_per_member else None, 0, None if active is None else 0)

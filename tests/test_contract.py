@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from nnxscan.pure import epoch_order, init_opt_state, make_epoch, make_train_step
+from nnxscan.pure import epoch_order, init_opt_state, make_epoch, make_train_step, scan_steps
 from nnxscan.shell import Trainer, scan_train
 
 from conftest import MLP, BNDropout, assert_trees_close, epoch_batches, reference_loop, xent
@@ -84,6 +84,61 @@ def test_a_loop_of_pure_epochs_reproduces_fit_with_the_short_batch_kept(data):
     assert len(losses) == 16
     assert_trees_close(model, state, exact=True)
     np.testing.assert_array_equal(history.losses, losses)
+
+
+@pytest.mark.parametrize("num_examples", [BS, 5 * BS], ids=["one_step_epochs", "five_steps"])
+def test_unshuffled_fit_is_bitwise_make_epoch_and_scan_steps(data, num_examples):
+    """``fit(shuffle=False)`` = ``make_epoch(shuffle=False)`` (no order) = ``scan_steps`` on
+    the stored batches, bitwise: every path scans the same stack of batches."""
+    data = {k: v[:num_examples] for k, v in data.items()}
+    model = MLP(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent, execution="scan")
+    history = trainer.fit(data, epochs=3, batch_size=BS, shuffle=False, progress=False)
+
+    step = make_train_step(xent, TX)
+    graphdef, start = nnx.split(MLP(rngs=nnx.Rngs(0)))
+    epoch = jax.jit(make_epoch(step, batch_size=BS, shuffle=False))
+    scan = jax.jit(scan_steps, static_argnums=0)
+    batches = jax.tree.map(lambda *b: np.stack(b), *epoch_batches(data, BS, 0, 0, shuffle=False))
+    by_epoch = by_scan = (start, init_opt_state(TX, start))
+    epoch_losses, scan_losses = [], []
+    for _ in range(3):
+        *by_epoch, out = epoch(graphdef, *by_epoch, data, None)
+        *by_scan, out_scan = scan(step, graphdef, *by_scan, batches)
+        epoch_losses.append(out)
+        scan_losses.append(out_scan)
+    assert_trees_close(by_epoch, by_scan, exact=True)
+    assert_trees_close(model, by_epoch[0], exact=True)
+    assert_trees_close(trainer.opt_state, by_epoch[1], exact=True)
+    np.testing.assert_array_equal(history.losses, np.concatenate(epoch_losses))
+    np.testing.assert_array_equal(np.concatenate(scan_losses), np.concatenate(epoch_losses))
+
+
+def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
+    """An epoch whose batches exceed the gather budget runs as chunks of steps, each
+    gathered once: bitwise the epoch gathered whole (and the per-step reference)."""
+    from nnxscan.pure import _loops
+
+    step = make_train_step(xent, TX)
+    graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
+    opt_state = init_opt_state(TX, state)
+    order = epoch_order(3, 0, len(data["x"])).reshape(-1, BS)  # 8 steps: the rule fit uses
+    per_step = _loops.batch_bytes(data, BS)
+
+    def run(budget):
+        return jax.jit(
+            lambda s, o: _loops.scan_indexed_steps(
+                step, graphdef, s, o, data, order, gather_budget=budget
+            )
+        )(state, opt_state)
+
+    whole = run(10 * per_step)
+    for budget in (3 * per_step, per_step, 1):  # chunks of 3 (+ a rest of 2), of 1
+        assert_trees_close(run(budget), whole, exact=True)
+    model = MLP(rngs=nnx.Rngs(0))  # the plain per-step NNX loop on the same batches
+    optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    reference_loop(model, optimizer, xent, epoch_batches(data, BS, 3, 0))
+    assert_trees_close(model, whole[0])
 
 
 def test_make_epoch_checks_the_order_before_tracing(data):
