@@ -1,7 +1,10 @@
 """Scanned epochs: order the examples, cut them into batches and train, in one traced function.
 
-The data stays where it is (on the device): each step gathers its batch by index inside the
-loop body, so an epoch never copies the data set and never returns to the host.
+The data stays where it is (on the device) and never returns to the host. The epoch's
+batches are gathered in ONE gather before the loop (a copy of the epoch's examples, in
+chunks of steps when that copy would pass a memory budget) and the loop scans the stack as
+:func:`~nnxscan.pure.scan_steps` does: a gather by index inside a loop body costs XLA:CPU
+more than a small model's whole step.
 
 The order of an epoch is either drawn on the device from a PRNG key, or given as an array,
 typically :func:`epoch_order` — the host permutation ``Trainer.fit`` uses, so a loop of

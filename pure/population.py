@@ -155,8 +155,9 @@ def make_population_epoch(
     It is :func:`~nnxscan.pure.make_epoch`'s epoch of ``step``, vmapped over the members
     axis of ``states`` and ``opt_states`` (:func:`stack_states`): traced, that is one
     ``lax.scan`` over the steps whose body runs ``step`` vmapped over the members. The data
-    is shared, not copied per member: each member gathers its own batch from it by its own
-    row of ``orders``. So member ``i`` trains what ``make_epoch`` trains on
+    is shared: each member gathers its own batches from it once, by its own row of
+    ``orders`` (the members' copies together stay under the gather budget, in chunks of
+    steps if need be). So member ``i`` trains what ``make_epoch`` trains on
     ``(states[i], opt_states[i])`` with order ``orders[i]``.
 
     Args:

@@ -1,7 +1,7 @@
 """Scan a pure step over a stack of batches, in one ``lax.scan``.
 
 The loop body is the one every compiled training call of nnxscan runs (``make_epoch``
-gathers its batches by index into the same body).
+gathers its epoch's batches once and scans them through the same body).
 """
 
 from __future__ import annotations
