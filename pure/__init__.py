@@ -3,7 +3,8 @@
 Pure functions over ``(graphdef, state, opt_state)`` pytrees that compose with every JAX
 transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state.
 
-- :func:`make_train_step`, :func:`init_opt_state`, :func:`split_wrt`: one training step.
+- :class:`Step`: a training step as a value (``init``, ``update``), in optax's manner.
+- :func:`make_train_step`, :func:`init_opt_state`, :func:`split_wrt`: the step of a loss.
 - :func:`scan_steps`: many steps over a stack of batches, in one ``lax.scan``.
 - :func:`make_epoch`, :func:`epoch_order`: an epoch over a data set, ordered as
   ``Trainer.fit`` orders it.
@@ -37,9 +38,11 @@ from nnxscan.pure.population import (
     with_hyperparams,
 )
 from nnxscan.pure.scan import scan_steps
+from nnxscan.pure.step import Step
 from nnxscan.pure.train_step import init_opt_state, make_train_step, split_wrt
 
 __all__ = [
+    "Step",
     "all_finite",
     "canonical_conv_layout",
     "epoch_order",

@@ -18,6 +18,7 @@ from flax import nnx
 
 from nnxscan.pure import _checks, _node
 from nnxscan.pure.nonfinite import all_finite, tree_select
+from nnxscan.pure.step import Step
 
 __all__ = ["init_opt_state", "make_train_step", "split_wrt"]
 
@@ -72,8 +73,8 @@ def make_train_step(
     accumulate: int = 1,
     with_rngs: bool = False,
     update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
-) -> StepFn:
-    """Builds a pure training step for an NNX model.
+) -> Step:
+    """Builds the pure training step of a loss for an NNX model, as a :class:`Step`.
 
     Args:
       loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or ``(loss, aux)`` with
@@ -103,16 +104,24 @@ def make_train_step(
         ``(model, metrics)`` or ``(model, rngs, metrics)``. A skipped (non-finite) step
         leaves them as they were; with ``accumulate`` they are updated per micro-batch.
 
+    optax transforms that take extra arguments in ``update``
+    (``optax.GradientTransformationExtraArgs``: ``optax.lbfgs()``, the linesearches,
+    ``optax.contrib.reduce_on_plateau``) get ``value=`` (this batch's loss), ``grad=`` (its
+    gradient) and ``value_fn=`` (the loss of given ``wrt`` parameters on this batch, the other
+    variables as they were before the step), as optax's documented L-BFGS loop passes them.
+    A transform needing another argument raises a TypeError naming it while tracing.
+
     Returns:
+      A :class:`Step`: ``step.init(graphdef, state)`` is :func:`init_opt_state`, and
       ``step(graphdef, state, opt_state, batch) -> (state, opt_state, loss)``, or with
-      ``has_aux=True`` ``-> (state, opt_state, (loss, aux))``. It is a pure function: jit,
-      scan, vmap (over stacked states) and fori_loop all apply.
+      ``has_aux=True`` ``-> (state, opt_state, (loss, aux))``. It is pure: jit, scan, vmap
+      (over stacked states) and fori_loop all apply.
 
     Example:
       >>> step = make_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), tx)
       >>> graphdef, state = nnx.split(model)
       >>> opt_state = init_opt_state(tx, state)
-      >>> state, opt_state, loss = jax.jit(step)(graphdef, state, opt_state, batch)
+      >>> state, opt_state, loss = jax.jit(step.update)(graphdef, state, opt_state, batch)
 
       With call-time Rngs and metrics (the Flax NNX MNIST tutorial's loss and MultiMetric):
 
@@ -128,6 +137,8 @@ def make_train_step(
     if update_metrics is not None and not callable(update_metrics):
         raise TypeError(f"update_metrics must be callable, got {type(update_metrics).__name__}.")
     _checks.check_no_captured_nnx(loss_fn, "loss_fn")
+    # Plain GradientTransformations (optax.MultiSteps' among them) take no extra arguments.
+    extra_args = isinstance(tx, optax.GradientTransformationExtraArgs)
 
     def value_and_grad(graphdef, params, rest, batch):
         def forward(params):
@@ -147,6 +158,19 @@ def make_train_step(
         _, new_rest = nnx.split_state(new_state, wrt, ...)
         _check_same_layout(rest, new_rest)
         return loss, aux, grads, new_rest
+
+    def value_fn_of(graphdef, rest, batch):
+        """The loss of given params on this batch (what linesearches evaluate)."""
+
+        def loss_of_batch(params, batch):
+            node = nnx.merge(graphdef, params, rest, copy=True)
+            parts = _node.unpack(node, with_rngs=with_rngs, with_metrics=update_metrics is not None)
+            return _node.call_loss(loss_fn, parts, batch, has_aux)[0]
+
+        if accumulate == 1:
+            return lambda params: loss_of_batch(params, batch)
+        micro = _micro_batches(batch, accumulate)
+        return lambda params: jnp.mean(jax.lax.map(lambda b: loss_of_batch(params, b), micro))
 
     def accumulated(graphdef, params, rest, batch):
         micro = _micro_batches(batch, accumulate)
@@ -176,7 +200,13 @@ def make_train_step(
             loss, aux, grads, new_rest = value_and_grad(graphdef, params, rest, batch)
         else:
             loss, aux, grads, new_rest = accumulated(graphdef, params, rest, batch)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
+        if extra_args:
+            value_fn = value_fn_of(graphdef, rest, batch)
+            updates, new_opt_state = _update_with_extra_args(
+                tx, grads, opt_state, params, value=loss, grad=grads, value_fn=value_fn
+            )
+        else:
+            updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if skip_nonfinite:
             ok = all_finite(loss, grads)
@@ -188,7 +218,23 @@ def make_train_step(
         return state, new_opt_state, ((loss, aux) if has_aux else loss)
 
     step.__doc__ = f"Pure training step of {getattr(loss_fn, '__name__', 'loss_fn')}."
-    return step
+    return Step(lambda graphdef, state: init_opt_state(tx, state, wrt), step, has_aux)
+
+
+def _update_with_extra_args(tx: Any, grads: Any, opt_state: Any, params: Any, **extra: Any):
+    """``tx.update`` with optax's extra arguments; a transform that needs another one
+    raises a TypeError that names it and says what the step passes."""
+    try:
+        return tx.update(grads, opt_state, params, **extra)
+    except TypeError as error:
+        if "keyword" not in str(error) or "argument" not in str(error):
+            raise
+        raise TypeError(
+            f"the optax transform's update failed on the extra arguments the built-in step "
+            f"passes to transforms that take them (value= the batch's loss, grad=, value_fn= "
+            f"the loss of given params on the batch): {error}. For other arguments, write "
+            f"your own Step whose update calls tx.update with them."
+        ) from None
 
 
 def _keep_unless(ok: jax.Array, old: nnx.State, new: nnx.State) -> nnx.State:
