@@ -221,7 +221,7 @@ class Case:
         self.opt_state = init_opt_state(tx, self.state)
         self.step = make_train_step(loss_fn, tx, **options)
         self.batches = digits_like(STEPS)
-        reference = jax.jit(self.step, static_argnums=0)
+        reference = jax.jit(self.step.update, static_argnums=0)
         self.trajectory = list(self.run_per_step(reference))
 
     def run_per_step(self, step):

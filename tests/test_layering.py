@@ -256,7 +256,7 @@ def test_only_the_owner_calls_nnx_update_in_the_shell():
 
 PUBLIC = {
     "nnxscan.pure": {
-        "make_train_step", "init_opt_state", "scan_steps", "make_epoch", "epoch_order",
+        "Step", "make_train_step", "init_opt_state", "scan_steps", "make_epoch", "epoch_order",
         "make_eval_step", "make_evaluate", "make_evaluate_metrics", "split_wrt",
         "all_finite", "tree_select", "halt_after_nonfinite", "canonical_conv_layout",
         "stack_states", "unstack_states", "with_hyperparams", "make_population_epoch",

@@ -100,7 +100,7 @@ def test_subset_wrt_trains_only_the_selection(data):
 def test_has_aux_returns_loss_and_aux(data):
     model = MLP(rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
-    step = jax.jit(make_train_step(xent_aux, TX, has_aux=True))
+    step = jax.jit(make_train_step(xent_aux, TX, has_aux=True).update)
     batch = {k: v[:BATCH] for k, v in data.items()}
     _, _, (loss, aux) = step(graphdef, state, init_opt_state(TX, state), batch)
     np.testing.assert_allclose(loss, xent(model, batch), rtol=1e-6)
