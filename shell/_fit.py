@@ -89,12 +89,14 @@ class Checkpoints(NamedTuple):
     a callback loaded a state (EarlyStopping's best epoch) since the last save. A save may
     return before its checkpoint is on disk (it is written in the background); ``close()``
     waits for it, and fit calls it on every way out (the end, a preemption, an
-    exception)."""
+    exception). ``run_log``: where the saves put the History (``_checkpointing.RunLog``),
+    told by a resume where the restored run's lines end."""
 
     every_epochs: int
     every_steps: int | None
     save: Callable[..., Any]
     close: Callable[[], None] = lambda: None
+    run_log: Any = None
 
 
 def written_carry(live: LiveState) -> tuple | None:
