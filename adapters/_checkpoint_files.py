@@ -18,6 +18,12 @@ Atomicity, as orbax's: a checkpoint is written into ``<step>.nnxscan-tmp/``, eve
 fsync'ed, then renamed to ``<step>/`` (atomic on a POSIX filesystem) and the directory
 fsync'ed. A checkpoint is deleted by renaming it to ``<step>.nnxscan-deleting`` first, so
 a process killed mid-delete never leaves a half-deleted checkpoint that lists as finished.
+
+The run log, ``<directory>/history.jsonl``, is shared by both storages: bytes only ever
+appended (and fsync'ed) before the checkpoint that refers to them is renamed into place,
+so that a checkpoint records what grows with the run (a fit's History) as a byte range of
+the log instead of a copy of it. It is cut back only to the end a restored checkpoint
+recorded (what a killed process appended after its last finished checkpoint).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MANIFEST = "manifest.json"
+LOG = "history.jsonl"
 DATA = "arrays.bin"
 TMP_SUFFIX = ".nnxscan-tmp"
 DELETING_SUFFIX = ".nnxscan-deleting"
@@ -111,6 +118,54 @@ def write(
     os.rename(tmp, final)
     _fsync(path)
     return final
+
+
+def log_size(path: pathlib.Path) -> int:
+    """The run log's size in bytes (0 when there is none yet)."""
+    try:
+        return os.stat(path / LOG).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def append_log(path: pathlib.Path, data: bytes) -> None:
+    """Appends ``data`` to the run log and fsyncs it (and the directory, when the log is
+    new): on disk before the checkpoint written next refers to it."""
+    path.mkdir(parents=True, exist_ok=True)
+    log = path / LOG
+    new = not log.exists()
+    with open(log, "ab") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    if new:
+        _fsync(path)
+
+
+def truncate_log(path: pathlib.Path, size: int) -> None:
+    """Cuts the run log back to ``size`` bytes (nothing to do when it is that long)."""
+    log = path / LOG
+    if log_size(path) > size:
+        with open(log, "r+b") as file:
+            file.truncate(size)
+            file.flush()
+            os.fsync(file.fileno())
+
+
+def read_log(path: pathlib.Path, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the run log; a log missing or shorter raises ValueError."""
+    log = path / LOG
+    size = log_size(path)
+    if size < end:
+        have = f"holds {size} bytes" if log.exists() else "is missing"
+        raise ValueError(
+            f"the run log {log} {have}, but the checkpoint's History is its bytes "
+            f"[{start}, {end}): keep {LOG} with the checkpoints. To go on without the "
+            f"History, restore() the checkpoint and fit without resume=True."
+        )
+    with open(log, "rb") as file:
+        file.seek(start)
+        return file.read(end - start)
 
 
 def delete(path: pathlib.Path, step: int) -> None:

@@ -40,6 +40,9 @@ checkpoint by its step, so one listing, one ``max_to_keep`` and one reader serve
       <step>.nnxscan-tmp/               a save in progress, or one killed mid-way
       <step>.orbax-checkpoint-tmp-*/    (either storage's): never listed, never restored;
                                         the next save of that step replaces it
+      history.jsonl                     the run log (either storage's): bytes appended with
+                                        CheckpointWriter.append_log, each fsync'ed before
+                                        the next checkpoint is renamed into place
 
 The manifest (JSON): format name and version, and per leaf in flattening order its path
 (jax keystr, e.g. "['state']['l1']['kernel']"), kind ("array", "key", or a Python type),
@@ -53,6 +56,13 @@ local (POSIX) filesystem the rename is atomic, and step listings skip temporary 
 process killed during a save therefore leaves every earlier checkpoint intact and
 restorable, and ``latest_step`` never returns the half-written one. ``save_checkpoint``
 returns only after the rename, so the checkpoint it reports is on disk.
+
+The run log keeps a save's cost flat as a run grows: what grows (a fit's History) is
+appended to the log, and a checkpoint's tree records only where its part of the log ends
+(:meth:`CheckpointWriter.append_log` returns that offset; :func:`read_log` reads a range
+back). A checkpoint never refers to bytes that are not on disk before it: appends are
+written and fsync'ed, in the writer's order, before the next checkpoint's files. With
+several processes only process 0 writes the log; every process reads it.
 
 orbax-checkpoint ships with flax; it is imported only inside these functions, because
 importing it configures absl logging on the root logger.
@@ -79,6 +89,7 @@ __all__ = [
     "CheckpointWriter",
     "all_steps",
     "latest_step",
+    "read_log",
     "restore_checkpoint",
     "save_checkpoint",
 ]
@@ -411,6 +422,10 @@ class CheckpointWriter:
         # The steps on disk or being written, newest last: read from the directory once,
         # then kept by this writer, so asking "is step N saved?" never waits for a write.
         self._steps: list[int] | None = None
+        # The run log's size once every append so far is written (read from the disk at
+        # the first append), and the appends not yet handed to a write.
+        self._log_size: int | None = None
+        self._log_pending: list[bytes] = []
 
     def _orbax_manager(self) -> Any:
         if self._manager is None:
@@ -459,6 +474,42 @@ class CheckpointWriter:
                 self._steps = _files.finished_steps(self.path)  # the failed one is not
                 raise
 
+    def append_log(self, data: bytes) -> int:
+        """Appends ``data`` to the directory's run log (``history.jsonl``); returns the
+        log's size in bytes with it, at once: the offset a checkpoint saved next records
+        as the end of its part of the log (see :func:`read_log`).
+
+        The bytes are written and fsync'ed, in order, before the next checkpoint's files
+        (in the background with ``asynchronous``), or by :meth:`close`: a checkpoint never
+        refers to bytes not on disk. ``append_log(b"")`` is the log's size now.
+
+        Example:
+          >>> with CheckpointWriter("runs/ckpt") as writer:
+          ...     end = writer.append_log(b'{"epoch": 0}\\n')
+          ...     writer.save(100, {"meta": {"log_end": end}})
+        """
+        if self._log_size is None:
+            self._log_size = _files.log_size(self.path)
+        if data:
+            self._log_pending.append(bytes(data))
+            self._log_size += len(data)
+        return self._log_size
+
+    def truncate_log(self, size: int) -> None:
+        """Cuts the run log back to ``size`` bytes: what a restored checkpoint recorded as
+        its end. What a killed process appended after its last finished checkpoint goes;
+        appends start from there."""
+        size = _as_step(size, "size")
+        self.wait()
+        self._log_pending.clear()
+        if jax.process_index() == 0:  # only process 0 writes the log
+            _files.truncate_log(self.path, size)
+        self._log_size = size
+
+    def _take_log(self) -> bytes:
+        data, self._log_pending = b"".join(self._log_pending), []
+        return data if jax.process_index() == 0 else b""
+
     def latest_step(self) -> int | None:
         """The newest finished checkpoint's step (after waiting for the one in flight)."""
         self.wait()
@@ -501,15 +552,22 @@ class CheckpointWriter:
                 f"{self.path}: checkpoint steps must increase. Save into another directory, "
                 f"or delete the newer checkpoints first."
             )
+        log = self._take_log()  # before this checkpoint, in the same write
         if own_files:
-            self._write_files(step, manifest, arrays)
+            self._write_files(step, manifest, arrays, log)
         else:
+            if log:  # orbax writes in its own threads: the log is on disk first
+                _files.append_log(self.path, log)
             self._write_orbax(manager, step, manifest, arrays)
         self._steps = [*steps, step][-self.max_to_keep :]  # what max_to_keep will leave
         return self.path / str(step)
 
-    def _write_files(self, step: int, manifest: dict[str, Any], buffers: dict) -> None:
+    def _write_files(
+        self, step: int, manifest: dict[str, Any], buffers: dict, log: bytes = b""
+    ) -> None:
         def write() -> None:
+            if log:
+                _files.append_log(self.path, log)
             _files.write(self.path, step, manifest, buffers)
             _files.keep_newest(self.path, self.max_to_keep)
 
@@ -537,9 +595,13 @@ class CheckpointWriter:
             manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the save in flight, then releases the writer's threads."""
+        """Waits for the save in flight, writes what was appended to the run log since,
+        then releases the writer's threads."""
         try:
             self.wait()
+            log = self._take_log()
+            if log:
+                _files.append_log(self.path, log)
         finally:
             if self._manager is not None:
                 manager, self._manager = self._manager, None
@@ -782,6 +844,23 @@ def restore_checkpoint(
     matched, arrays = read(where, step, pairs, wanted)
     leaves = [_rebuild_leaf(record, leaf, arrays) for record, leaf in matched]
     return jax.tree.unflatten(treedef, leaves), step
+
+
+def read_log(directory: str | os.PathLike[str], start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the run log that :meth:`CheckpointWriter.append_log`
+    wrote in ``directory``.
+
+    Raises:
+      ValueError: the log is missing or shorter than ``end`` (its path is named).
+
+    Example:
+      >>> read_log("runs/ckpt", 0, end)
+      b'{"epoch": 0}\\n'
+    """
+    start, end = _as_step(start, "start"), _as_step(end, "end")
+    if start > end:
+        raise ValueError(f"start={start} is past end={end}")
+    return _files.read_log(_resolve(directory), start, end)
 
 
 def all_steps(directory: str | os.PathLike[str]) -> list[int]:

@@ -14,6 +14,8 @@ It compiles the pure core, writes trained state back into the user's ``nnx.Modul
   compiles nothing.
 - :class:`Preempted`: what ``fit`` raises after saving on SIGTERM (resume with
   ``fit(..., resume=True)``).
+- :class:`NonFiniteLossWarning`: what ``fit`` warns once when steps had a non-finite loss
+  under ``on_nonfinite="ignore"``.
 - :func:`train_tasks`: continual learning, one task after another, with the accuracy
   matrix that shows what earlier tasks lost.
 - :class:`EarlyStopping`, :class:`LambdaCallback`: built-in callbacks (the metric writers
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on first use
     from nnxscan.shell._compile_cache import enable_compilation_cache
-    from nnxscan.shell._fit import Preempted
+    from nnxscan.shell._fit import NonFiniteLossWarning, Preempted
     from nnxscan.shell._plans import Plan
     from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
     from nnxscan.shell.continual import train_tasks
@@ -47,6 +49,7 @@ _PUBLIC = {
     "EarlyStopping": "nnxscan.shell.callbacks",
     "History": "nnxscan.shell.history",
     "LambdaCallback": "nnxscan.shell.callbacks",
+    "NonFiniteLossWarning": "nnxscan.shell._fit",
     "Plan": "nnxscan.shell._plans",
     "Population": "nnxscan.shell.population",
     "Preempted": "nnxscan.shell._fit",
@@ -60,6 +63,7 @@ __all__ = [
     "EarlyStopping",
     "History",
     "LambdaCallback",
+    "NonFiniteLossWarning",
     "Plan",
     "Population",
     "Preempted",

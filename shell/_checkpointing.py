@@ -49,7 +49,8 @@ def save(
 def save_with(
     checkpoints: Any, owner: Owner, run: str = "", carry: tuple | None = None
 ) -> pathlib.Path:
-    """Saves the owner's objects and counters (and ``run``, the History so far as JSON) as
+    """Saves the owner's objects and counters (and ``run``, where the History so far is in
+    the run log: :meth:`RunLog.record`) as
     checkpoint number ``owner.step`` through ``checkpoints`` (a ``CheckpointWriter``);
     ``carry`` is fit's ``(state, opt_state)`` when it was just written into the objects.
 
@@ -77,6 +78,27 @@ def restore(
     Everything is read and checked (against ``run_keys`` too, for a resumed fit) before the
     first object is written, so a failed restore changes nothing.
     """
+    owner.restore(_read(owner, placement, directory, step), run_keys)
+    return owner.epoch
+
+
+def resume(
+    owner: Owner, placement: Placement, directory: pathlib.Path, run_keys: dict[str, Any]
+) -> tuple[History, np.ndarray, dict[str, Any]]:
+    """Restores the latest checkpoint for a resumed fit; returns its run's History, the
+    partial losses of its unfinished epoch, and where they are in the run log (see
+    :meth:`RunLog.read`). The History is read before the first object is written: a log
+    that does not hold it raises and changes nothing."""
+    tree = _read(owner, placement, directory, None)
+    run = RunLog.read(directory, tree["meta"]["run"], owner.num_members)
+    owner.restore(tree, run_keys)
+    return run
+
+
+def _read(
+    owner: Owner, placement: Placement, directory: str | os.PathLike[str], step: int | None
+) -> dict[str, Any]:
+    """A checkpoint's tree, checked against the owner's and placed as its state is."""
     template = owner.checkpoint_tree()
     carry, treedef = jax.tree.flatten((template["state"], template["opt_state"]))
     # The model's CURRENT shardings (another mesh than the saved one's, too: elastic).
@@ -96,8 +118,7 @@ def restore(
         if not hint:
             raise
         raise ValueError(f"{error} ({hint})") from None
-    owner.restore(tree, run_keys)
-    return owner.epoch
+    return tree
 
 
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
@@ -105,37 +126,136 @@ def latest_step(directory: str | os.PathLike[str]) -> int | None:
     return _adapter().latest_step(pathlib.Path(directory).resolve())
 
 
-def run_json(history: History, partial: np.ndarray) -> str:
-    """The run so far as JSON, for a checkpoint: the completed epochs' logs and losses, and
-    the losses of the unfinished epoch's trained steps."""
-    epochs = [logs for logs in history.epochs if not logs.get("stopped")]
-    done = sum(int(logs.get("steps", 0)) for logs in epochs)
-    record = {
-        "epochs": epochs,
-        "losses": np.asarray(history.losses[:done], np.float64).tolist(),
-        "partial": np.asarray(partial, np.float64).tolist(),
-        "events": history.events,
-    }
-    return json.dumps(record, default=_plain)
+LOG = "history.jsonl"  # the run log's name (adapters/_checkpoint_files.py writes it)
 
 
-def parse_run(text: str, members: int | None = None) -> tuple[History, np.ndarray]:
-    """``(History, partial losses)`` back from :func:`run_json`'s text ("" gives empty):
-    losses of shape ``(steps,)``, or ``(steps, N)`` for ``members``; logs that were arrays
-    (per member, or a metric per class) are numpy arrays again."""
-    shape = (-1,) if members is None else (-1, members)
-    if not text:
-        empty = np.zeros((0,), np.float32).reshape(shape)
-        return History(empty), empty
-    record = json.loads(text)
+class RunLog:
+    """A fit's History in the checkpoint directory's run log (``history.jsonl``).
+
+    Each save appends one JSON line of what the History gained since the last save: the
+    new steps' losses (those of the unfinished epoch too), the new epochs' logs and the
+    new events. The checkpoint itself records only where the fit's lines are in the log
+    (:meth:`record`'s small JSON): a save costs the same at epoch 10 and epoch 10,000.
+    A resume reads the lines back (:meth:`read`), cuts off what a killed process appended
+    after the restored checkpoint, and appends after them (:meth:`resumed`).
+    """
+
+    def __init__(self, writer: Any):
+        self.writer = writer
+        self.start: int | None = None  # where this fit's lines start in the log
+        self.steps = 0  # losses logged: the completed epochs', then the unfinished one's
+        self.epochs = 0  # epochs of the History looked at (logged, unless stopped)
+        self.logged_epochs = 0  # of them, logged (a stopped epoch is not)
+        self.done = 0  # the steps of the logged epochs
+        self.events = 0
+
+    def record(self, history: History, partial: np.ndarray) -> str:
+        """Appends what ``history`` (and ``partial``, the losses of the unfinished epoch's
+        trained steps) gained since the last call; returns the run's meta for the
+        checkpoint saved next."""
+        epochs = history.epochs
+        fresh = self.start is None or len(epochs) < self.epochs
+        fresh = fresh or len(history.events) < self.events
+        if not fresh:
+            new_epochs, done, losses = self._since(history, partial)
+            fresh = losses is None
+        if fresh:  # the first save of this fit (or a History that shrank): lines anew
+            self.start = self.writer.append_log(b"")
+            self.steps = self.epochs = self.logged_epochs = self.done = self.events = 0
+            new_epochs, done, losses = self._since(history, partial)
+        line = {
+            "losses": np.asarray(losses, np.float64).tolist(),
+            "epochs": new_epochs,
+            "events": history.events[self.events :],
+        }
+        end = self.writer.append_log((json.dumps(line, default=_plain) + "\n").encode())
+        self.steps += len(losses)
+        self.epochs, self.logged_epochs = len(epochs), self.logged_epochs + len(new_epochs)
+        self.done, self.events = done, len(history.events)
+        return json.dumps(
+            {"log": LOG, "start": self.start, "end": end, "steps": self.steps,
+             "epochs": self.logged_epochs, "events": self.events}
+        )  # fmt: skip
+
+    def _since(self, history: History, partial: np.ndarray) -> tuple[list, int, Any]:
+        """The epochs completed since the last record, the steps of all logged epochs,
+        and the losses to log: the completed epochs', then the unfinished epoch's
+        (``partial``, or a stopped epoch's: the History's last steps). They only ever grow;
+        None when fewer than were logged (the History was changed)."""
+        new_epochs = [logs for logs in history.epochs[self.epochs :] if not logs.get("stopped")]
+        done = self.done + sum(int(logs.get("steps", 0)) for logs in new_epochs)
+        total = done + len(partial) if len(partial) else len(history.losses)
+        if total < self.steps or len(history.losses) < done:
+            return new_epochs, done, None
+        if len(partial):
+            tail = partial[max(self.steps - done, 0) :]
+            losses = np.concatenate([history.losses[self.steps : done], tail])
+        else:
+            losses = history.losses[self.steps :]
+        return new_epochs, done, losses
+
+    @staticmethod
+    def read(
+        directory: str | os.PathLike[str], text: str, members: int | None = None
+    ) -> tuple[History, np.ndarray, dict[str, Any]]:
+        """``(History, partial losses, where)`` of the run a checkpoint's meta ``text``
+        names ("" gives an empty History): losses of shape ``(steps,)``, or ``(steps, N)``
+        for ``members``; logs that were arrays are numpy arrays again. Only reads: a log
+        missing or not holding what the checkpoint recorded raises ValueError."""
+        shape = (-1,) if members is None else (-1, members)
+        if not text:
+            empty = np.zeros((0,), np.float32).reshape(shape)
+            return History(empty), empty, {}
+        where = json.loads(text)
+        if "log" not in where:  # written before the run log: the History inline
+            history, partial = _inline_run(where, shape)
+            return history, partial, {}
+        raw = _adapter().read_log(directory, where["start"], where["end"])
+        losses, epochs, events = [], [], []
+        for line in raw.decode().splitlines():
+            record = json.loads(line)
+            losses += record["losses"]
+            epochs += record["epochs"]
+            events += record["events"]
+        counts = (len(losses), len(epochs), len(events))
+        if counts != (where["steps"], where["epochs"], where["events"]):
+            raise ValueError(
+                f"the run log {pathlib.Path(directory) / LOG} holds {counts} (steps, epochs, "
+                f"events) where the checkpoint recorded {where['steps']}, {where['epochs']} "
+                f"and {where['events']}: the log was changed; restore() the checkpoint and "
+                f"fit without resume=True to go on without the History."
+            )
+        history, partial = _history(losses, epochs, events, shape)
+        return history, partial, where
+
+    def resumed(self, history: History, partial: np.ndarray, where: dict[str, Any]) -> None:
+        """The fit goes on from a restored checkpoint: its lines are this fit's so far, and
+        what a killed process appended after them is cut off."""
+        if not where:
+            return  # nothing logged (an old checkpoint, or a save() outside fit)
+        self.writer.truncate_log(where["end"])
+        self.start, self.steps = where["start"], where["steps"]
+        self.epochs = self.logged_epochs = len(history.epochs)
+        self.done, self.events = len(history.losses), len(history.events)
+
+
+def _history(losses: list, epochs: list, events: list, shape: tuple) -> tuple[History, np.ndarray]:
+    """The History of logged epochs (the first steps' losses) and the partial losses after."""
     epochs = [
-        {k: np.asarray(v) if isinstance(v, list) else v for k, v in logs.items()}
-        for logs in record["epochs"]
+        {k: np.asarray(v) if isinstance(v, list) else v for k, v in logs.items()} for logs in epochs
     ]
+    done = sum(int(logs.get("steps", 0)) for logs in epochs)
+    losses = np.asarray(losses, np.float32).reshape(shape)
+    history = History(losses[:done], epochs)
+    history.events = list(events)
+    return history, losses[done:]
+
+
+def _inline_run(record: dict[str, Any], shape: tuple) -> tuple[History, np.ndarray]:
     losses = np.asarray(record["losses"], np.float32).reshape(shape)
     partial = np.asarray(record["partial"], np.float32).reshape(shape)
-    history = History(losses, epochs)
-    history.events = list(record.get("events", []))
+    history, _ = _history([], record["epochs"], record.get("events", []), shape)
+    history.losses = losses
     return history, partial
 
 

@@ -265,8 +265,11 @@ class Engine:
         history, partial = History(losses=empty_losses(members)), None
         directory = options.checkpoint_dir
         if _checkpointing.latest_step(directory) is not None:
-            self.restore(directory, run_keys=options.run_keys)
-            history, partial = _checkpointing.parse_run(self.owner.restored_run, members)
+            placement = self.bind()  # onto the model's current shardings, as restore()
+            history, partial, where = _checkpointing.resume(
+                self.owner, placement, directory, options.run_keys
+            )
+            options.checkpoints.run_log.resumed(history, partial, where)
         if isinstance(data, GrainEpochs):
             data.epoch = self.owner.epoch  # grain draws each epoch's order from its index
         left = max(options.epochs - self.owner.epoch, 0)
@@ -292,12 +295,14 @@ class Engine:
             return None, None
         directory = pathlib.Path(directory).resolve()
         writer = _checkpointing.writer(directory, asynchronous=asynchronous)
+        # The History goes to the run log beside the checkpoints, a line per save; the
+        # checkpoint records where (its cost does not grow with the run).
+        run_log = _checkpointing.RunLog(writer)
 
         def save(history: History, partial: np.ndarray, carry: tuple | None = None) -> None:
-            run = _checkpointing.run_json(history, partial)
-            _checkpointing.save_with(writer, self.owner, run, carry)
+            _checkpointing.save_with(writer, self.owner, run_log.record(history, partial), carry)
 
-        return directory, Checkpoints(every, every_steps, save, writer.close)
+        return directory, Checkpoints(every, every_steps, save, writer.close, run_log)
 
     def save(
         self, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""

@@ -14,7 +14,10 @@ they receive, whose public ``stop_training`` flag it reads.
 from __future__ import annotations
 
 import contextlib
+import os
+import pathlib
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -89,17 +92,34 @@ class Checkpoints(NamedTuple):
     a callback loaded a state (EarlyStopping's best epoch) since the last save. A save may
     return before its checkpoint is on disk (it is written in the background); ``close()``
     waits for it, and fit calls it on every way out (the end, a preemption, an
-    exception)."""
+    exception). ``run_log``: where the saves put the History (``_checkpointing.RunLog``),
+    told by a resume where the restored run's lines end."""
 
     every_epochs: int
     every_steps: int | None
     save: Callable[..., Any]
     close: Callable[[], None] = lambda: None
+    run_log: Any = None
 
 
 def written_carry(live: LiveState) -> tuple | None:
     """The carry when the owner's objects hold it (everything flushed), else None."""
     return None if live.unwritten else live.carry()
+
+
+class NonFiniteLossWarning(UserWarning):
+    """Issued once after a ``fit`` under ``on_nonfinite="ignore"`` (the default) in which
+    some steps had a non-finite loss: those steps were applied as the plain loop applies
+    them, so the weights may be NaN now. It says how many steps (per member for a
+    ``Population``) and where the first was; ``on_nonfinite="skip"`` leaves such steps
+    out, ``"stop"`` halts before the first one.
+
+    Example:
+      >>> import warnings
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("error", NonFiniteLossWarning)  # fail the run instead
+      ...     trainer.fit(data, epochs=3, batch_size=32)
+    """
 
 
 class Preempted(Exception):
@@ -170,6 +190,11 @@ class FitLoop:
         # Several processes train one model: only the first one reports.
         self.progress = progress and is_primary()
         self._warned_drop = False
+        # Under on_nonfinite="ignore": steps whose loss was not finite (per member), and
+        # the first one's (epoch, step of the epoch); counted from the epochs' host losses.
+        self._nonfinite: Any = 0
+        self._steps_logged = 0
+        self._first_nonfinite: tuple[int, int] | None = None
         self._mask: tuple[bytes, Any] | None = None
         self._device: Any = None
 
@@ -234,6 +259,7 @@ class FitLoop:
                 # and the History's events.
                 self.checkpoints.save(history, empty_losses(self.members))
             self.checkpoints.close()  # every checkpoint is on disk when fit returns
+        self._warn_nonfinite()
         return history
 
     def _anyone_trains(self) -> bool:
@@ -367,10 +393,44 @@ class FitLoop:
     ) -> tuple:
         skipping = self.program.skips_nonfinite if skipping is None else skipping
         wall_time, compile_time = timing if isinstance(timing, tuple) else (timing, 0.0)
-        return epoch_logs(
+        logs, losses = epoch_logs(
             epoch, stacked, wall_time, has_aux=self.program.has_aux, members=self.members,
             skipping=skipping, dropped=stats.dropped, compile_time=compile_time,
         )  # fmt: skip
+        if not skipping and not self.program.halts:  # "ignore": applied, so counted
+            self._count_nonfinite(epoch, losses)
+        return logs, losses
+
+    def _count_nonfinite(self, epoch: int, losses: np.ndarray) -> None:
+        """Counts an epoch's non-finite losses (already on the host: no extra sync)."""
+        bad = ~np.isfinite(losses)
+        self._steps_logged += int(bad.shape[0])
+        if not bad.any():
+            return
+        self._nonfinite = self._nonfinite + bad.sum(axis=0)
+        if self._first_nonfinite is None:
+            self._first_nonfinite = (epoch, int(np.argmax(bad.any(axis=tuple(range(1, bad.ndim))))))
+
+    def _warn_nonfinite(self) -> None:
+        """One warning after a fit whose losses were not all finite under "ignore"."""
+        if self._first_nonfinite is None:
+            return
+        counts, steps = np.asarray(self._nonfinite), self._steps_logged
+        if self.members is None:
+            what = f"{int(counts)} of the {steps} training steps"
+        else:
+            per = ", ".join(f"member {m}: {int(n)}" for m, n in enumerate(counts) if n)
+            what = f"some of the {steps} training steps ({per})"
+        epoch, step = self._first_nonfinite
+        warnings.warn(
+            f"nnxscan: {what} of this fit had a non-finite loss (NaN or inf; the first at "
+            f'epoch {epoch}, step {step} of the epoch). With on_nonfinite="ignore" (the '
+            f"default) those steps were applied, so the weights may be non-finite now. Pass "
+            f'on_nonfinite="skip" to leave such steps out, or on_nonfinite="stop" to '
+            f"halt before the first one.",
+            NonFiniteLossWarning,
+            stacklevel=_user_stacklevel(),
+        )
 
     def _losses_so_far(self, outs: list) -> np.ndarray:
         """The unfinished epoch's losses: before a resume, and from ``outs`` since."""
@@ -464,3 +524,26 @@ class FitLoop:
                 f"train on it.",
                 stacklevel=7,
             )
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside nnxscan (the
+    user's call of ``fit``), whichever front-end or path led here."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and _is_nnxscan(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _is_nnxscan(filename: str) -> bool:
+    return filename.startswith(_PACKAGE_ROOTS)
+
+
+# The folders of nnxscan's packages (pure/, shell/, adapters/ of this checkout or
+# install), as Python names the files it runs and with links resolved.
+_PACKAGE_ROOTS = tuple(
+    os.path.join(str(root), name) + os.sep
+    for root in {pathlib.Path(__file__).absolute().parent.parent,
+                 pathlib.Path(__file__).resolve().parent.parent}
+    for name in ("pure", "shell", "adapters")
+)  # fmt: skip

@@ -45,7 +45,8 @@ class Owner(Protocol):
       metrics: the NNX training metrics (a template for members), or None.
       epoch: the global index of the next epoch; ``epoch_step``: steps of that epoch trained
         when a run stopped inside it (0 at boundaries).
-      restored_run: the run (History JSON) the last restored checkpoint carried.
+      restored_run: the run the last restored checkpoint carried (where its History is in
+        the run log, ``_checkpointing.RunLog``).
       loaded_since_checkpoint: a state was loaded (EarlyStopping's best epoch) since the
         last checkpoint, so one at the current step is stale.
     """
@@ -282,7 +283,7 @@ class ModelOwner:
 
     def checkpoint_tree(self, run: str = "", carry: tuple | None = None) -> dict[str, Any]:
         """What a checkpoint holds: module state, optax state, the counters, and ``run``
-        (the fit's History so far, as JSON: what a resume needs to go on).
+        (where the fit's History so far is in the run log: what a resume needs to go on).
 
         ``carry``: fit's ``(state, opt_state)``, just written into the objects: the same
         arrays, without reading them back out of the module and optimizer (milliseconds

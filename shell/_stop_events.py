@@ -1,7 +1,7 @@
 """What EarlyStopping leaves in the History: the epoch it stopped at, the epoch it restored.
 
 ``History.events`` is a list of small dicts, so ``History.plot`` can mark them and a
-checkpoint (the History as JSON) keeps them. Each is::
+checkpoint (through the run log, history.jsonl) keeps them. Each is::
 
     {"epoch": e, "step": s, "what": "early_stopping_stopped" | "restored_best"}
 

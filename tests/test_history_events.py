@@ -8,13 +8,16 @@ best is the lowest value) and the step counts of the logged epochs.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
+from nnxscan.adapters.checkpoint import CheckpointWriter
 from nnxscan.shell import EarlyStopping, History, Population, Trainer
-from nnxscan.shell._checkpointing import parse_run, run_json
+from nnxscan.shell._checkpointing import RunLog
 
 from conftest import MLP, make_data, state_arrays, xent
 
@@ -116,14 +119,17 @@ def test_a_population_records_each_members_stop_and_restore_and_its_checkpoint_k
     assert resumed.events == history.events
 
 
-def test_run_json_keeps_events_and_reads_a_checkpoint_without_them():
+def test_the_run_log_keeps_events_and_an_inline_run_without_them_reads_as_none(tmp_path):
     history = History()
     history._append(np.ones(4, np.float32), {"epoch": 0, "steps": 4, "loss": 1.0})
     history.events.append({"epoch": 0, "step": 4, "what": "early_stopping_stopped", "member": 2})
-    back, _ = parse_run(run_json(history, np.zeros(0)))
-    assert back.events == history.events
-    old = run_json(history, np.zeros(0)).replace(', "events": [', ', "ignored": [')
-    assert parse_run(old)[0].events == []
+    with CheckpointWriter(tmp_path) as writer:
+        where = RunLog(writer).record(history, np.zeros(0, np.float32))
+    back, partial, _ = RunLog.read(tmp_path, where)
+    assert back.events == history.events and partial.size == 0
+    # A checkpoint written before the run log held its History inline, maybe without events.
+    old = {"epochs": history.epochs, "losses": [1.0] * 4, "partial": []}
+    assert RunLog.read(tmp_path, json.dumps(old))[0].events == []
     assert History().events == [] and History().events is not History().events
 
 

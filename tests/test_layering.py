@@ -263,7 +263,7 @@ PUBLIC = {
     },
     "nnxscan.shell": {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
-        "enable_compilation_cache", "Preempted",
+        "enable_compilation_cache", "Preempted", "NonFiniteLossWarning",
         "Population", "train_tasks",
     },
 }  # fmt: skip
