@@ -11,11 +11,16 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import optax
 import pytest
+from flax import nnx
 from rich.console import Console
 
+from nnxscan.shell import Trainer
 from nnxscan.shell._progress import RunProgress
 from nnxscan.shell.cli import main
+
+from conftest import MLP, xent
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -108,3 +113,23 @@ def test_plain_epoch_lines_off_a_terminal_fit_80_columns():
         "epoch 12  loss 0.1234  eval_loss 0.05678  eval_accuracy 0.9812  12,345 steps/s",
     ]
     assert all(len(line) <= 80 for line in lines)
+
+
+def test_a_long_epoch_line_off_a_terminal_stays_one_line(data, capsys):
+    """Off a terminal (a log file, CI) a line longer than rich's default 80 columns is
+    printed whole, not wrapped onto a second line."""
+
+    def metrics(model, batch):
+        hits = model(batch["x"]).argmax(-1) == batch["y"]
+        return {"accuracy_of_the_model_on_the_held_out_examples": hits.mean(), "n": hits.sum()}
+
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), xent)
+    history = trainer.fit(
+        data, epochs=1, batch_size=16, eval_data=data, metric_fn=metrics, progress=True
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1, lines
+    accuracy = history.epochs[0]["eval_accuracy_of_the_model_on_the_held_out_examples"]
+    assert f"eval_accuracy_of_the_model_on_the_held_out_examples {accuracy:.4g}" in lines[0]
+    assert lines[0].startswith("epoch 0  loss ") and "steps/s" in lines[0]
+    assert len(lines[0]) > 80
