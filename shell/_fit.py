@@ -17,7 +17,6 @@ import contextlib
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -38,6 +37,7 @@ from nnxscan.shell._owner import Owner
 from nnxscan.shell._placement import Placement, device_of
 from nnxscan.shell._programs import TrainProgram
 from nnxscan.shell._progress import RunProgress
+from nnxscan.shell._warn import warn
 from nnxscan.shell.history import History
 
 # At most this many steps in one fused call of several epochs: the progress bar still
@@ -457,10 +457,9 @@ class FitLoop:
     def _warn_dropped(self, epoch: int, stats: EpochStats) -> None:
         if stats.dropped and not self._warned_drop:
             self._warned_drop = True
-            warnings.warn(
+            warn(
                 f"nnxscan: dropped the final short batch of {stats.dropped} examples in "
                 f"epoch {epoch} (and will in every epoch that has one; see "
                 f"History.epochs[i]['dropped_examples']); pass drop_remainder=False to "
-                f"train on it.",
-                stacklevel=7,
+                f"train on it."
             )
