@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import sys
 from collections.abc import Sequence
 
@@ -29,10 +28,9 @@ DEMO_DESCRIPTION = (
 
 
 def _version() -> str:
-    try:
-        return importlib.metadata.version("nnxscan")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-        return "unknown"
+    import nnxscan  # its __version__, from the installed distribution's metadata
+
+    return nnxscan.__version__
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import io
 import pathlib
@@ -62,6 +63,25 @@ def test_version_prints_the_installed_distribution_version(capsys):
     assert exe, "the nnxscan console script is not installed"
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True)
     assert re.fullmatch(r"nnxscan \d+\.\d+\S*\n", out.stdout)
+
+
+def test_the_package_version_is_pyprojects_and_importing_it_loads_nothing():
+    import tomllib
+
+    import nnxscan
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert nnxscan.__version__ == pyproject["project"]["version"]  # the single source
+    assert nnxscan.__version__ == importlib.metadata.version("nnxscan")
+    assert "__version__" in dir(nnxscan)
+    from nnxscan import __version__
+
+    assert __version__ == nnxscan.__version__
+    # `import nnxscan` alone loads none of its packages, and no jax.
+    code = "import sys, nnxscan; print(sorted(m for m in sys.modules if '.' in m or m == 'jax'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = ast.literal_eval(out.stdout)  # a list of module names
+    assert not [m for m in loaded if m == "jax" or m.startswith(("nnxscan.", "jax."))], loaded
 
 
 EPOCH_LOGS = {"loss": 0.1234, "eval_loss": 0.05678, "eval_accuracy": 0.98123}
