@@ -8,7 +8,7 @@ the host side); per epoch it makes one: reading the epoch's losses for the logs.
 :class:`~nnxscan.shell._owner.Owner` (one model, or members stacked), the runner factory,
 the callbacks, the progress switch, the evaluation and the checkpoints. It never reads the
 Trainer or the Population; the only object it shares with the callbacks is the ``subject``
-they receive, whose public ``stop_training`` flag it reads.
+they receive, whose public ``stop_training`` flag it sets (False, as fit starts) and reads.
 """
 
 from __future__ import annotations
