@@ -82,6 +82,7 @@ import jax
 import numpy as np
 
 from nnxscan.adapters import _checkpoint_files as _files
+from nnxscan.adapters._extras import require_extra
 from nnxscan.adapters.nnx_optimizer import _is_variable
 from nnxscan.pure._checks import check_count
 
@@ -101,13 +102,8 @@ _ARRAY_KINDS = ("array", "key")
 
 
 def _orbax() -> Any:
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as err:  # pragma: no cover - orbax-checkpoint is a flax dependency
-        raise ImportError(
-            "nnxscan checkpoints need orbax-checkpoint: pip install 'nnxscan[checkpoint]'"
-        ) from err
-    return ocp
+    # orbax-checkpoint is a flax dependency; the extra pins the version tested.
+    return require_extra("orbax.checkpoint", "checkpoint", needed_by="nnxscan checkpoints")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -687,31 +683,82 @@ def _read_manifest(raw: Any, where: pathlib.Path) -> list[_Leaf]:
 
 
 def _check_fits(saved: list[_Leaf], wanted: list[_Leaf], where: pathlib.Path) -> None:
-    """Raises ValueError naming the first leaf where the checkpoint and template differ."""
+    """Raises ValueError naming the first leaf where the checkpoint and template differ.
+
+    The model's leaves are named first: a model of other sizes changes its optimizer
+    state's shapes too, and the model is the cause. When only the optimizer state
+    (``['opt_state']``) differs, the message says the optimizer differs and how."""
     by_path = {record.path: record for record in saved}
     problems = []
     for want in wanted:
         have = by_path.get(want.path)
         if have is None:
-            problems.append(f"{want.path}: missing in checkpoint (the model has {want.describe()})")
+            problems.append(
+                (want.path, f"missing in checkpoint ({_owner(want)} has {want.describe()})")
+            )
         elif not have.fits(want):
             problems.append(
-                f"{want.path}: the checkpoint has {have.describe()}, the model has "
-                f"{want.describe()}"
-            )
+                (want.path, f"the checkpoint has {have.describe()}, {_owner(want)} has "
+                 f"{want.describe()}")
+            )  # fmt: skip
     wanted_paths = {want.path for want in wanted}
     problems += [
-        f"{have.path}: not in the model (the checkpoint has {have.describe()})"
+        (have.path, f"not in {_owner(have)} (the checkpoint has {have.describe()})")
         for have in saved
         if have.path not in wanted_paths
     ]
-    if problems:
-        more = f" ({len(problems) - 1} more leaves differ)" if len(problems) > 1 else ""
+    if not problems:
+        return
+    problems.sort(key=lambda problem: problem[0].startswith(_OPT_STATE))  # stable
+    first = f"{problems[0][0]}: {problems[0][1]}"
+    more = f" ({len(problems) - 1} more leaves differ)" if len(problems) > 1 else ""
+    if problems[0][0].startswith(_OPT_STATE):
         raise ValueError(
-            f"checkpoint {where} does not fit the template at {problems[0]}{more}. Restore "
-            f"into a template built like the saved model (same layer sizes and variables), "
-            f"or pick another checkpoint with step=."
+            f"checkpoint {where} was saved with another optimizer: its optimizer state holds "
+            f"{_optimizer_layout(saved, wanted, saved)}, the optimizer given here holds "
+            f"{_optimizer_layout(saved, wanted, wanted)} (the model's variables fit; first "
+            f"difference at {first}{more}). Resume with the optax transform the checkpoint "
+            f"was saved with (the same transforms, chained in the same order); to go on with "
+            f"another optimizer, restore with the saved one, then build the new one on the "
+            f"restored model."
         )
+    raise ValueError(
+        f"checkpoint {where} does not fit the template at {first}{more}. Restore "
+        f"into a template built like the saved model (same layer sizes and variables), "
+        f"or pick another checkpoint with step=."
+    )
+
+
+_OPT_STATE = "['opt_state']"
+_STATE = "['state']"
+
+
+def _owner(leaf: _Leaf) -> str:
+    """Who holds a template leaf, in a message."""
+    return "this optimizer" if leaf.path.startswith(_OPT_STATE) else "the model"
+
+
+def _optimizer_layout(saved: list[_Leaf], wanted: list[_Leaf], side: list[_Leaf]) -> str:
+    """The optimizer state's leaves of one side, each parameter tree shortened to ``[...]``:
+    ``"[0].count, [0].mu[...], [0].nu[...]"`` for Adam, ``"no arrays"`` for plain SGD."""
+    params = {
+        leaf.path[len(_STATE) :] for leaf in (*saved, *wanted) if leaf.path.startswith(_STATE)
+    }
+    names: dict[str, None] = {}
+    for leaf in side:
+        if not leaf.path.startswith(_OPT_STATE):
+            continue
+        name = leaf.path[len(_OPT_STATE) :]
+        # The longest tail that is a model variable's path: the per-parameter part.
+        tails = [tail for tail in params if tail and name.endswith(tail)]
+        if tails:
+            name = name[: -len(max(tails, key=len))] + "[...]"
+        names[name] = None
+    if not names:
+        return "no arrays"
+    listed = list(names)
+    shown = ", ".join(listed[:6]) + (f", ... ({len(listed)} in all)" if len(listed) > 6 else "")
+    return shown
 
 
 def _default_sharding() -> jax.sharding.Sharding:

@@ -8,7 +8,7 @@ the host side); per epoch it makes one: reading the epoch's losses for the logs.
 :class:`~nnxscan.shell._owner.Owner` (one model, or members stacked), the runner factory,
 the callbacks, the progress switch, the evaluation and the checkpoints. It never reads the
 Trainer or the Population; the only object it shares with the callbacks is the ``subject``
-they receive, whose public ``stop_training`` flag it reads.
+they receive, whose public ``stop_training`` flag it sets (False, as fit starts) and reads.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -41,6 +40,7 @@ from nnxscan.shell._owner import Owner
 from nnxscan.shell._placement import Placement, device_of
 from nnxscan.shell._programs import TrainProgram
 from nnxscan.shell._progress import RunProgress
+from nnxscan.shell._warn import warn
 from nnxscan.shell.history import History
 
 # At most this many steps in one fused call of several epochs: the progress bar still
@@ -517,12 +517,11 @@ class FitLoop:
     def _warn_dropped(self, epoch: int, stats: EpochStats) -> None:
         if stats.dropped and not self._warned_drop:
             self._warned_drop = True
-            warnings.warn(
+            warn(
                 f"nnxscan: dropped the final short batch of {stats.dropped} examples in "
                 f"epoch {epoch} (and will in every epoch that has one; see "
                 f"History.epochs[i]['dropped_examples']); pass drop_remainder=False to "
-                f"train on it.",
-                stacklevel=7,
+                f"train on it."
             )
 
 

@@ -10,7 +10,6 @@ run's ``shared_order``). Each member's state is that of its node: the model, or
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
@@ -23,6 +22,7 @@ from nnxscan.pure._node import node_of, unpack
 from nnxscan.shell._owner import Writer, check_meta_ints, metric_logs
 from nnxscan.shell._population_checks import call_model_fn
 from nnxscan.shell._programs import member_metrics
+from nnxscan.shell._warn import warn
 
 
 class StackedOwner:
@@ -159,12 +159,11 @@ class StackedOwner:
         halted = np.asarray(halted, bool) & self.active
         for index in np.flatnonzero(halted):
             step = first_step + int(np.argmax(np.isnan(losses[:, index])))
-            warnings.warn(
+            warn(
                 f"member {index}: non-finite loss at global step {step} (epoch "
                 f"{self.epoch}); on_nonfinite='stop' froze it at the state before that "
                 f"step. The other members go on.",
                 RuntimeWarning,
-                stacklevel=8,
             )
         self.active = self.active & ~halted
 

@@ -30,6 +30,7 @@ from nnxscan.adapters.nnx_optimizer import (
 from nnxscan.pure import init_opt_state, split_wrt
 from nnxscan.pure._checks import check_transform
 from nnxscan.pure._node import node_of
+from nnxscan.shell._module_check import check_module
 
 # ``write(leaves, treedef, steps)``: the carry ``(state, opt_state)`` as ``jax.tree.flatten``
 # gives it, and the number of steps trained since the last write.
@@ -129,8 +130,7 @@ class ModelOwner:
         rngs: nnx.Rngs | None = None,
         metrics: nnx.Metric | None = None,
     ):
-        if not isinstance(model, nnx.Module):
-            raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
+        check_module(model)
         check_companions(rngs, metrics)
         self.model, self.rngs, self.metrics = model, rngs, metrics
         # What every compiled call carries: the model, or (model, rngs, metrics).

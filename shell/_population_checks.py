@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from nnxscan.pure import init_opt_state
 from nnxscan.pure._checks import check_count
 from nnxscan.pure._members import hyperparam_names
+from nnxscan.shell._module_check import is_linen
 
 _MAX_SEED = 2**31 - 1  # as Trainer: the seed enters numpy's generator as an int32
 
@@ -127,6 +128,14 @@ def mesh_axes(
 
 def call_model_fn(model_fn: Callable, seed: int) -> nnx.Module:
     model = model_fn(nnx.Rngs(seed))
+    if is_linen(model):
+        raise TypeError(
+            f"model_fn(nnx.Rngs({seed})) returned {type(model).__name__}, a Flax Linen module, "
+            f"not an nnx.Module: return it wrapped, e.g. model_fn=lambda rngs: "
+            f"nnxscan.adapters.linen.LinenModule({type(model).__name__}(...), sample_x, "
+            f"rngs=rngs), which initializes it from an example input and lets model.eval() "
+            f"switch its train mode (docs/porting.md, 'A Linen model')."
+        )
     if not isinstance(model, nnx.Module):
         raise TypeError(
             f"model_fn(nnx.Rngs({seed})) returned {type(model).__name__}, not an nnx.Module: "

@@ -180,7 +180,9 @@ class RunProgress:
                 # The rate is the steady one; a first epoch's compile is named apart.
                 after = f" after a {compiled:.1f} s compile" if compiled >= 0.05 else ""
                 line = f"epoch {epoch}  {_loss_text(logs)}{extras}  {rate:,.0f} steps/s{after}"
-                self._console.print(line, highlight=False, markup=False)
+                # soft_wrap: a log line stays one line, whatever the console's width
+                # (rich's default off a terminal is 80 columns).
+                self._console.print(line, highlight=False, markup=False, soft_wrap=True)
                 self._printed = now
         else:
             loss = np.asarray(logs["loss"], np.float64)

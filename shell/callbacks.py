@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from flax import nnx
 from nnxscan.adapters.distributed import is_primary
 from nnxscan.pure._members import select_members
 from nnxscan.shell._stop_events import record_early_stopping
+from nnxscan.shell._warn import warn
 
 __all__ = ["EarlyStopping", "LambdaCallback"]
 
@@ -292,11 +292,10 @@ class EarlyStopping:
     def on_train_end(self, trainer: Any, history: Any) -> None:
         record_early_stopping(self, trainer, history)  # history.events, before restoring
         if self._epochs and not self._checked:
-            warnings.warn(
+            warn(
                 f"EarlyStopping(monitor={self.monitor!r}): no epoch of this fit logged any "
                 f"eval_* key (fit needs eval_data and metric_fn, and at least eval_every "
-                f"epochs), so it neither stopped nor restored anything.",
-                stacklevel=2,
+                f"epochs), so it neither stopped nor restored anything."
             )
         if getattr(trainer, "num_members", None) is not None:
             if isinstance(self.wait, np.ndarray):  # some epoch was monitored

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
+import sys
 from collections.abc import Sequence
 
 from nnxscan.shell._compile_cache import DEFAULT_DIR
@@ -22,15 +22,15 @@ DEMO_LIST = "demos:\n" + "".join(f"  {name:<12}{text}\n" for name, text in DEMOS
 DEMO_DESCRIPTION = (
     "Trains a small model with scanned epochs, prints how well and how fast it\n"
     "trained, and writes a plot to OUT/nnxscan_demo_NAME.png.\n"
-    "Needs the demo extra: pip install 'nnxscan[demo]'.\n\n" + DEMO_LIST
+    "Needs the demo extra: pip install 'nnxscan[demo]'\n"
+    "(in a clone of the repository: pip install -e '.[demo]').\n\n" + DEMO_LIST
 )
 
 
 def _version() -> str:
-    try:
-        return importlib.metadata.version("nnxscan")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-        return "unknown"
+    import nnxscan  # its __version__, from the installed distribution's metadata
+
+    return nnxscan.__version__
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,6 +89,18 @@ def main(argv: Sequence[str] | None = None) -> int:
       0
     """
     args = _parser().parse_args(argv)
+    from nnxscan.adapters._extras import MissingExtraError
+
+    try:
+        _run_demo(args)
+    except MissingExtraError as error:
+        # What to install is the whole story: one line, no traceback.
+        print(f"nnxscan: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_demo(args: argparse.Namespace) -> None:
     if not args.no_compile_cache:
         from nnxscan.shell import enable_compilation_cache
 
@@ -113,7 +125,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nnxscan.shell.demos.hypernet import run_hypernet_demo
 
         run_hypernet_demo(args.out, seed=args.seed, progress=not args.no_progress)
-    return 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from nnxscan.pure._checks import (
     check_transform,
 )
 from nnxscan.pure.evaluation import make_eval_step
+from nnxscan.shell._module_check import check_module
 from nnxscan.shell.trainer import Trainer
 
 __all__ = ["train_tasks"]
@@ -178,8 +179,7 @@ def train_tasks(
       ...                   loss_for_task, metric_for_task, epochs=20, batch_size=32)
       >>> acc[-1].mean()          # final average accuracy; acc[0, 0] - acc[-1, 0]: forgetting
     """
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
+    check_module(model)
     tx = check_transform(tx)
     for name, fn in (("loss_for_task", loss_for_task), ("metric_for_task", metric_for_task)):
         if not callable(fn):

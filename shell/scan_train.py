@@ -15,6 +15,7 @@ from nnxscan.pure._checks import abstract_batch, check_batch_size, check_leading
 from nnxscan.shell._calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine import Engine
 from nnxscan.shell._epochs import ArrayEpochs, EpochStats
+from nnxscan.shell._module_check import check_module
 from nnxscan.shell._owner import ModelOwner
 from nnxscan.shell._placement import Placement, device_of
 from nnxscan.shell._plans import Plan, resolve_plan
@@ -69,6 +70,7 @@ def scan_train(
       >>> losses = scan_train(model, optimizer, loss_fn, {"x": xs, "y": ys})  # (steps, B, ..)
       >>> losses = scan_train(model, optimizer, loss_fn, {"x": x, "y": y}, batch_size=32)
     """
+    check_module(model)  # first: a Linen model is the cause of a missing optimizer too
     if not isinstance(optimizer, nnx.Optimizer):
         raise TypeError(
             f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}. For a plain "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import io
 import pathlib
@@ -11,11 +12,16 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import optax
 import pytest
+from flax import nnx
 from rich.console import Console
 
+from nnxscan.shell import Trainer
 from nnxscan.shell._progress import RunProgress
 from nnxscan.shell.cli import main
+
+from conftest import MLP, xent
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -57,6 +63,25 @@ def test_version_prints_the_installed_distribution_version(capsys):
     assert exe, "the nnxscan console script is not installed"
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True)
     assert re.fullmatch(r"nnxscan \d+\.\d+\S*\n", out.stdout)
+
+
+def test_the_package_version_is_pyprojects_and_importing_it_loads_nothing():
+    import tomllib
+
+    import nnxscan
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert nnxscan.__version__ == pyproject["project"]["version"]  # the single source
+    assert nnxscan.__version__ == importlib.metadata.version("nnxscan")
+    assert "__version__" in dir(nnxscan)
+    from nnxscan import __version__
+
+    assert __version__ == nnxscan.__version__
+    # `import nnxscan` alone loads none of its packages, and no jax.
+    code = "import sys, nnxscan; print(sorted(m for m in sys.modules if '.' in m or m == 'jax'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = ast.literal_eval(out.stdout)  # a list of module names
+    assert not [m for m in loaded if m == "jax" or m.startswith(("nnxscan.", "jax."))], loaded
 
 
 EPOCH_LOGS = {"loss": 0.1234, "eval_loss": 0.05678, "eval_accuracy": 0.98123}
@@ -108,3 +133,23 @@ def test_plain_epoch_lines_off_a_terminal_fit_80_columns():
         "epoch 12  loss 0.1234  eval_loss 0.05678  eval_accuracy 0.9812  12,345 steps/s",
     ]
     assert all(len(line) <= 80 for line in lines)
+
+
+def test_a_long_epoch_line_off_a_terminal_stays_one_line(data, capsys):
+    """Off a terminal (a log file, CI) a line longer than rich's default 80 columns is
+    printed whole, not wrapped onto a second line."""
+
+    def metrics(model, batch):
+        hits = model(batch["x"]).argmax(-1) == batch["y"]
+        return {"accuracy_of_the_model_on_the_held_out_examples": hits.mean(), "n": hits.sum()}
+
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), xent)
+    history = trainer.fit(
+        data, epochs=1, batch_size=16, eval_data=data, metric_fn=metrics, progress=True
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1, lines
+    accuracy = history.epochs[0]["eval_accuracy_of_the_model_on_the_held_out_examples"]
+    assert f"eval_accuracy_of_the_model_on_the_held_out_examples {accuracy:.4g}" in lines[0]
+    assert lines[0].startswith("epoch 0  loss ") and "steps/s" in lines[0]
+    assert len(lines[0]) > 80

@@ -289,6 +289,13 @@ def test_an_eval_monitor_never_logged_warns_at_train_end():
         drive(EarlyStopping("eval_loss"), [None, None])
 
 
+def test_the_warning_of_a_fit_without_evaluation_points_at_the_fit_call(data):
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), xent)
+    with pytest.warns(UserWarning, match="no epoch of this fit logged any eval_") as said:
+        trainer.fit(data, epochs=1, batch_size=16, callbacks=[EarlyStopping()], progress=False)
+    assert said[0].filename == __file__  # the user's line, not nnxscan's
+
+
 def test_no_restore_when_disabled_or_when_the_model_is_at_the_best_epoch():
     stop = EarlyStopping("eval_loss", patience=2, restore_best=False)
     _, trainer = drive(stop, [0.2, 0.1, 0.3, 0.4])

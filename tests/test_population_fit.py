@@ -149,6 +149,7 @@ def test_stop_nonfinite_freezes_the_member_at_the_state_before_its_step(data):
         warnings.simplefilter("always")
         history = pop.fit(poisoned, epochs=2, batch_size=BS)
     said = sorted(str(w.message) for w in caught if w.category is RuntimeWarning)
+    assert {w.filename for w in caught if w.category is RuntimeWarning} == {__file__}
     assert [m.split(":")[0] for m in said] == ["member 0", "member 1", "member 2"]
     steps = [int(m.split("global step ")[1].split()[0]) for m in said]
     nan_steps = [int(np.argmax(np.isnan(history.losses[:, i]))) for i in range(3)]

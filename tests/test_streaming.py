@@ -128,8 +128,9 @@ def test_ragged_final_batch_is_dropped_with_a_warning_or_kept(batches):
     stream = [*batches[:6], short]
     ref, _ = reference(stream[:6])
     model = MLP(rngs=nnx.Rngs(0))
-    with pytest.warns(UserWarning, match="dropped the final short batch of 3 examples"):
+    with pytest.warns(UserWarning, match="dropped the final short batch of 3 examples") as said:
         history = Trainer(model, TX, xent).fit(stream, epochs=1, progress=False)
+    assert said[0].filename == __file__  # the user's line, not nnxscan's
     assert history.epochs[0]["dropped_examples"] == 3 and history.epochs[0]["steps"] == 6
     assert_trees_close(model, ref)
 

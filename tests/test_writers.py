@@ -268,3 +268,43 @@ def _importable(name: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+# -- what a writer reads of the object training runs ------------------------------------------
+
+
+class _Subject:
+    """A stand-in for the Trainer or Population writers receive: the four plain values
+    docs/architecture.md says writers read, and nothing else (any other attribute raises)."""
+
+    ALLOWED = frozenset({"step", "num_members", "seeds", "hyperparams"})
+
+    def __init__(self, members: int | None):
+        self.step, self.num_members = 0, members
+        self.seeds = None if members is None else list(range(members))
+        self.hyperparams = None if members is None else {"lr": [0.1] * members}
+
+    def __getattribute__(self, name: str):
+        if name.startswith("__") or name in _Subject.ALLOWED:
+            return object.__getattribute__(self, name)
+        raise AttributeError(f"a writer read {name!r} of the Trainer")
+
+
+@pytest.mark.parametrize("members", [None, 2])
+def test_writers_read_only_the_step_and_the_members_of_the_trainer(tmp_path, members):
+    logs = [_logs(e, 0.5) if members is None else _logs(e, np.array([0.5, 0.25])) for e in (0, 1)]
+    writers = [
+        CSVWriter(tmp_path / f"{members}.csv"),
+        JSONLinesWriter(tmp_path / f"{members}.jsonl"),
+        TextLogger(io.StringIO()),
+        TensorBoardWriter(tmp_path / f"tb{members}"),
+    ]
+    for writer in writers:
+        subject = _Subject(members)
+        if hasattr(writer, "on_train_begin"):
+            writer.on_train_begin(subject)
+        for entry in logs:
+            subject.step += 4
+            writer.on_epoch_end(subject, entry["epoch"], dict(entry))
+        if hasattr(writer, "on_train_end"):
+            writer.on_train_end(subject, types.SimpleNamespace(epochs=logs))
