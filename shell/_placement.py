@@ -37,7 +37,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from flax.nnx import spmd
+from flax.core import spmd as core_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxscan.pure import split_wrt
@@ -85,8 +85,9 @@ def _spec_names(spec: PartitionSpec) -> list[str]:
 
 
 def _path(path: tuple) -> str:
-    """A variable's path as ``layers/dot1/kernel`` (what path rules match)."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    """A variable's path as ``layers/dot1/kernel`` (what path rules match); an optax leaf's
+    as ``nnx.state(optimizer)`` spells it after ``opt_state/``: ``0/mu/layers/dot1/kernel``."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def check_rules(rules: Any) -> tuple[tuple[re.Pattern, PartitionSpec], ...]:
@@ -260,84 +261,126 @@ class Placement:
         """One sharding per leaf of a (module) state, by the rule above; None off a mesh."""
         if self.mesh is None:
             return None
-        variables = jax.tree_util.tree_flatten_with_path(
-            state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-        )[0]
-        shardings = []
+        return self._state_specs(state)[0]
+
+    def _state_specs(self, state: Any) -> tuple[list, list]:
+        """Each leaf's sharding, and the spec its array or annotation gave (None if none)."""
+        variables = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
+        shardings, given = [], []
         for path, variable in variables:
             value = variable.get_value() if isinstance(variable, nnx.Variable) else variable
-            spec = self._variable_spec(_path(path), variable, value)
+            spec, own = self._variable_spec(_path(path), variable, value)
             shardings.append(NamedSharding(self.mesh, spec))
-        return shardings
+            given.append(own)
+        return shardings, given
 
     def carry_shardings(self, state: Any, opt_state: Any) -> tuple | None:
         """One sharding per leaf of ``(state, opt_state)`` (flattened as a compiled call's
-        carry); None off a mesh. Optax moments take their parameter's."""
+        carry); None off a mesh. An optax leaf keeps what a path rule, its array or its
+        ``optimizer_sharding`` annotation gives it; else a moment takes its parameter's."""
         if self.mesh is None:
             return None
-        state_shardings = self.state_shardings(state)
-        treedef = jax.tree.structure(state)
-        by_leaf = jax.tree.unflatten(treedef, state_shardings)
-        params, _ = split_wrt(by_leaf, self.wrt)
-        return (*state_shardings, *self._opt_shardings(opt_state, params))
+        state_shardings, given = self._state_specs(state)
+        return (*state_shardings, *self._opt_shardings(state, opt_state, state_shardings, given))
 
-    def _opt_shardings(self, opt_state: Any, param_shardings: Any) -> list:
+    def _opt_shardings(self, state: Any, opt_state: Any, shardings: list, given: list) -> list:
         members = (self.member_axis,) if self.stacked else ()
-        counter = NamedSharding(self.mesh, PartitionSpec(*members))
-        if self.tx is not None:
-            try:
-                mapped = optax.tree_utils.tree_map_params(
-                    self.tx, lambda _, sharding: sharding, opt_state, param_shardings,
-                    transform_non_params=lambda leaf: jax.tree.map(lambda _: counter, leaf),
-                    is_leaf=lambda x: isinstance(x, NamedSharding),
-                )  # fmt: skip
-                leaves = jax.tree.leaves(mapped, is_leaf=lambda x: isinstance(x, NamedSharding))
-                if len(leaves) == len(jax.tree.leaves(opt_state)):
-                    return leaves
-            except Exception:
-                pass
-        # Fallback: the arrays' own shardings (tx.init keeps a parameter's), else replicated.
-        return [self._own_or(leaf, counter) for leaf in jax.tree.leaves(opt_state)]
+        parameter = self._parameters_of(state, opt_state)
+        param_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(state)]
+        out = []
+        leaves = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_variable)[0]
+        for (path, leaf), param in zip(leaves, parameter, strict=True):
+            path = "opt_state/" + _path(path)
+            value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+            shape = tuple(np.shape(value))
+            own = shape[len(members) :]
+            spec, source = self._rule(path)
+            if spec is None:
+                spec, source = self._given(leaf, value, optimizer=True)
+                # What a moment inherited from its parameter when it was made (the same
+                # array sharding or annotation) is not a choice: it follows the parameter.
+                if param is not None and spec is not None and _same(spec, given[param]):
+                    spec = None
+            if spec is None and param is not None and param_shapes[param] == shape:
+                # (A factored statistic of another shape, Adafactor's, stays replicated.)
+                spec = PartitionSpec(*tuple(shardings[param].spec)[len(members) :])
+                source = "its parameter's sharding"
+            spec = PartitionSpec() if spec is None else spec
+            self._check_spec(path, own, spec, source)
+            out.append(NamedSharding(self.mesh, PartitionSpec(*members, *tuple(spec))))
+        return out
 
-    def _own_or(self, leaf: Any, default: NamedSharding) -> NamedSharding:
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and set(_spec_names(sharding.spec)) <= set(
-            self.mesh.axis_names
-        ):
-            return NamedSharding(self.mesh, sharding.spec)
-        return default
+    def _parameters_of(self, state: Any, opt_state: Any) -> list:
+        """For each optax leaf, the index of its parameter among the state's leaves (a
+        moment), or None (a counter; or every leaf when the transform does not say)."""
+        count = len(jax.tree.leaves(opt_state))
+        if self.tx is None:
+            return [None] * count
+        treedef = jax.tree.structure(state)
+        indices = jax.tree.unflatten(treedef, [_Index(i) for i in range(treedef.num_leaves)])
+        params, _ = split_wrt(indices, self.wrt)
+        try:
+            mapped = optax.tree_utils.tree_map_params(
+                self.tx, lambda _, index: index, opt_state, params,
+                transform_non_params=lambda leaf: jax.tree.map(lambda _: _Index(None), leaf),
+                is_leaf=lambda x: isinstance(x, _Index),
+            )  # fmt: skip
+        except Exception:
+            return [None] * count
+        found = jax.tree.leaves(mapped, is_leaf=lambda x: isinstance(x, _Index))
+        if len(found) != count or not all(isinstance(x, _Index) for x in found):
+            return [None] * count
+        return [x.i for x in found]
 
-    def _variable_spec(self, path: str, variable: Any, value: Any) -> PartitionSpec:
-        """The rule of the module docstring for one variable (checked against the mesh)."""
+    def _rule(self, path: str) -> tuple[PartitionSpec | None, str | None]:
+        for pattern, rule in self.rules:
+            if pattern.search(path):
+                return rule, f"the path rule {pattern.pattern!r}"
+        return None, None
+
+    def _given(
+        self, variable: Any, value: Any, *, optimizer: bool = False
+    ) -> tuple[PartitionSpec | None, str | None]:
+        """The spec a leaf's own array sharding (one that shards something) or its
+        annotation gives, a population's member axis left out; ``(None, None)`` if none.
+        An optax leaf's annotation is ``optimizer_sharding`` (optax states copy their
+        parameter's metadata, where Flax's cookbook puts it)."""
+        shape = tuple(np.shape(value))
+        skip = 1 if self.stacked else 0
+        sharding = getattr(value, "sharding", None)
+        if isinstance(sharding, NamedSharding) and not _replicated_on_one(sharding):
+            full = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+            return PartitionSpec(*full[skip:]), "its array's sharding"
+        if not isinstance(variable, nnx.Variable):
+            return None, None
+        key = "optimizer_sharding" if optimizer else "out_sharding"
+        annotation = variable.get_metadata().get(key)
+        if not annotation:
+            return None, None
+        spec = _annotated_spec(annotation, variable.get_metadata())
+        if self.stacked and len(tuple(spec)) == len(shape):  # annotated after stacking
+            spec = PartitionSpec(*tuple(spec)[1:])
+        return spec, f"its {key} annotation"
+
+    def _variable_spec(
+        self, path: str, variable: Any, value: Any
+    ) -> tuple[PartitionSpec, PartitionSpec | None]:
+        """The rule of the module docstring for one variable (checked against the mesh),
+        and the spec its array or annotation gave (what its moments would have inherited)."""
         shape = tuple(np.shape(value))
         members = (self.member_axis,) if self.stacked else ()
         own = shape[len(members) :] if self.stacked else shape
         is_key = jax.dtypes.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key)
-        spec, source = None, None
-        for pattern, rule in self.rules:
-            if pattern.search(path):
-                spec, source = rule, f"the path rule {pattern.pattern!r}"
-                break
+        given, given_source = self._given(variable, value)
+        spec, source = self._rule(path)
         if spec is None:
-            sharding = getattr(value, "sharding", None)
-            if isinstance(sharding, NamedSharding) and not _replicated_on_one(sharding):
-                full = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-                spec = PartitionSpec(*full[len(members) :])
-                source = "its array's sharding"
-        annotated = isinstance(variable, nnx.Variable) and variable.get_metadata().get(
-            "out_sharding"
-        )
-        if spec is None and annotated:
-            spec = spmd.get_var_pspec(variable)
-            source = "its annotation"
-            if self.stacked and len(tuple(spec)) == len(shape):  # annotated after stacking
-                spec = PartitionSpec(*tuple(spec)[1:])
+            spec, source = given, given_source
         if spec is None and self.fsdp_min_size is not None and self.data_axes and not is_key:
             spec = fsdp_spec(own, self.data_parallel, self._data_entry(), self.fsdp_min_size)
             source = "the FSDP rule"
         spec = PartitionSpec() if spec is None else spec
         self._check_spec(path, own, spec, source)
-        return PartitionSpec(*members, *tuple(spec))
+        return PartitionSpec(*members, *tuple(spec)), given
 
     def _check_spec(self, path: str, shape: tuple, spec: PartitionSpec, source: Any) -> None:
         if len(tuple(spec)) > len(shape):
@@ -398,6 +441,42 @@ class Placement:
             # Each process holds its own share of every batch: assemble the global chunk.
             return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
         return jax.device_put(tree, sharding)
+
+
+class _Index:
+    """A parameter's position, as a leaf (what ``tree_map_params`` carries to its moments)."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int | None):
+        self.i = i
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _same(a: PartitionSpec, b: PartitionSpec | None) -> bool:
+    """Two specs that shard alike (trailing ``None`` entries say nothing)."""
+    if b is None:
+        return False
+    a, b = list(a), list(b)
+    while a and a[-1] is None:
+        a.pop()
+    while b and b[-1] is None:
+        b.pop()
+    return a == b
+
+
+def _annotated_spec(annotation: Any, metadata: dict) -> PartitionSpec:
+    """An annotation's PartitionSpec, logical names mapped as ``nnx.get_partition_spec``
+    maps ``out_sharding`` (the context's ``nnx.logical_axis_rules``, the variable's own)."""
+    if core_spmd.get_logical_axis_rules() or "sharding_rules" in metadata:
+        rules = core_spmd.composite_rules(
+            core_spmd.get_logical_axis_rules(), metadata.get("sharding_rules", ())
+        )
+        return PartitionSpec(*core_spmd.from_sharding_rules(annotation, rules))
+    return PartitionSpec(*annotation)
 
 
 def _replicated_on_one(sharding: NamedSharding) -> bool:
