@@ -17,8 +17,11 @@ decided once per call by this rule, the first that applies:
 4. the FSDP rule (``fsdp_min_size``): the largest dimension the data axes divide;
 5. replicated.
 
-Optax moments follow their parameters (``optax.tree_utils.tree_map_params``); scalar
-counters are replicated. A population's leaves carry a leading members axis, sharded over
+An optax leaf takes a path rule matching its ``opt_state/...`` path, else the sharding
+its array carries or its ``optimizer_sharding`` annotation when that differs from its
+parameter's own (what the user chose, as Flax's cookbook does), else its parameter's
+(``optax.tree_utils.tree_map_params``); scalar counters are replicated (the rules for one
+leaf live in ``_specs``). A population's leaves carry a leading members axis, sharded over
 ``member_axis``; each member's own dimensions follow the rule above. Batches are split over
 the data axes (``data_axis``: a name or a tuple; by default the mesh's ``"data"`` axis when
 it has one, else none: batches replicated). XLA partitions the step itself (GSPMD); the
@@ -29,18 +32,24 @@ as it went in.
 from __future__ import annotations
 
 import contextlib
-import re
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
-from flax.core import spmd as core_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnxscan.pure import split_wrt
+from nnxscan.shell._specs import (
+    annotated_spec,
+    check_rules,
+    fsdp_spec,
+    is_variable,
+    leaf_path,
+    parameters_of,
+    replicated_on_one,
+    same_spec,
+)
 
 
 def device_of(like: Any) -> Any:
@@ -50,71 +59,10 @@ def device_of(like: Any) -> Any:
     return next(iter(devices)) if len(devices) == 1 else jax.devices()[0]
 
 
-def fsdp_spec(shape: tuple[int, ...], axis_size: int, axis: Any, min_size: int) -> PartitionSpec:
-    """The FSDP rule: shard the largest dimension that ``axis_size`` divides over ``axis``.
-
-    Arrays with fewer than ``min_size`` elements, and those with no such dimension, stay
-    replicated. Parameters and their optax moments share a shape, so they shard alike.
-
-    Example:
-      >>> fsdp_spec((784, 512), 4, "data", 2**16)
-      PartitionSpec('data', None)
-    """
-    if int(np.prod(shape, dtype=np.int64)) < min_size:
-        return PartitionSpec()
-    candidates = [d for d in range(len(shape)) if shape[d] % axis_size == 0 and shape[d] > 1]
-    if not candidates:
-        return PartitionSpec()
-    dim = max(candidates, key=lambda d: (shape[d], -d))
-    return PartitionSpec(*[axis if d == dim else None for d in range(len(shape))])
-
-
 def context_mesh() -> Mesh | None:
     """The concrete mesh ``jax.set_mesh`` put in context, or None."""
     mesh = jax.sharding.get_mesh()
     return mesh if isinstance(mesh, Mesh) and not mesh.empty else None
-
-
-def _spec_names(spec: PartitionSpec) -> list[str]:
-    names = []
-    for entry in spec:
-        if entry is None:
-            continue
-        names += list(entry) if isinstance(entry, tuple) else [entry]
-    return names
-
-
-def _path(path: tuple) -> str:
-    """A variable's path as ``layers/dot1/kernel`` (what path rules match); an optax leaf's
-    as ``nnx.state(optimizer)`` spells it after ``opt_state/``: ``0/mu/layers/dot1/kernel``."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-
-
-def check_rules(rules: Any) -> tuple[tuple[re.Pattern, PartitionSpec], ...]:
-    """``shardings={regex: spec}`` as compiled patterns and PartitionSpecs (checked now)."""
-    if rules is None:
-        return ()
-    if not isinstance(rules, Mapping):
-        raise TypeError(
-            f"shardings must map a regular expression on variable paths (e.g. "
-            f"r'attn/.*/kernel') to a PartitionSpec, got {type(rules).__name__}."
-        )
-    checked = []
-    for pattern, spec in rules.items():
-        try:
-            compiled = re.compile(pattern)
-        except (re.error, TypeError) as error:
-            message = f"shardings: {pattern!r} is not a regular expression: {error}"
-            raise ValueError(message) from None
-        if isinstance(spec, tuple | list) or spec is None:
-            spec = PartitionSpec(*(spec or ()))
-        if not isinstance(spec, PartitionSpec):
-            raise TypeError(
-                f"shardings[{pattern!r}] must be a PartitionSpec (or a tuple of axis names), "
-                f"got {type(spec).__name__}."
-            )
-        checked.append((compiled, spec))
-    return tuple(checked)
 
 
 class Placement:
@@ -265,11 +213,11 @@ class Placement:
 
     def _state_specs(self, state: Any) -> tuple[list, list]:
         """Each leaf's sharding, and the spec its array or annotation gave (None if none)."""
-        variables = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
+        variables = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
         shardings, given = [], []
         for path, variable in variables:
             value = variable.get_value() if isinstance(variable, nnx.Variable) else variable
-            spec, own = self._variable_spec(_path(path), variable, value)
+            spec, own = self._variable_spec(leaf_path(path), variable, value)
             shardings.append(NamedSharding(self.mesh, spec))
             given.append(own)
         return shardings, given
@@ -285,12 +233,12 @@ class Placement:
 
     def _opt_shardings(self, state: Any, opt_state: Any, shardings: list, given: list) -> list:
         members = (self.member_axis,) if self.stacked else ()
-        parameter = self._parameters_of(state, opt_state)
+        parameter = parameters_of(self.tx, self.wrt, state, opt_state)
         param_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(state)]
         out = []
-        leaves = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_variable)[0]
+        leaves = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_variable)[0]
         for (path, leaf), param in zip(leaves, parameter, strict=True):
-            path = "opt_state/" + _path(path)
+            path = "opt_state/" + leaf_path(path)
             value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
             shape = tuple(np.shape(value))
             own = shape[len(members) :]
@@ -299,7 +247,7 @@ class Placement:
                 spec, source = self._given(leaf, value, optimizer=True)
                 # What a moment inherited from its parameter when it was made (the same
                 # array sharding or annotation) is not a choice: it follows the parameter.
-                if param is not None and spec is not None and _same(spec, given[param]):
+                if param is not None and spec is not None and same_spec(spec, given[param]):
                     spec = None
             if spec is None and param is not None and param_shapes[param] == shape:
                 # (A factored statistic of another shape, Adafactor's, stays replicated.)
@@ -309,28 +257,6 @@ class Placement:
             self._check_spec(path, own, spec, source)
             out.append(NamedSharding(self.mesh, PartitionSpec(*members, *tuple(spec))))
         return out
-
-    def _parameters_of(self, state: Any, opt_state: Any) -> list:
-        """For each optax leaf, the index of its parameter among the state's leaves (a
-        moment), or None (a counter; or every leaf when the transform does not say)."""
-        count = len(jax.tree.leaves(opt_state))
-        if self.tx is None:
-            return [None] * count
-        treedef = jax.tree.structure(state)
-        indices = jax.tree.unflatten(treedef, [_Index(i) for i in range(treedef.num_leaves)])
-        params, _ = split_wrt(indices, self.wrt)
-        try:
-            mapped = optax.tree_utils.tree_map_params(
-                self.tx, lambda _, index: index, opt_state, params,
-                transform_non_params=lambda leaf: jax.tree.map(lambda _: _Index(None), leaf),
-                is_leaf=lambda x: isinstance(x, _Index),
-            )  # fmt: skip
-        except Exception:
-            return [None] * count
-        found = jax.tree.leaves(mapped, is_leaf=lambda x: isinstance(x, _Index))
-        if len(found) != count or not all(isinstance(x, _Index) for x in found):
-            return [None] * count
-        return [x.i for x in found]
 
     def _rule(self, path: str) -> tuple[PartitionSpec | None, str | None]:
         for pattern, rule in self.rules:
@@ -348,7 +274,7 @@ class Placement:
         shape = tuple(np.shape(value))
         skip = 1 if self.stacked else 0
         sharding = getattr(value, "sharding", None)
-        if isinstance(sharding, NamedSharding) and not _replicated_on_one(sharding):
+        if isinstance(sharding, NamedSharding) and not replicated_on_one(sharding):
             full = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
             return PartitionSpec(*full[skip:]), "its array's sharding"
         if not isinstance(variable, nnx.Variable):
@@ -357,7 +283,7 @@ class Placement:
         annotation = variable.get_metadata().get(key)
         if not annotation:
             return None, None
-        spec = _annotated_spec(annotation, variable.get_metadata())
+        spec = annotated_spec(annotation, variable.get_metadata())
         if self.stacked and len(tuple(spec)) == len(shape):  # annotated after stacking
             spec = PartitionSpec(*tuple(spec)[1:])
         return spec, f"its {key} annotation"
@@ -441,47 +367,6 @@ class Placement:
             # Each process holds its own share of every batch: assemble the global chunk.
             return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
         return jax.device_put(tree, sharding)
-
-
-class _Index:
-    """A parameter's position, as a leaf (what ``tree_map_params`` carries to its moments)."""
-
-    __slots__ = ("i",)
-
-    def __init__(self, i: int | None):
-        self.i = i
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def _same(a: PartitionSpec, b: PartitionSpec | None) -> bool:
-    """Two specs that shard alike (trailing ``None`` entries say nothing)."""
-    if b is None:
-        return False
-    a, b = list(a), list(b)
-    while a and a[-1] is None:
-        a.pop()
-    while b and b[-1] is None:
-        b.pop()
-    return a == b
-
-
-def _annotated_spec(annotation: Any, metadata: dict) -> PartitionSpec:
-    """An annotation's PartitionSpec, logical names mapped as ``nnx.get_partition_spec``
-    maps ``out_sharding`` (the context's ``nnx.logical_axis_rules``, the variable's own)."""
-    if core_spmd.get_logical_axis_rules() or "sharding_rules" in metadata:
-        rules = core_spmd.composite_rules(
-            core_spmd.get_logical_axis_rules(), metadata.get("sharding_rules", ())
-        )
-        return PartitionSpec(*core_spmd.from_sharding_rules(annotation, rules))
-    return PartitionSpec(*annotation)
-
-
-def _replicated_on_one(sharding: NamedSharding) -> bool:
-    """A NamedSharding that shards nothing (``P()``) says no more than "unannotated"."""
-    return not _spec_names(sharding.spec)
 
 
 def _put(x: Any, sharding: Any) -> Any:
