@@ -37,6 +37,28 @@ def scan_loop(body: Any, carry: Any, xs: Any, *, unroll: int | bool = 1) -> tupl
     return jax.lax.scan(body, carry, xs, unroll=unroll)
 
 
+def keep_carry_types(new: Any, old: Any) -> Any:
+    """``new`` with each leaf on its ``old`` leaf's sharding where an Explicit mesh makes
+    the sharding part of the type and the step changed it (a parameter updated by moments
+    sharded otherwise, as in Flax's cookbook, comes out with the moments' sharding): a scan
+    carry keeps one type, as the cookbook's loop reshards the model after each step."""
+
+    def keep(x: Any, like: Any) -> Any:
+        want = getattr(jax.typeof(like), "sharding", None)
+        got = getattr(jax.typeof(x), "sharding", None)
+        spec = getattr(want, "spec", None)
+        if spec is None or getattr(got, "spec", None) == spec or not _explicit(want):
+            return x
+        return jax.sharding.reshard(x, spec)
+
+    return jax.tree.map(keep, new, old)
+
+
+def _explicit(sharding: Any) -> bool:
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
 def scan_batches(
     step: StepFn,
     graphdef: nnx.GraphDef,
@@ -53,8 +75,9 @@ def scan_batches(
     def body(carry, x):
         state, opt_state = carry
         batch = shard_batch(batch_of(x), batch_sharding)
-        state, opt_state, out = step(graphdef, state, opt_state, batch)
-        return (state, opt_state), out
+        new = step(graphdef, state, opt_state, batch)
+        state, opt_state = keep_carry_types(new[:2], carry)
+        return (state, opt_state), new[2]
 
     (state, opt_state), outs = scan_loop(body, (state, opt_state), xs, unroll=unroll)
     return state, opt_state, outs

@@ -3,7 +3,15 @@
 State buffers are donated to every compiled call, so the arrays the user's module held
 before the call are deleted when it runs. The module is therefore written back with the
 newest state after each call (the per-step plan: at the end of the stretch of calls, to
-spare per-step Python) and, whatever stops the loop, before the exception leaves:
+spare per-step Python) and, whatever stops the loop, before the exception leaves.
+
+Only buffers nothing else references are donated. Before a call that would donate arrays
+the user's objects held (the first call of a run, and every call after a write-back or a
+hand-out of the carry), each leaf's reference count is compared with the one reference
+the owner keeps: a leaf something else also holds (``nnx.clone(model)`` shares arrays, a
+teacher sharing a submodule, a dict of ``model.kernel[...]``, a callback's snapshot) is
+copied, and the copy is donated; the other object keeps its array. Between calls whose
+carry nobody saw (the per-step plan's stretch) no check runs. Also:
 
 - Ctrl-C is held while a call is in flight and raised right after its result is kept (a
   SIGINT landing between the donation and the bookkeeping would otherwise lose the state);
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -71,6 +80,10 @@ class LiveState:
         # Decided once per run of calls, from the model (see _placement): pinned in and out.
         self.shardings = self.placement.carry_shardings(state, opt_state)
         self.leaves = _unaliased(self.placement.put_carry(leaves, self.shardings), key=_buffer_key)
+        # The owner's own arrays, until the first call has checked who else holds them:
+        # placing may wrap one in a new Array object over the same buffer, so the count
+        # that tells whether it is shared is the original's.
+        self._sources: list | None = leaves
         self._make_runner = make_runner
         self._runner: tuple | None = None
         self._write = write
@@ -82,10 +95,42 @@ class LiveState:
         # unwritten_steps > 0: a call that halted at its first step trained 0 steps, yet
         # consumed (donated) the buffers the owner holds, so its output must be written.
         self.unwritten = False
+        # Whether code outside this object may hold the leaves (they came from the owner,
+        # were written into it or handed out): the next donating call checks them first.
+        self._exposed = True
 
     def carry(self) -> tuple[nnx.State, Any]:
         """The newest ``(state, opt_state)`` as pytrees (the same arrays, no copy)."""
+        self._exposed = True  # the caller may keep them (a checkpoint writer does)
         return jax.tree.unflatten(self.treedef, self.leaves)
+
+    def donatable(self) -> list:
+        """The leaves to donate to the next call: the carry itself, except that a leaf
+        something besides this carry and the owner references is copied (the copy is
+        donated, the other holder keeps its array), and so is the second of two leaves
+        over one buffer. Checks only when the leaves were exposed since the last call:
+        the outputs of a call nobody saw are this carry's alone."""
+        if not self._exposed:
+            return _unaliased(self.leaves)
+        self._exposed = False
+        leaves, sources, self._sources = self.leaves, self._sources, None
+        if sources is not None:
+            # Just read from the owner: each original is held once by the owner and once
+            # by ``sources`` (and once more by ``leaves`` when placing kept the object).
+            counts = _reference_counts(sources)
+            limits = [_UNSHARED + 1 + (x is y) for x, y in zip(sources, leaves, strict=True)]
+        else:
+            # A call's outputs: held by ``leaves``, and by the owner once written back.
+            counts = _reference_counts(leaves)
+            limits = [_UNSHARED + (0 if self.unwritten else 1)] * len(leaves)
+        seen: set[int] = set()
+        out = None
+        for i, leaf in enumerate(leaves):
+            if counts[i] > limits[i] or id(leaf) in seen:
+                out = list(leaves) if out is None else out
+                out[i] = _copy(leaf)
+            seen.add(id(leaf))
+        return leaves if out is None else out
 
     def reload_state(self, state: nnx.State) -> None:
         """Carries on from a module state read anew from the owner (after it was changed
@@ -95,6 +140,7 @@ class LiveState:
         leaves, treedef = jax.tree.flatten((state, self.carry()[1]))
         assert treedef == self.treedef, "the carry's structure changed"
         self.leaves = _unaliased(self.placement.put_carry(leaves, self.shardings), key=_buffer_key)
+        self._sources, self._exposed = leaves, True
 
     def runner(self, donate: bool) -> Any:
         """The compiled runner for this carry, looked up once per fit, not per epoch:
@@ -108,11 +154,13 @@ class LiveState:
         self.leaves = leaves
         self.unwritten_steps += steps
         self.unwritten = True
+        self._exposed = False  # a call's outputs: nothing else has seen them
 
     def flush(self) -> None:
         if self.unwritten:
             steps, self.unwritten_steps, self.unwritten = self.unwritten_steps, 0, False
             self._write(self.leaves, self.treedef, steps)
+            self._exposed = True  # the user's objects hold them now
 
 
 @contextlib.contextmanager
@@ -142,6 +190,22 @@ def _buffer_key(leaf: Any) -> Any:
         return leaf.unsafe_buffer_pointer()
     except Exception:  # sharded or non-array leaves: fall back to the object
         return id(leaf)
+
+
+def _reference_counts(leaves: list) -> list[int]:
+    """``sys.getrefcount`` of each leaf, as seen from here (see ``_UNSHARED``)."""
+    return [sys.getrefcount(leaf) for leaf in leaves]
+
+
+# What _reference_counts gives for an object only one list holds: the list's reference
+# plus this interpreter's own (the loop variable, the call's argument), measured rather
+# than assumed, since CPython versions count borrowed references differently.
+_UNSHARED = _reference_counts([object()])[0]
+
+
+def _copy(leaf: Any) -> Any:
+    """A new buffer with ``leaf``'s value, on its sharding."""
+    return jnp.copy(leaf)
 
 
 def _unaliased(leaves: list, key: Callable[[Any], Any] = id) -> list:
@@ -241,7 +305,7 @@ def run_calls(
             # Ctrl-C is held only around the call and its bookkeeping, not while waiting
             # for the next batch: a stalled loader can still be interrupted.
             with held_interrupts() as interrupted:
-                leaves = _unaliased(live.leaves) if donate else live.leaves
+                leaves = live.donatable() if donate else live.leaves
                 compiled, started = _cache_size(run), time.perf_counter()
                 leaves, out, halted = run(
                     leaves, data, indices, mask, start, length=length, unroll=unroll

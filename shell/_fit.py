@@ -222,10 +222,11 @@ class FitLoop:
             return history
         # An epoch's train_<metric> logs cover exactly that epoch's steps: start afresh.
         owner.reset_metrics()
-        _, state, opt_state = owner.read()
-        live = LiveState(state, opt_state, owner.writer(), self.placement, self.make_runner)
+        # No local keeps the owner's arrays: the first call counts who else references
+        # them (see _calls.LiveState.donatable).
+        live = LiveState(*owner.read()[1:], owner.writer(), self.placement, self.make_runner)
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
-        injected = learning_rate(opt_state, self.members) is not None
+        injected = learning_rate(live.carry()[1], self.members) is not None
         groups = self._fused_groups(owner.epoch, epochs, epoch_calls, injected)
         if partial is not None:
             self._partial = partial

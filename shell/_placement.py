@@ -17,8 +17,11 @@ decided once per call by this rule, the first that applies:
 4. the FSDP rule (``fsdp_min_size``): the largest dimension the data axes divide;
 5. replicated.
 
-Optax moments follow their parameters (``optax.tree_utils.tree_map_params``); scalar
-counters are replicated. A population's leaves carry a leading members axis, sharded over
+An optax leaf takes a path rule matching its ``opt_state/...`` path, else the sharding
+its array carries or its ``optimizer_sharding`` annotation when that differs from its
+parameter's own (what the user chose, as Flax's cookbook does), else its parameter's
+(``optax.tree_utils.tree_map_params``); scalar counters are replicated (the rules for one
+leaf live in ``_specs``). A population's leaves carry a leading members axis, sharded over
 ``member_axis``; each member's own dimensions follow the rule above. Batches are split over
 the data axes (``data_axis``: a name or a tuple; by default the mesh's ``"data"`` axis when
 it has one, else none: batches replicated). XLA partitions the step itself (GSPMD); the
@@ -29,18 +32,24 @@ as it went in.
 from __future__ import annotations
 
 import contextlib
-import re
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
-from flax.nnx import spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnxscan.pure import split_wrt
+from nnxscan.shell._specs import (
+    annotated_spec,
+    check_rules,
+    fsdp_spec,
+    is_variable,
+    leaf_path,
+    parameters_of,
+    replicated_on_one,
+    same_spec,
+)
 
 
 def device_of(like: Any) -> Any:
@@ -50,70 +59,10 @@ def device_of(like: Any) -> Any:
     return next(iter(devices)) if len(devices) == 1 else jax.devices()[0]
 
 
-def fsdp_spec(shape: tuple[int, ...], axis_size: int, axis: Any, min_size: int) -> PartitionSpec:
-    """The FSDP rule: shard the largest dimension that ``axis_size`` divides over ``axis``.
-
-    Arrays with fewer than ``min_size`` elements, and those with no such dimension, stay
-    replicated. Parameters and their optax moments share a shape, so they shard alike.
-
-    Example:
-      >>> fsdp_spec((784, 512), 4, "data", 2**16)
-      PartitionSpec('data', None)
-    """
-    if int(np.prod(shape, dtype=np.int64)) < min_size:
-        return PartitionSpec()
-    candidates = [d for d in range(len(shape)) if shape[d] % axis_size == 0 and shape[d] > 1]
-    if not candidates:
-        return PartitionSpec()
-    dim = max(candidates, key=lambda d: (shape[d], -d))
-    return PartitionSpec(*[axis if d == dim else None for d in range(len(shape))])
-
-
 def context_mesh() -> Mesh | None:
     """The concrete mesh ``jax.set_mesh`` put in context, or None."""
     mesh = jax.sharding.get_mesh()
     return mesh if isinstance(mesh, Mesh) and not mesh.empty else None
-
-
-def _spec_names(spec: PartitionSpec) -> list[str]:
-    names = []
-    for entry in spec:
-        if entry is None:
-            continue
-        names += list(entry) if isinstance(entry, tuple) else [entry]
-    return names
-
-
-def _path(path: tuple) -> str:
-    """A variable's path as ``layers/dot1/kernel`` (what path rules match)."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def check_rules(rules: Any) -> tuple[tuple[re.Pattern, PartitionSpec], ...]:
-    """``shardings={regex: spec}`` as compiled patterns and PartitionSpecs (checked now)."""
-    if rules is None:
-        return ()
-    if not isinstance(rules, Mapping):
-        raise TypeError(
-            f"shardings must map a regular expression on variable paths (e.g. "
-            f"r'attn/.*/kernel') to a PartitionSpec, got {type(rules).__name__}."
-        )
-    checked = []
-    for pattern, spec in rules.items():
-        try:
-            compiled = re.compile(pattern)
-        except (re.error, TypeError) as error:
-            message = f"shardings: {pattern!r} is not a regular expression: {error}"
-            raise ValueError(message) from None
-        if isinstance(spec, tuple | list) or spec is None:
-            spec = PartitionSpec(*(spec or ()))
-        if not isinstance(spec, PartitionSpec):
-            raise TypeError(
-                f"shardings[{pattern!r}] must be a PartitionSpec (or a tuple of axis names), "
-                f"got {type(spec).__name__}."
-            )
-        checked.append((compiled, spec))
-    return tuple(checked)
 
 
 class Placement:
@@ -260,84 +209,104 @@ class Placement:
         """One sharding per leaf of a (module) state, by the rule above; None off a mesh."""
         if self.mesh is None:
             return None
-        variables = jax.tree_util.tree_flatten_with_path(
-            state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-        )[0]
-        shardings = []
+        return self._state_specs(state)[0]
+
+    def _state_specs(self, state: Any) -> tuple[list, list]:
+        """Each leaf's sharding, and the spec its array or annotation gave (None if none)."""
+        variables = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
+        shardings, given = [], []
         for path, variable in variables:
             value = variable.get_value() if isinstance(variable, nnx.Variable) else variable
-            spec = self._variable_spec(_path(path), variable, value)
+            spec, own = self._variable_spec(leaf_path(path), variable, value)
             shardings.append(NamedSharding(self.mesh, spec))
-        return shardings
+            given.append(own)
+        return shardings, given
 
     def carry_shardings(self, state: Any, opt_state: Any) -> tuple | None:
         """One sharding per leaf of ``(state, opt_state)`` (flattened as a compiled call's
-        carry); None off a mesh. Optax moments take their parameter's."""
+        carry); None off a mesh. An optax leaf keeps what a path rule, its array or its
+        ``optimizer_sharding`` annotation gives it; else a moment takes its parameter's."""
         if self.mesh is None:
             return None
-        state_shardings = self.state_shardings(state)
-        treedef = jax.tree.structure(state)
-        by_leaf = jax.tree.unflatten(treedef, state_shardings)
-        params, _ = split_wrt(by_leaf, self.wrt)
-        return (*state_shardings, *self._opt_shardings(opt_state, params))
+        state_shardings, given = self._state_specs(state)
+        return (*state_shardings, *self._opt_shardings(state, opt_state, state_shardings, given))
 
-    def _opt_shardings(self, opt_state: Any, param_shardings: Any) -> list:
+    def _opt_shardings(self, state: Any, opt_state: Any, shardings: list, given: list) -> list:
         members = (self.member_axis,) if self.stacked else ()
-        counter = NamedSharding(self.mesh, PartitionSpec(*members))
-        if self.tx is not None:
-            try:
-                mapped = optax.tree_utils.tree_map_params(
-                    self.tx, lambda _, sharding: sharding, opt_state, param_shardings,
-                    transform_non_params=lambda leaf: jax.tree.map(lambda _: counter, leaf),
-                    is_leaf=lambda x: isinstance(x, NamedSharding),
-                )  # fmt: skip
-                leaves = jax.tree.leaves(mapped, is_leaf=lambda x: isinstance(x, NamedSharding))
-                if len(leaves) == len(jax.tree.leaves(opt_state)):
-                    return leaves
-            except Exception:
-                pass
-        # Fallback: the arrays' own shardings (tx.init keeps a parameter's), else replicated.
-        return [self._own_or(leaf, counter) for leaf in jax.tree.leaves(opt_state)]
+        parameter = parameters_of(self.tx, self.wrt, state, opt_state)
+        param_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(state)]
+        out = []
+        leaves = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_variable)[0]
+        for (path, leaf), param in zip(leaves, parameter, strict=True):
+            path = "opt_state/" + leaf_path(path)
+            value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+            shape = tuple(np.shape(value))
+            own = shape[len(members) :]
+            spec, source = self._rule(path)
+            if spec is None:
+                spec, source = self._given(leaf, value, optimizer=True)
+                # What a moment inherited from its parameter when it was made (the same
+                # array sharding or annotation) is not a choice: it follows the parameter.
+                if param is not None and spec is not None and same_spec(spec, given[param]):
+                    spec = None
+            if spec is None and param is not None and param_shapes[param] == shape:
+                # (A factored statistic of another shape, Adafactor's, stays replicated.)
+                spec = PartitionSpec(*tuple(shardings[param].spec)[len(members) :])
+                source = "its parameter's sharding"
+            spec = PartitionSpec() if spec is None else spec
+            self._check_spec(path, own, spec, source)
+            out.append(NamedSharding(self.mesh, PartitionSpec(*members, *tuple(spec))))
+        return out
 
-    def _own_or(self, leaf: Any, default: NamedSharding) -> NamedSharding:
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and set(_spec_names(sharding.spec)) <= set(
-            self.mesh.axis_names
-        ):
-            return NamedSharding(self.mesh, sharding.spec)
-        return default
+    def _rule(self, path: str) -> tuple[PartitionSpec | None, str | None]:
+        for pattern, rule in self.rules:
+            if pattern.search(path):
+                return rule, f"the path rule {pattern.pattern!r}"
+        return None, None
 
-    def _variable_spec(self, path: str, variable: Any, value: Any) -> PartitionSpec:
-        """The rule of the module docstring for one variable (checked against the mesh)."""
+    def _given(
+        self, variable: Any, value: Any, *, optimizer: bool = False
+    ) -> tuple[PartitionSpec | None, str | None]:
+        """The spec a leaf's own array sharding (one that shards something) or its
+        annotation gives, a population's member axis left out; ``(None, None)`` if none.
+        An optax leaf's annotation is ``optimizer_sharding`` (optax states copy their
+        parameter's metadata, where Flax's cookbook puts it)."""
+        shape = tuple(np.shape(value))
+        skip = 1 if self.stacked else 0
+        sharding = getattr(value, "sharding", None)
+        if isinstance(sharding, NamedSharding) and not replicated_on_one(sharding):
+            full = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+            return PartitionSpec(*full[skip:]), "its array's sharding"
+        if not isinstance(variable, nnx.Variable):
+            return None, None
+        key = "optimizer_sharding" if optimizer else "out_sharding"
+        annotation = variable.get_metadata().get(key)
+        if not annotation:
+            return None, None
+        spec = annotated_spec(annotation, variable.get_metadata())
+        if self.stacked and len(tuple(spec)) == len(shape):  # annotated after stacking
+            spec = PartitionSpec(*tuple(spec)[1:])
+        return spec, f"its {key} annotation"
+
+    def _variable_spec(
+        self, path: str, variable: Any, value: Any
+    ) -> tuple[PartitionSpec, PartitionSpec | None]:
+        """The rule of the module docstring for one variable (checked against the mesh),
+        and the spec its array or annotation gave (what its moments would have inherited)."""
         shape = tuple(np.shape(value))
         members = (self.member_axis,) if self.stacked else ()
         own = shape[len(members) :] if self.stacked else shape
         is_key = jax.dtypes.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key)
-        spec, source = None, None
-        for pattern, rule in self.rules:
-            if pattern.search(path):
-                spec, source = rule, f"the path rule {pattern.pattern!r}"
-                break
+        given, given_source = self._given(variable, value)
+        spec, source = self._rule(path)
         if spec is None:
-            sharding = getattr(value, "sharding", None)
-            if isinstance(sharding, NamedSharding) and not _replicated_on_one(sharding):
-                full = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-                spec = PartitionSpec(*full[len(members) :])
-                source = "its array's sharding"
-        annotated = isinstance(variable, nnx.Variable) and variable.get_metadata().get(
-            "out_sharding"
-        )
-        if spec is None and annotated:
-            spec = spmd.get_var_pspec(variable)
-            source = "its annotation"
-            if self.stacked and len(tuple(spec)) == len(shape):  # annotated after stacking
-                spec = PartitionSpec(*tuple(spec)[1:])
+            spec, source = given, given_source
         if spec is None and self.fsdp_min_size is not None and self.data_axes and not is_key:
             spec = fsdp_spec(own, self.data_parallel, self._data_entry(), self.fsdp_min_size)
             source = "the FSDP rule"
         spec = PartitionSpec() if spec is None else spec
         self._check_spec(path, own, spec, source)
-        return PartitionSpec(*members, *tuple(spec))
+        return PartitionSpec(*members, *tuple(spec)), given
 
     def _check_spec(self, path: str, shape: tuple, spec: PartitionSpec, source: Any) -> None:
         if len(tuple(spec)) > len(shape):
@@ -398,11 +367,6 @@ class Placement:
             # Each process holds its own share of every batch: assemble the global chunk.
             return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
         return jax.device_put(tree, sharding)
-
-
-def _replicated_on_one(sharding: NamedSharding) -> bool:
-    """A NamedSharding that shards nothing (``P()``) says no more than "unannotated"."""
-    return not _spec_names(sharding.spec)
 
 
 def _put(x: Any, sharding: Any) -> Any:

@@ -79,7 +79,10 @@ class Population:
         put in context): the members spread over ``member_axis`` when the mesh has it (N
         must divide by its size), each member's batches over ``data_axis`` (a name or a
         tuple, by default ``"data"`` when the mesh has it), and each member sharded over
-        the other axes as ``Trainer`` shards one model.
+        the other axes as ``Trainer`` shards one model. ``model_fn`` runs with that mesh
+        in context, so layers annotated with ``nnx.with_partitioning`` are built sharded
+        without a ``jax.set_mesh`` around the Population (logical names: build it inside
+        ``nnx.logical_axis_rules(...)``).
       fsdp_min_size, shardings: as for ``Trainer``, for each member's own dimensions.
       rngs: call-time Rngs for ``loss_fn(model, batch, rngs)``: an ``nnx.Rngs`` every member
         starts from (the same dropout streams), or ``rngs(seed) -> nnx.Rngs`` for each
@@ -160,16 +163,19 @@ class Population:
             mesh, data_axis, fsdp_min_size, member_axis, rules=shardings, tx=tx, wrt=wrt,
             members=len(seeds),
         )  # fmt: skip
-        check_hyperparam_names(model_fn, tx, wrt, seeds[0], hyperparams)
-
         self._config = dict(
             model_fn=model_fn, tx=tx, loss_fn=loss_fn, wrt=wrt, has_aux=bool(has_aux),
             on_nonfinite=on_nonfinite, accumulate=accumulate, update_metrics=update_metrics,
             seeds=seeds, hyperparams={k: list(v) for k, v in hyperparams.items()},
         )  # fmt: skip
-        self._owner = build_members(
-            model_fn, tx, wrt, seeds, hyperparams, rngs=rngs, metrics=metrics
-        )
+        # Members are built on the mesh they train on (mesh=, else the context's): a layer
+        # annotated with with_partitioning is sharded as it is created, which needs the
+        # mesh in context, so no jax.set_mesh is needed around the Population.
+        with placement.bound().context():
+            check_hyperparam_names(model_fn, tx, wrt, seeds[0], hyperparams)
+            self._owner = build_members(
+                model_fn, tx, wrt, seeds, hyperparams, rngs=rngs, metrics=metrics
+            )
         program = train_program(
             loss_fn, tx, wrt, bool(has_aux), on_nonfinite, accumulate, rngs is not None,
             update_metrics,

@@ -116,6 +116,8 @@ def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> jax.Ar
         )  # fmt: skip
         calls = epoch_calls(0, EpochStats())
     live = LiveState(state, opt_state, owner.writer(), placement, engine.make_runner())
+    # No local keeps the owner's arrays: the first call counts who else references them.
+    del state, opt_state
     outs = run_calls(program, execution, live, calls)
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
 

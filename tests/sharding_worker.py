@@ -243,6 +243,14 @@ def populations(results: dict) -> None:
             )
             out["member_specs"] = specs(nnx.state(model))
         out["eval_shape"] = list(pop.evaluate(DATA, mse, batch_size=B)["mse"].shape)
+    # mesh= and no context at all: the members are built (annotated layers sharded as they
+    # are created) and trained on that mesh, as under jax.set_mesh.
+    assert jax.sharding.get_abstract_mesh().empty
+    pop = Population(TPMLP, TX, mse, seeds=seeds, mesh=mesh, member_axis="members")
+    out["mesh_arg_built_specs"] = specs(pop.state)
+    alone = pop.fit(DATA, epochs=EPOCHS, batch_size=B, progress=False)
+    out["mesh_arg_specs"] = specs(pop.state)
+    out["mesh_arg_diff"] = max_diff(alone.losses, history.losses)
     results["population"] = out
 
 
@@ -348,11 +356,108 @@ def errors(results: dict) -> None:
     results["errors"] = messages
 
 
+# Flax's optimization cookbook, "Sharding Optimization State Differently from Parameters":
+# its toy model and data, Adam moments sharded P('x', 'y') on a 2 x 4 Explicit mesh while
+# the parameters stay replicated.
+COOK_STEPS = 6
+COOK_MESH = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+COOK_TX = optax.adam(1e-3)
+_cook_rngs = nnx.Rngs(0)
+COOK_X, COOK_Y = _cook_rngs.normal((32, 2)), _cook_rngs.normal((32, 8))
+
+
+def cook_model(init=None) -> nnx.Module:
+    init = init or nnx.initializers.lecun_normal()
+    rngs = nnx.Rngs(1)
+    return nnx.Sequential(
+        nnx.Linear(2, 8, rngs=rngs, kernel_init=init), nnx.Linear(8, 8, rngs=rngs, kernel_init=init)
+    )
+
+
+def cook_loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def cook_batch_loss(model, batch):
+    return cook_loss(model, batch["x"], batch["y"])
+
+
+@nnx.jit
+def cook_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(cook_loss)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+
+def leaf_report(tree) -> dict[str, list]:
+    """``{path: [spec, bytes on device 0, total bytes]}`` of every array leaf."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        spec = tuple(leaf.sharding.spec)
+        while spec and spec[-1] is None:
+            spec = spec[:-1]
+        shard = leaf.addressable_shards[0].data.nbytes
+        out[jax.tree_util.keystr(path)] = [str(spec), int(shard), int(leaf.nbytes)]
+    return out
+
+
+def optimizer_sharding(results: dict) -> None:
+    """The cookbook's section: its own nnx.jit loop (resharding the model after each step,
+    as it does) against scan_train and Trainer.fit on the same objects, and against a
+    Trainer given the transform (the annotation alone) and an unannotated model given a
+    path rule on optimizer-state paths."""
+    annotated = nnx.with_metadata(nnx.initializers.lecun_normal(), optimizer_sharding=P("x", "y"))
+    stacked = {"x": jnp.stack([COOK_X] * COOK_STEPS), "y": jnp.stack([COOK_Y] * COOK_STEPS)}
+    data = {"x": COOK_X, "y": COOK_Y}
+    fit = dict(epochs=COOK_STEPS, batch_size=32, shuffle=False, progress=False)
+    out = results["cookbook"] = {}
+    with jax.set_mesh(COOK_MESH):
+        model = cook_model(annotated)
+        optimizer = nnx.Optimizer(model, tx=COOK_TX, wrt=nnx.Param)
+        losses = []
+        for _ in range(COOK_STEPS):
+            losses.append(float(cook_step(model, optimizer, COOK_X, COOK_Y)))
+            model = jax.sharding.reshard(model, P(None, None))
+        reference = [np.asarray(x) for x in jax.tree.leaves((model, optimizer.opt_state))]
+        out["reference"] = leaf_report((nnx.state(model), optimizer.opt_state))
+
+        def against(losses_got, model, opt_state) -> dict:
+            """Losses, parameters and optax leaves next to the cookbook loop's."""
+            got = [np.asarray(x) for x in jax.tree.leaves((model, opt_state))]
+            return {
+                "loss_diff": max_diff(losses_got, losses),
+                "state_diff": max(max_diff(a, b) for a, b in zip(got, reference, strict=True)),
+                "report": leaf_report((nnx.state(model), opt_state)),
+            }
+
+        model = cook_model(annotated)
+        optimizer = nnx.Optimizer(model, tx=COOK_TX, wrt=nnx.Param)
+        got = scan_train(model, optimizer, cook_batch_loss, stacked)
+        out["scan_train"] = against(got, model, optimizer.opt_state)
+        out["scan_train"]["steps"] = int(optimizer.step[...])
+
+        model = cook_model(annotated)
+        optimizer = nnx.Optimizer(model, tx=COOK_TX, wrt=nnx.Param)
+        history = Trainer(model, optimizer, cook_batch_loss).fit(data, **fit)
+        out["fit"] = against(history.losses, model, optimizer.opt_state)
+
+        model = cook_model(annotated)  # the transform alone: the annotation decides
+        trainer = Trainer(model, COOK_TX, cook_batch_loss)
+        history = trainer.fit(data, **fit)
+        out["fit_tx"] = against(history.losses, model, trainer.opt_state)
+
+        model = cook_model()  # no annotation: a path rule shards the moments of kernels
+        rules = {r"^opt_state/0/(mu|nu)/.*/kernel$": P("x", "y")}
+        trainer = Trainer(model, COOK_TX, cook_batch_loss, shardings=rules)
+        history = trainer.fit(data, **fit)
+        out["rules"] = against(history.losses, model, trainer.opt_state)
+
+
 def main(out: str) -> None:
     assert jax.device_count() == 8, jax.devices()
     results: dict = {}
     for part in (guide_runs, memory_check, path_rules, populations, elastic, engine_features,
-                 errors):  # fmt: skip
+                 errors, optimizer_sharding):  # fmt: skip
         part(results)
     with open(out, "w") as f:
         json.dump(results, f, indent=1)

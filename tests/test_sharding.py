@@ -95,6 +95,16 @@ def test_a_population_puts_members_on_one_axis_and_each_member_tensor_parallel(s
     assert population["eval_shape"] == [2]
 
 
+def test_a_population_given_mesh_builds_its_annotated_members_without_a_context(seen):
+    """Population(..., mesh=mesh) outside any jax.set_mesh: model_fn runs on that mesh (an
+    annotated layer needs one as it is created), and the run is the one under the context."""
+    population = seen["population"]
+    built = population["mesh_arg_built_specs"]  # stacked, not yet spread over the members
+    assert built["['up']['kernel'].value"] == "(None, None, 'model')"
+    assert population["mesh_arg_specs"] == population["specs"]
+    assert population["mesh_arg_diff"] == 0.0
+
+
 @pytest.mark.parametrize("mesh", ["4x2", "1x4"])
 def test_a_checkpoint_saved_on_2x4_resumes_on_another_mesh(seen, mesh):
     """Elastic: restored onto the model's current shardings (another mesh shape, another
@@ -118,3 +128,31 @@ def test_bad_combinations_are_refused_before_anything_trains(seen):
     assert "dimension 1 (34) does not divide over the 4 devices" in uneven
     assert "batch size 7 does not divide by the 2 devices" in batch and batch.endswith("step 0")
     assert "jax.set_mesh put another mesh in context" in meshes
+
+
+@pytest.mark.parametrize("run", ["scan_train", "fit", "fit_tx", "rules"])
+def test_the_cookbooks_optimizer_sharding_is_kept_and_trains_as_its_own_loop(seen, run):
+    """Flax's cookbook: Adam moments sharded P('x', 'y') on a 2 x 4 mesh, parameters
+    replicated. scan_train and Trainer.fit on its nnx.Optimizer, a Trainer given the
+    transform (the optimizer_sharding annotation alone), and an unannotated model given a
+    path rule on optimizer-state paths: the cookbook's own nnx.jit loop's losses and state
+    (scan_train to the bit; fit gathers its batch by index, which XLA may round otherwise),
+    every sharding as that loop leaves it, each device holding an eighth of each moment."""
+    cookbook = seen["cookbook"]
+    got, reference = cookbook[run], cookbook["reference"]
+    if run == "scan_train":
+        assert got["loss_diff"] == 0.0 and got["state_diff"] == 0.0 and got["steps"] == 6
+    assert got["loss_diff"] <= 2e-6 and got["state_diff"] <= 1e-6
+    # An nnx.Optimizer wraps its count in a Variable (``.value``), a Trainer's optax state not.
+    specs = {path.removesuffix(".value"): spec for path, (spec, _, _) in got["report"].items()}
+    assert specs == {path.removesuffix(".value"): spec for path, (spec, _, _) in reference.items()}
+    moments = [
+        v for path, v in got["report"].items()
+        if "'kernel'" in path and (".mu[" in path or ".nu[" in path)
+    ]  # fmt: skip
+    assert len(moments) == 4
+    for spec, on_one_device, total in moments:
+        assert spec == "('x', 'y')" and on_one_device * 8 == total
+    params = [v for path, v in got["report"].items() if path.startswith("[0]")]
+    for spec, on_one_device, total in params:
+        assert spec == "()" and on_one_device == total
