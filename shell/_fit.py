@@ -14,10 +14,7 @@ they receive, whose public ``stop_training`` flag it sets (False, as fit starts)
 from __future__ import annotations
 
 import contextlib
-import os
-import pathlib
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -423,14 +420,13 @@ class FitLoop:
             per = ", ".join(f"member {m}: {int(n)}" for m, n in enumerate(counts) if n)
             what = f"some of the {steps} training steps ({per})"
         epoch, step = self._first_nonfinite
-        warnings.warn(
+        warn(
             f"nnxscan: {what} of this fit had a non-finite loss (NaN or inf; the first at "
             f'epoch {epoch}, step {step} of the epoch). With on_nonfinite="ignore" (the '
             f"default) those steps were applied, so the weights may be non-finite now. Pass "
             f'on_nonfinite="skip" to leave such steps out, or on_nonfinite="stop" to '
             f"halt before the first one.",
             NonFiniteLossWarning,
-            stacklevel=_user_stacklevel(),
         )
 
     def _losses_so_far(self, outs: list) -> np.ndarray:
@@ -524,26 +520,3 @@ class FitLoop:
                 f"History.epochs[i]['dropped_examples']); pass drop_remainder=False to "
                 f"train on it."
             )
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside nnxscan (the
-    user's call of ``fit``), whichever front-end or path led here."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and _is_nnxscan(frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _is_nnxscan(filename: str) -> bool:
-    return filename.startswith(_PACKAGE_ROOTS)
-
-
-# The folders of nnxscan's packages (pure/, shell/, adapters/ of this checkout or
-# install), as Python names the files it runs and with links resolved.
-_PACKAGE_ROOTS = tuple(
-    os.path.join(str(root), name) + os.sep
-    for root in {pathlib.Path(__file__).absolute().parent.parent,
-                 pathlib.Path(__file__).resolve().parent.parent}
-    for name in ("pure", "shell", "adapters")
-)  # fmt: skip
