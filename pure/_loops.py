@@ -86,7 +86,11 @@ def scan_batches(
 #: The most bytes of examples one traced loop copies out of the data set at once when it
 #: gathers a call's batches before scanning them (see :func:`scan_indexed_steps`). An epoch
 #: whose batches take more is run as an outer loop over chunks of steps that each fit.
-GATHER_BUDGET_BYTES = 256 * 1024 * 1024
+#: Small on purpose: on the CPU a chunk this size stays in cache and its buffer is reused
+#: chunk after chunk, where one copy of a whole large epoch page-faults a fresh buffer in
+#: every call (measured in docs/performance.md: 4 MiB was as fast or faster than both a
+#: whole-epoch copy and a gather per step, for rows of 256 B to 64 kB).
+GATHER_BUDGET_BYTES = 4 * 1024 * 1024
 
 
 def batch_bytes(data: Any, batch_size: int) -> int:
