@@ -163,7 +163,7 @@ def _pytest_runs(out: subprocess.CompletedProcess) -> list[str]:
 def test_ci_runs_both_lanes_on_the_pinned_releases_then_the_fast_lane_on_the_newest(tmp_path):
     out = _ci(tmp_path, newer=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert _pytest_runs(out) == [".venv:", ".venv: -m slow", ".venv-newest:"]
+    assert _pytest_runs(out) == [".venv:", ".venv: -m slow -n 2 --dist loadfile", ".venv-newest:"]
     for lane in ("fast lane (pinned releases)", "slow lane (pinned releases)",
                  "fast lane (newest releases)"):  # fmt: skip
         assert re.search(rf"^CI: {re.escape(lane)} passed in \d+ s$", out.stdout, re.M), lane
@@ -184,7 +184,7 @@ def test_a_failed_slow_lane_fails_ci_and_the_newest_run_never_starts(tmp_path, s
     """5: pytest ran no test (the slow lane lost its tests)."""
     out = _ci(tmp_path, newer=True, pytest_slow_main=status)
     assert out.returncode == status
-    assert _pytest_runs(out) == [".venv:", ".venv: -m slow"]
+    assert _pytest_runs(out) == [".venv:", ".venv: -m slow -n 2 --dist loadfile"]
     assert "CI: fast lane (pinned releases) passed" in out.stdout
     assert f"CI: slow lane (pinned releases) failed (pytest exit {status})" in out.stdout
     assert "CI: main run passed" not in out.stdout
@@ -202,7 +202,7 @@ def test_a_failed_newest_run_fails_ci(tmp_path, failure):
 def test_without_a_newer_python_ci_prints_one_line_and_passes_on_the_main_run(tmp_path):
     out = _ci(tmp_path, newer=False)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert _pytest_runs(out) == [".venv:", ".venv: -m slow"]
+    assert _pytest_runs(out) == [".venv:", ".venv: -m slow -n 2 --dist loadfile"]
     lines = out.stdout.splitlines()
     assert lines[-2].startswith("CI: main run passed")
     assert lines[-1].startswith("CI: no Python >= 3.12") and "skipped" in lines[-1]
