@@ -44,6 +44,11 @@ import chaos_worker
 import numpy as np
 import pytest
 
+# The slow lane (pyproject.toml): every test kills and reruns processes. The fast lane's
+# cousins: test_checkpoint_adapter's save killed midway, the in-process reruns of
+# test_long_runs and test_population_engine, the in-process SIGTERM tests.
+pytestmark = pytest.mark.slow
+
 WORKER = str(pathlib.Path(__file__).with_name("chaos_worker.py"))
 STEPS_PER_EPOCH = chaos_worker.EXAMPLES // chaos_worker.BATCH
 TOTAL_STEPS = chaos_worker.EPOCHS * STEPS_PER_EPOCH

@@ -76,6 +76,7 @@ def load(path):
         return [z[f"arr_{i}"] for i in range(len(z.files) - 2)], int(z["epoch"]), int(z["step"])
 
 
+@pytest.mark.slow
 def test_train_save_and_resume_in_a_new_process_is_bitwise_training_straight(tmp_path, data):
     straight = BNDropout(rngs=nnx.Rngs(0))
     Trainer(straight, TX, xent).fit(data, epochs=4, batch_size=BS, seed=3, progress=False)
@@ -92,6 +93,7 @@ def test_train_save_and_resume_in_a_new_process_is_bitwise_training_straight(tmp
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_same_seed_same_data_is_bitwise_equal_across_processes(tmp_path):
     # Two independent processes (run side by side): nothing is shared but the script.
     run_scripts(

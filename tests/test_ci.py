@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -109,17 +110,19 @@ def test_no_newer_python_prints_nothing_and_fails(tmp_path):
     assert (found.returncode, found.stdout) == (1, "")
 
 
-# -- .ci/run's two runs, on fake interpreters -------------------------------------------------
+# -- .ci/run's lanes and runs, on fake interpreters -------------------------------------------
 
 _FAKE_PYTHON = """\
-# "-m venv DIR" makes a venv whose pip exits $PIP_{which} and pytest exits $PYTEST_{which};
-# anything else (a version check, a script) succeeds and prints nothing.
+# "-m venv DIR" makes a venv whose pip exits $PIP_{which} and whose pytest prints its venv and
+# arguments, then exits $PYTEST_SLOW_{which} when asked for the slow lane (-m slow) and
+# $PYTEST_{which} otherwise; anything else (a version check, a script) succeeds silently.
 if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then
   {mkdir} -p "$3/bin"
   printf '#!{sh}\\nexit 0\\n' > "$3/bin/python"
   printf '#!{sh}\\nexit %s\\n' "${{PIP_{which}:-0}}" > "$3/bin/pip"
-  printf '#!{sh}\\necho "pytest ran in %s"\\nexit %s\\n' "$3" "${{PYTEST_{which}:-0}}" \\
-    > "$3/bin/pytest"
+  printf '#!{sh}\\necho "pytest ran in %s: $*"\\n' "$3" > "$3/bin/pytest"
+  printf 'case "$*" in *slow*) exit %s;; esac\\nexit %s\\n' \\
+    "${{PYTEST_SLOW_{which}:-0}}" "${{PYTEST_{which}:-0}}" >> "$3/bin/pytest"
   {chmod} +x "$3/bin/python" "$3/bin/pip" "$3/bin/pytest"
 fi
 exit 0
@@ -148,19 +151,43 @@ def _ci(tmp_path: pathlib.Path, newer: bool, **statuses: int) -> subprocess.Comp
     )  # fmt: skip
 
 
-def test_ci_passes_when_both_runs_pass_and_runs_the_newest_after_the_main(tmp_path):
+def _pytest_runs(out: subprocess.CompletedProcess) -> list[str]:
+    """Each fake pytest's venv and arguments, in the order they ran."""
+    prefix = "pytest ran in "
+    runs = [
+        line.removeprefix(prefix) for line in out.stdout.splitlines() if line.startswith(prefix)
+    ]
+    return [run.rpartition("/")[2].strip() for run in runs]
+
+
+def test_ci_runs_both_lanes_on_the_pinned_releases_then_the_fast_lane_on_the_newest(tmp_path):
     out = _ci(tmp_path, newer=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    ran = [line for line in out.stdout.splitlines() if line.startswith("pytest ran")]
-    assert [r.split()[-1] for r in ran] == [".venv", ".venv-newest"]
+    assert _pytest_runs(out) == [".venv:", ".venv: -m slow -n 2 --dist loadfile", ".venv-newest:"]
+    for lane in ("fast lane (pinned releases)", "slow lane (pinned releases)",
+                 "fast lane (newest releases)"):  # fmt: skip
+        assert re.search(rf"^CI: {re.escape(lane)} passed in \d+ s$", out.stdout, re.M), lane
     assert "CI: newest run passed" in out.stdout
 
 
 @pytest.mark.parametrize("failure", [{"pytest_main": 1}, {"pip_main": 1}, {"pytest_main": 5}])
-def test_a_failed_main_run_fails_ci_and_the_newest_run_never_starts(tmp_path, failure):
+def test_a_failed_fast_lane_fails_ci_and_nothing_else_starts(tmp_path, failure):
     out = _ci(tmp_path, newer=True, **failure)
-    assert out.returncode != 0
+    assert out.returncode == failure.get("pytest_main", out.returncode) != 0
+    assert _pytest_runs(out) == ([".venv:"] if "pytest_main" in failure else [])
     assert ".venv-newest" not in out.stdout + out.stderr
+    assert not (tmp_path / "repo/.venv-newest").exists()
+
+
+@pytest.mark.parametrize("status", [1, 5])
+def test_a_failed_slow_lane_fails_ci_and_the_newest_run_never_starts(tmp_path, status):
+    """5: pytest ran no test (the slow lane lost its tests)."""
+    out = _ci(tmp_path, newer=True, pytest_slow_main=status)
+    assert out.returncode == status
+    assert _pytest_runs(out) == [".venv:", ".venv: -m slow -n 2 --dist loadfile"]
+    assert "CI: fast lane (pinned releases) passed" in out.stdout
+    assert f"CI: slow lane (pinned releases) failed (pytest exit {status})" in out.stdout
+    assert "CI: main run passed" not in out.stdout
     assert not (tmp_path / "repo/.venv-newest").exists()
 
 
@@ -175,6 +202,7 @@ def test_a_failed_newest_run_fails_ci(tmp_path, failure):
 def test_without_a_newer_python_ci_prints_one_line_and_passes_on_the_main_run(tmp_path):
     out = _ci(tmp_path, newer=False)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert _pytest_runs(out) == [".venv:", ".venv: -m slow -n 2 --dist loadfile"]
     lines = out.stdout.splitlines()
     assert lines[-2].startswith("CI: main run passed")
     assert lines[-1].startswith("CI: no Python >= 3.12") and "skipped" in lines[-1]

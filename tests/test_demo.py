@@ -15,6 +15,7 @@ from nnxscan.adapters._extras import require_extra
 from nnxscan.shell.demos._output import demo_plot_path
 
 
+@pytest.mark.slow
 def test_digits_demo_reaches_95_percent_and_writes_a_png(tmp_path):
     # The script sits beside the interpreter in a virtual environment that is not activated.
     beside = pathlib.Path(sys.executable).parent / "nnxscan"

@@ -13,6 +13,7 @@ from nnxscan.shell.demos import hypernet_cl
 from nnxscan.shell.demos.hypernet_cl import format_accuracy_matrix, run_hypernet_cl_demo
 
 
+@pytest.mark.slow
 def test_hypernet_cl_demo_remembers_every_task_where_fine_tuning_forgets(
     tmp_path, capsys, monkeypatch
 ):

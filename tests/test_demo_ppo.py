@@ -12,6 +12,7 @@ from nnxscan.shell.demos import ppo_demo
 from nnxscan.shell.demos.ppo import PPOConfig
 
 
+@pytest.mark.slow
 def test_ppo_demo_prints_each_seeds_return_and_the_time_and_writes_a_png(tmp_path, capsys):
     total = 4 * 128 * 5  # 5 updates: the printing and plotting, not the learning
     result = ppo_demo.run_ppo_demo(tmp_path / "out", seeds=2, seed=3, total_timesteps=total)

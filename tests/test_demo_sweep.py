@@ -10,6 +10,7 @@ import pytest
 from nnxscan.shell.demos.sweep import LEARNING_RATES, run_sweep_demo
 
 
+@pytest.mark.slow
 def test_sweep_demo_prints_a_table_writes_a_png_and_finds_the_best_member(tmp_path, capsys):
     result = run_sweep_demo(tmp_path / "out", epochs=10, progress=False)
     out = capsys.readouterr().out

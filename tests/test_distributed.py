@@ -119,6 +119,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_each_with_half_of_every_batch_equal_one(tmp_path):
     port = str(free_port())
     outs = [str(tmp_path / f"p{i}.npz") for i in range(2)]

@@ -28,6 +28,10 @@ import pytest
 
 from conftest import run_together
 
+# The slow lane (pyproject.toml): pairs of processes. The fast lane's cousins: one process
+# with 4 devices saving and restoring on a mesh (test_distributed), in-process resumes.
+pytestmark = pytest.mark.slow
+
 WORKER = str(pathlib.Path(__file__).with_name("distributed_resume_worker.py"))
 STEPS_PER_EPOCH = worker.EXAMPLES // worker.BATCH
 DATA_PARALLEL = ("bn", "bn_dropout")  # one device per process: run in the same processes

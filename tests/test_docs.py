@@ -120,7 +120,18 @@ def run_script(code: str, where: pathlib.Path, label: str) -> None:
         )
 
 
-@pytest.mark.parametrize("path", MARKDOWN, ids=[p.name for p in MARKDOWN])
+# The slow lane (pyproject.toml): guides whose scripts start processes, and the guides whose
+# examples train longest (their library paths have fast tests of their own).
+SLOW_GUIDES = {"custom_loops.md", "evaluation.md", "hypernetworks.md", "populations.md",
+               "porting.md", "pure_core.md"}  # fmt: skip
+
+
+def _lane(path: pathlib.Path):
+    slow = path.name in SLOW_GUIDES or "\n# run:" in path.read_text()
+    return pytest.param(path, id=path.name, marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("path", [_lane(p) for p in MARKDOWN])
 def test_python_blocks_run(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{path.stem}"}

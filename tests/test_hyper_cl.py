@@ -496,6 +496,7 @@ def test_regularizer_gradient_is_the_closed_form_and_pulls_back_to_the_stored_we
     np.testing.assert_allclose(grad, closed_form, rtol=1e-5, atol=1e-7)  # rows >= n: zero
 
 
+@pytest.mark.slow
 def test_regularizer_on_a_hypernetwork_pulls_its_generated_weights_back():
     hnet = hyper.ConditionalHypernetwork(
         MLP(3, 8, 2, rngs=nnx.Rngs(0)), make_trunk(4, 16, 1), 16, num_conditions=4,
@@ -774,6 +775,7 @@ def test_train_tasks_checks_every_task_and_metric_before_training_any():
     assert calls == []  # no task started
 
 
+@pytest.mark.slow
 def test_train_tasks_names_each_task_above_its_progress(capsys):
     tasks = toy_tasks(2)
     fit = dict(epochs=2, batch_size=16)

@@ -154,6 +154,7 @@ def test_core_step_trains_trunk_heads_and_own_hidden_layer_but_not_slots():
     jax.tree.map(np.testing.assert_array_equal, as_arrays(nnx.state(target)), user_before)
 
 
+@pytest.mark.slow
 def test_trainer_learns_a_family_of_functions():
     from nnxscan.shell import Trainer
 
@@ -169,6 +170,7 @@ def test_trainer_learns_a_family_of_functions():
     assert held_out_before >= 5 * float(family_loss(hnet, held_out))  # hnet is the live model
 
 
+@pytest.mark.slow
 def test_hypernet_demo_trains_and_writes_a_png(tmp_path):
     from nnxscan.shell.demos.hypernet import run_hypernet_demo
 

@@ -56,7 +56,9 @@ def same_history(a, b) -> None:
                                rtol=1e-6)  # fmt: skip
 
 
-@pytest.mark.parametrize("cut", [7, 10, 16], ids=["epoch_end", "mid_epoch", "late"])
+@pytest.mark.parametrize(
+    "cut", [pytest.param(7, marks=pytest.mark.slow), 10, 16], ids=["epoch_end", "mid_epoch", "late"]
+)
 def test_rerunning_the_same_fit_with_resume_ends_bitwise_where_a_straight_run_ends(tmp_path, cut):
     ref_model, ref_trainer, ref_history = straight(4, steps_per_call=3)
 
@@ -82,6 +84,7 @@ def test_rerunning_the_same_fit_with_resume_ends_bitwise_where_a_straight_run_en
     same_history(history, ref_history)  # the History up to the restore point comes back
 
 
+@pytest.mark.slow
 def test_resume_without_a_checkpoint_trains_from_the_start_and_a_finished_run_is_done(
     tmp_path,
 ):
@@ -98,6 +101,7 @@ def test_resume_without_a_checkpoint_trains_from_the_start_and_a_finished_run_is
     assert_trees_close(again.model, ref_model, exact=True)
 
 
+@pytest.mark.slow
 def test_mid_epoch_checkpoints_land_at_the_first_call_boundary_after_each_multiple(tmp_path):
     Trainer(BNDropout(rngs=nnx.Rngs(0)), TX, xent).fit(
         DATA, epochs=2, batch_size=BS, progress=False, checkpoint_dir=tmp_path,
@@ -108,6 +112,7 @@ def test_mid_epoch_checkpoints_land_at_the_first_call_boundary_after_each_multip
     assert all_steps(tmp_path) == [5, 12]
 
 
+@pytest.mark.slow
 def test_a_streamed_run_resumes_mid_epoch_skipping_the_batches_it_trained(tmp_path):
     batches = [{k: v[i * BS : (i + 1) * BS] for k, v in DATA.items()} for i in range(7)]
 
@@ -191,6 +196,7 @@ def test_resume_and_step_checkpoints_need_a_directory_and_a_matching_seed(tmp_pa
                   resume=True, seed=4)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_step_checkpoint_that_lands_on_an_epochs_last_step_resumes_the_next_epoch(tmp_path):
     """Found by the chaos test: the save at step 8 (= the end of epoch 0) must count the
     epoch, or the resumed run would find it empty and end early."""

@@ -42,7 +42,7 @@ def _central_difference(f, x, h):
     return (f(x + h) - f(x - h)) / (2 * h)
 
 
-@pytest.mark.parametrize("loop", ["scan_steps", "make_epoch"])
+@pytest.mark.parametrize("loop", ["scan_steps", pytest.param("make_epoch", marks=pytest.mark.slow)])
 def test_hypergradient_of_the_learning_rate_matches_central_differences(loop):
     with jax.enable_x64(True):  # a context: no global flag outlives the test
         rng = np.random.default_rng(0)
@@ -77,6 +77,7 @@ def test_hypergradient_of_the_learning_rate_matches_central_differences(loop):
     assert grad == pytest.approx(numeric, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_is_transparent_to_the_hypergradient_until_a_step_is_skipped():
     with jax.enable_x64(True):
         rng = np.random.default_rng(2)
@@ -178,6 +179,7 @@ def meta_and_pretrained():
     return meta, pretrained, meta_history
 
 
+@pytest.mark.slow
 def test_maml_trains_through_the_inner_loop_with_a_trainer(meta_and_pretrained):
     _, _, history = meta_and_pretrained
     losses = np.asarray(history.losses)

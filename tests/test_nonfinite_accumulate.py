@@ -89,6 +89,7 @@ def test_accumulation_equals_one_step_on_the_whole_batch(n):
     assert_trees_close(state, nnx.state(ref), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_bad_micro_batch_is_dropped_and_never_poisons_later_steps():
     n, mb = 4, 4  # 4 micro-batches of 4 per step
     batches = stacked(make_data(), steps=4, bs=n * mb)

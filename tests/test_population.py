@@ -103,6 +103,7 @@ def test_with_hyperparams_returns_a_new_state_and_names_what_exists():
         with_hyperparams(init_opt_state(scheduled, state), learning_rate=0.1)
 
 
+@pytest.mark.slow
 def test_population_epoch_equals_make_epoch_per_member(data):
     """The pure population epoch, member by member, against make_epoch on that member alone."""
     tx = injected_adam()

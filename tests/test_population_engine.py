@@ -162,6 +162,7 @@ def new_metrics():
     return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
 
 
+@pytest.mark.slow
 def test_call_time_rngs_and_nnx_metrics_per_member_equal_each_members_trainer():
     rngs = lambda seed: nnx.Rngs(100 + seed)  # noqa: E731  each member its own dropout stream
     pop = Population(
@@ -213,7 +214,9 @@ def cut_at(step):
     return Cut, LambdaCallback(on_call_end=maybe_raise)
 
 
-@pytest.mark.parametrize("cut", [4, 10], ids=["first_epoch", "mid_epoch"])
+@pytest.mark.parametrize(
+    "cut", [pytest.param(4, marks=pytest.mark.slow), 10], ids=["first_epoch", "mid_epoch"]
+)
 def test_step_checkpoints_resume_mid_epoch_by_rerunning_bitwise(straight, tmp_path, cut):
     reference, ref_history = straight
 

@@ -91,6 +91,7 @@ def test_a_frozen_member_stays_bitwise_and_logs_its_loss_at_the_frozen_state(dat
         pop.freeze(3)
 
 
+@pytest.mark.slow
 def test_early_stopping_freezes_each_member_as_its_own_trainer_stops(tmp_path):
     """Each member stops at the epoch its own Trainer + EarlyStopping stops at, and ends
     with the weights that run restores: the members' best epochs differ."""
@@ -296,6 +297,7 @@ def test_fit_arguments_are_checked_before_anything_runs(data, compile_count):
     assert compile_count() == 0 and pop.step == 0
 
 
+@pytest.mark.slow
 def test_members_sharded_over_a_mesh_train_as_on_one_device(tmp_path):
     """4 simulated devices: 4 members over a 2 x 2 (members x data) mesh, and the same with
     FSDP inside each member, equal the same population on one device; N that does not

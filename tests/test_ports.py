@@ -23,7 +23,7 @@ from nnxscan.adapters.linen import LinenModule
 from nnxscan.pure import init_opt_state, make_evaluate_metrics, make_train_step, scan_steps
 from nnxscan.shell import Trainer, scan_train
 
-from conftest import MLP, assert_trees_close, make_data, xent
+from conftest import MLP, assert_trees_close, make_data, reference_loop, xent
 
 # -- the Flax NNX MNIST tutorial, verbatim (model, loss, metrics, train and eval steps) -------
 
@@ -125,7 +125,7 @@ def tutorial_run(mnist_like):
 
 # "auto" scans the epoch: on the CPU its convolutions are canonicalized like the tutorial's
 # per-step program's, so it gives the tutorial's bits too.
-@pytest.mark.parametrize("execution", ["step", "auto"])
+@pytest.mark.parametrize("execution", [pytest.param("step", marks=pytest.mark.slow), "auto"])
 def test_the_mnist_tutorial_runs_through_trainer_bitwise(mnist_like, tutorial_run, execution):
     train, test = mnist_like
     ref_model, ref_optimizer, ref_rngs, ref_epochs, ref_eval = tutorial_run
@@ -158,6 +158,7 @@ def test_the_mnist_tutorial_runs_through_trainer_bitwise(mnist_like, tutorial_ru
     assert_trees_close(rngs, ref_rngs, exact=True)
 
 
+@pytest.mark.slow
 def test_the_tutorial_step_in_the_pure_core_under_scan(mnist_like, tutorial_run):
     """with_rngs / update_metrics in the pure core, scanned: the tutorial's numbers."""
     train, _ = mnist_like
@@ -245,9 +246,9 @@ def test_scan_train_cuts_flat_data_and_refuses_it_without_batch_size():
     ref = MLP(rngs=nnx.Rngs(0))
     ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
     stops = [0, 16, 32, 48, 64, 70]
-    for a, b in itertools.pairwise(stops):
-        grads = nnx.grad(xent)(ref, {k: v[a:b] for k, v in data.items()})
-        ref_opt.update(ref, grads)
+    # The plain per-step loop, jitted (conftest's): run eagerly it took ~10 s.
+    reference_loop(ref, ref_opt, xent, [{k: v[a:b] for k, v in data.items()}
+                                        for a, b in itertools.pairwise(stops)])  # fmt: skip
     assert_trees_close(model, ref, rtol=2e-5, atol=1e-6)
 
 
@@ -293,6 +294,7 @@ def linen_xent(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
+@pytest.mark.slow
 def test_a_linen_model_trains_as_a_train_state_loop_and_evaluates_in_eval_mode(data):
     batches = [{k: v[i * 16 : (i + 1) * 16] for k, v in data.items()} for i in range(4)]
     model = LinenModule(LinenMLP(), data["x"][:8], rngs=nnx.Rngs(0, dropout=1))

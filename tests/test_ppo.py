@@ -40,6 +40,7 @@ def trained():
     return jax.jit(make_ppo_train(ENV, ENV_PARAMS))(jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_seed_0_solves_cartpole_within_half_a_million_steps(trained):
     config = PPOConfig()
     returns = np.asarray(trained.metrics["episode_return"])
@@ -75,6 +76,7 @@ def _greedy_episode_returns(policy: ActorCritic, num_envs: int = 8) -> np.ndarra
     return np.asarray(episodes(policy))
 
 
+@pytest.mark.slow
 def test_the_trained_weights_written_back_make_a_working_nnx_module(trained):
     policy = make_policy(ENV, ENV_PARAMS, PPOConfig(), nnx.Rngs(7))
     assert _greedy_episode_returns(policy).mean() < 100  # untrained: the pole falls
@@ -85,6 +87,7 @@ def test_the_trained_weights_written_back_make_a_working_nnx_module(trained):
     assert _greedy_episode_returns(policy).min() >= 475
 
 
+@pytest.mark.slow
 def test_four_vmapped_seeds_each_equal_their_single_seed_run():
     train = make_ppo_train(ENV, ENV_PARAMS, SHORT)
     keys = jnp.stack([jax.random.key(s) for s in range(4)])
@@ -141,6 +144,7 @@ def _random_buffer(n: int, seed: int = 0) -> dict[str, jax.Array]:
     }
 
 
+@pytest.mark.slow
 def test_update_epochs_equal_purejaxrl_style_shuffled_minibatch_loop():
     config = PPOConfig(num_envs=2, num_steps=32, update_epochs=3, num_minibatches=4)
     model = ActorCritic(4, 2, rngs=nnx.Rngs(0))
@@ -205,7 +209,10 @@ def test_categorical_log_prob_entropy_and_sampling_match_the_softmax():
     np.testing.assert_allclose(np.asarray(draws).mean(0), probs[:, 1], atol=0.015)
 
 
-@pytest.mark.parametrize("shape", [(4, 64), (64, 64), (64, 2), (64, 1)])
+@pytest.mark.parametrize(
+    "shape",
+    [*(pytest.param(s, marks=pytest.mark.slow) for s in [(4, 64), (64, 64), (64, 2)]), (64, 1)],
+)
 def test_orthogonal_init_is_nnx_orthogonal_without_lapack(shape):
     key = jax.random.key(3)
     got = np.asarray(orthogonal(1.4)(key, shape))

@@ -33,6 +33,7 @@ def random_data(n, din, classes, seed):
     return {"x": x, "y": rng.integers(0, classes, n).astype(np.int32)}
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
     din=st.integers(1, 5),

@@ -128,6 +128,7 @@ def test_step_inside_user_fori_loop_equals_scan_steps(data):
     assert_trees_close(s_fori, s_scan)
 
 
+@pytest.mark.slow
 def test_vmap_over_stacked_models_equals_separate_runs(data):
     batches = stacked(data)
     step = make_train_step(xent, TX)
@@ -146,6 +147,7 @@ def test_vmap_over_stacked_models_equals_separate_runs(data):
         assert_trees_close(jax.tree.map(lambda x, i=i: x[i], s_many), s_one)
 
 
+@pytest.mark.slow
 def test_step_under_user_scan_with_grad_of_final_loss(data):
     """The step composes with jax.grad: differentiate a two-step unrolled loss w.r.t. the data."""
     model = MLP(rngs=nnx.Rngs(0))
@@ -166,7 +168,7 @@ def test_step_under_user_scan_with_grad_of_final_loss(data):
     np.testing.assert_allclose(jnp.vdot(g, d), fd, rtol=2e-2, atol=1e-4)
 
 
-@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("length", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_fully_unrolled_scan_steps_leave_no_loop(data, length):
     """jax lowers a length-1 unroll=True scan to a while loop; ours must not (jax#12868)."""
     graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))

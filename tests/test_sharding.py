@@ -16,6 +16,10 @@ import sys
 
 import pytest
 
+# The slow lane (pyproject.toml): one long 8-device process. The fast lane's cousin: the
+# 4-device process of test_distributed (data parallel, FSDP, checkpoints on a mesh).
+pytestmark = pytest.mark.slow
+
 WORKER = str(pathlib.Path(__file__).with_name("sharding_worker.py"))
 GUIDE = ("auto", "logical", "explicit")
 

@@ -296,6 +296,7 @@ def test_wandb_offline_run_holds_history_config_and_summary(wandb_offline):
         assert summary["summary"][key] == pytest.approx(want[key][-1][1], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_wandb_run_fails_when_fit_raises_and_a_population_logs_each_member(wandb_offline):
     data, _ = _split()
     pop = Population(lambda rngs: MLP(rngs=rngs), _injected(), xent, seeds=[0, 1],
