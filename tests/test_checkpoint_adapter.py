@@ -284,7 +284,7 @@ def save_in_progress(directory, step: int):
     return next((p for p in directory.iterdir() if p.name.startswith(f"{step}.")), None)
 
 
-@pytest.mark.parametrize("storage", ["auto", "orbax"])
+@pytest.mark.parametrize("storage", ["auto", pytest.param("orbax", marks=pytest.mark.slow)])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_restorable(tmp_path, storage):
     child = subprocess.Popen(
         [sys.executable, "-c", CRASHING_SAVER, str(tmp_path), storage],

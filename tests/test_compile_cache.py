@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -39,6 +41,7 @@ def _run(cache) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a second process
 def test_a_second_process_reads_every_program_from_the_cache(tmp_path):
     first = _run(tmp_path / "cache")
     second = _run(tmp_path / "cache")

@@ -323,6 +323,7 @@ def generate_per_draw(graphdef, states, hs):
     ],
     ids=["mlp", "cnn"],
 )
+@pytest.mark.slow  # the chunked heads' shapes and gradients stay in the fast lane
 def test_chunked_init_gives_each_tensor_the_targets_own_variance(make_target, analytic):
     """The init matches each tensor's variance in expectation over the heads' draw.
 
@@ -674,6 +675,7 @@ def task_accuracy(learner, batch):
     return jnp.mean(learner.hnet(batch["task"][0], batch["x"]).argmax(-1) == batch["y"])
 
 
+@pytest.mark.slow  # long training; train_tasks' other tests stay fast
 def test_train_tasks_accuracy_matrix_is_what_a_hand_written_loop_computes():
     tasks, tx, epochs, batch_size, seed = toy_tasks(2), optax.adam(1e-2), 3, 16, 5
     learner = build_learner()

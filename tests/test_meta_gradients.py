@@ -187,6 +187,7 @@ def test_maml_trains_through_the_inner_loop_with_a_trainer(meta_and_pretrained):
     assert losses[-128:].mean() < 0.6 * losses[:128].mean()
 
 
+@pytest.mark.slow  # meta-training; the hypergradient tests stay fast
 def test_the_meta_learned_init_adapts_better_in_k_steps_than_a_pretrained_one(
     meta_and_pretrained,
 ):

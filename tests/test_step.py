@@ -75,13 +75,19 @@ def test_make_train_step_is_a_step_value():
     hash(step)  # a static argument of jax.jit, as an optax transform would be
     batch = {"x": np.ones((8, 4), np.float32), "y": np.zeros(8, np.int32)}
     opt_state = step.init(graphdef, state)
-    called = step(graphdef, state, opt_state, batch)
-    updated = step.update(graphdef, state, opt_state, batch)
+
+    @jax.jit
+    def both(state, opt_state, batch):
+        stacked = jax.tree.map(lambda v: v[None], batch)
+        return (  # the step called, its update, and the step as scan_steps' argument
+            step(graphdef, state, opt_state, batch),
+            step.update(graphdef, state, opt_state, batch),
+            scan_steps(step, graphdef, state, opt_state, stacked),
+        )
+
+    called, updated, scanned = both(state, opt_state, batch)
     assert_trees_close(called, updated, exact=True)
-    scanned = jax.jit(scan_steps, static_argnums=0)(  # a static argument, as optax's are
-        step, graphdef, state, opt_state, jax.tree.map(lambda v: v[None], batch)
-    )
-    assert_trees_close(scanned[:2], updated[:2])  # eager vs compiled: to rounding
+    assert_trees_close(scanned[:2], updated[:2], exact=True)
     assert make_train_step(xent, tx, has_aux=True).has_aux is True
 
 
@@ -134,12 +140,17 @@ def test_reduce_on_plateau_gets_the_loss_as_a_loop_passing_value_does():
     )
 
     # The reference: optax's own loop on plain params, passing value= each step.
-    ref_state, values = tx.init(params), []
-    for i in range(steps):
-        batch = jax.tree.map(lambda v, i=i: v[i], batches)
+    @jax.jit
+    def ref_step(params, ref_state, batch):
         value, grad = jax.value_and_grad(_pure_mse)(params, batch)
         updates, ref_state = tx.update(grad, ref_state, params, value=value)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), ref_state, value
+
+    ref_state, values = tx.init(params), []
+    for i in range(steps):
+        params, ref_state, value = ref_step(
+            params, ref_state, jax.tree.map(lambda v, i=i: v[i], batches)
+        )
         values.append(value)
     assert_trees_close(_as_plain(state), params, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(losses, values, rtol=1e-6)

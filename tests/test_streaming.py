@@ -168,6 +168,7 @@ class Tiny(nnx.Module):
         return self.w(x)
 
 
+@pytest.mark.slow  # paced by sleeps; the other prefetch tests stay fast
 def test_prefetch_never_pulls_more_than_two_chunks_ahead_of_the_last_finished_call():
     steps, k = 100_000, 1_000
     pulled = {"n": 0}
