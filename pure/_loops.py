@@ -129,13 +129,6 @@ def scan_indexed_steps(
             step, graphdef, state, opt_state, indices, lambda i: take_batch(data, i),
             unroll=unroll, batch_sharding=batch_sharding,
         )  # fmt: skip
-    steps, per_step = indices.shape[0], batch_bytes(data, indices.shape[1])
-    chunk = max(1, gather_budget // max(per_step, 1))
-    if chunk >= steps:
-        return scan_batches(
-            step, graphdef, state, opt_state, take_batch(data, indices), lambda b: b,
-            unroll=unroll, batch_sharding=batch_sharding,
-        )  # fmt: skip
 
     def run_chunk(carry, idx):
         state, opt_state, outs = scan_batches(
@@ -144,6 +137,11 @@ def scan_indexed_steps(
         )  # fmt: skip
         return (state, opt_state), outs
 
+    steps, per_step = indices.shape[0], batch_bytes(data, indices.shape[1])
+    chunk = max(1, gather_budget // max(per_step, 1))
+    if chunk >= steps:  # the whole call in one gather
+        carry, outs = run_chunk((state, opt_state), indices)
+        return (*carry, outs)
     num_chunks = steps // chunk
     head = indices[: num_chunks * chunk].reshape(num_chunks, chunk, *indices.shape[1:])
     carry, outs = jax.lax.scan(run_chunk, (state, opt_state), head)
