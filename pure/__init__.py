@@ -3,7 +3,8 @@
 Pure functions over ``(graphdef, state, opt_state)`` pytrees that compose with every JAX
 transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state.
 
-- :class:`Step`: a training step as a value (``init``, ``update``), in optax's manner.
+- :class:`Step`: a training step as a value (``init``, ``update``), in optax's manner;
+  :func:`nnx_train_step`: a stateful NNX step (Flax's tutorials' ``train_step``) as one.
 - :func:`make_train_step`, :func:`init_opt_state`, :func:`split_wrt`: the step of a loss.
 - :func:`scan_steps`: many steps over a stack of batches, in one ``lax.scan``.
 - :func:`make_epoch`, :func:`epoch_order`: an epoch over a data set, ordered as
@@ -11,7 +12,8 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
 - :func:`make_eval_step`, :func:`make_evaluate`: metric functions averaged over every
   example; :func:`make_evaluate_metrics`: NNX metrics (``nnx.MultiMetric``) over every
   example.
-- :func:`all_finite`, :func:`tree_select`, :func:`halt_after_nonfinite`: non-finite guards
+- :func:`all_finite`, :func:`tree_select`, :func:`halt_after_nonfinite`,
+  :func:`skip_nonfinite`: non-finite guards
   that stay inside the compiled loop.
 - :func:`canonical_conv_layout`: a step's convolutions in the layout XLA:CPU's fast kernels
   take, also inside a ``lax.scan`` (where XLA leaves them slow, jax#12868).
@@ -30,7 +32,8 @@ Example:
 from nnxscan.pure.conv_layout import canonical_conv_layout
 from nnxscan.pure.epoch import epoch_order, make_epoch
 from nnxscan.pure.evaluation import make_eval_step, make_evaluate, make_evaluate_metrics
-from nnxscan.pure.nonfinite import all_finite, halt_after_nonfinite, tree_select
+from nnxscan.pure.nnx_step import nnx_train_step, step_outputs
+from nnxscan.pure.nonfinite import all_finite, halt_after_nonfinite, skip_nonfinite, tree_select
 from nnxscan.pure.population import (
     make_population_epoch,
     stack_states,
@@ -54,9 +57,12 @@ __all__ = [
     "make_evaluate_metrics",
     "make_population_epoch",
     "make_train_step",
+    "nnx_train_step",
     "scan_steps",
+    "skip_nonfinite",
     "split_wrt",
     "stack_states",
+    "step_outputs",
     "tree_select",
     "unstack_states",
     "with_hyperparams",

@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["all_finite", "halt_after_nonfinite", "tree_select"]
+from nnxscan.pure.step import Step
+
+__all__ = ["all_finite", "halt_after_nonfinite", "skip_nonfinite", "tree_select"]
 
 
 def all_finite(*trees: Any) -> jax.Array:
@@ -61,3 +63,44 @@ def halt_after_nonfinite(step: Any, *, has_aux: bool = False) -> Any:
         return state, (opt_state, stop), out
 
     return halting
+
+
+def skip_nonfinite(step: Any, *, has_aux: bool | None = None) -> Any:
+    """Wraps any step so that a step whose loss or new state is not finite changes nothing.
+
+    The guard for a step you wrote (a :class:`~nnxscan.pure.Step`, or any
+    ``step(graphdef, state, opt_state, batch)``): after ``update`` runs, its loss and every
+    floating leaf of the new ``state`` and ``opt_state`` are checked; when one is not
+    finite the step keeps the old ``state`` and ``opt_state`` and reports a NaN loss (a
+    ``jnp.where`` select, no host sync). The gradient is not seen here, only what it made:
+    :func:`~nnxscan.pure.make_train_step`'s own ``skip_nonfinite=True`` judges the gradient
+    itself and still advances RNG counts.
+
+    Args:
+      step: the step to guard.
+      has_aux: whether it reports ``(loss, aux)``; by default ``step.has_aux`` (False for
+        a plain function).
+
+    Returns:
+      A step of the same kind (a ``Step`` for a ``Step``, with the same ``init``).
+
+    Example:
+      >>> guarded = skip_nonfinite(my_step)
+      >>> state, opt_state, losses = scan_steps(guarded, graphdef, state, opt_state, batches)
+    """
+    if has_aux is None:
+        has_aux = bool(getattr(step, "has_aux", False))
+    update = step.update if isinstance(step, Step) else step
+
+    def skipping(graphdef: nnx.GraphDef, state: nnx.State, opt_state: Any, batch: Any):
+        new_state, new_opt_state, out = update(graphdef, state, opt_state, batch)
+        loss = out[0] if has_aux else out
+        ok = jnp.isfinite(loss) & all_finite(new_state, new_opt_state)
+        state = tree_select(ok, new_state, state)
+        opt_state = tree_select(ok, new_opt_state, opt_state)
+        loss = jnp.where(ok, loss, jnp.nan)
+        return state, opt_state, ((loss, out[1]) if has_aux else loss)
+
+    if isinstance(step, Step):
+        return Step(step.init, skipping, has_aux)
+    return skipping

@@ -395,7 +395,9 @@ class FitLoop:
             epoch, stacked, wall_time, has_aux=self.program.has_aux, members=self.members,
             skipping=skipping, dropped=stats.dropped, compile_time=compile_time,
         )  # fmt: skip
-        if not skipping and not self.program.halts:  # "ignore": applied, so counted
+        if not self.program.has_loss:  # a stateful train_step that returns no loss
+            del logs["loss"]
+        elif not skipping and not self.program.halts:  # "ignore": applied, so counted
             self._count_nonfinite(epoch, losses)
         return logs, losses
 

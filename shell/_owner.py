@@ -27,7 +27,7 @@ from nnxscan.adapters.nnx_optimizer import (
     optax_state_from_optimizer,
     optimizer_state_writer,
 )
-from nnxscan.pure import init_opt_state, split_wrt
+from nnxscan.pure import Step, init_opt_state, split_wrt
 from nnxscan.pure._checks import check_transform
 from nnxscan.pure._node import node_of
 from nnxscan.shell._module_check import check_module
@@ -136,13 +136,17 @@ class ModelOwner:
         # What every compiled call carries: the model, or (model, rngs, metrics).
         self.node = node_of(model, rngs, metrics)
         self.optimizer: nnx.Optimizer | None = None
+        # The nnx.Optimizer whose optax state and step the carry's opt_state mirrors (the
+        # built-in step's); a user's step keeps its opt_state here, or its objects in node.
+        self._synced: nnx.Optimizer | None = None
+        self._metric_objects = [] if metrics is None else [metrics]
         if isinstance(tx_or_optimizer, nnx.Optimizer):
             if wrt is not nnx.Param and wrt != tx_or_optimizer.wrt:
                 raise ValueError(
                     f"wrt={wrt!r} differs from the nnx.Optimizer's wrt="
                     f"{tx_or_optimizer.wrt!r}; leave wrt out when passing an optimizer."
                 )
-            self.optimizer = tx_or_optimizer
+            self.optimizer = self._synced = tx_or_optimizer
             self.wrt = tx_or_optimizer.wrt
             self.tx = check_transform(tx_or_optimizer.tx)
             params, _ = split_wrt(nnx.state(self.node), self.wrt)
@@ -152,6 +156,41 @@ class ModelOwner:
             self.tx = check_transform(tx_or_optimizer)
             self.wrt = wrt
             self._opt_state = init_opt_state(self.tx, nnx.state(self.node), wrt)
+        self._counters()
+
+    @classmethod
+    def of_step(
+        cls,
+        model: nnx.Module,
+        step: Step | None = None,
+        *,
+        optimizer: nnx.Optimizer | None = None,
+        extras: tuple = (),
+    ) -> ModelOwner:
+        """The owner of a user's step: a pure :class:`~nnxscan.pure.Step` (``step``; its
+        ``init`` makes the opt_state kept here), or a stateful NNX step (``step=None``)
+        that mutates ``(model, optimizer, *extras)``, all carried as one node (every
+        state lives in the objects; the carry's opt_state is ``()``).
+
+        The step counter is the owner's own (a stateful step may call no optimizer, or
+        several): steps trained, saved and restored with checkpoints."""
+        check_module(model)
+        owner = cls.__new__(cls)
+        owner.model, owner.optimizer, owner._synced = model, optimizer, None
+        owner.tx, owner.wrt = (optimizer.tx, optimizer.wrt) if optimizer else (None, None)
+        objects = (model, *([optimizer] if optimizer is not None else []), *extras)
+        owner.node = objects if len(objects) > 1 else model
+        owner._metric_objects = [x for x in extras if isinstance(x, nnx.Metric)]
+        owner.metrics = owner._metric_objects[0] if owner._metric_objects else None
+        owner.rngs = next((x for x in extras if isinstance(x, nnx.Rngs)), None)
+        if step is None:
+            owner._opt_state = ()
+        else:
+            owner._opt_state = step.init(*nnx.split(owner.node))
+        owner._counters()
+        return owner
+
+    def _counters(self) -> None:
         self.epoch = 0
         self.seed = 0
         self.epoch_step = 0
@@ -167,9 +206,9 @@ class ModelOwner:
     @property
     def step(self) -> int:
         """Steps trained: the ``nnx.Optimizer``'s ``step`` when there is one."""
-        if self.optimizer is None:
+        if self._synced is None:
             return self._own_step
-        value = self.optimizer.step.get_value()
+        value = self._synced.step.get_value()
         if self._step_cache is None or self._step_cache[0] is not value:
             self._step_cache = (value, int(value))
         return self._step_cache[1]
@@ -181,10 +220,10 @@ class ModelOwner:
 
     def _opt_state_of(self, state: nnx.State) -> Any:
         """The optax state, given the node's state as just read (one graph walk, not two)."""
-        if self.optimizer is None:
+        if self._synced is None:
             return self._opt_state
         params, _ = split_wrt(state, self.wrt)
-        return optax_state_from_optimizer(self.optimizer, params)
+        return optax_state_from_optimizer(self._synced, params)
 
     def read(self) -> tuple[nnx.GraphDef, nnx.State, Any]:
         """``(graphdef, state, opt_state)`` of the user's objects (their own buffers)."""
@@ -197,15 +236,15 @@ class ModelOwner:
 
     def reset_metrics(self) -> None:
         """Starts the training metrics afresh (at the start of a fit)."""
-        if self.metrics is not None:
-            self.metrics.reset()
+        for metrics in self._metric_objects:
+            metrics.reset()
 
     def take_metrics(self) -> dict[str, Any]:
         """The training metrics accumulated since the last reset, then reset (one host read)."""
-        if self.metrics is None:
-            return {}
-        values = metric_logs(self.metrics.compute(), self.metrics)
-        self.metrics.reset()
+        values: dict[str, Any] = {}
+        for metrics in self._metric_objects:
+            values.update(metric_logs(metrics.compute(), metrics))
+            metrics.reset()
         return values
 
     # -- writing ----------------------------------------------------------------------------
@@ -222,7 +261,7 @@ class ModelOwner:
         """
         state = nnx.state(self.node)
         opt_state = self._opt_state_of(state)
-        variables = _swappable(state, self.optimizer)
+        variables = _swappable(state, self._synced)
         # The carry's treedef, compared once per run of calls (LiveState keeps one object).
         expected, matched = jax.tree.structure((state, opt_state)), [None]
         model_leaves = len(jax.tree.leaves(state))
@@ -236,7 +275,7 @@ class ModelOwner:
                 variable.set_raw_value(leaf)
             return True
 
-        if self.optimizer is None:
+        if self._synced is None:
 
             def write(leaves: list, treedef: Any, steps: int) -> None:
                 if direct(leaves, treedef):
@@ -248,8 +287,8 @@ class ModelOwner:
 
             return write
 
-        build = optimizer_state_writer(self.optimizer)
-        optimizer = self.optimizer
+        build = optimizer_state_writer(self._synced)
+        optimizer = self._synced
 
         def write_with_optimizer(leaves: list, treedef: Any, steps: int) -> None:
             new_step = self.step + steps
@@ -316,17 +355,17 @@ class ModelOwner:
                 f"resume=True with seed={seed}, but the checkpoint's run used seed "
                 f"{meta['seed']}: pass the same seed (or none) to resume it."
             )
-        if self.optimizer is None:
+        if self._synced is None:
             nnx.update(self.node, tree["state"])
             self._opt_state = tree["opt_state"]
             self._own_step = meta["step"]
         else:
             # Build the optimizer's update before touching the model: it can still raise.
-            update = optimizer_state_writer(self.optimizer)(
+            update = optimizer_state_writer(self._synced)(
                 tree["opt_state"], jnp.asarray(meta["step"], jnp.uint32)
             )
             nnx.update(self.node, tree["state"])
-            nnx.update(self.optimizer, update)
+            nnx.update(self._synced, update)
             self._step_cache = None
         self.epoch, self.seed = meta["epoch"], meta["seed"]
         self.epoch_step, self.restored_run = meta["epoch_step"], meta["run"]

@@ -2,7 +2,8 @@
 
 A compiled function rebuilt from a fresh closure on every call recompiles every time, which
 throws the speed of scanning away. So the shell builds one program per
-``(loss_fn, tx, wrt, has_aux)`` and one evaluator per ``(metric_fn, batch_size)``, keeps the
+step (a user's :class:`~nnxscan.pure.Step` or function, or the one of ``(loss_fn, tx, wrt,
+has_aux, ...)``) and one evaluator per ``(metric_fn, batch_size)``, keeps the
 most recent ones, and lets ``jax.jit``'s own cache handle shapes and graphdefs: a second
 ``fit`` or ``scan_train`` with the same objects and shapes compiles nothing.
 """
@@ -18,11 +19,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscan.pure import (
+    Step,
     canonical_conv_layout,
     halt_after_nonfinite,
     make_evaluate,
     make_evaluate_metrics,
     make_train_step,
+    nnx_train_step,
+    skip_nonfinite,
+    step_outputs,
 )
 from nnxscan.pure._batching import constrain
 from nnxscan.pure._loops import scan_indexed_steps, scan_member_steps
@@ -87,41 +92,34 @@ class MemberLayout(NamedTuple):
 
 
 class TrainProgram:
-    """The compiled pieces of training for one ``(loss_fn, tx, wrt, has_aux)``.
+    """The compiled pieces of training for one step (a :class:`~nnxscan.pure.Step`).
 
     ``runner(graphdef, carry_def)`` is the jitted ``run(leaves, data, indices, start,
     length=, unroll=)`` that trains ``length`` steps on the batches
     ``indices[start:start+length]`` gathered from ``data``, donating the carry's leaves.
     The graphdef is closed over rather than passed: a graphdef argument is hashed on every
     call, which costs more than a small model's step.
+
+    Args:
+      step: the step, with its non-finite guard already in it when ``on_nonfinite`` is
+        not ``"ignore"`` (``halt_after_nonfinite`` is added here for ``"stop"``).
+      on_nonfinite: ``"ignore"``, ``"skip"`` or ``"stop"``.
+      user_functions: the user's functions by name, for error notes.
     """
 
     def __init__(
         self,
-        loss_fn: Callable,
-        tx: Any,
-        wrt: Any,
-        has_aux: bool,
+        step: Step,
         on_nonfinite: str = "ignore",
-        accumulate: int = 1,
-        with_rngs: bool = False,
-        update_metrics: Callable | None = None,
+        user_functions: dict[str, Callable] | None = None,
     ):
-        step = make_train_step(
-            loss_fn,
-            tx,
-            wrt=wrt,
-            has_aux=has_aux,
-            skip_nonfinite=on_nonfinite != "ignore",
-            accumulate=accumulate,
-            with_rngs=with_rngs,
-            update_metrics=update_metrics,
-        )
         self.step = step
-        named = {"loss_fn": loss_fn, "update_metrics": update_metrics}
-        self.user_functions = {k: f for k, f in named.items() if f is not None}  # error notes
+        self.user_functions = dict(user_functions or {})  # error notes
         self._jitted: OrderedDict[Hashable, Callable] = OrderedDict()
-        self.has_aux = has_aux
+        self.has_aux = bool(step.has_aux)
+        #: Whether the step reports a loss (a stateful NNX step may return nothing: its
+        #: logs then have no ``loss``). Known once the step was traced.
+        self.has_loss = True
         # "stop": every call halts at its first non-finite step and reports whether it did.
         self.halts = on_nonfinite == "stop"
         # "skip": a skipped step reports a NaN loss, left out of the epoch's mean.
@@ -263,7 +261,7 @@ def train_program(
     with_rngs: bool = False,
     update_metrics: Callable | None = None,
 ) -> TrainProgram:
-    """The cached :class:`TrainProgram` for these objects (built on first use)."""
+    """The cached :class:`TrainProgram` of the step built from a loss (built on first use)."""
     key = (
         _identity_key(loss_fn),
         _identity_key(tx),
@@ -274,13 +272,55 @@ def train_program(
         with_rngs,
         _identity_key(update_metrics),
     )
-    return _lookup(
-        _TRAIN,
-        key,
-        lambda: TrainProgram(
-            loss_fn, tx, wrt, has_aux, on_nonfinite, accumulate, with_rngs, update_metrics
-        ),
-    )
+
+    def build() -> TrainProgram:
+        # The built-in step guards itself (it sees the gradient); "stop" halts on its skip.
+        step = make_train_step(
+            loss_fn, tx, wrt=wrt, has_aux=has_aux, skip_nonfinite=on_nonfinite != "ignore",
+            accumulate=accumulate, with_rngs=with_rngs, update_metrics=update_metrics,
+        )  # fmt: skip
+        named = {"loss_fn": loss_fn, "update_metrics": update_metrics}
+        return TrainProgram(step, on_nonfinite, {k: f for k, f in named.items() if f})
+
+    return _lookup(_TRAIN, key, build)
+
+
+def step_program(step: Step, on_nonfinite: str = "ignore") -> TrainProgram:
+    """The cached :class:`TrainProgram` of a user's :class:`~nnxscan.pure.Step`; a non-finite
+    policy other than ``"ignore"`` guards it with :func:`~nnxscan.pure.skip_nonfinite`."""
+
+    def build() -> TrainProgram:
+        guarded = step if on_nonfinite == "ignore" else skip_nonfinite(step)
+        return TrainProgram(guarded, on_nonfinite, {"train_step.update": step.update})
+
+    return _lookup(_TRAIN, ("step", _identity_key(step), on_nonfinite), build)
+
+
+def nnx_step_program(fn: Callable, on_nonfinite: str = "ignore") -> TrainProgram:
+    """The cached :class:`TrainProgram` of a user's stateful NNX ``train_step`` function
+    (see :func:`~nnxscan.pure.nnx_train_step`): ``has_loss`` is learnt when it is traced."""
+
+    def build() -> TrainProgram:
+        program: TrainProgram
+
+        def traced(*args: Any) -> Any:
+            out = fn(*args)
+            program.has_loss = step_outputs(out)[2]  # a Python bool, fixed by fn's code
+            if on_nonfinite != "ignore" and not program.has_loss:
+                raise ValueError(
+                    f"on_nonfinite={on_nonfinite!r} judges each step by its loss, but "
+                    f"train_step returns none: return the loss (or a dict with 'loss')."
+                )
+            return out
+
+        step = nnx_train_step(traced)
+        program = TrainProgram(
+            step if on_nonfinite == "ignore" else skip_nonfinite(step), on_nonfinite,
+            {"train_step": fn},
+        )  # fmt: skip
+        return program
+
+    return _lookup(_TRAIN, ("nnx_step", _identity_key(fn), on_nonfinite), build)
 
 
 def evaluator(

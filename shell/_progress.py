@@ -45,6 +45,8 @@ def _ready_loss(out: Any, has_aux: bool) -> float | None:
 
 def _loss_text(logs: dict) -> str:
     """An epoch's loss: one model's, or the members' median with their range."""
+    if "loss" not in logs:  # a stateful train_step that reports none
+        return "no loss"
     loss = np.asarray(logs["loss"], np.float64)
     if loss.ndim == 0:
         return f"loss {float(loss):.4g}"
@@ -185,7 +187,7 @@ class RunProgress:
                 self._console.print(line, highlight=False, markup=False, soft_wrap=True)
                 self._printed = now
         else:
-            loss = np.asarray(logs["loss"], np.float64)
+            loss = np.asarray(logs.get("loss", np.nan), np.float64)
             finite = loss[np.isfinite(loss)]
             self._loss = float(np.median(finite)) if finite.size else None
             self._evals = evals

@@ -17,6 +17,7 @@ import jax
 import optax
 from flax import nnx
 
+from nnxscan.pure import Step
 from nnxscan.pure._checks import abstract_batch, check_count, check_no_captured_nnx
 from nnxscan.shell._config import Config
 from nnxscan.shell._engine import Engine, fit_options
@@ -24,7 +25,12 @@ from nnxscan.shell._evaluation import evaluate
 from nnxscan.shell._owner import ModelOwner
 from nnxscan.shell._placement import Placement
 from nnxscan.shell._plans import Plan, resolve_plan
-from nnxscan.shell._programs import train_program
+from nnxscan.shell._programs import (
+    TrainProgram,
+    nnx_step_program,
+    step_program,
+    train_program,
+)
 from nnxscan.shell.history import History
 
 __all__ = ["Trainer"]
@@ -42,6 +48,57 @@ def _check_positional(tx_or_optimizer: Any, loss_fn: Any, extra: tuple) -> None:
             f"wrt=nnx.Param), loss_fn), or Trainer(model, optax.adam(1e-3), loss_fn). "
             f"Options such as has_aux= are keyword-only."
         )
+
+
+def _user_step(
+    model: nnx.Module,
+    optimizer: Any,
+    loss_fn: Any,
+    train_step: Any,
+    extras: tuple,
+    on_nonfinite: str,
+    loss_options: list[str],
+) -> tuple[ModelOwner, TrainProgram]:
+    """The owner and program of ``Trainer(model, [optimizer], train_step=..., extras=...)``,
+    after checking that nothing meant for the built-in step was given."""
+    if loss_fn is not None or loss_options:
+        given = (["loss_fn"] if loss_fn is not None else []) + loss_options
+        raise TypeError(
+            f"train_step= replaces the step built from a loss, so {', '.join(given)} "
+            f"{'has' if len(given) == 1 else 'have'} no effect: leave "
+            f"{'it' if len(given) == 1 else 'them'} out (your step computes its loss, "
+            f"gradients and metrics itself)."
+        )
+    if isinstance(train_step, Step):
+        if optimizer is not None or extras:
+            raise TypeError(
+                "a pure Step carries its optimizer state itself (its init makes it): pass "
+                "Trainer(model, train_step=step) without an optimizer or extras. A stateful "
+                "NNX function fn(model, optimizer, *extras, batch) takes them."
+            )
+        check_no_captured_nnx(train_step.update, "train_step.update")
+        return ModelOwner.of_step(model, train_step), step_program(train_step, on_nonfinite)
+    if not callable(train_step):
+        raise TypeError(
+            f"train_step must be a nnxscan.pure.Step or a function fn(model, optimizer, "
+            f"*extras, batch), got {type(train_step).__name__}."
+        )
+    if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"with a stateful train_step, the second argument is the nnx.Optimizer it "
+            f"receives, got {type(optimizer).__name__}. Build one: "
+            f"nnx.Optimizer(model, tx, wrt=nnx.Param)."
+        )
+    for i, extra in enumerate(extras):
+        if not isinstance(extra, nnx.Pytree | nnx.Variable):
+            raise TypeError(
+                f"extras[{i}] is a {type(extra).__name__}; extras are the NNX objects your "
+                f"train_step mutates (nnx.Metric, nnx.Rngs, modules, optimizers). Pass "
+                f"constants through the batch or a closure."
+            )
+    check_no_captured_nnx(train_step, "train_step")
+    owner = ModelOwner.of_step(model, optimizer=optimizer, extras=extras)
+    return owner, nnx_step_program(train_step, on_nonfinite)
 
 
 _MAX_SEED = 2**31 - 1  # the seed enters numpy's generator and checkpoints as an int32
@@ -110,9 +167,11 @@ class Trainer:
     def __init__(
         self,
         model: nnx.Module,
-        tx_or_optimizer: optax.GradientTransformation | nnx.Optimizer,
-        loss_fn: Callable[..., Any],
+        tx_or_optimizer: optax.GradientTransformation | nnx.Optimizer | None = None,
+        loss_fn: Callable[..., Any] | None = None,
         *mixed_up: Any,
+        train_step: Step | Callable[..., Any] | None = None,
+        extras: Sequence[Any] = (),
         wrt: nnx.filterlib.Filter = nnx.Param,
         has_aux: bool = False,
         execution: str | Plan = "auto",
@@ -129,42 +188,68 @@ class Trainer:
         # ``*mixed_up`` only catches extra positional arguments to explain them: Python's
         # own "takes 4 positional arguments but 5 were given" says nothing useful.
         _check_positional(tx_or_optimizer, loss_fn, mixed_up)
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-        check_no_captured_nnx(loss_fn, "loss_fn")  # first: nothing may compile before it
-        if (metrics is None) != (update_metrics is None):
-            raise ValueError(
-                "metrics and update_metrics go together: metrics=nnx.MultiMetric(...) and "
-                "update_metrics=lambda metrics, loss, aux, batch: metrics.update(...)."
-            )
-        if update_metrics is not None and not callable(update_metrics):
-            raise TypeError(
-                f"update_metrics must be callable, got {type(update_metrics).__name__}."
-            )
         if on_nonfinite not in _NONFINITE_POLICIES:
             raise ValueError(
                 f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(_NONFINITE_POLICIES)}."
             )
-        accumulate = check_count(accumulate, "accumulate", 1)
-        self._owner = ModelOwner(model, tx_or_optimizer, wrt, rngs=rngs, metrics=metrics)
+        #: Set by a callback (``EarlyStopping``) to end ``fit`` after the current call.
+        self.stop_training = False
+        if train_step is not None:
+            loss_options = dict(
+                wrt=wrt is not nnx.Param, has_aux=has_aux, accumulate=accumulate != 1,
+                rngs=rngs is not None, metrics=metrics is not None,
+                update_metrics=update_metrics is not None,
+            )  # fmt: skip
+            self._owner, program = _user_step(
+                model, tx_or_optimizer, loss_fn, train_step, tuple(extras), on_nonfinite,
+                [name for name, given in loss_options.items() if given],
+            )  # fmt: skip
+            self._config = dict(
+                loss_fn=None, has_aux=program.has_aux, update_metrics=None,
+                on_nonfinite=on_nonfinite, accumulate=1, train_step=train_step,
+            )  # fmt: skip
+        else:
+            if tx_or_optimizer is None or loss_fn is None:
+                raise TypeError(
+                    "Trainer needs an optimizer and a loss, Trainer(model, optax.adam(1e-3), "
+                    "loss_fn), or your own step: Trainer(model, train_step=step) with a "
+                    "nnxscan.pure.Step, or Trainer(model, optimizer, train_step=fn) with a "
+                    "stateful NNX fn(model, optimizer, batch)."
+                )
+            if extras:
+                raise TypeError("extras= goes with a stateful train_step=fn; pass rngs= and "
+                                "metrics= to a Trainer built from a loss.")  # fmt: skip
+            if not callable(loss_fn):
+                raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+            check_no_captured_nnx(loss_fn, "loss_fn")  # first: nothing may compile before it
+            if (metrics is None) != (update_metrics is None):
+                raise ValueError(
+                    "metrics and update_metrics go together: metrics=nnx.MultiMetric(...) "
+                    "and update_metrics=lambda metrics, loss, aux, batch: metrics.update(...)."
+                )
+            if update_metrics is not None and not callable(update_metrics):
+                raise TypeError(
+                    f"update_metrics must be callable, got {type(update_metrics).__name__}."
+                )
+            accumulate = check_count(accumulate, "accumulate", 1)
+            self._owner = ModelOwner(model, tx_or_optimizer, wrt, rngs=rngs, metrics=metrics)
+            # What the compiled program is built from: read-only from here on (properties).
+            self._config = dict(
+                loss_fn=loss_fn, has_aux=bool(has_aux), update_metrics=update_metrics,
+                on_nonfinite=on_nonfinite, accumulate=accumulate, train_step=None,
+            )  # fmt: skip
+            program = train_program(
+                loss_fn, self.tx, self.wrt, bool(has_aux), on_nonfinite, accumulate,
+                rngs is not None, update_metrics,
+            )  # fmt: skip
         placement = Placement(
             mesh, data_axis, fsdp_min_size, rules=shardings, tx=self.tx, wrt=self.wrt
         )
-        # What the compiled program is built from: read-only from here on (properties).
-        self._config = dict(
-            loss_fn=loss_fn, has_aux=bool(has_aux), update_metrics=update_metrics,
-            on_nonfinite=on_nonfinite, accumulate=accumulate,
-        )  # fmt: skip
-        #: Set by a callback (``EarlyStopping``) to end ``fit`` after the current call.
-        self.stop_training = False
-        program = train_program(
-            loss_fn, self.tx, self.wrt, bool(has_aux), on_nonfinite, accumulate,
-            rngs is not None, update_metrics,
-        )  # fmt: skip
         self._engine = Engine(
             program=program, owner=self._owner, placement=placement,
             explicit_plan=resolve_plan(execution), members=None, subject=self,
-            loss_fn=loss_fn, has_aux=bool(has_aux), update_metrics=update_metrics, rngs=rngs,
+            loss_fn=self.loss_fn, has_aux=self.has_aux, update_metrics=self.update_metrics,
+            rngs=self._owner.rngs if self.loss_fn is not None else None,
         )  # fmt: skip
 
     # -- configuration (read-only: the compiled program is built from it) -----------------
@@ -177,6 +262,10 @@ class Trainer:
     update_metrics = Config("The NNX metrics update run inside the step, when given.")
     on_nonfinite = Config('The non-finite policy: ``"ignore"``, ``"skip"`` or ``"stop"``.')
     accumulate = Config("Micro-batches per step (1: none).")
+    train_step = Config(
+        "The user's step (a ``nnxscan.pure.Step`` or a stateful NNX function), or None "
+        "for the step built from ``loss_fn``."
+    )
 
     # -- the user's objects and the counters (all held by the owner) ----------------------
 
