@@ -8,6 +8,8 @@ It compiles the pure core, writes trained state back into the user's ``nnx.Modul
   ``nnx.Optimizer``.
 - :class:`Population`: N models (seeds, hyperparameter sweeps) trained in one compiled
   program.
+- :class:`FitArguments`: the options ``Trainer.fit`` and ``Population.fit`` share, each
+  documented once.
 - :class:`History`: what ``fit`` returns (losses, epoch logs, ``plot``).
 - :class:`Plan`: how the steps are executed (``"scan"``, ``"unrolled"``, ``"step"``).
 - :func:`enable_compilation_cache`: keep compiled programs on disk, so a second process
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on first use
     from nnxscan.shell._compile_cache import enable_compilation_cache
     from nnxscan.shell._fit import NonFiniteLossWarning, Preempted
+    from nnxscan.shell._options import FitArguments
     from nnxscan.shell._plans import Plan
     from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
     from nnxscan.shell.continual import train_tasks
@@ -47,6 +50,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on 
 # --help`` answers before jax would have finished importing (PEP 562).
 _PUBLIC = {
     "EarlyStopping": "nnxscan.shell.callbacks",
+    "FitArguments": "nnxscan.shell._options",
     "History": "nnxscan.shell.history",
     "LambdaCallback": "nnxscan.shell.callbacks",
     "NonFiniteLossWarning": "nnxscan.shell._fit",
@@ -61,6 +65,7 @@ _PUBLIC = {
 
 __all__ = [
     "EarlyStopping",
+    "FitArguments",
     "History",
     "LambdaCallback",
     "NonFiniteLossWarning",

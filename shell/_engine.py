@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -42,8 +42,9 @@ from nnxscan.shell._epochs import (
     peek_stream,
     with_steps_per_call,
 )
-from nnxscan.shell._fit import CallbackList, Checkpoints, Evaluation, FitLoop
+from nnxscan.shell._fit import CallbackList, Checkpoints, FitLoop
 from nnxscan.shell._logs import empty_losses
+from nnxscan.shell._options import FitOptions
 from nnxscan.shell._owner import Owner
 from nnxscan.shell._placement import Placement, device_of
 from nnxscan.shell._plans import Plan
@@ -53,27 +54,6 @@ from nnxscan.shell._programs import (
 )
 from nnxscan.shell._streaming import EpochSource, default_chunk_size, is_stream
 from nnxscan.shell.history import History
-
-
-class FitOptions(NamedTuple):
-    """``fit``'s arguments once checked (the same for a Trainer and a Population)."""
-
-    epochs: int
-    batch_size: int | None
-    shuffle: bool
-    steps_per_call: int | None
-    drop_remainder: bool
-    prefetch: bool
-    callbacks: Sequence[Any]
-    progress: bool
-    evaluation: Evaluation | None
-    checkpoint_dir: pathlib.Path | None
-    checkpoints: Checkpoints | None
-    resume: bool
-    #: What identifies the run's data order, checked on resume and saved with it: one
-    #: model's ``{"seed": s or None}``, a population's ``{"shared_order": bool}``.
-    run_keys: dict[str, Any]
-    member_batches: bool = False
 
 
 class Engine:
@@ -330,55 +310,6 @@ class Engine:
         return _evaluation.evaluator(
             self, metric_fn, metrics, update_metrics, batch_size, eval_mode
         )
-
-
-def fit_options(
-    engine: Engine,
-    data: Any,
-    *,
-    epochs: Any,
-    batch_size: Any,
-    shuffle: bool,
-    steps_per_call: Any,
-    drop_remainder: bool,
-    prefetch: bool,
-    callbacks: Sequence[Any],
-    progress: bool,
-    eval_data: Any,
-    metric_fn: Callable | None,
-    eval_every: Any,
-    eval_batch_size: Any,
-    checkpoint_dir: Any,
-    checkpoint_every: Any,
-    checkpoint_every_steps: Any,
-    resume: bool,
-    run_keys: dict[str, Any],
-    member_batches: bool = False,
-    checkpoint_async: bool = True,
-) -> FitOptions:
-    """Checks ``fit``'s arguments, the same for every front-end, before anything compiles."""
-    epochs = check_count(epochs, "epochs", 0)
-    directory, checkpoints = engine.checkpoints(
-        checkpoint_dir, checkpoint_every, checkpoint_every_steps, resume, bool(checkpoint_async)
-    )
-    if steps_per_call is not None:
-        steps_per_call = check_count(steps_per_call, "steps_per_call", 1)
-    elif checkpoints is not None and checkpoints.every_steps:
-        steps_per_call = checkpoints.every_steps  # call boundaries to save at
-    if batch_size is not None:
-        batch_size = check_count(batch_size, "batch_size", 1)
-    evaluation = engine.evaluation(eval_data, metric_fn, eval_every, eval_batch_size, batch_size)
-    if isinstance(callbacks, str) or not isinstance(callbacks, Sequence):
-        raise TypeError(
-            f"callbacks must be a list of callback objects, got {type(callbacks).__name__}."
-        )
-    return FitOptions(
-        epochs=epochs, batch_size=batch_size, shuffle=bool(shuffle),
-        steps_per_call=steps_per_call, drop_remainder=bool(drop_remainder),
-        prefetch=bool(prefetch), callbacks=list(callbacks), progress=bool(progress),
-        evaluation=evaluation, checkpoint_dir=directory, checkpoints=checkpoints,
-        resume=bool(resume), run_keys=run_keys, member_batches=bool(member_batches),
-    )  # fmt: skip
 
 
 def _one_model(x: Any, sharding: Any, stacked: bool, *, member: bool = True) -> Any:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import numpy as np
@@ -34,9 +34,10 @@ from nnxscan.pure._checks import (
     check_transform,
 )
 from nnxscan.shell._config import Config
-from nnxscan.shell._engine import Engine, fit_options
+from nnxscan.shell._engine import Engine
 from nnxscan.shell._evaluation import evaluate
 from nnxscan.shell._members import build_members
+from nnxscan.shell._options import FitArguments, fit_options
 from nnxscan.shell._owner import check_companions
 from nnxscan.shell._placement import Placement
 from nnxscan.shell._plans import Plan, resolve_plan
@@ -365,29 +366,14 @@ class Population:
         data: Any,
         *,
         epochs: int,
-        batch_size: int | None = None,
         shared_order: bool = False,
         member_batches: bool = False,
-        shuffle: bool = True,
-        callbacks: Sequence[Any] = (),
-        progress: bool = True,
-        steps_per_call: int | None = None,
-        drop_remainder: bool = True,
-        prefetch: bool = True,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int = 1,
-        checkpoint_every_steps: int | None = None,
-        checkpoint_async: bool = True,
-        resume: bool = False,
-        eval_data: Any = None,
-        metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
-        eval_every: int = 1,
-        eval_batch_size: int | None = None,
+        **options: Unpack[FitArguments],
     ) -> History:
         """Trains every member ``epochs`` MORE epochs on ``data``, all in the same calls.
 
-        The arguments are ``Trainer.fit``'s (see there), less ``seed`` (each member's
-        seed was given to the population), plus:
+        The options are ``Trainer.fit``'s (:class:`nnxscan.shell.FitArguments`), less
+        ``seed`` (each member's seed was given to the population), plus:
 
         Args:
           data: a data set of arrays shared by every member, or a stream of batches (a
@@ -419,17 +405,11 @@ class Population:
           >>> history.epochs[-1]["loss"]      # one mean loss per member
           array([0.31, 0.29, 0.35, 0.30], dtype=float32)
         """
-        options = fit_options(
-            self._engine, data, epochs=epochs, batch_size=batch_size, shuffle=shuffle,
-            steps_per_call=steps_per_call, drop_remainder=drop_remainder, prefetch=prefetch,
-            callbacks=callbacks, progress=progress, eval_data=eval_data, metric_fn=metric_fn,
-            eval_every=eval_every, eval_batch_size=eval_batch_size,
-            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            checkpoint_every_steps=checkpoint_every_steps, checkpoint_async=checkpoint_async,
-            resume=resume,
-            run_keys={"shared_order": bool(shared_order)}, member_batches=member_batches,
+        checked = fit_options(
+            self._engine, epochs, options, run_keys={"shared_order": bool(shared_order)},
+            member_batches=member_batches, front_end="fit",
         )  # fmt: skip
-        history = self._engine.fit(data, options)
+        history = self._engine.fit(data, checked)
         if history.epochs:
             logs = history.epochs[-1]
             self._latest.update(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import optax
@@ -20,8 +20,9 @@ from flax import nnx
 from nnxscan.pure import Step
 from nnxscan.pure._checks import abstract_batch, check_count, check_no_captured_nnx
 from nnxscan.shell._config import Config
-from nnxscan.shell._engine import Engine, fit_options
+from nnxscan.shell._engine import Engine
 from nnxscan.shell._evaluation import evaluate
+from nnxscan.shell._options import FitArguments, fit_options
 from nnxscan.shell._owner import ModelOwner
 from nnxscan.shell._placement import Placement
 from nnxscan.shell._plans import Plan, resolve_plan
@@ -346,23 +347,8 @@ class Trainer:
         data: Any,
         *,
         epochs: int,
-        batch_size: int | None = None,
         seed: int | None = None,
-        shuffle: bool = True,
-        callbacks: Sequence[Any] = (),
-        progress: bool = True,
-        steps_per_call: int | None = None,
-        drop_remainder: bool = True,
-        prefetch: bool = True,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int = 1,
-        checkpoint_every_steps: int | None = None,
-        checkpoint_async: bool = True,
-        resume: bool = False,
-        eval_data: Any = None,
-        metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
-        eval_every: int = 1,
-        eval_batch_size: int | None = None,
+        **options: Unpack[FitArguments],
     ) -> History:
         """Trains ``epochs`` MORE epochs on ``data`` and returns their :class:`History`.
 
@@ -387,48 +373,15 @@ class Trainer:
         Args:
           data: the data set or the stream, as above.
           epochs: number of epochs to train (0 trains nothing).
-          batch_size: examples per step. Required for a data set; for a stream it may be
-            left out (the batches carry their size), and when given every batch must
-            have it.
           seed: the shuffle seed of a data set; ``None`` keeps the trainer's seed (0, or
             the one a restored checkpoint recorded, so a resumed run shuffles as the
             original did).
-          shuffle: permute a data set's examples each epoch; False keeps their order.
-          callbacks: objects with any of ``on_train_begin(trainer)``,
-            ``on_epoch_begin(trainer, epoch)``, ``on_call_end(trainer, logs)``,
-            ``on_epoch_end(trainer, epoch, logs)``, ``on_train_end(trainer, history)``
-            (see :mod:`nnxscan.shell.callbacks`). Setting ``trainer.stop_training = True``
-            in one ends ``fit`` after the current compiled call.
-          progress: show a progress bar that advances once per compiled call.
-          steps_per_call: steps per compiled call of the ``"scan"`` plan (default: the
-            whole epoch for a data set); for a stream, the batches stacked per chunk
-            (default 100, fewer if that passes 256 MiB). The ``"unrolled"`` plan keeps its
-            own call size (4). A shorter final chunk compiles once, then is reused.
-          drop_remainder: drop the final short batch: for a data set the
-            ``num_examples % batch_size`` examples each permutation leaves over (a new
-            permutation each epoch, so none is left out for good); for a stream its short
-            last batch, with a one-line warning giving the count. ``False`` trains on it
-            as one more step of its own size (one extra compile, cached).
-          prefetch: prepare a stream's next chunk in a background thread.
-          checkpoint_every_steps: also save every this many global steps, at the first
-            compiled-call boundary at or after each multiple (the scan plan then runs
-            calls of at most this many steps).
-          resume: with a ``checkpoint_dir``, ``epochs`` counts the WHOLE run: if the
-            directory holds a checkpoint, restore it (the History so far included) and
-            train only what remains, finishing a partly trained epoch first; with none,
-            train from the start. Rerunning the same command after a kill or a
-            preemption gives bitwise the model an uninterrupted run gives.
-          checkpoint_dir: save a checkpoint (:meth:`save`) here every ``checkpoint_every``
-            epochs, counted by the global epoch index.
-          checkpoint_async: a save returns once the arrays are copied to the host and is
-            written to disk in the background while training goes on (the next save, the
-            end of ``fit``, a preemption and any exception wait for it, so every checkpoint
-            is on disk when ``fit`` returns or raises; a SIGKILL loses at most the one in
-            flight). ``False``: each save is on disk before training goes on.
-          eval_data, metric_fn, eval_every, eval_batch_size: every ``eval_every`` epochs,
-            :meth:`evaluate` ``metric_fn`` on ``eval_data`` (a data set of arrays) and log
-            each metric as ``eval_<name>`` (``eval_batch_size`` defaults to ``batch_size``,
-            or 256 for a stream).
+          **options: ``batch_size``, ``shuffle``, ``callbacks``, ``progress``,
+            ``steps_per_call``, ``drop_remainder``, ``prefetch``, ``checkpoint_dir``,
+            ``checkpoint_every``, ``checkpoint_every_steps``, ``checkpoint_async``,
+            ``resume``, ``eval_data``, ``metric_fn``, ``eval_every``, ``eval_batch_size``:
+            the options ``Population.fit`` takes too, each documented on
+            :class:`nnxscan.shell.FitArguments`.
 
         Example:
           >>> history = trainer.fit({"x": x, "y": y}, epochs=5, batch_size=64)
@@ -436,17 +389,10 @@ class Trainer:
         """
         if seed is not None:
             seed = check_count(seed, "seed", 0, _MAX_SEED)
-        options = fit_options(
-            self._engine, data, epochs=epochs, batch_size=batch_size, shuffle=shuffle,
-            steps_per_call=steps_per_call, drop_remainder=drop_remainder, prefetch=prefetch,
-            callbacks=callbacks, progress=progress, eval_data=eval_data, metric_fn=metric_fn,
-            eval_every=eval_every, eval_batch_size=eval_batch_size,
-            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            checkpoint_every_steps=checkpoint_every_steps, checkpoint_async=checkpoint_async,
-            resume=resume,
-            run_keys={"seed": seed},
-        )  # fmt: skip
-        return self._engine.fit(data, options)
+        checked = fit_options(
+            self._engine, epochs, options, run_keys={"seed": seed}, front_end="fit"
+        )
+        return self._engine.fit(data, checked)
 
     # -- checkpoints ----------------------------------------------------------------------
 

@@ -266,6 +266,15 @@ def test_trainer_and_population_share_names_defaults_and_signatures():
     only_trainer = {"seed"}  # a population's seeds are its members'
     only_population = {"shared_order", "member_batches"}
     assert set(trainer_fit) - only_trainer == set(population_fit) - only_population
+    # The options both take are declared once (FitArguments) and unknown ones are refused.
+    assert trainer_fit["options"].annotation == population_fit["options"].annotation
+    assert "FitArguments" in str(trainer_fit["options"].annotation)
+    for subject in (
+        Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent),
+        Population(mlp, TX, xent, seeds=SEEDS),
+    ):
+        with pytest.raises(TypeError, match="'epoch'.*Did you mean 'epochs'"):
+            subject.fit({"x": np.zeros((8, 4), np.float32)}, epochs=1, epoch=2)
     for name in set(trainer_fit) & set(population_fit):
         assert trainer_fit[name].default == population_fit[name].default, name
         assert trainer_fit[name].kind == population_fit[name].kind, name

@@ -1,0 +1,183 @@
+"""``fit``'s options: declared, documented, defaulted and checked once, for every front-end.
+
+``Trainer.fit`` and ``Population.fit`` take the same options (``**options:
+Unpack[FitArguments]``) besides what only one of them has (a Trainer's ``seed``, a
+Population's ``shared_order`` and ``member_batches``). A new option is one entry in
+:class:`FitArguments` and :data:`FIT_DEFAULTS`, its check in :func:`fit_options`, and its
+use in the engine.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypedDict
+
+from flax import nnx
+
+from nnxscan.pure._checks import check_count
+
+
+class FitArguments(TypedDict, total=False):
+    """The options of ``Trainer.fit`` and ``Population.fit`` (all keyword-only, all optional).
+
+    Attributes:
+      batch_size: examples per step. Required for a data set; for a stream it may be left
+        out (the batches carry their size), and when given every batch must have it.
+      shuffle: permute a data set's examples each epoch (default True); False keeps their
+        order.
+      callbacks: objects with any of ``on_train_begin(trainer)``,
+        ``on_epoch_begin(trainer, epoch)``, ``on_call_end(trainer, logs)``,
+        ``on_epoch_end(trainer, epoch, logs)``, ``on_train_end(trainer, history)`` (see
+        :mod:`nnxscan.shell.callbacks`). Setting ``trainer.stop_training = True`` in one
+        ends ``fit`` after the current compiled call.
+      progress: show a progress bar that advances once per compiled call (default True);
+        off a terminal, one line per epoch.
+      steps_per_call: steps per compiled call of the ``"scan"`` plan (default: the whole
+        epoch for a data set); for a stream, the batches stacked per chunk (default 100,
+        fewer if that passes 256 MiB). The ``"unrolled"`` plan keeps its own call size (4).
+        A shorter final chunk compiles once, then is reused.
+      drop_remainder: drop the final short batch (default True): for a data set the
+        ``num_examples % batch_size`` examples each permutation leaves over (a new
+        permutation each epoch, so none is left out for good); for a stream its short last
+        batch, with a one-line warning giving the count. ``False`` trains on it as one more
+        step of its own size (one extra compile, cached).
+      prefetch: prepare a stream's next chunk in a background thread (default True).
+      checkpoint_dir: save a checkpoint here every ``checkpoint_every`` epochs, counted by
+        the global epoch index.
+      checkpoint_every: epochs between checkpoints (default 1).
+      checkpoint_every_steps: also save every this many global steps, at the first
+        compiled-call boundary at or after each multiple (the scan plan then runs calls of
+        at most this many steps).
+      checkpoint_async: a save returns once the arrays are copied to the host and is
+        written to disk in the background while training goes on (default True; the next
+        save, the end of ``fit``, a preemption and any exception wait for it, so every
+        checkpoint is on disk when ``fit`` returns or raises; a SIGKILL loses at most the
+        one in flight). ``False``: each save is on disk before training goes on.
+      resume: with a ``checkpoint_dir``, ``epochs`` counts the WHOLE run: if the directory
+        holds a checkpoint, restore it (the History so far included) and train only what
+        remains, finishing a partly trained epoch first; with none, train from the start.
+        Rerunning the same command after a kill or a preemption gives bitwise the model an
+        uninterrupted run gives.
+      eval_data, metric_fn, eval_every, eval_batch_size: every ``eval_every`` epochs
+        (default 1), evaluate ``metric_fn`` on ``eval_data`` (a data set of arrays) and log
+        each metric as ``eval_<name>`` (``eval_batch_size`` defaults to ``batch_size``, or
+        256 for a stream).
+
+    Example:
+      >>> options: FitArguments = {"batch_size": 32, "progress": False}
+      >>> trainer.fit(data, epochs=3, **options)
+    """
+
+    batch_size: int | None
+    shuffle: bool
+    callbacks: Sequence[Any]
+    progress: bool
+    steps_per_call: int | None
+    drop_remainder: bool
+    prefetch: bool
+    checkpoint_dir: str | os.PathLike[str] | None
+    checkpoint_every: int
+    checkpoint_every_steps: int | None
+    checkpoint_async: bool
+    resume: bool
+    eval_data: Any
+    metric_fn: Callable[[nnx.Module, Any], Any] | None
+    eval_every: int
+    eval_batch_size: int | None
+
+
+#: Every option's default (what ``fit`` uses when it is left out).
+FIT_DEFAULTS: dict[str, Any] = {
+    "batch_size": None,
+    "shuffle": True,
+    "callbacks": (),
+    "progress": True,
+    "steps_per_call": None,
+    "drop_remainder": True,
+    "prefetch": True,
+    "checkpoint_dir": None,
+    "checkpoint_every": 1,
+    "checkpoint_every_steps": None,
+    "checkpoint_async": True,
+    "resume": False,
+    "eval_data": None,
+    "metric_fn": None,
+    "eval_every": 1,
+    "eval_batch_size": None,
+}
+assert set(FIT_DEFAULTS) == set(FitArguments.__annotations__)
+
+
+class FitOptions(NamedTuple):
+    """``fit``'s arguments once checked (the same for a Trainer and a Population)."""
+
+    epochs: int
+    batch_size: int | None
+    shuffle: bool
+    steps_per_call: int | None
+    drop_remainder: bool
+    prefetch: bool
+    callbacks: Sequence[Any]
+    progress: bool
+    evaluation: Any
+    checkpoint_dir: pathlib.Path | None
+    checkpoints: Any
+    resume: bool
+    #: What identifies the run's data order, checked on resume and saved with it: one
+    #: model's ``{"seed": s or None}``, a population's ``{"shared_order": bool}``.
+    run_keys: dict[str, Any]
+    member_batches: bool = False
+
+
+def fit_options(
+    engine: Any,
+    epochs: Any,
+    options: dict[str, Any],
+    *,
+    run_keys: dict[str, Any],
+    member_batches: bool = False,
+    front_end: str = "fit",
+) -> FitOptions:
+    """Checks ``fit``'s arguments, the same for every front-end, before anything compiles.
+
+    ``options`` are the keyword arguments a front-end's ``fit`` received (see
+    :class:`FitArguments`); an unknown name raises TypeError with the closest known ones.
+    """
+    unknown = sorted(set(options) - set(FIT_DEFAULTS))
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, [*FIT_DEFAULTS, "epochs"], n=2)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise TypeError(f"{front_end}() got an unexpected keyword argument {name!r}.{hint}")
+    o = {**FIT_DEFAULTS, **options}
+    epochs = check_count(epochs, "epochs", 0)
+    directory, checkpoints = engine.checkpoints(
+        o["checkpoint_dir"], o["checkpoint_every"], o["checkpoint_every_steps"], o["resume"],
+        bool(o["checkpoint_async"]),
+    )  # fmt: skip
+    steps_per_call = o["steps_per_call"]
+    if steps_per_call is not None:
+        steps_per_call = check_count(steps_per_call, "steps_per_call", 1)
+    elif checkpoints is not None and checkpoints.every_steps:
+        steps_per_call = checkpoints.every_steps  # call boundaries to save at
+    batch_size = o["batch_size"]
+    if batch_size is not None:
+        batch_size = check_count(batch_size, "batch_size", 1)
+    evaluation = engine.evaluation(
+        o["eval_data"], o["metric_fn"], o["eval_every"], o["eval_batch_size"], batch_size
+    )
+    callbacks = o["callbacks"]
+    if isinstance(callbacks, str) or not isinstance(callbacks, Sequence):
+        raise TypeError(
+            f"callbacks must be a list of callback objects, got {type(callbacks).__name__}."
+        )
+    return FitOptions(
+        epochs=epochs, batch_size=batch_size, shuffle=bool(o["shuffle"]),
+        steps_per_call=steps_per_call, drop_remainder=bool(o["drop_remainder"]),
+        prefetch=bool(o["prefetch"]), callbacks=list(callbacks), progress=bool(o["progress"]),
+        evaluation=evaluation, checkpoint_dir=directory, checkpoints=checkpoints,
+        resume=bool(o["resume"]), run_keys=run_keys, member_batches=bool(member_batches),
+    )  # fmt: skip
