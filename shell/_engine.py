@@ -38,6 +38,7 @@ from nnxscan.shell._calls import Execution, prepare_execution
 from nnxscan.shell._epochs import (
     ArrayEpochs,
     Epochs,
+    StepEpochs,
     StreamEpochs,
     peek_stream,
     with_steps_per_call,
@@ -154,7 +155,9 @@ class Engine:
             epochs, run = self._resume(options, data)
             if epochs == 0:
                 return run["history"]
-        if is_stream(data):
+        if data is None:
+            epoch_calls, execution = self._steps(options)
+        elif is_stream(data):
             epoch_calls, execution = self._stream(data, epochs, options)
             if epoch_calls is None:
                 return History(losses=empty_losses(members))
@@ -194,6 +197,18 @@ class Engine:
             num_examples=n, batch_size=batch_size, seeds=self.owner.run_seeds(options.run_keys),
             shuffle=options.shuffle,
             keep_tail=not options.drop_remainder and n % batch_size > 0,
+        )  # fmt: skip
+        return epoch_calls, execution._replace(plan=plan)
+
+    def _steps(self, options: FitOptions) -> tuple[Epochs, Execution]:
+        """Epochs of ``steps_per_epoch`` steps of a step that takes no batch (``None``)."""
+        state = self.owner.read()[1]
+        execution = self.execution(None)
+        plan = with_steps_per_call(execution.plan, options.steps_per_call)
+        epoch_calls = StepEpochs(
+            plan, options.steps_per_epoch,
+            functools.partial(self.placement.put_data, device=device_of(state)),
+            members=self.owner.num_members,
         )  # fmt: skip
         return epoch_calls, execution._replace(plan=plan)
 

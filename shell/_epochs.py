@@ -157,6 +157,46 @@ class ArrayEpochs:
             yield Call(self.data, tail, 0, 1, unroll=True)
 
 
+class StepEpochs:
+    """The calls of epochs of a step that takes no data: ``steps_per_epoch`` steps each,
+    every step's batch ``None`` (the step's ``opt_state`` carries what it samples from).
+
+    The calls scan a ``(steps,)`` index that selects nothing (``data`` is None); several
+    epochs fuse into longer calls like a data set's, and a resumed epoch runs only the
+    steps it has left.
+    """
+
+    fusable = True
+
+    def __init__(
+        self,
+        plan: Plan,
+        steps_per_epoch: int,
+        put: Callable[[Any], Any],
+        members: int | None = None,
+    ):
+        self.plan, self.steps_per_epoch, self.put, self.members = (
+            plan, steps_per_epoch, put, members,
+        )  # fmt: skip
+        self._placed: dict[int, Any] = {}
+
+    def calls(self, count: int = 1) -> int:
+        return len(self.plan.chunks(count * self.steps_per_epoch))
+
+    def __call__(
+        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
+    ) -> Iterator[Call]:
+        steps = count * self.steps_per_epoch - skip
+        if steps < 0:
+            raise ValueError(f"cannot skip {skip} steps of a {self.steps_per_epoch}-step epoch")
+        stats.expected_steps = steps
+        indices = self._placed.get(steps)
+        if indices is None:  # placed once per length
+            indices = self._placed[steps] = self.put(_arange(steps, self.members))
+        if steps:
+            yield from plan_calls(self.plan, None, indices, steps)
+
+
 def peek_stream(source: EpochSource) -> tuple[Any, Iterator]:
     """The first epoch's first batch (as numpy), and that epoch's iterator with it put back.
 

@@ -26,6 +26,10 @@ class FitArguments(TypedDict, total=False):
     Attributes:
       batch_size: examples per step. Required for a data set; for a stream it may be left
         out (the batches carry their size), and when given every batch must have it.
+      steps_per_epoch: with ``data=None``, the steps of one epoch of a step that takes no
+        batch (its ``update`` receives ``batch=None``: an environment, a sampler or a
+        generator lives in its ``opt_state``). Epochs then only name chunks of steps
+        for logs, callbacks, evaluation and checkpoints.
       shuffle: permute a data set's examples each epoch (default True); False keeps their
         order.
       callbacks: objects with any of ``on_train_begin(trainer)``,
@@ -72,6 +76,7 @@ class FitArguments(TypedDict, total=False):
     """
 
     batch_size: int | None
+    steps_per_epoch: int | None
     shuffle: bool
     callbacks: Sequence[Any]
     progress: bool
@@ -92,6 +97,7 @@ class FitArguments(TypedDict, total=False):
 #: Every option's default (what ``fit`` uses when it is left out).
 FIT_DEFAULTS: dict[str, Any] = {
     "batch_size": None,
+    "steps_per_epoch": None,
     "shuffle": True,
     "callbacks": (),
     "progress": True,
@@ -130,10 +136,12 @@ class FitOptions(NamedTuple):
     #: model's ``{"seed": s or None}``, a population's ``{"shared_order": bool}``.
     run_keys: dict[str, Any]
     member_batches: bool = False
+    steps_per_epoch: int | None = None
 
 
 def fit_options(
     engine: Any,
+    data: Any,
     epochs: Any,
     options: dict[str, Any],
     *,
@@ -163,9 +171,23 @@ def fit_options(
         steps_per_call = check_count(steps_per_call, "steps_per_call", 1)
     elif checkpoints is not None and checkpoints.every_steps:
         steps_per_call = checkpoints.every_steps  # call boundaries to save at
-    batch_size = o["batch_size"]
+    batch_size, steps_per_epoch = o["batch_size"], o["steps_per_epoch"]
     if batch_size is not None:
         batch_size = check_count(batch_size, "batch_size", 1)
+    if data is None:
+        if steps_per_epoch is None:
+            raise ValueError(
+                "data=None trains a step that takes no batch (its update gets batch=None): "
+                "say how many steps an epoch is, fit(None, epochs=E, steps_per_epoch=K)."
+            )
+        steps_per_epoch = check_count(steps_per_epoch, "steps_per_epoch", 1)
+        if batch_size is not None:
+            raise ValueError("batch_size has no meaning with data=None: leave it out.")
+    elif steps_per_epoch is not None:
+        raise ValueError(
+            "steps_per_epoch is for data=None (a step that takes no batch); an epoch over "
+            "data is the data set (or the stream) once."
+        )
     evaluation = engine.evaluation(
         o["eval_data"], o["metric_fn"], o["eval_every"], o["eval_batch_size"], batch_size
     )
@@ -180,4 +202,5 @@ def fit_options(
         prefetch=bool(o["prefetch"]), callbacks=list(callbacks), progress=bool(o["progress"]),
         evaluation=evaluation, checkpoint_dir=directory, checkpoints=checkpoints,
         resume=bool(o["resume"]), run_keys=run_keys, member_batches=bool(member_batches),
+        steps_per_epoch=steps_per_epoch,
     )  # fmt: skip

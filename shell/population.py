@@ -406,7 +406,7 @@ class Population:
           array([0.31, 0.29, 0.35, 0.30], dtype=float32)
         """
         checked = fit_options(
-            self._engine, epochs, options, run_keys={"shared_order": bool(shared_order)},
+            self._engine, data, epochs, options, run_keys={"shared_order": bool(shared_order)},
             member_batches=member_batches, front_end="fit",
         )  # fmt: skip
         history = self._engine.fit(data, checked)

@@ -390,7 +390,7 @@ class Trainer:
         if seed is not None:
             seed = check_count(seed, "seed", 0, _MAX_SEED)
         checked = fit_options(
-            self._engine, epochs, options, run_keys={"seed": seed}, front_end="fit"
+            self._engine, data, epochs, options, run_keys={"seed": seed}, front_end="fit"
         )
         return self._engine.fit(data, checked)
 

@@ -273,7 +273,7 @@ def test_trainer_and_population_share_names_defaults_and_signatures():
         Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent),
         Population(mlp, TX, xent, seeds=SEEDS),
     ):
-        with pytest.raises(TypeError, match="'epoch'.*Did you mean 'epochs'"):
+        with pytest.raises(TypeError, match=r"'epoch'.*Did you mean 'epochs'"):
             subject.fit({"x": np.zeros((8, 4), np.float32)}, epochs=1, epoch=2)
     for name in set(trainer_fit) & set(population_fit):
         assert trainer_fit[name].default == population_fit[name].default, name

@@ -1,0 +1,110 @@
+"""A step that takes no data (its batch is None, what it samples lives in its opt_state):
+``fit(None, epochs=E, steps_per_epoch=K)`` against a hand-written ``lax.scan`` of the same
+``update``, through cuts, resumes and callbacks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnxscan.pure import Step, init_opt_state, split_wrt
+from nnxscan.shell import EarlyStopping, Trainer
+
+from conftest import MLP, assert_trees_close, xent
+
+TX = optax.sgd(0.1)
+W = jax.random.normal(jax.random.key(1), (4, 3))
+
+
+def _init(graphdef, state):
+    return {"tx": init_opt_state(TX, state), "key": jax.random.key(0)}
+
+
+def _update(graphdef, state, opt_state, batch):
+    if batch is not None:
+        raise AssertionError("a step without data gets batch=None")
+    key, sub = jax.random.split(opt_state["key"])
+    x = jax.random.normal(sub, (16, 4))
+    sampled = {"x": x, "y": jnp.argmax(x @ W, -1)}
+    params, rest = split_wrt(state, nnx.Param)
+    loss, grads = jax.value_and_grad(lambda p: xent(nnx.merge(graphdef, p, rest), sampled))(params)
+    updates, tx_state = TX.update(grads, opt_state["tx"], params)
+    new = nnx.merge_state(optax.apply_updates(params, updates), rest)
+    return new, {"tx": tx_state, "key": key}, (loss, {"first_x": x[0, 0]})
+
+
+SAMPLER = Step(_init, _update, has_aux=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """150 steps of ``update`` in one hand-written ``lax.scan``."""
+    graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
+
+    def body(carry, _):
+        state, opt_state, (loss, aux) = SAMPLER.update(graphdef, *carry, None)
+        return (state, opt_state), (loss, aux)
+
+    run = jax.jit(lambda carry: jax.lax.scan(body, carry, None, length=150))
+    (state, opt_state), (losses, aux) = run((state, SAMPLER.init(graphdef, state)))
+    return state, opt_state, np.asarray(losses), np.asarray(aux["first_x"])
+
+
+def test_fit_without_data_trains_what_a_scan_of_update_trains(reference):
+    state, opt_state, losses, first_x = reference
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
+    history = trainer.fit(None, epochs=3, steps_per_epoch=50, progress=False)
+    np.testing.assert_array_equal(history.losses, losses)
+    assert trainer.step == 150 and trainer.epoch == 3
+    assert [e["steps"] for e in history.epochs] == [50, 50, 50]
+    np.testing.assert_allclose(history.epochs[1]["first_x"], first_x[50:100].mean(), rtol=1e-6)
+    assert_trees_close(trainer.model, state, exact=True)
+    np.testing.assert_array_equal(
+        jax.random.key_data(trainer._owner.opt_state["key"]), jax.random.key_data(opt_state["key"])
+    )
+
+
+def test_calls_of_a_few_steps_and_a_cut_then_resume_end_where_one_run_ends(reference, tmp_path):
+    state, _, losses, _ = reference
+    first = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
+
+    class Cut:
+        def on_call_end(self, trainer, logs):
+            if trainer.step >= 70:
+                trainer.stop_training = True
+
+    first.fit(None, epochs=3, steps_per_epoch=50, steps_per_call=10, progress=False,
+              checkpoint_dir=tmp_path, checkpoint_every_steps=10, callbacks=[Cut()])  # fmt: skip
+    assert first.step == 70
+    again = Trainer(MLP(rngs=nnx.Rngs(5)), train_step=SAMPLER)
+    history = again.fit(None, epochs=3, steps_per_epoch=50, steps_per_call=10,
+                        checkpoint_dir=tmp_path, resume=True, progress=False)  # fmt: skip
+    assert again.step == 150
+    assert_trees_close(again.model, state, exact=True)
+    np.testing.assert_array_equal(history.losses, losses)
+
+
+def test_early_stopping_watches_a_scalar_the_step_reports():
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
+    stop = EarlyStopping(monitor="loss", patience=0, min_delta=10.0, mode="min")
+    history = trainer.fit(None, epochs=5, steps_per_epoch=20, callbacks=[stop], progress=False)
+    assert len(history.epochs) == 2  # the second epoch does not improve by 10
+
+
+def test_data_none_needs_steps_per_epoch_and_steps_per_epoch_needs_no_data(data):
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
+    before = [np.array(x) for x in jax.tree.leaves(nnx.state(trainer.model))]
+    with pytest.raises(ValueError, match="steps_per_epoch=K"):
+        trainer.fit(None, epochs=1)
+    with pytest.raises(ValueError, match="steps_per_epoch is for data=None"):
+        trainer.fit(data, epochs=1, batch_size=8, steps_per_epoch=3)
+    with pytest.raises(ValueError, match="batch_size has no meaning"):
+        trainer.fit(None, epochs=1, steps_per_epoch=3, batch_size=8)
+    after = jax.tree.leaves(nnx.state(trainer.model))
+    assert trainer.step == 0 and all(
+        np.array_equal(a, b) for a, b in zip(before, after, strict=True)
+    )
