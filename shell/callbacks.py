@@ -17,7 +17,6 @@ compiled call (or epoch), with the model written back. A ``Population`` passes i
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -206,20 +205,45 @@ class EarlyStopping:
                 f"{self.monitor!r} is an array of shape {np.shape(value)} (a metric per class, "
                 f"say): monitor a scalar log, e.g. its mean logged as a metric of its own."
             )
-        value = float(value)
-        self.wait += 1
-        if math.isfinite(value) and self._is_improvement(value, self.best):
-            self.best, self.best_epoch = value, epoch
+        improved, exhausted, wait = self._rule(
+            np.array([float(value)]), np.array([self.best if self.best is not None else np.nan]),
+            np.array([self.wait]), np.array([True]), epoch,
+        )  # fmt: skip
+        self.wait = int(wait[0])
+        if improved[0]:
+            self.best, self.best_epoch = float(value), epoch
             if self.restore_best:
                 # A copy on the device: the next compiled call donates the model's buffers.
                 self._best_state = jax.tree.map(lambda x: x.copy(), nnx.state(trainer.model))
                 self._best_step = trainer.step
-            if self.baseline is None or self._is_improvement(value, self.baseline):
-                self.wait = 0
-            return
-        if self.wait >= self.patience and epoch > 0:
+        elif exhausted[0]:
             self.stopped_epoch = epoch
             trainer.stop_training = True
+
+    def _rule(
+        self, values: np.ndarray, best: np.ndarray, wait: np.ndarray, alive: np.ndarray, epoch: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The one rule, for N watched values at once (one model: N = 1): which improved
+        on their best (NaN: none yet), which ran out of patience, and the new waits.
+        Only ``alive`` entries count (a frozen member is left alone)."""
+        wait = wait + alive
+        finite = np.isfinite(values)
+        with np.errstate(invalid="ignore"):
+            if self.mode == "min":
+                better = np.isnan(best) | (values + self.min_delta < best)
+            else:
+                better = np.isnan(best) | (values - self.min_delta > best)
+            improved = alive & finite & better
+            beats_baseline = (
+                np.ones_like(improved)
+                if self.baseline is None
+                else (values + self.min_delta < self.baseline)
+                if self.mode == "min"
+                else (values - self.min_delta > self.baseline)
+            )
+        wait = np.where(improved & beats_baseline, 0, wait)
+        exhausted = alive & ~improved & (wait >= self.patience) & (epoch > 0)
+        return improved, exhausted, wait
 
     def _members_epoch_end(self, population: Any, epoch: int, values: np.ndarray) -> None:
         """The same rule for each member of a population on its own: a member whose
@@ -230,18 +254,13 @@ class EarlyStopping:
             self.best_epoch = np.full(size, -1)
             self.stopped_epoch = np.full(size, -1)
             self.wait = np.zeros(size, int)
-        improved = np.zeros(values.shape, bool)
-        for i in np.flatnonzero(population.active):  # members frozen before are left alone
-            value, best = values[i], self.best[i]
-            best = None if np.isnan(best) else best
-            self.wait[i] += 1
-            if math.isfinite(value) and self._is_improvement(value, best):
-                self.best[i], self.best_epoch[i], improved[i] = value, epoch, True
-                if self.baseline is None or self._is_improvement(value, self.baseline):
-                    self.wait[i] = 0
-            elif self.wait[i] >= self.patience and epoch > 0:
-                self.stopped_epoch[i] = epoch
-                population.freeze(int(i))
+        alive = np.asarray(population.active, bool)
+        improved, exhausted, self.wait = self._rule(values, self.best, self.wait, alive, epoch)
+        self.best = np.where(improved, values, self.best)
+        self.best_epoch = np.where(improved, epoch, self.best_epoch)
+        self.stopped_epoch = np.where(exhausted, epoch, self.stopped_epoch)
+        for i in np.flatnonzero(exhausted):
+            population.freeze(int(i))
         if self.restore_best and improved.any():
             # A copy on the device (population.state copies): later calls donate buffers.
             current = population.state
