@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure import _batching, _checks, _loops, _node
+from nnxscan.pure import _batching, _loops, _node, checks
 
 __all__ = ["make_eval_step", "make_evaluate", "make_evaluate_metrics"]
 
@@ -83,10 +83,10 @@ def make_evaluate(
       >>> evaluate(graphdef, state, {"x": x_test, "y": y_test})["accuracy"]
     """
     eval_step = make_eval_step(metric_fn, eval_mode=eval_mode)
-    _checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
+    checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
 
     def evaluate(graphdef, state, data):
-        n = _checks.check_leading_size(data, "data")
+        n = checks.check_leading_size(data, "data")
         size = min(batch_size, n)
         full, tail = _batching.cut_batches(
             jnp.arange(n, dtype=jnp.int32), size, drop_remainder=False
@@ -138,10 +138,10 @@ def make_evaluate_metrics(
       >>> evaluate(*nnx.split((model, metrics)), test_data)
       {'accuracy': Array(0.97, dtype=float32), 'loss': Array(0.1, dtype=float32)}
     """
-    _checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
+    checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
     if not callable(update_metrics):
         raise TypeError(f"update_metrics must be callable, got {type(update_metrics).__name__}.")
-    _checks.check_no_captured_nnx(loss_fn, "loss_fn")
+    checks.check_no_captured_nnx(loss_fn, "loss_fn")
 
     def update(graphdef, state, batch):
         node = nnx.merge(graphdef, state, copy=True)
@@ -151,7 +151,7 @@ def make_evaluate_metrics(
         return nnx.state(node)
 
     def evaluate(graphdef, state, data):
-        n = _checks.check_leading_size(data, "data")
+        n = checks.check_leading_size(data, "data")
         # A private copy: eval mode (a static attribute, so in the graphdef) and reset
         # metrics, never the caller's.
         node = nnx.merge(graphdef, state, copy=True)

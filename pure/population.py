@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnxscan.pure import _batching, _checks, _loops, _members
+from nnxscan.pure import _batching, _loops, _members, checks
 from nnxscan.pure.train_step import StepFn
 
 __all__ = ["make_population_epoch", "stack_states", "unstack_states", "with_hyperparams"]
@@ -184,12 +184,12 @@ def make_population_epoch(
       >>> losses.shape
       (2, 4)
     """
-    _checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
+    checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
     options = dict(member_axis=member_axis, batch_sharding=batch_sharding)
 
     def epoch(graphdef, states, opt_states, data, orders, active=None):
-        n = _checks.check_leading_size(data, "data")
-        _checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
+        n = checks.check_leading_size(data, "data")
+        checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
         members = _members.members_of(states, "states")
         if _members.members_of(opt_states, "opt_states") != members:
             raise ValueError(

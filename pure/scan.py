@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nnxscan.pure import _checks, _loops
+from nnxscan.pure import _loops, checks
 from nnxscan.pure.train_step import StepFn
 
 __all__ = ["scan_steps"]
@@ -47,7 +47,7 @@ def scan_steps(
       >>> state, opt_state, losses = jax.jit(scan_steps, static_argnums=0)(
       ...     step, graphdef, state, opt_state, batches)
     """
-    _checks.check_leading_size(batches, "batches")
+    checks.check_leading_size(batches, "batches")
     return _loops.scan_batches(
         step, graphdef, state, opt_state, batches, lambda batch: batch,
         unroll=unroll, batch_sharding=batch_sharding,

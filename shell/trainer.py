@@ -17,7 +17,7 @@ import jax
 import optax
 from flax import nnx
 
-from nnxscan.pure._checks import abstract_batch, check_count, check_no_captured_nnx
+from nnxscan.pure.checks import abstract_batch, check_count, check_no_captured_nnx
 from nnxscan.shell._config import Config
 from nnxscan.shell._engine import Engine, fit_options
 from nnxscan.shell._evaluation import evaluate
