@@ -5,7 +5,10 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
 
 - :class:`Step`: a training step as a value (``init``, ``update``), in optax's manner.
 - :func:`make_train_step`, :func:`init_opt_state`, :func:`split_wrt`: the step of a loss.
-- :func:`scan_steps`: many steps over a stack of batches, in one ``lax.scan``.
+- :func:`scan_steps`: many steps over a stack of batches, in one ``lax.scan``;
+  :func:`scan_indexed_steps`: over batches taken from a data set by index (the scan under
+  ``make_epoch`` and ``Trainer.fit``); :func:`scan_member_steps`: the same, vmapped over
+  a population's members.
 - :func:`make_epoch`, :func:`epoch_order`: an epoch over a data set, ordered as
   ``Trainer.fit`` orders it.
 - :func:`make_eval_step`, :func:`make_evaluate`: metric functions averaged over every
@@ -37,7 +40,7 @@ from nnxscan.pure.population import (
     unstack_states,
     with_hyperparams,
 )
-from nnxscan.pure.scan import scan_steps
+from nnxscan.pure.scan import scan_indexed_steps, scan_member_steps, scan_steps
 from nnxscan.pure.step import Step
 from nnxscan.pure.train_step import init_opt_state, make_train_step, split_wrt
 
@@ -54,6 +57,8 @@ __all__ = [
     "make_evaluate_metrics",
     "make_population_epoch",
     "make_train_step",
+    "scan_indexed_steps",
+    "scan_member_steps",
     "scan_steps",
     "split_wrt",
     "stack_states",

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure import _batching, _loops, checks
+from nnxscan.pure import _batching, checks
+from nnxscan.pure.scan import scan_indexed_steps
 from nnxscan.pure.train_step import StepFn
 
 __all__ = ["epoch_order", "make_epoch"]
@@ -136,7 +137,7 @@ def make_epoch(
         full, tail = _batching.cut_batches(order, batch_size, drop_remainder=drop_remainder)
 
         def scan(carry, idx, unroll):
-            state, opt_state, outs = _loops.scan_indexed_steps(
+            state, opt_state, outs = scan_indexed_steps(
                 step, graphdef, *carry, data, idx, unroll=unroll, batch_sharding=batch_sharding
             )
             return (state, opt_state), outs

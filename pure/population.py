@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnxscan.pure import _batching, _loops, _members, checks
+from nnxscan.pure import _batching, _members, checks
+from nnxscan.pure.scan import scan_member_steps
 from nnxscan.pure.train_step import StepFn
 
 __all__ = ["make_population_epoch", "stack_states", "unstack_states", "with_hyperparams"]
@@ -208,7 +209,7 @@ def make_population_epoch(
         )
 
         def scan(carry, idx, unroll):
-            states, opt_states, outs = _loops.scan_member_steps(
+            states, opt_states, outs = scan_member_steps(
                 step, graphdef, *carry, data, idx, active=active, unroll=unroll, **options
             )
             return (states, opt_states), outs

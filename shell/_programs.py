@@ -23,9 +23,10 @@ from nnxscan.pure import (
     make_evaluate,
     make_evaluate_metrics,
     make_train_step,
+    scan_indexed_steps,
+    scan_member_steps,
 )
 from nnxscan.pure._batching import constrain
-from nnxscan.pure._loops import scan_indexed_steps, scan_member_steps
 from nnxscan.pure._node import unpack
 from nnxscan.shell._plans import StepTraits, step_traits
 from nnxscan.shell._trace_notes import noting_batch
