@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure._batching import shard_batch
+from nnxscan.pure.batching import shard_batch
 from nnxscan.pure.train_step import StepFn
 
 

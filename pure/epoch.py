@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure import _batching, checks
+from nnxscan.pure import batching, checks
 from nnxscan.pure.scan import scan_indexed_steps
 from nnxscan.pure.train_step import StepFn
 
@@ -134,7 +134,7 @@ def make_epoch(
         n = checks.check_leading_size(data, "data")
         checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
         order = _epoch_order(key_or_order, n, shuffle)
-        full, tail = _batching.cut_batches(order, batch_size, drop_remainder=drop_remainder)
+        full, tail = batching.cut_batches(order, batch_size, drop_remainder=drop_remainder)
 
         def scan(carry, idx, unroll):
             state, opt_state, outs = scan_indexed_steps(
@@ -142,7 +142,7 @@ def make_epoch(
             )
             return (state, opt_state), outs
 
-        (state, opt_state), outs = _batching.full_then_tail(
+        (state, opt_state), outs = batching.full_then_tail(
             scan, (state, opt_state), full, tail, unroll=unroll
         )
         return state, opt_state, outs

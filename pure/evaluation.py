@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure import _batching, _loops, _node, checks
+from nnxscan.pure import _loops, _node, batching, checks
 
 __all__ = ["make_eval_step", "make_evaluate", "make_evaluate_metrics"]
 
@@ -88,18 +88,18 @@ def make_evaluate(
     def evaluate(graphdef, state, data):
         n = checks.check_leading_size(data, "data")
         size = min(batch_size, n)
-        full, tail = _batching.cut_batches(
+        full, tail = batching.cut_batches(
             jnp.arange(n, dtype=jnp.int32), size, drop_remainder=False
         )
 
         def scan(carry, idx, unroll):
             def body(carry, i):
-                batch = _batching.shard_batch(_batching.take_batch(data, i), batch_sharding)
+                batch = batching.shard_batch(batching.take_batch(data, i), batch_sharding)
                 return carry, eval_step(graphdef, state, batch)
 
             return _loops.scan_loop(body, carry, idx, unroll=unroll)
 
-        _, per_batch = _batching.full_then_tail(scan, None, full, tail)
+        _, per_batch = batching.full_then_tail(scan, None, full, tail)
         # Each batch's mean weighted by its size: the exact mean over every example.
         num_full = full.shape[0]
         rest = n - num_full * size
@@ -160,18 +160,18 @@ def make_evaluate_metrics(
             parts.model.eval()
         parts.metrics.reset()
         graphdef, state = nnx.split(node)
-        full, tail = _batching.cut_batches(
+        full, tail = batching.cut_batches(
             jnp.arange(n, dtype=jnp.int32), min(batch_size, n), drop_remainder=False
         )
 
         def scan(state, idx, unroll):
             def body(state, i):
-                batch = _batching.shard_batch(_batching.take_batch(data, i), batch_sharding)
+                batch = batching.shard_batch(batching.take_batch(data, i), batch_sharding)
                 return update(graphdef, state, batch), None
 
             return _loops.scan_loop(body, state, idx, unroll=unroll)
 
-        state, _ = _batching.full_then_tail(scan, state, full, tail)
+        state, _ = batching.full_then_tail(scan, state, full, tail)
         node = nnx.merge(graphdef, state)
         return _node.unpack(node, with_rngs=with_rngs, with_metrics=True).metrics.compute()
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnxscan.pure import _batching, _members, checks
+from nnxscan.pure import _members, batching, checks
 from nnxscan.pure.scan import scan_member_steps
 from nnxscan.pure.train_step import StepFn
 
@@ -204,7 +204,7 @@ def make_population_epoch(
                 f"active has shape {tuple(np.shape(active))}; pass one bool per member, "
                 f"shape ({members},)."
             )
-        full, tail = _batching.cut_batches(
+        full, tail = batching.cut_batches(
             jnp.asarray(orders, jnp.int32), batch_size, drop_remainder=drop_remainder
         )
 
@@ -214,7 +214,7 @@ def make_population_epoch(
             )
             return (states, opt_states), outs
 
-        (states, opt_states), outs = _batching.full_then_tail(
+        (states, opt_states), outs = batching.full_then_tail(
             scan, (states, opt_states), full, tail, unroll=unroll, steps_axis=1
         )
         return states, opt_states, outs

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure import _batching, _loops, checks
+from nnxscan.pure import _loops, batching, checks
 from nnxscan.pure.nonfinite import tree_select
 from nnxscan.pure.train_step import StepFn
 
@@ -112,13 +112,13 @@ def scan_indexed_steps(
     """
     if indices.ndim == 1:
         return _loops.scan_batches(
-            step, graphdef, state, opt_state, indices, lambda i: _batching.take_batch(data, i),
+            step, graphdef, state, opt_state, indices, lambda i: batching.take_batch(data, i),
             unroll=unroll, batch_sharding=batch_sharding,
         )  # fmt: skip
 
     def run_chunk(carry, idx):
         state, opt_state, outs = _loops.scan_batches(
-            step, graphdef, *carry, _batching.take_batch(data, idx), lambda b: b,
+            step, graphdef, *carry, batching.take_batch(data, idx), lambda b: b,
             unroll=unroll, batch_sharding=batch_sharding,
         )  # fmt: skip
         return (state, opt_state), outs
