@@ -19,7 +19,10 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
 - :func:`canonical_conv_layout`: a step's convolutions in the layout XLA:CPU's fast kernels
   take, also inside a ``lax.scan`` (where XLA leaves them slow, jax#12868).
 - :func:`stack_states`, :func:`unstack_states`, :func:`with_hyperparams`,
-  :func:`make_population_epoch`: many models trained side by side (a population).
+  :func:`make_population_epoch`: many models trained side by side (a population);
+  :func:`member_state`, :func:`select_members`: one member, or members chosen by a mask;
+  :func:`hyperparam_names`, :func:`hyperparam_value`: the hyperparameters
+  ``optax.inject_hyperparams`` keeps in an optax state.
 - :mod:`nnxscan.pure.hyper`: networks run on generated weights.
 
 Example:
@@ -35,7 +38,11 @@ from nnxscan.pure.epoch import epoch_order, make_epoch
 from nnxscan.pure.evaluation import make_eval_step, make_evaluate, make_evaluate_metrics
 from nnxscan.pure.nonfinite import all_finite, halt_after_nonfinite, tree_select
 from nnxscan.pure.population import (
+    hyperparam_names,
+    hyperparam_value,
     make_population_epoch,
+    member_state,
+    select_members,
     stack_states,
     unstack_states,
     with_hyperparams,
@@ -50,6 +57,8 @@ __all__ = [
     "canonical_conv_layout",
     "epoch_order",
     "halt_after_nonfinite",
+    "hyperparam_names",
+    "hyperparam_value",
     "init_opt_state",
     "make_epoch",
     "make_eval_step",
@@ -57,9 +66,11 @@ __all__ = [
     "make_evaluate_metrics",
     "make_population_epoch",
     "make_train_step",
+    "member_state",
     "scan_indexed_steps",
     "scan_member_steps",
     "scan_steps",
+    "select_members",
     "split_wrt",
     "stack_states",
     "tree_select",

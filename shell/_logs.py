@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from nnxscan.pure._members import injected_values
+from nnxscan.pure import hyperparam_value as injected_values
 from nnxscan.shell._placement import to_host
 
 RESERVED_LOGS = frozenset(

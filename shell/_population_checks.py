@@ -10,8 +10,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnxscan.pure import init_opt_state
-from nnxscan.pure._members import hyperparam_names
+from nnxscan.pure import hyperparam_names, init_opt_state
 from nnxscan.pure.checks import check_count
 from nnxscan.shell._module_check import is_linen
 

@@ -260,7 +260,8 @@ PUBLIC = {
         "make_eval_step", "make_evaluate", "make_evaluate_metrics", "split_wrt",
         "all_finite", "tree_select", "halt_after_nonfinite", "canonical_conv_layout",
         "stack_states", "unstack_states", "with_hyperparams", "make_population_epoch",
-        "scan_indexed_steps", "scan_member_steps",
+        "scan_indexed_steps", "scan_member_steps", "member_state", "select_members",
+        "hyperparam_names", "hyperparam_value",
     },
     "nnxscan.shell": {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
