@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnxscan.pure import _node, checks
+from nnxscan.pure import checks, companions
 from nnxscan.pure.nonfinite import all_finite, tree_select
 from nnxscan.pure.step import Step
 
@@ -145,8 +145,10 @@ def make_train_step(
             # copy=True: merging without a copy breaks Dropout under grad outside jit
             # (flax#5050), and copying is free under jit.
             node = nnx.merge(graphdef, params, rest, copy=True)
-            parts = _node.unpack(node, with_rngs=with_rngs, with_metrics=update_metrics is not None)
-            loss, aux = _node.call_loss(loss_fn, parts, batch, has_aux)
+            parts = companions.unpack(
+                node, with_rngs=with_rngs, with_metrics=update_metrics is not None
+            )
+            loss, aux = companions.call_loss(loss_fn, parts, batch, has_aux)
             if update_metrics is not None:
                 stopped = jax.lax.stop_gradient((loss, aux))
                 update_metrics(parts.metrics, *stopped, batch)
@@ -164,8 +166,10 @@ def make_train_step(
 
         def loss_of_batch(params, batch):
             node = nnx.merge(graphdef, params, rest, copy=True)
-            parts = _node.unpack(node, with_rngs=with_rngs, with_metrics=update_metrics is not None)
-            return _node.call_loss(loss_fn, parts, batch, has_aux)[0]
+            parts = companions.unpack(
+                node, with_rngs=with_rngs, with_metrics=update_metrics is not None
+            )
+            return companions.call_loss(loss_fn, parts, batch, has_aux)[0]
 
         if accumulate == 1:
             return lambda params: loss_of_batch(params, batch)

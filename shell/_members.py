@@ -24,7 +24,7 @@ from nnxscan.pure import (
     stack_states,
     with_hyperparams,
 )
-from nnxscan.pure._node import node_of, unpack
+from nnxscan.pure.companions import node_of, unpack
 from nnxscan.shell._owner import Writer, check_meta_ints, metric_logs
 from nnxscan.shell._population_checks import call_model_fn
 from nnxscan.shell._programs import member_metrics

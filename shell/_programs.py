@@ -26,8 +26,8 @@ from nnxscan.pure import (
     scan_indexed_steps,
     scan_member_steps,
 )
-from nnxscan.pure._node import unpack
 from nnxscan.pure.batching import constrain_sharding as constrain
+from nnxscan.pure.companions import unpack
 from nnxscan.shell._plans import StepTraits, step_traits
 from nnxscan.shell._trace_notes import noting_batch
 
