@@ -24,6 +24,10 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
   :func:`hyperparam_names`, :func:`hyperparam_value`: the hyperparameters
   ``optax.inject_hyperparams`` keeps in an optax state.
 - :mod:`nnxscan.pure.hyper`: networks run on generated weights.
+- :mod:`nnxscan.pure.batching` (orders cut into batches, the full-then-tail rule),
+  :mod:`nnxscan.pure.companions` (the model with its call-time Rngs and NNX metrics) and
+  :mod:`nnxscan.pure.checks` (argument checks that raise before compiling): the pieces
+  ``Trainer`` and ``Population`` are built from, for your own loop.
 
 Example:
   >>> step = make_train_step(loss_fn, optax.adam(1e-3))
