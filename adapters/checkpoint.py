@@ -84,7 +84,7 @@ import numpy as np
 from nnxscan.adapters import _checkpoint_files as _files
 from nnxscan.adapters._extras import require_extra
 from nnxscan.adapters.nnx_optimizer import _is_variable
-from nnxscan.pure._checks import check_count
+from nnxscan.pure.checks import check_count
 
 __all__ = [
     "CheckpointWriter",

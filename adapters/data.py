@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from nnxscan.adapters._extras import require_extra
-from nnxscan.pure._checks import check_count
+from nnxscan.pure.checks import check_count
 
 __all__ = ["GrainEpochs", "from_grain", "to_numpy"]
 

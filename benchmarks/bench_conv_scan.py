@@ -55,9 +55,9 @@ from nnxscan.pure import (
     epoch_order,
     init_opt_state,
     make_train_step,
+    scan_indexed_steps,
     scan_steps,
 )
-from nnxscan.pure._loops import scan_indexed_steps
 
 VARIANTS = ("step", "scan", "rewritten_scan")
 STEADY_RUNS = 3  # compiled runs per repetition; their median is the repetition's steady

@@ -6,7 +6,10 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
 - :class:`Step`: a training step as a value (``init``, ``update``), in optax's manner;
   :func:`nnx_train_step`: a stateful NNX step (Flax's tutorials' ``train_step``) as one.
 - :func:`make_train_step`, :func:`init_opt_state`, :func:`split_wrt`: the step of a loss.
-- :func:`scan_steps`: many steps over a stack of batches, in one ``lax.scan``.
+- :func:`scan_steps`: many steps over a stack of batches, in one ``lax.scan``;
+  :func:`scan_indexed_steps`: over batches taken from a data set by index (the scan under
+  ``make_epoch`` and ``Trainer.fit``); :func:`scan_member_steps`: the same, vmapped over
+  a population's members.
 - :func:`make_epoch`, :func:`epoch_order`: an epoch over a data set, ordered as
   ``Trainer.fit`` orders it.
 - :func:`make_eval_step`, :func:`make_evaluate`: metric functions averaged over every
@@ -18,8 +21,15 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
 - :func:`canonical_conv_layout`: a step's convolutions in the layout XLA:CPU's fast kernels
   take, also inside a ``lax.scan`` (where XLA leaves them slow, jax#12868).
 - :func:`stack_states`, :func:`unstack_states`, :func:`with_hyperparams`,
-  :func:`make_population_epoch`: many models trained side by side (a population).
+  :func:`make_population_epoch`: many models trained side by side (a population);
+  :func:`member_state`, :func:`select_members`: one member, or members chosen by a mask;
+  :func:`hyperparam_names`, :func:`hyperparam_value`: the hyperparameters
+  ``optax.inject_hyperparams`` keeps in an optax state.
 - :mod:`nnxscan.pure.hyper`: networks run on generated weights.
+- :mod:`nnxscan.pure.batching` (orders cut into batches, the full-then-tail rule),
+  :mod:`nnxscan.pure.companions` (the model with its call-time Rngs and NNX metrics) and
+  :mod:`nnxscan.pure.checks` (argument checks that raise before compiling): the pieces
+  ``Trainer`` and ``Population`` are built from, for your own loop.
 
 Example:
   >>> step = make_train_step(loss_fn, optax.adam(1e-3))
@@ -35,12 +45,16 @@ from nnxscan.pure.evaluation import make_eval_step, make_evaluate, make_evaluate
 from nnxscan.pure.nnx_step import nnx_train_step, step_outputs
 from nnxscan.pure.nonfinite import all_finite, halt_after_nonfinite, skip_nonfinite, tree_select
 from nnxscan.pure.population import (
+    hyperparam_names,
+    hyperparam_value,
     make_population_epoch,
+    member_state,
+    select_members,
     stack_states,
     unstack_states,
     with_hyperparams,
 )
-from nnxscan.pure.scan import scan_steps
+from nnxscan.pure.scan import scan_indexed_steps, scan_member_steps, scan_steps
 from nnxscan.pure.step import Step
 from nnxscan.pure.train_step import init_opt_state, make_train_step, split_wrt
 
@@ -50,6 +64,8 @@ __all__ = [
     "canonical_conv_layout",
     "epoch_order",
     "halt_after_nonfinite",
+    "hyperparam_names",
+    "hyperparam_value",
     "init_opt_state",
     "make_epoch",
     "make_eval_step",
@@ -57,8 +73,12 @@ __all__ = [
     "make_evaluate_metrics",
     "make_population_epoch",
     "make_train_step",
+    "member_state",
     "nnx_train_step",
+    "scan_indexed_steps",
+    "scan_member_steps",
     "scan_steps",
+    "select_members",
     "skip_nonfinite",
     "split_wrt",
     "stack_states",

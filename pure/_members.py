@@ -1,8 +1,9 @@
-"""Helpers over a population's stacked pytrees: the members axis, one member, a mask of
-members, and the hyperparameters ``optax.inject_hyperparams`` keeps in an optax state.
+"""Helpers over a population's stacked pytrees: leaf paths, the members axis, the
+``optax.inject_hyperparams`` states in an optax state, and a check of members' orders.
 
-Internal: the public population functions (``nnxscan.pure.stack_states`` and friends) and
-the shell build on these.
+Internal: the public population functions (``nnxscan.pure.stack_states``,
+``member_state``, ``hyperparam_names`` and the others in ``pure/population.py``) build on
+these.
 """
 
 from __future__ import annotations
@@ -43,22 +44,6 @@ def members_of(stacked: Any, what: str = "states") -> int:
     return int(size)
 
 
-def member_state(stacked: Any, index: int) -> Any:
-    """Member ``index`` of a stacked pytree (a new pytree; ``stacked`` is left as it is)."""
-    return jax.tree.map(lambda x: x[index], stacked)
-
-
-def select_members(mask: Any, on_true: Any, on_false: Any) -> Any:
-    """Member ``i`` of ``on_true`` where ``mask[i]``, else of ``on_false`` (two stacks of
-    one structure; ``mask`` has shape ``(N,)``)."""
-
-    def pick(a: jax.Array, b: jax.Array) -> jax.Array:
-        where = jnp.reshape(jnp.asarray(mask, bool), (-1,) + (1,) * (a.ndim - 1))
-        return jnp.where(where, a, b)
-
-    return jax.tree.map(pick, on_true, on_false)
-
-
 def is_injected(node: Any) -> bool:
     """An ``optax.inject_hyperparams`` state: a NamedTuple with a ``hyperparams`` dict."""
     return (
@@ -70,28 +55,6 @@ def is_injected(node: Any) -> bool:
 
 def injected_states(opt_state: Any) -> list[Any]:
     return [n for n in jax.tree.leaves(opt_state, is_leaf=is_injected) if is_injected(n)]
-
-
-def hyperparam_names(opt_state: Any) -> tuple[set[str], set[str]]:
-    """``(settable, scheduled)``: the numeric hyperparameter names ``inject_hyperparams``
-    keeps in ``opt_state``, and those among them that a schedule recomputes every step."""
-    settable: set[str] = set()
-    scheduled: set[str] = set()
-    for node in injected_states(opt_state):
-        names = set(node.hyperparams)
-        schedules = set(getattr(node, "hyperparams_states", None) or {})
-        settable |= names - schedules
-        scheduled |= schedules
-    return settable, scheduled
-
-
-def injected_values(opt_state: Any, name: str) -> Any:
-    """The value of hyperparameter ``name`` in the first injected state holding it (an
-    array with a leading members axis in a stacked state), or None."""
-    for node in injected_states(opt_state):
-        if name in node.hyperparams:
-            return node.hyperparams[name]
-    return None
 
 
 def check_orders(orders: Any, members: int, n: int) -> None:

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure import _batching, _checks, _loops
+from nnxscan.pure import batching, checks
+from nnxscan.pure.scan import scan_indexed_steps
 from nnxscan.pure.train_step import StepFn
 
 __all__ = ["epoch_order", "make_epoch"]
@@ -45,9 +46,9 @@ def epoch_order(seed: int, epoch: int, num_examples: int, *, shuffle: bool = Tru
       >>> epoch_order(0, 3, 10).shape
       (10,)
     """
-    seed = _checks.check_count(seed, "seed", 0)
-    epoch = _checks.check_count(epoch, "epoch", 0)
-    num_examples = _checks.check_count(num_examples, "num_examples", 1)
+    seed = checks.check_count(seed, "seed", 0)
+    epoch = checks.check_count(epoch, "epoch", 0)
+    num_examples = checks.check_count(num_examples, "num_examples", 1)
     if not shuffle:
         return np.arange(num_examples, dtype=np.int32)
     return np.random.default_rng((seed, epoch)).permutation(num_examples).astype(np.int32)
@@ -127,21 +128,21 @@ def make_epoch(
       ...     state, opt_state, losses = epoch(graphdef, state, opt_state, data,
       ...                                      epoch_order(0, e, n))
     """
-    _checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
+    checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
 
     def epoch(graphdef, state, opt_state, data, key_or_order=None):
-        n = _checks.check_leading_size(data, "data")
-        _checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
+        n = checks.check_leading_size(data, "data")
+        checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
         order = _epoch_order(key_or_order, n, shuffle)
-        full, tail = _batching.cut_batches(order, batch_size, drop_remainder=drop_remainder)
+        full, tail = batching.cut_batches(order, batch_size, drop_remainder=drop_remainder)
 
         def scan(carry, idx, unroll):
-            state, opt_state, outs = _loops.scan_indexed_steps(
+            state, opt_state, outs = scan_indexed_steps(
                 step, graphdef, *carry, data, idx, unroll=unroll, batch_sharding=batch_sharding
             )
             return (state, opt_state), outs
 
-        (state, opt_state), outs = _batching.full_then_tail(
+        (state, opt_state), outs = batching.full_then_tail(
             scan, (state, opt_state), full, tail, unroll=unroll
         )
         return state, opt_state, outs

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure import _batching, _checks, _loops, _node
+from nnxscan.pure import _loops, batching, checks, companions
 
 __all__ = ["make_eval_step", "make_evaluate", "make_evaluate_metrics"]
 
@@ -83,23 +83,23 @@ def make_evaluate(
       >>> evaluate(graphdef, state, {"x": x_test, "y": y_test})["accuracy"]
     """
     eval_step = make_eval_step(metric_fn, eval_mode=eval_mode)
-    _checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
+    checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
 
     def evaluate(graphdef, state, data):
-        n = _checks.check_leading_size(data, "data")
+        n = checks.check_leading_size(data, "data")
         size = min(batch_size, n)
-        full, tail = _batching.cut_batches(
+        full, tail = batching.cut_batches(
             jnp.arange(n, dtype=jnp.int32), size, drop_remainder=False
         )
 
         def scan(carry, idx, unroll):
             def body(carry, i):
-                batch = _batching.shard_batch(_batching.take_batch(data, i), batch_sharding)
+                batch = batching.shard_batch(batching.take_batch(data, i), batch_sharding)
                 return carry, eval_step(graphdef, state, batch)
 
             return _loops.scan_loop(body, carry, idx, unroll=unroll)
 
-        _, per_batch = _batching.full_then_tail(scan, None, full, tail)
+        _, per_batch = batching.full_then_tail(scan, None, full, tail)
         # Each batch's mean weighted by its size: the exact mean over every example.
         num_full = full.shape[0]
         rest = n - num_full * size
@@ -138,41 +138,41 @@ def make_evaluate_metrics(
       >>> evaluate(*nnx.split((model, metrics)), test_data)
       {'accuracy': Array(0.97, dtype=float32), 'loss': Array(0.1, dtype=float32)}
     """
-    _checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
+    checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
     if not callable(update_metrics):
         raise TypeError(f"update_metrics must be callable, got {type(update_metrics).__name__}.")
-    _checks.check_no_captured_nnx(loss_fn, "loss_fn")
+    checks.check_no_captured_nnx(loss_fn, "loss_fn")
 
     def update(graphdef, state, batch):
         node = nnx.merge(graphdef, state, copy=True)
-        parts = _node.unpack(node, with_rngs=with_rngs, with_metrics=True)
-        loss, aux = _node.call_loss(loss_fn, parts, batch, has_aux)
+        parts = companions.unpack(node, with_rngs=with_rngs, with_metrics=True)
+        loss, aux = companions.call_loss(loss_fn, parts, batch, has_aux)
         update_metrics(parts.metrics, loss, aux, batch)
         return nnx.state(node)
 
     def evaluate(graphdef, state, data):
-        n = _checks.check_leading_size(data, "data")
+        n = checks.check_leading_size(data, "data")
         # A private copy: eval mode (a static attribute, so in the graphdef) and reset
         # metrics, never the caller's.
         node = nnx.merge(graphdef, state, copy=True)
-        parts = _node.unpack(node, with_rngs=with_rngs, with_metrics=True)
+        parts = companions.unpack(node, with_rngs=with_rngs, with_metrics=True)
         if eval_mode:
             parts.model.eval()
         parts.metrics.reset()
         graphdef, state = nnx.split(node)
-        full, tail = _batching.cut_batches(
+        full, tail = batching.cut_batches(
             jnp.arange(n, dtype=jnp.int32), min(batch_size, n), drop_remainder=False
         )
 
         def scan(state, idx, unroll):
             def body(state, i):
-                batch = _batching.shard_batch(_batching.take_batch(data, i), batch_sharding)
+                batch = batching.shard_batch(batching.take_batch(data, i), batch_sharding)
                 return update(graphdef, state, batch), None
 
             return _loops.scan_loop(body, state, idx, unroll=unroll)
 
-        state, _ = _batching.full_then_tail(scan, state, full, tail)
+        state, _ = batching.full_then_tail(scan, state, full, tail)
         node = nnx.merge(graphdef, state)
-        return _node.unpack(node, with_rngs=with_rngs, with_metrics=True).metrics.compute()
+        return companions.unpack(node, with_rngs=with_rngs, with_metrics=True).metrics.compute()
 
     return evaluate

@@ -18,10 +18,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnxscan.pure import _batching, _checks, _loops, _members
+from nnxscan.pure import _members, batching, checks
+from nnxscan.pure.scan import scan_member_steps
 from nnxscan.pure.train_step import StepFn
 
-__all__ = ["make_population_epoch", "stack_states", "unstack_states", "with_hyperparams"]
+__all__ = [
+    "hyperparam_names",
+    "hyperparam_value",
+    "make_population_epoch",
+    "member_state",
+    "select_members",
+    "stack_states",
+    "unstack_states",
+    "with_hyperparams",
+]
 
 
 def stack_states(states: Sequence[Any]) -> Any:
@@ -80,7 +90,52 @@ def unstack_states(stacked: Any) -> list[Any]:
       >>> model_2 = nnx.merge(graphdef, states[2])
     """
     size = _members.members_of(stacked, "stacked")
-    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(size)]
+    return [member_state(stacked, i) for i in range(size)]
+
+
+def member_state(stacked: Any, index: int | jax.Array) -> Any:
+    """Member ``index`` of a stacked pytree (a new pytree; ``stacked`` is left as it is).
+
+    Works under ``jax.jit`` with a traced ``index`` (one compiled program for every
+    member), where :func:`unstack_states` splits every member on the host.
+
+    Args:
+      stacked: a pytree whose leaves share a leading members axis (:func:`stack_states`).
+      index: the member, an int or a scalar int array.
+
+    Returns:
+      The member's pytree: each leaf ``x`` becomes ``x[index]``.
+
+    Example:
+      >>> best = int(jnp.argmin(val_losses))
+      >>> model = nnx.merge(graphdef, member_state(stacked, best))
+    """
+    return jax.tree.map(lambda x: x[index], stacked)
+
+
+def select_members(mask: Any, on_true: Any, on_false: Any) -> Any:
+    """Member ``i`` of ``on_true`` where ``mask[i]``, else of ``on_false``.
+
+    The per-member ``where``: keep the improved members' weights, roll back the members
+    whose step went wrong, restore only the members a checkpoint should.
+
+    Args:
+      mask: bools of shape ``(N,)``.
+      on_true, on_false: two stacks of the same structure, leaves ``(N, ...)``.
+
+    Returns:
+      A stack of that structure, each member taken from one of the two.
+
+    Example:
+      >>> improved = val_losses < best_losses  # (N,)
+      >>> best_states = select_members(improved, states, best_states)
+    """
+
+    def pick(a: jax.Array, b: jax.Array) -> jax.Array:
+        where = jnp.reshape(jnp.asarray(mask, bool), (-1,) + (1,) * (a.ndim - 1))
+        return jnp.where(where, a, b)
+
+    return jax.tree.map(pick, on_true, on_false)
 
 
 def with_hyperparams(opt_state: Any, **values: Any) -> Any:
@@ -104,7 +159,7 @@ def with_hyperparams(opt_state: Any, **values: Any) -> Any:
       >>> float(opt_state.hyperparams["learning_rate"])
       0.0003
     """
-    settable, scheduled = _members.hyperparam_names(opt_state)
+    settable, scheduled = hyperparam_names(opt_state)
     if not settable and not scheduled:
         raise ValueError(
             "this optax state holds no injected hyperparameters: build the transform with "
@@ -138,6 +193,58 @@ def with_hyperparams(opt_state: Any, **values: Any) -> Any:
         return node._replace(hyperparams=new)
 
     return jax.tree.map(replace, opt_state, is_leaf=_members.is_injected)
+
+
+def hyperparam_names(opt_state: Any) -> tuple[set[str], set[str]]:
+    """The numeric hyperparameters ``optax.inject_hyperparams`` keeps in ``opt_state``.
+
+    Args:
+      opt_state: an optax state, one member's or stacked; injected states anywhere in it
+        (a chain, ``optax.multi_transform``) are found.
+
+    Returns:
+      ``(settable, scheduled)``: the names :func:`with_hyperparams` can set, and the names
+      a schedule recomputes every step (setting those would have no effect).
+
+    Example:
+      >>> tx = optax.inject_hyperparams(optax.adam)(
+      ...     learning_rate=optax.linear_schedule(1e-3, 0.0, 100), b1=0.9)
+      >>> settable, scheduled = hyperparam_names(init_opt_state(tx, state))
+      >>> sorted(settable), sorted(scheduled)
+      (['b1', 'b2', 'eps', 'eps_root'], ['learning_rate'])
+    """
+    settable: set[str] = set()
+    scheduled: set[str] = set()
+    for node in _members.injected_states(opt_state):
+        names = set(node.hyperparams)
+        schedules = set(getattr(node, "hyperparams_states", None) or {})
+        settable |= names - schedules
+        scheduled |= schedules
+    return settable, scheduled
+
+
+def hyperparam_value(opt_state: Any, name: str) -> Any:
+    """The value of hyperparameter ``name`` that ``optax.inject_hyperparams`` keeps.
+
+    Args:
+      opt_state: an optax state, one member's or stacked.
+      name: a hyperparameter's name, e.g. ``"learning_rate"`` (scheduled ones included:
+        their state holds the value of the last step).
+
+    Returns:
+      The value in the first injected state holding ``name``: a scalar array, or ``(N,)``
+      in a stacked state; None where no injected state holds it.
+
+    Example:
+      >>> opt_states = stack_states([with_hyperparams(opt_state, learning_rate=lr)
+      ...                            for lr in (1e-3, 3e-4)])
+      >>> hyperparam_value(opt_states, "learning_rate")
+      Array([0.001 , 0.0003], dtype=float32)
+    """
+    for node in _members.injected_states(opt_state):
+        if name in node.hyperparams:
+            return node.hyperparams[name]
+    return None
 
 
 def make_population_epoch(
@@ -184,12 +291,12 @@ def make_population_epoch(
       >>> losses.shape
       (2, 4)
     """
-    _checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
+    checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
     options = dict(member_axis=member_axis, batch_sharding=batch_sharding)
 
     def epoch(graphdef, states, opt_states, data, orders, active=None):
-        n = _checks.check_leading_size(data, "data")
-        _checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
+        n = checks.check_leading_size(data, "data")
+        checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
         members = _members.members_of(states, "states")
         if _members.members_of(opt_states, "opt_states") != members:
             raise ValueError(
@@ -203,17 +310,17 @@ def make_population_epoch(
                 f"active has shape {tuple(np.shape(active))}; pass one bool per member, "
                 f"shape ({members},)."
             )
-        full, tail = _batching.cut_batches(
+        full, tail = batching.cut_batches(
             jnp.asarray(orders, jnp.int32), batch_size, drop_remainder=drop_remainder
         )
 
         def scan(carry, idx, unroll):
-            states, opt_states, outs = _loops.scan_member_steps(
+            states, opt_states, outs = scan_member_steps(
                 step, graphdef, *carry, data, idx, active=active, unroll=unroll, **options
             )
             return (states, opt_states), outs
 
-        (states, opt_states), outs = _batching.full_then_tail(
+        (states, opt_states), outs = batching.full_then_tail(
             scan, (states, opt_states), full, tail, unroll=unroll, steps_axis=1
         )
         return states, opt_states, outs

@@ -1,7 +1,9 @@
-"""Scan a pure step over a stack of batches, in one ``lax.scan``.
+"""Scan a pure step over batches, in one ``lax.scan``: a stack of batches, batches taken
+from a data set by index, or the same for the members of a population, vmapped.
 
-The loop body is the one every compiled training call of nnxscan runs (``make_epoch``
-gathers its epoch's batches once and scans them through the same body).
+The loop body is the one every compiled training call of nnxscan runs (``make_epoch``,
+``make_population_epoch`` and ``Trainer``'s and ``Population``'s compiled calls are these
+scans), so a loop you write from them trains what ``fit`` trains.
 """
 
 from __future__ import annotations
@@ -9,12 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure import _checks, _loops
+from nnxscan.pure import _loops, batching, checks
+from nnxscan.pure.nonfinite import tree_select
 from nnxscan.pure.train_step import StepFn
 
-__all__ = ["scan_steps"]
+__all__ = ["scan_indexed_steps", "scan_member_steps", "scan_steps"]
 
 
 def scan_steps(
@@ -47,8 +51,172 @@ def scan_steps(
       >>> state, opt_state, losses = jax.jit(scan_steps, static_argnums=0)(
       ...     step, graphdef, state, opt_state, batches)
     """
-    _checks.check_leading_size(batches, "batches")
+    checks.check_leading_size(batches, "batches")
     return _loops.scan_batches(
         step, graphdef, state, opt_state, batches, lambda batch: batch,
         unroll=unroll, batch_sharding=batch_sharding,
     )  # fmt: skip
+
+
+def scan_indexed_steps(
+    step: StepFn,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    opt_state: Any,
+    data: Any,
+    indices: jax.Array,
+    *,
+    unroll: int | bool = 1,
+    batch_sharding: jax.sharding.Sharding | None = None,
+    gather_budget: int = _loops.GATHER_BUDGET_BYTES,
+) -> tuple[nnx.State, Any, Any]:
+    """Scans ``step`` over batches gathered from ``data`` by a ``(steps, batch)`` index array
+    (or ``(steps,)``: row ``i`` of ``data`` is a whole batch, as in a stream's chunk).
+
+    This is the scan under :func:`make_epoch` and under every compiled call of
+    ``Trainer.fit`` on arrays: an epoch's order cut into batches of indices
+    (``nnxscan.pure.batching.cut_batches``) and scanned, a call of ``steps_per_call`` steps
+    at a time if you like.
+
+    The batches are gathered ONCE, before the loop (``data[indices]``, shape ``(steps,
+    batch, ...)``), and the loop scans over that stack exactly as :func:`scan_steps` scans
+    a stack of batches: the same loop body, bitwise the same results. A gather of rows by
+    index inside a loop body costs XLA:CPU more than a small model's whole step; one gather
+    per call costs one copy of the call's examples. When that copy would exceed
+    ``gather_budget`` bytes, the steps run as an outer loop over chunks of steps whose
+    batches fit, each gathered once. A ``(steps,)`` index (whole stacked batches) takes
+    each step's batch by a dynamic slice, which costs nothing extra in the loop.
+
+    Args:
+      step: a pure step, ``step(graphdef, state, opt_state, batch) -> (state, opt_state,
+        out)`` (a :class:`Step`, e.g. from :func:`make_train_step`).
+      graphdef, state: ``nnx.split(model)``.
+      opt_state: what the step carries besides the model (``step.init(graphdef, state)``).
+      data: a pytree whose leaves share a leading examples axis ``(n, ...)``.
+      indices: an int array ``(steps, batch)`` of rows of ``data``, one row of indices per
+        step; or ``(steps,)`` when each row of ``data`` is a whole batch.
+      unroll: forwarded to ``lax.scan``; ``True`` unrolls fully (no loop left).
+      batch_sharding: shard each batch's leading axis, e.g. ``NamedSharding(mesh,
+        P("data"))``, for data-parallel steps.
+      gather_budget: the most bytes of examples one gather copies (4 MiB by default).
+
+    Returns:
+      ``(state, opt_state, outs)``; ``outs`` (the losses, or ``(loss, aux)`` pairs) are
+      stacked along a leading steps axis.
+
+    Example:
+      >>> order = epoch_order(seed, epoch, n)  # the order Trainer.fit uses
+      >>> indices = order[: n // 32 * 32].reshape(-1, 32)  # (steps, batch)
+      >>> state, opt_state, losses = jax.jit(scan_indexed_steps, static_argnums=0)(
+      ...     step, graphdef, state, opt_state, data, indices)
+    """
+    if indices.ndim == 1:
+        return _loops.scan_batches(
+            step, graphdef, state, opt_state, indices, lambda i: batching.take_batch(data, i),
+            unroll=unroll, batch_sharding=batch_sharding,
+        )  # fmt: skip
+
+    def run_chunk(carry, idx):
+        state, opt_state, outs = _loops.scan_batches(
+            step, graphdef, *carry, batching.take_batch(data, idx), lambda b: b,
+            unroll=unroll, batch_sharding=batch_sharding,
+        )  # fmt: skip
+        return (state, opt_state), outs
+
+    steps, per_step = indices.shape[0], _loops.batch_bytes(data, indices.shape[1])
+    chunk = max(1, gather_budget // max(per_step, 1))
+    if chunk >= steps:  # the whole call in one gather
+        carry, outs = run_chunk((state, opt_state), indices)
+        return (*carry, outs)
+    num_chunks = steps // chunk
+    head = indices[: num_chunks * chunk].reshape(num_chunks, chunk, *indices.shape[1:])
+    carry, outs = jax.lax.scan(run_chunk, (state, opt_state), head)
+    outs = jax.tree.map(lambda x: x.reshape(num_chunks * chunk, *x.shape[2:]), outs)
+    if steps > num_chunks * chunk:
+        carry, rest = run_chunk(carry, indices[num_chunks * chunk :])
+        outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, rest)
+    return (*carry, outs)
+
+
+def _frozen_aware(step: StepFn, active: jax.Array) -> StepFn:
+    """``step`` for ONE member that changes nothing while ``active`` is False: the loss is
+    still computed (at the frozen state) and reported."""
+
+    def guarded(graphdef, state, opt_state, batch):
+        new_state, new_opt_state, out = step(graphdef, state, opt_state, batch)
+        state = tree_select(active, new_state, state)
+        return state, tree_select(active, new_opt_state, opt_state), out
+
+    return guarded
+
+
+def scan_member_steps(
+    step: StepFn,
+    graphdef: Any,
+    states: Any,
+    opt_states: Any,
+    data: Any,
+    indices: jax.Array,
+    *,
+    active: jax.Array | None = None,
+    unroll: int | bool = 1,
+    member_axis: str | None = None,
+    batch_sharding: jax.sharding.Sharding | None = None,
+    data_per_member: bool = False,
+    gather_budget: int = _loops.GATHER_BUDGET_BYTES,
+) -> tuple[Any, Any, Any]:
+    """:func:`scan_indexed_steps` vmapped over the members of a population.
+
+    This is the scan under :func:`make_population_epoch` and under every compiled call of
+    ``Population.fit`` on arrays.
+
+    ``indices`` has shape ``(N, steps, ...)``: member ``i`` trains the batches ``indices[i]``
+    gathered from the shared ``data`` (or from ``data[i]`` with ``data_per_member``: every
+    leaf then has a leading members axis). ``active`` (``(N,)`` bool) freezes the members
+    where it is False: their state and optax state stay as they are at every step.
+    ``member_axis`` names the mesh axis the members are sharded over (``vmap``'s
+    ``spmd_axis_name``), so a ``batch_sharding`` of one member's batch becomes a sharding
+    of the members' batches over both axes. Returns the outputs with a leading steps axis,
+    then members: ``(steps, N, ...)``. Each member gathers its own batches once (a copy per
+    member): ``gather_budget`` bounds the members' copies together.
+
+    Args:
+      step: a pure step for ONE member, as for :func:`scan_indexed_steps`.
+      graphdef: the members' shared ``graphdef``.
+      states, opt_states: the members' states stacked on a leading axis of size ``N``
+        (:func:`stack_states`; one ``step.init`` per member, vmapped).
+      data: a pytree of examples ``(n, ...)``, shared by the members; with
+        ``data_per_member`` each leaf is ``(N, n, ...)``.
+      indices: an int array ``(N, steps, batch)`` (or ``(N, steps)``: whole batches).
+      active: ``(N,)`` bool, or None (every member trains).
+      unroll: forwarded to ``lax.scan``.
+      member_axis: the mesh axis the members are sharded over, or None.
+      batch_sharding: the sharding of ONE member's batch.
+      data_per_member: whether ``data`` has a leading members axis.
+      gather_budget: the most bytes of examples one gather copies, all members together.
+
+    Returns:
+      ``(states, opt_states, outs)``; ``outs`` has shape ``(steps, N, ...)``.
+
+    Example:
+      >>> orders = np.stack([epoch_order(s, epoch, n) for s in seeds])  # (N, n)
+      >>> indices = orders[:, : n // 32 * 32].reshape(len(seeds), -1, 32)
+      >>> states, opt_states, losses = jax.jit(scan_member_steps, static_argnums=0)(
+      ...     step, graphdef, states, opt_states, data, indices)
+      >>> losses.shape  # (steps, members)
+      (3, 4)
+    """
+    member_budget = max(1, gather_budget // indices.shape[0])
+
+    def member(state, opt_state, member_data, idx, alive):
+        member_step = step if alive is None else _frozen_aware(step, alive)
+        return scan_indexed_steps(
+            member_step, graphdef, state, opt_state, member_data, idx, unroll=unroll,
+            batch_sharding=batch_sharding, gather_budget=member_budget,
+        )  # fmt: skip
+
+    in_axes = (0, 0, 0 if data_per_member else None, 0, None if active is None else 0)
+    states, opt_states, outs = jax.vmap(member, in_axes=in_axes, spmd_axis_name=member_axis)(
+        states, opt_states, data, indices, active
+    )
+    return states, opt_states, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnxscan.pure import _checks, _node
+from nnxscan.pure import checks, companions
 from nnxscan.pure.nonfinite import all_finite, tree_select
 from nnxscan.pure.step import Step
 
@@ -58,7 +58,7 @@ def init_opt_state(
       >>> graphdef, state = nnx.split(model)
       >>> opt_state = init_opt_state(optax.adam(1e-3), state)
     """
-    tx = _checks.check_transform(tx)
+    tx = checks.check_transform(tx)
     params, _ = split_wrt(state, wrt)
     return tx.init(params)
 
@@ -130,13 +130,13 @@ def make_train_step(
       ...         loss=loss, logits=logits, labels=b["label"]))
       >>> graphdef, state = nnx.split((model, rngs, metrics))
     """
-    tx = _checks.check_transform(tx)
+    tx = checks.check_transform(tx)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-    accumulate = _checks.check_count(accumulate, "accumulate", 1)
+    accumulate = checks.check_count(accumulate, "accumulate", 1)
     if update_metrics is not None and not callable(update_metrics):
         raise TypeError(f"update_metrics must be callable, got {type(update_metrics).__name__}.")
-    _checks.check_no_captured_nnx(loss_fn, "loss_fn")
+    checks.check_no_captured_nnx(loss_fn, "loss_fn")
     # Plain GradientTransformations (optax.MultiSteps' among them) take no extra arguments.
     extra_args = isinstance(tx, optax.GradientTransformationExtraArgs)
 
@@ -145,8 +145,10 @@ def make_train_step(
             # copy=True: merging without a copy breaks Dropout under grad outside jit
             # (flax#5050), and copying is free under jit.
             node = nnx.merge(graphdef, params, rest, copy=True)
-            parts = _node.unpack(node, with_rngs=with_rngs, with_metrics=update_metrics is not None)
-            loss, aux = _node.call_loss(loss_fn, parts, batch, has_aux)
+            parts = companions.unpack(
+                node, with_rngs=with_rngs, with_metrics=update_metrics is not None
+            )
+            loss, aux = companions.call_loss(loss_fn, parts, batch, has_aux)
             if update_metrics is not None:
                 stopped = jax.lax.stop_gradient((loss, aux))
                 update_metrics(parts.metrics, *stopped, batch)
@@ -164,8 +166,10 @@ def make_train_step(
 
         def loss_of_batch(params, batch):
             node = nnx.merge(graphdef, params, rest, copy=True)
-            parts = _node.unpack(node, with_rngs=with_rngs, with_metrics=update_metrics is not None)
-            return _node.call_loss(loss_fn, parts, batch, has_aux)[0]
+            parts = companions.unpack(
+                node, with_rngs=with_rngs, with_metrics=update_metrics is not None
+            )
+            return companions.call_loss(loss_fn, parts, batch, has_aux)[0]
 
         if accumulate == 1:
             return lambda params: loss_of_batch(params, batch)

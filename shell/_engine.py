@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscan.adapters.data import GrainEpochs
-from nnxscan.pure._checks import (
+from nnxscan.pure.checks import (
     abstract_batch,
     check_batch_size,
     check_count,

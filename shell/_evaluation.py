@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure._checks import check_batch_size, check_count, check_leading_size
-from nnxscan.pure._node import node_of
+from nnxscan.pure.checks import check_batch_size, check_count, check_leading_size
+from nnxscan.pure.companions import node_of
 from nnxscan.shell import _programs
 from nnxscan.shell._fit import Evaluation
 from nnxscan.shell._owner import metric_logs

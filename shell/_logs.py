@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from nnxscan.pure._members import injected_values
+from nnxscan.pure import hyperparam_value
 from nnxscan.shell._placement import to_host
 
 RESERVED_LOGS = frozenset(
@@ -105,7 +105,7 @@ def learning_rate(opt_state: Any, members: int | None) -> Any:
     """The current learning rate (an ``(N,)`` array for members), when ``tx`` came from
     ``optax.inject_hyperparams``; else None. The first injected state holding one is used
     (e.g. inside an ``optax.chain``); one host read."""
-    value = injected_values(opt_state, "learning_rate")
+    value = hyperparam_value(opt_state, "learning_rate")
     if value is None:
         return None
     return _value(to_host(value), members)

@@ -16,9 +16,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure import init_opt_state, stack_states, with_hyperparams
-from nnxscan.pure._members import injected_values, member_state, select_members
-from nnxscan.pure._node import node_of, unpack
+from nnxscan.pure import (
+    hyperparam_value,
+    init_opt_state,
+    member_state,
+    select_members,
+    stack_states,
+    with_hyperparams,
+)
+from nnxscan.pure.companions import node_of, unpack
 from nnxscan.shell._owner import Writer, check_meta_ints, metric_logs
 from nnxscan.shell._population_checks import call_model_fn
 from nnxscan.shell._programs import member_metrics
@@ -220,7 +226,7 @@ class StackedOwner:
                 f"{list(self.seeds)}: build the Population with the seeds it was saved with."
             )
         for name, values in self.hyperparams.items():
-            restored = injected_values(tree["opt_state"], name)
+            restored = hyperparam_value(tree["opt_state"], name)
             if restored is not None and not np.allclose(restored, values, rtol=1e-6):
                 raise ValueError(
                     f"the checkpoint's members have {name}="

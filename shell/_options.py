@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, TypedDict
 
 from flax import nnx
 
-from nnxscan.pure._checks import check_count
+from nnxscan.pure.checks import check_count
 
 
 class FitArguments(TypedDict, total=False):

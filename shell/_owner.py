@@ -28,8 +28,8 @@ from nnxscan.adapters.nnx_optimizer import (
     optimizer_state_writer,
 )
 from nnxscan.pure import Step, init_opt_state, split_wrt
-from nnxscan.pure._checks import check_transform
-from nnxscan.pure._node import node_of
+from nnxscan.pure.checks import check_transform
+from nnxscan.pure.companions import node_of
 from nnxscan.shell._module_check import check_module
 
 # ``write(leaves, treedef, steps)``: the carry ``(state, opt_state)`` as ``jax.tree.flatten``

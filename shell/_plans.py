@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from nnxscan.pure._checks import abstract_batch, check_count
+from nnxscan.pure.checks import abstract_batch, check_count
 
 # Chunks of 4 unrolled steps measured best for the NNX MNIST tutorial CNN on this CPU before
 # convolutions were canonicalized (1.07 ms/step vs 1.48 for 8 and 1.65 for one step a call).

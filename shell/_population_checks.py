@@ -10,9 +10,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnxscan.pure import init_opt_state
-from nnxscan.pure._checks import check_count
-from nnxscan.pure._members import hyperparam_names
+from nnxscan.pure import hyperparam_names, init_opt_state
+from nnxscan.pure.checks import check_count
 from nnxscan.shell._module_check import is_linen
 
 _MAX_SEED = 2**31 - 1  # as Trainer: the seed enters numpy's generator as an int32

@@ -26,12 +26,13 @@ from nnxscan.pure import (
     make_evaluate_metrics,
     make_train_step,
     nnx_train_step,
+    scan_indexed_steps,
+    scan_member_steps,
     skip_nonfinite,
     step_outputs,
 )
-from nnxscan.pure._batching import constrain
-from nnxscan.pure._loops import scan_indexed_steps, scan_member_steps
-from nnxscan.pure._node import unpack
+from nnxscan.pure.batching import constrain_sharding
+from nnxscan.pure.companions import unpack
 from nnxscan.shell._plans import StepTraits, step_traits
 from nnxscan.shell._trace_notes import noting_batch
 
@@ -242,7 +243,9 @@ def chunk_runner(
         opt_state, halted = carry if halts else (carry, no_halt(idx))
         leaves = jax.tree.leaves((state, opt_state))
         if carry_shardings is not None:
-            leaves = [constrain(x, s) for x, s in zip(leaves, carry_shardings, strict=True)]
+            leaves = [
+                constrain_sharding(x, s) for x, s in zip(leaves, carry_shardings, strict=True)
+            ]
         return leaves, outs, halted
 
     donated = (0,) if donate else ()

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from nnxscan.adapters.distributed import is_primary
-from nnxscan.pure._members import select_members
+from nnxscan.pure import select_members
 from nnxscan.shell._stop_events import record_early_stopping
 from nnxscan.shell._warn import warn
 

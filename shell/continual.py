@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnxscan.pure._checks import (
+from nnxscan.pure.checks import (
     abstract_batch,
     check_batch_size,
     check_count,

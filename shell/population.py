@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnxscan.pure._checks import (
+from nnxscan.pure.checks import (
     abstract_batch,
     check_count,
     check_no_captured_nnx,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure._checks import abstract_batch, check_batch_size, check_leading_size
+from nnxscan.pure.checks import abstract_batch, check_batch_size, check_leading_size
 from nnxscan.shell._calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine import Engine
 from nnxscan.shell._epochs import ArrayEpochs, EpochStats

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from nnxscan.pure import Step
-from nnxscan.pure._checks import abstract_batch, check_count, check_no_captured_nnx
+from nnxscan.pure.checks import abstract_batch, check_count, check_no_captured_nnx
 from nnxscan.shell._config import Config
 from nnxscan.shell._engine import Engine
 from nnxscan.shell._evaluation import evaluate

@@ -117,7 +117,7 @@ def test_unshuffled_fit_is_bitwise_make_epoch_and_scan_steps(data, num_examples)
 def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
     """An epoch whose batches exceed the gather budget runs as chunks of steps, each
     gathered once: bitwise the epoch gathered whole (and the per-step reference)."""
-    from nnxscan.pure import _loops
+    from nnxscan.pure import _loops, scan_indexed_steps
 
     step = make_train_step(xent, TX)
     graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
@@ -127,9 +127,7 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
 
     def run(budget):
         return jax.jit(
-            lambda s, o: _loops.scan_indexed_steps(
-                step, graphdef, s, o, data, order, gather_budget=budget
-            )
+            lambda s, o: scan_indexed_steps(step, graphdef, s, o, data, order, gather_budget=budget)
         )(state, opt_state)
 
     whole = run(10 * per_step)

@@ -67,6 +67,74 @@ def test_adapters_never_import_the_shell(path):
         assert not name.startswith("nnxscan.shell"), f"{path} imports {name}"
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_core_imports(path: pathlib.Path) -> list[str]:
+    """Every import in ``path`` of a private module of the core (a part of its dotted path
+    under ``nnxscan.pure`` starts with ``_``): ``import nnxscan.pure._x``, ``from
+    nnxscan.pure._x import y``, ``from nnxscan.pure import _x``, and the same through
+    ``importlib.import_module("nnxscan.pure._x")``, wherever it stands in the file."""
+
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        return parts[:2] == ["nnxscan", "pure"] and any(_is_private(p) for p in parts[2:])
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if private(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [a.name for a in node.names]
+            if private(node.module) or any(private(f"{node.module}.{n}") for n in names):
+                found.append(f"from {node.module} import {', '.join(names)}")
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in (
+            "importlib.import_module",
+            "import_module",
+            "__import__",
+        ):
+            first = node.args[0] if node.args else None
+            literal = isinstance(first, ast.Constant) and isinstance(first.value, str)
+            if literal and private(first.value):
+                found.append(ast.unparse(node))
+    return found
+
+
+@pytest.mark.parametrize(
+    "path", _sources("shell") + _sources("adapters"), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_shell_and_adapters_use_only_the_public_core(path):
+    """The shell and the adapters are written on what ``nnxscan.pure`` publishes, so a user
+    could write them too: a helper they need is made public in the core (or moved to the
+    shell), never imported from a ``_`` module."""
+    found = _private_core_imports(path)
+    assert not found, f"{path.relative_to(ROOT)} imports private modules of the core: {found}"
+
+
+def test_the_private_import_detector_sees_each_form(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import nnxscan.pure._loops\n"
+        "from nnxscan.pure._checks import check_count\n"
+        "from nnxscan.pure import _members, scan_steps\n"
+        "from nnxscan.pure.hyper._spec import x\n"
+        "def f():\n"
+        "    import importlib\n"
+        "    return importlib.import_module('nnxscan.pure._node')\n"
+    )
+    assert len(_private_core_imports(probe)) == 5
+    clean = tmp_path / "clean.py"
+    clean.write_text(
+        "import nnxscan.pure\n"
+        "from nnxscan.pure import scan_steps, checks\n"
+        "from nnxscan.pure.checks import check_count\n"
+        "from nnxscan.shell import _owner\n"
+        "from nnxscan.pure import __version__\n"
+    )
+    assert _private_core_imports(clean) == []
+
+
 @pytest.mark.parametrize(
     "path", _sources("pure") + _sources("adapters"), ids=lambda p: str(p.relative_to(ROOT))
 )
@@ -260,11 +328,14 @@ PUBLIC = {
         "make_eval_step", "make_evaluate", "make_evaluate_metrics", "split_wrt",
         "all_finite", "tree_select", "halt_after_nonfinite", "canonical_conv_layout",
         "stack_states", "unstack_states", "with_hyperparams", "make_population_epoch",
+        "scan_indexed_steps", "scan_member_steps", "member_state", "select_members",
+        "hyperparam_names", "hyperparam_value", "nnx_train_step", "step_outputs",
+        "skip_nonfinite",
     },
     "nnxscan.shell": {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
         "enable_compilation_cache", "Preempted", "NonFiniteLossWarning",
-        "Population", "train_tasks",
+        "Population", "train_tasks", "FitArguments",
     },
 }  # fmt: skip
 

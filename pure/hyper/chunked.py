@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from nnxscan.pure import _checks
+from nnxscan.pure import checks
 from nnxscan.pure.hyper.spec import ParamSpec
 
 __all__ = ["ChunkedHeads"]
@@ -132,11 +132,11 @@ class ChunkedHeads(nnx.Module):
                 f"ChunkedHeads needs a ParamSpec (hyper.ParamSpec.from_module(target)), got "
                 f"{type(spec).__name__}."
             )
-        in_features = _checks.check_count(in_features, "in_features", 1)
-        chunk_size = _checks.check_count(chunk_size, "chunk_size", 1)
-        embedding_features = _checks.check_count(embedding_features, "embedding_features", 1)
+        in_features = checks.check_count(in_features, "in_features", 1)
+        chunk_size = checks.check_count(chunk_size, "chunk_size", 1)
+        embedding_features = checks.check_count(embedding_features, "embedding_features", 1)
         hidden = in_features if hidden_features is None else hidden_features
-        hidden = _checks.check_count(hidden, "hidden_features", 1)
+        hidden = checks.check_count(hidden, "hidden_features", 1)
         if not input_variance > 0:
             raise ValueError(f"input_variance must be positive, got {input_variance!r}.")
         if chunk_size > spec.size:

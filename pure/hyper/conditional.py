@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from nnxscan.pure import _checks
+from nnxscan.pure import checks
 from nnxscan.pure.hyper.hypernetwork import Hypernetwork
 
 __all__ = ["ConditionalHypernetwork"]
@@ -97,9 +97,9 @@ class ConditionalHypernetwork(Hypernetwork):
         param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        num_conditions = _checks.check_count(num_conditions, "num_conditions", 1)
-        embedding_features = _checks.check_count(embedding_features, "embedding_features", 1)
-        z_features = _checks.check_count(z_features, "z_features", 0)
+        num_conditions = checks.check_count(num_conditions, "num_conditions", 1)
+        embedding_features = checks.check_count(embedding_features, "embedding_features", 1)
+        z_features = checks.check_count(z_features, "z_features", 0)
         if not embedding_scale > 0:
             raise ValueError(f"embedding_scale must be positive, got {embedding_scale!r}.")
         if not callable(trunk):

@@ -34,7 +34,7 @@ from flax import nnx
 
 from nnxscan.adapters._extras import require_extra
 from nnxscan.pure import hyper
-from nnxscan.pure._checks import check_count
+from nnxscan.pure.checks import check_count
 from nnxscan.shell.continual import train_tasks
 from nnxscan.shell.demos._output import demo_plot_path
 from nnxscan.shell.demos.digits import digits_split

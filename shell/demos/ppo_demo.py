@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from nnxscan.adapters._extras import require_extra
-from nnxscan.pure._checks import check_count
+from nnxscan.pure.checks import check_count
 from nnxscan.shell.demos._output import demo_plot_path
 from nnxscan.shell.demos.ppo import PPOConfig, final_return, make_ppo_train
 

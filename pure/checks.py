@@ -1,9 +1,27 @@
-"""Input checks shared by every layer: they raise before anything is traced or compiled.
+"""Argument checks that raise before anything is traced or compiled.
 
-Every check works on Python values and shapes only, so it runs the same eagerly and under a
-trace, and every message names the offending leaf path and the sizes involved. The shell and
-the adapters use these too, so a count means the same thing everywhere: a Python or numpy
-int, never a bool.
+``nnxscan.pure``'s own functions and the shell (``Trainer``, ``Population``,
+``scan_train``, the adapters) check their arguments with these, so a count, a data set's
+size or a batch size means the same thing, and fails with the same message, everywhere.
+Use them in your own loop to fail as early and as clearly.
+
+Every check works on Python values and shapes only, so it runs the same eagerly and under
+a trace, and every message names the offending leaf path and the sizes involved.
+
+- :func:`check_count`: an int (a Python or numpy int, never a bool) in a range.
+- :func:`check_leading_size`: the examples (or steps) axis every leaf of a pytree shares.
+- :func:`check_batch_size`: a batch size that leaves at least one batch.
+- :func:`check_transform`: an optax transform (``optax.MultiSteps`` included).
+- :func:`check_no_captured_nnx`: a function that captures no NNX object.
+- :func:`abstract_batch`: shapes and dtypes of a batch, to trace a step before any data
+  reaches it (``jax.eval_shape``).
+
+Example:
+  >>> from nnxscan.pure import checks
+  >>> checks.check_count(3, "epochs", 1)
+  3
+  >>> checks.check_leading_size({"x": np.zeros((8, 3)), "y": np.zeros(8)})
+  8
 """
 
 from __future__ import annotations
@@ -18,9 +36,27 @@ import numpy as np
 import optax
 from flax import nnx
 
+__all__ = [
+    "abstract_batch",
+    "check_batch_size",
+    "check_count",
+    "check_leading_size",
+    "check_no_captured_nnx",
+    "check_transform",
+]
+
 
 def check_count(value: Any, name: str, minimum: int = 0, maximum: int | None = None) -> int:
     """Returns ``value`` as an int after checking it is one (not a bool) in range.
+
+    Args:
+      value: the count to check (a Python or numpy integer).
+      name: the argument's name, for the message.
+      minimum: the smallest value allowed.
+      maximum: the largest value allowed, or None for no bound.
+
+    Returns:
+      ``value`` as a Python int.
 
     Raises:
       TypeError: ``value`` is not a Python or numpy integer (bools are refused: ``True``
@@ -43,8 +79,14 @@ def check_count(value: Any, name: str, minimum: int = 0, maximum: int | None = N
 def abstract_batch(tree: Any, *, leading: int | None = None, drop_leading: bool = False) -> Any:
     """``jax.ShapeDtypeStruct`` for every leaf of ``tree``: what tracing needs, no data.
 
-    ``leading`` replaces each leaf's first dimension (one batch of a data set);
-    ``drop_leading`` removes it (one batch of a stack of batches).
+    Args:
+      tree: a pytree of arrays (numpy or JAX, or anything with a shape and a dtype).
+      leading: replaces each leaf's first dimension (one batch of a data set).
+      drop_leading: removes each leaf's first dimension (one batch of a stack of batches).
+
+    Returns:
+      ``tree`` with every leaf a ``jax.ShapeDtypeStruct``: hand it to ``jax.eval_shape``
+      to trace a step on a batch's shapes without touching (or transferring) any data.
 
     Example:
       >>> abstract_batch({"x": np.zeros((100, 3))}, leading=32)["x"]
@@ -91,6 +133,14 @@ def _check_array_leaves(tree: Any, what: str) -> list[tuple[tuple, Any]]:
 def check_leading_size(tree: Any, what: str = "data") -> int:
     """Returns the leading-axis size shared by every leaf of ``tree``.
 
+    Args:
+      tree: a data set (leaves share an examples axis) or a stack of batches (a steps
+        axis).
+      what: what ``tree`` is, for the messages (``"data"``, ``"batches"``).
+
+    Returns:
+      The size of the leading axis, at least 1.
+
     Raises:
       ValueError: ``tree`` has no leaves, the leading size is 0 ("empty"), a leaf is a
         scalar, or two leaves disagree on the leading size (both paths and sizes named).
@@ -124,7 +174,27 @@ def check_leading_size(tree: Any, what: str = "data") -> int:
 
 
 def check_batch_size(batch_size: Any, num_examples: int, *, drop_remainder: bool) -> int:
-    """Validates ``batch_size`` against the number of examples and returns it as an int."""
+    """Validates ``batch_size`` against the number of examples and returns it as an int.
+
+    Args:
+      batch_size: examples per batch.
+      num_examples: the data set's size (e.g. from :func:`check_leading_size`).
+      drop_remainder: whether a final short batch is dropped: then ``batch_size`` may not
+        exceed ``num_examples``, or the epoch would train nothing.
+
+    Returns:
+      ``batch_size`` as a Python int.
+
+    Raises:
+      TypeError: ``batch_size`` is not an int (see :func:`check_count`).
+      ValueError: ``batch_size`` is below 1, or leaves no batch to train.
+
+    Example:
+      >>> check_batch_size(32, 100, drop_remainder=True)
+      32
+      >>> check_batch_size(128, 100, drop_remainder=False)  # one short batch of 100
+      128
+    """
     batch_size = check_count(batch_size, "batch_size", 1)
     if drop_remainder and batch_size > num_examples:
         raise ValueError(
@@ -140,6 +210,21 @@ def check_transform(tx: Any) -> optax.GradientTransformation:
 
     ``optax.MultiSteps`` (not itself a GradientTransformation) is accepted through its
     ``gradient_transformation()``, whose state is the one ``MultiSteps.init`` builds.
+
+    Args:
+      tx: an optax transform, or an ``optax.MultiSteps``.
+
+    Returns:
+      ``tx`` as an ``optax.GradientTransformation`` (``optax.GradientTransformationExtraArgs``
+      transforms are returned as they are).
+
+    Raises:
+      TypeError: ``tx`` is something else; the message says to pass an ``nnx.Optimizer``
+        to the shell rather than here.
+
+    Example:
+      >>> check_transform(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4))
+      GradientTransformation(init=..., update=...)
     """
     if isinstance(tx, optax.GradientTransformation):
         return tx
@@ -201,7 +286,16 @@ def check_no_captured_nnx(fn: Any, what: str = "loss_fn") -> None:
     Inside a compiled step an object captured from outside is a trace-time constant: a
     captured ``nnx.Rngs`` raises "Cannot mutate RngCount from a different trace level", a
     captured metric never accumulates, a captured module's weights are baked in. The
-    message says how to pass each kind instead.
+    message says how to pass each kind instead. Closure cells, the globals the code
+    reads, default arguments and ``functools.partial`` arguments are looked at, following
+    the plain functions ``fn`` refers to two levels down.
+
+    Args:
+      fn: the function to check (a loss, a metric function, a step).
+      what: its name, for the message.
+
+    Returns:
+      None; raises when ``fn`` captures an NNX object.
 
     Example:
       >>> rngs = nnx.Rngs(0)

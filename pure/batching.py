@@ -1,0 +1,202 @@
+"""Batches from an order of examples: cut, gathered, placed on a mesh.
+
+Epochs (``make_epoch``), population epochs, evaluations and the shell's compiled calls all
+cut their orders here, so a loop of pure functions and ``Trainer.fit`` see the same batches.
+
+- :func:`cut_batches`: an order of examples (over optional leading member axes) cut into
+  full batches and a short tail.
+- :func:`full_then_tail`: the rule every epoch and every evaluation follows: scan the full
+  batches, then the tail once, as a step of its own shape.
+- :func:`take_batch`: rows of every leaf of a data set, by index.
+- :func:`shard_batch`, :func:`constrain_sharding`: a batch (an array) on a sharding inside
+  traced code, on an Explicit or an Auto mesh.
+
+Example:
+  >>> from nnxscan.pure import epoch_order, scan_indexed_steps
+  >>> from nnxscan.pure.batching import cut_batches, full_then_tail
+  >>> full, tail = cut_batches(epoch_order(seed, epoch, n), 32, drop_remainder=False)
+  >>> def scan(carry, indices, unroll):
+  ...     *carry, losses = scan_indexed_steps(step, graphdef, *carry, data, indices,
+  ...                                         unroll=unroll)
+  ...     return tuple(carry), losses
+  >>> (state, opt_state), losses = full_then_tail(scan, (state, opt_state), full, tail)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["constrain_sharding", "cut_batches", "full_then_tail", "shard_batch", "take_batch"]
+
+
+def cut_batches(order: Any, batch_size: int, *, drop_remainder: bool) -> tuple[Any, Any | None]:
+    """Cuts orders of shape ``(..., n)`` into ``(full, tail)``.
+
+    ``full`` has shape ``(..., n // batch_size, batch_size)``; ``tail`` holds the short
+    final batch as a stack of ONE step, ``(..., 1, n % batch_size)``, or is ``None`` (dropped,
+    or no remainder). The leading axes (members of a population) are kept. numpy in, numpy
+    out; a JAX array in, JAX out.
+
+    Args:
+      order: the examples' indices in training order, ``(n,)`` (e.g. ``epoch_order(seed,
+        epoch, n)``), or ``(N, n)``: one order per member.
+      batch_size: examples per batch (checked by ``nnxscan.pure.checks.check_batch_size``
+        where the core cuts).
+      drop_remainder: drop the last ``n % batch_size`` examples instead of returning them
+        as a tail.
+
+    Returns:
+      ``(full, tail)``: the indices of the full batches, ``(..., steps, batch_size)``, and
+      of the short final batch, ``(..., 1, n % batch_size)`` or None.
+
+    Example:
+      >>> full, tail = cut_batches(np.arange(10), 4, drop_remainder=False)
+      >>> full
+      array([[0, 1, 2, 3],
+             [4, 5, 6, 7]])
+      >>> tail
+      array([[8, 9]])
+    """
+    *lead, n = order.shape
+    num_full = n // batch_size
+    full = order[..., : num_full * batch_size].reshape(*lead, num_full, batch_size)
+    if drop_remainder or n == num_full * batch_size:
+        return full, None
+    return full, order[..., None, num_full * batch_size :]
+
+
+def take_batch(data: Any, indices: jax.Array) -> Any:
+    """Gathers the rows ``indices`` of every leaf of ``data`` (a scalar index: one row).
+
+    Args:
+      data: a pytree whose leaves share a leading examples axis.
+      indices: an int array of row indices, of any shape (or a scalar).
+
+    Returns:
+      ``data`` with each leaf ``x`` replaced by ``x[indices]``: shape ``(*indices.shape,
+      *x.shape[1:])``.
+
+    Example:
+      >>> take_batch({"x": jnp.arange(10.0)}, jnp.array([[0, 2], [4, 6]]))["x"]
+      Array([[0., 2.],
+             [4., 6.]], dtype=float32)
+    """
+    return jax.tree.map(lambda x: jnp.take(x, indices, axis=0), data)
+
+
+def constrain_sharding(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` with ``sharding`` inside a traced function, on any mesh: on an Explicit mesh
+    the sharding is part of the array's type, so it is changed with
+    ``jax.sharding.reshard``; on an Auto mesh ``with_sharding_constraint`` tells XLA.
+
+    Args:
+      x: an array, inside a traced function.
+      sharding: the sharding it should have, e.g. ``NamedSharding(mesh, P("data"))``.
+
+    Returns:
+      ``x`` with that sharding (the same values).
+
+    Example:
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> spec = jax.sharding.NamedSharding(mesh, jax.P("data"))
+      >>> jax.jit(lambda x: constrain_sharding(x * 2, spec))(jnp.ones(8))
+      Array([2., 2., 2., 2., 2., 2., 2., 2.], dtype=float32)
+    """
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    if types and all(t == jax.sharding.AxisType.Explicit for t in types):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def shard_batch(batch: Any, sharding: jax.sharding.Sharding | None) -> Any:
+    """Constrains every leaf of ``batch`` to ``sharding`` (its batch axis over devices).
+
+    ``None`` leaves it alone. Inside a compiled loop this is what makes a step
+    data-parallel: XLA then all-reduces the gradient itself. A leaf whose leading size does
+    not split evenly over the sharding's devices (a short final batch) stays as it is.
+
+    Args:
+      batch: a pytree of arrays with a leading batch axis.
+      sharding: e.g. ``NamedSharding(mesh, P("data"))``, or None.
+
+    Returns:
+      ``batch``, each leaf constrained with :func:`constrain_sharding`.
+
+    Example:
+      >>> spec = jax.sharding.NamedSharding(mesh, jax.P("data"))
+      >>> def step_on_shards(graphdef, state, opt_state, batch):
+      ...     return step(graphdef, state, opt_state, shard_batch(batch, spec))
+    """
+    if sharding is None:
+        return batch
+    return jax.tree.map(
+        lambda x: constrain_sharding(x, sharding) if _divides(x, sharding) else x, batch
+    )
+
+
+def _divides(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
+    """Whether the leading dimension splits evenly over the sharding's first entry (a
+    short final batch that does not stays as it is)."""
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if not spec or spec[0] is None or mesh is None or not jnp.ndim(x):
+        return True
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    size = 1
+    for axis in axes:
+        size *= mesh.shape[axis]
+    return jnp.shape(x)[0] % size == 0
+
+
+def full_then_tail(
+    scan: Callable[[Any, Any, int | bool], tuple[Any, Any]],
+    carry: Any,
+    full: Any,
+    tail: Any | None,
+    *,
+    unroll: int | bool = 1,
+    steps_axis: int = 0,
+) -> tuple[Any, Any]:
+    """Runs ``scan(carry, indices, unroll) -> (carry, outs)`` over the full batches, then
+    over the tail once, fully unrolled (a step of its own shape, no loop: on the CPU a loop
+    body runs convolution gradients far slower).
+
+    ``full``'s steps run along ``steps_axis`` (1 for a population's ``(N, steps, batch)``);
+    ``outs`` always have a leading steps axis and are joined along it. An epoch with no
+    full batch runs the tail alone; ``outs`` is ``None`` when nothing ran.
+
+    Args:
+      scan: ``scan(carry, indices, unroll) -> (carry, outs)``, e.g. a call of
+        ``scan_indexed_steps`` (``scan_member_steps`` for members).
+      carry: what the scans carry, e.g. ``(state, opt_state)``.
+      full, tail: from :func:`cut_batches`.
+      unroll: the full batches' ``unroll``.
+      steps_axis: the axis of ``full`` and ``tail`` that counts steps.
+
+    Returns:
+      ``(carry, outs)`` after every batch.
+
+    Example:
+      >>> full, tail = cut_batches(order, 32, drop_remainder=False)
+      >>> def scan(carry, indices, unroll):
+      ...     *carry, losses = scan_indexed_steps(step, graphdef, *carry, data, indices,
+      ...                                         unroll=unroll)
+      ...     return tuple(carry), losses
+      >>> (state, opt_state), losses = full_then_tail(scan, (state, opt_state), full, tail)
+    """
+    outs = None
+    if full.shape[steps_axis]:
+        carry, outs = scan(carry, full, unroll)
+    if tail is not None:
+        carry, tail_outs = scan(carry, tail, True)
+        outs = tail_outs if outs is None else jax.tree.map(_concat, outs, tail_outs)
+    return carry, outs
+
+
+def _concat(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.concatenate([a, b], axis=0)
