@@ -10,13 +10,14 @@ run's ``shared_order``). Each member's state is that of its node: the model, or
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure import init_opt_state, stack_states, with_hyperparams
+from nnxscan.pure import stack_states, with_hyperparams
 from nnxscan.pure._members import injected_values, member_state, select_members
 from nnxscan.pure._node import node_of, unpack
 from nnxscan.shell._owner import Writer, check_meta_ints, metric_logs
@@ -244,8 +245,7 @@ _take_member = jax.jit(member_state)
 
 def build_members(
     model_fn: Any,
-    tx: Any,
-    wrt: Any,
+    init_opt: Callable[[nnx.GraphDef, Any], Any],
     seeds: tuple[int, ...],
     hyperparams: dict[str, tuple],
     *,
@@ -253,9 +253,12 @@ def build_members(
     metrics: nnx.Metric | None = None,
 ) -> StackedOwner:
     """Builds every member (``model_fn(nnx.Rngs(seed))``, its node with call-time Rngs and
-    metrics, its optax state with its hyperparameters) and stacks them in an owner.
+    metrics, its opt_state ``init_opt(graphdef, state)`` on its own split, with its
+    hyperparameters) and stacks them in an owner.
 
-    ``rngs`` is an ``nnx.Rngs`` every member starts from, or ``rngs(seed) -> nnx.Rngs``.
+    ``init_opt`` is the built-in step's ``init_opt_state(tx, state, wrt)``, or a user's
+    ``Step.init``. ``rngs`` is an ``nnx.Rngs`` every member starts from, or
+    ``rngs(seed) -> nnx.Rngs``.
     """
     graphdef, model_graphdef, states, opt_states = None, None, [], []
     for i, seed in enumerate(seeds):
@@ -274,7 +277,7 @@ def build_members(
                 f"member 0 (seed {seeds[0]}): every member must be the same architecture; "
                 f"only the seed may change."
             )
-        opt_state = init_opt_state(tx, state, wrt)
+        opt_state = init_opt(member_graphdef, state)
         values = {name: v[i] for name, v in hyperparams.items()}
         states.append(state)
         opt_states.append(with_hyperparams(opt_state, **values) if values else opt_state)
