@@ -10,6 +10,7 @@ run's ``shared_order``). Each member's state is that of its node: the model, or
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,7 +19,6 @@ from flax import nnx
 
 from nnxscan.pure import (
     hyperparam_value,
-    init_opt_state,
     member_state,
     select_members,
     stack_states,
@@ -250,8 +250,7 @@ _take_member = jax.jit(member_state)
 
 def build_members(
     model_fn: Any,
-    tx: Any,
-    wrt: Any,
+    init_opt: Callable[[nnx.GraphDef, Any], Any],
     seeds: tuple[int, ...],
     hyperparams: dict[str, tuple],
     *,
@@ -259,9 +258,12 @@ def build_members(
     metrics: nnx.Metric | None = None,
 ) -> StackedOwner:
     """Builds every member (``model_fn(nnx.Rngs(seed))``, its node with call-time Rngs and
-    metrics, its optax state with its hyperparameters) and stacks them in an owner.
+    metrics, its opt_state ``init_opt(graphdef, state)`` on its own split, with its
+    hyperparameters) and stacks them in an owner.
 
-    ``rngs`` is an ``nnx.Rngs`` every member starts from, or ``rngs(seed) -> nnx.Rngs``.
+    ``init_opt`` is the built-in step's ``init_opt_state(tx, state, wrt)``, or a user's
+    ``Step.init``. ``rngs`` is an ``nnx.Rngs`` every member starts from, or
+    ``rngs(seed) -> nnx.Rngs``.
     """
     graphdef, model_graphdef, states, opt_states = None, None, [], []
     for i, seed in enumerate(seeds):
@@ -280,7 +282,7 @@ def build_members(
                 f"member 0 (seed {seeds[0]}): every member must be the same architecture; "
                 f"only the seed may change."
             )
-        opt_state = init_opt_state(tx, state, wrt)
+        opt_state = init_opt(member_graphdef, state)
         values = {name: v[i] for name, v in hyperparams.items()}
         states.append(state)
         opt_states.append(with_hyperparams(opt_state, **values) if values else opt_state)

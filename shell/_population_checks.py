@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnxscan.pure import hyperparam_names, init_opt_state
-from nnxscan.pure.checks import check_count
+from nnxscan.pure import Step, hyperparam_names
+from nnxscan.pure.checks import check_count, check_no_captured_nnx
 from nnxscan.shell._module_check import is_linen
 
 _MAX_SEED = 2**31 - 1  # as Trainer: the seed enters numpy's generator as an int32
@@ -56,16 +56,30 @@ def check_hyperparams(hyperparams: Any, members: int) -> dict[str, tuple]:
     return checked
 
 
-def check_hyperparam_names(model_fn, tx, wrt, seed, hyperparams) -> None:
-    """Traces one member and its optax state (shapes only, nothing compiles) to check
-    the hyperparameter names against what ``tx`` injects."""
+def check_hyperparam_names(
+    model_fn: Callable, init_opt: Callable, seed: int, hyperparams: dict, step: bool = False
+) -> None:
+    """Traces one member and its opt_state ``init_opt(graphdef, state)`` (shapes only,
+    nothing compiles) to check the hyperparameter names against what it injects: the
+    optax state of ``tx``, or the opt_state of a user's step (``step``) with the
+    ``optax.inject_hyperparams`` states found anywhere in it."""
     if not hyperparams:
         return
     abstract = nnx.eval_shape(lambda: call_model_fn(model_fn, seed))
-    _, abstract_state = nnx.split(abstract)
-    abstract_opt = jax.eval_shape(lambda s: init_opt_state(tx, s, wrt), abstract_state)
+    graphdef, abstract_state = nnx.split(abstract)
+    abstract_opt = jax.eval_shape(lambda s: init_opt(graphdef, s), abstract_state)
     settable, scheduled = hyperparam_names(abstract_opt)
+    owner = "train_step.init's opt_state" if step else "tx"
     if not settable and not scheduled:
+        if step:
+            raise ValueError(
+                f"hyperparams={sorted(hyperparams)} are set in the optax states that "
+                f"optax.inject_hyperparams makes, and train_step.init's opt_state holds "
+                f"none: build the step's transform(s) with it, e.g. "
+                f"optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), so that "
+                f"update reads each member's values from its opt_state; or build one "
+                f"Step per setting and one Population each."
+            )
         raise ValueError(
             f"hyperparams={sorted(hyperparams)} needs a tx made with "
             f"optax.inject_hyperparams, e.g. optax.inject_hyperparams(optax.adam)"
@@ -74,15 +88,44 @@ def check_hyperparam_names(model_fn, tx, wrt, seed, hyperparams) -> None:
     for name in hyperparams:
         if name in scheduled:
             raise ValueError(
-                f"hyperparams[{name!r}]: tx computes {name!r} from a schedule every "
+                f"hyperparams[{name!r}]: {owner} computes {name!r} from a schedule every "
                 f"step, so per-member values would have no effect. Pass a number for "
                 f"it to inject_hyperparams."
             )
         if name not in settable:
             raise ValueError(
-                f"hyperparams[{name!r}]: {name!r} is not a hyperparameter of tx; its "
+                f"hyperparams[{name!r}]: {name!r} is not a hyperparameter of {owner}; its "
                 f"injected hyperparameters are {sorted(settable)}."
             )
+
+
+def check_user_step(train_step: Any, given: list[str]) -> Step:
+    """``Population(model_fn, train_step=S, ...)``: ``S`` must be a pure
+    :class:`~nnxscan.pure.Step`, and nothing meant for the built-in step (``given``: the
+    names of such options passed) may come with it."""
+    if given:
+        raise TypeError(
+            f"train_step= replaces the step built from a loss, so {', '.join(given)} "
+            f"{'has' if len(given) == 1 else 'have'} no effect: leave "
+            f"{'it' if len(given) == 1 else 'them'} out (your step computes its loss, "
+            f"gradients and metrics itself)."
+        )
+    if isinstance(train_step, Step):
+        check_no_captured_nnx(train_step.update, "train_step.update")
+        return train_step
+    if callable(train_step):
+        raise TypeError(
+            f"Population(train_step=...) takes a nnxscan.pure.Step (each member's opt_state "
+            f"is step.init(graphdef, member_state)), got the function "
+            f"{getattr(train_step, '__name__', type(train_step).__name__)!r}. A stateful NNX "
+            f"step fn(model, optimizer, ..., batch) mutates objects a population does not "
+            f"hold (it builds its members from model_fn, with no optimizer): write it as a "
+            f"Step whose opt_state carries the optax state (docs/populations.md, 'A "
+            f"population of your own step'); nnxscan.pure.nnx_train_step(fn) converts a fn "
+            f"that takes the model alone, fn(model, batch). To train one model with fn "
+            f"as written: Trainer(model, optimizer, train_step=fn)."
+        )
+    raise TypeError(f"train_step must be a nnxscan.pure.Step, got {type(train_step).__name__}.")
 
 
 def mesh_axes(

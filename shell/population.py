@@ -16,6 +16,7 @@ evaluation and progress are the Trainer's own.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from nnxscan.pure import Step, init_opt_state
 from nnxscan.pure.checks import (
     abstract_batch,
     check_count,
@@ -45,14 +47,20 @@ from nnxscan.shell._population_checks import (
     check_hyperparam_names,
     check_hyperparams,
     check_seeds,
+    check_user_step,
 )
-from nnxscan.shell._programs import MemberLayout, train_program
+from nnxscan.shell._programs import MemberLayout, step_program, train_program
 from nnxscan.shell.history import History
 
 __all__ = ["Population"]
 
 _MODES = ("min", "max")
 _NONFINITE_POLICIES = ("ignore", "skip", "stop")
+
+
+def _init_optax(tx: Any, wrt: Any, graphdef: nnx.GraphDef, state: Any) -> Any:
+    """The built-in step's opt_state of one member: ``tx``'s state of its ``wrt`` part."""
+    return init_opt_state(tx, state, wrt)
 
 
 class Population:
@@ -68,8 +76,18 @@ class Population:
         ``loss_fn(model, batch, rngs)`` with ``rngs``).
       seeds: one non-negative int per member: its initialization (``nnx.Rngs(seed)``) and
         its shuffle (``epoch_order(seed, epoch, n)``, the rule of ``Trainer.fit``).
+      train_step: your own step, a :class:`nnxscan.pure.Step`, in place of ``tx`` and
+        ``loss_fn``: member ``i``'s opt_state is ``train_step.init(graphdef, state_i)``
+        on its own split, and every member trains with ``train_step.update``, vmapped.
+        The options of the built-in step (``tx``, ``loss_fn``, ``wrt``, ``has_aux``,
+        ``accumulate``, ``rngs``, ``metrics``, ``update_metrics``) then raise a
+        ``TypeError``; so does a stateful NNX function (a population builds its members
+        and has no optimizer object to hand it: write it as a ``Step``).
       hyperparams: ``{name: [one value per member]}`` for names the injected ``tx`` holds
         (``learning_rate``, ``b1``...); each member's optax state starts with its values.
+        With ``train_step``: names that the ``optax.inject_hyperparams`` states in
+        ``train_step.init``'s opt_state hold (set in each such state holding the name;
+        ``update`` reads them from there).
       wrt, has_aux, execution, accumulate: as for ``Trainer`` (``"auto"``: one call per
         epoch, CNNs on the CPU too).
       on_nonfinite: as for ``Trainer``, per member: ``"skip"`` leaves a member unchanged
@@ -98,6 +116,9 @@ class Population:
     with member ``i``'s hyperparameters (equal up to float rounding: the vmapped step may
     sum in another order).
 
+    With ``train_step=S``, member ``i`` trains what ``Trainer(model_fn(nnx.Rngs(
+    seeds[i])), train_step=S).fit(data, ..., seed=seeds[i])`` trains.
+
     Example:
       >>> tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
       >>> pop = Population(lambda rngs: MLP(rngs=rngs), tx, loss_fn, seeds=[0, 1, 2, 3],
@@ -107,15 +128,17 @@ class Population:
       (160, 4)
       >>> scores = pop.evaluate(test, accuracy, batch_size=256)["accuracy"]
       >>> best_model = pop.member(pop.best(scores, mode="max"))
+      >>> pop = Population(MLP, train_step=my_step, seeds=[0, 1, 2])  # your own Step
     """
 
     def __init__(
         self,
         model_fn: Callable[[nnx.Rngs], nnx.Module],
-        tx: optax.GradientTransformation,
-        loss_fn: Callable[..., Any],
+        tx: optax.GradientTransformation | None = None,
+        loss_fn: Callable[..., Any] | None = None,
         *,
         seeds: Sequence[int],
+        train_step: Step | None = None,
         hyperparams: Mapping[str, Sequence[Any]] | None = None,
         wrt: nnx.filterlib.Filter = nnx.Param,
         has_aux: bool = False,
@@ -137,10 +160,26 @@ class Population:
                 f"model_fn must be callable as model_fn(rngs) -> nnx.Module, got "
                 f"{type(model_fn).__name__}."
             )
-        tx = check_transform(tx)
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-        check_no_captured_nnx(loss_fn, "loss_fn")
+        if train_step is not None:
+            options = dict(
+                tx=tx is not None, loss_fn=loss_fn is not None, wrt=wrt is not nnx.Param,
+                has_aux=bool(has_aux), accumulate=accumulate != 1, rngs=rngs is not None,
+                metrics=metrics is not None, update_metrics=update_metrics is not None,
+            )  # fmt: skip
+            train_step = check_user_step(train_step, [k for k, v in options.items() if v])
+            wrt = None
+        else:
+            if tx is None or loss_fn is None:
+                raise TypeError(
+                    "Population needs an optax transform and a loss, Population(model_fn, "
+                    "optax.adam(1e-3), loss_fn, seeds=[...]), or your own step: "
+                    "Population(model_fn, train_step=step, seeds=[...]) with a "
+                    "nnxscan.pure.Step."
+                )
+            tx = check_transform(tx)
+            if not callable(loss_fn):
+                raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+            check_no_captured_nnx(loss_fn, "loss_fn")
         seeds = check_seeds(seeds)
         hyperparams = check_hyperparams(hyperparams, len(seeds))
         if on_nonfinite not in _NONFINITE_POLICIES:
@@ -164,27 +203,35 @@ class Population:
             mesh, data_axis, fsdp_min_size, member_axis, rules=shardings, tx=tx, wrt=wrt,
             members=len(seeds),
         )  # fmt: skip
+        if train_step is not None:
+            init_opt = train_step.init
+            program = step_program(train_step, on_nonfinite)
+        else:
+            init_opt = functools.partial(_init_optax, tx, wrt)
+            program = train_program(
+                loss_fn, tx, wrt, bool(has_aux), on_nonfinite, accumulate, rngs is not None,
+                update_metrics,
+            )  # fmt: skip
         self._config = dict(
-            model_fn=model_fn, tx=tx, loss_fn=loss_fn, wrt=wrt, has_aux=bool(has_aux),
+            model_fn=model_fn, tx=tx, loss_fn=loss_fn, wrt=wrt, has_aux=program.has_aux,
             on_nonfinite=on_nonfinite, accumulate=accumulate, update_metrics=update_metrics,
             seeds=seeds, hyperparams={k: list(v) for k, v in hyperparams.items()},
+            train_step=train_step,
         )  # fmt: skip
         # Members are built on the mesh they train on (mesh=, else the context's): a layer
         # annotated with with_partitioning is sharded as it is created, which needs the
         # mesh in context, so no jax.set_mesh is needed around the Population.
         with placement.bound().context():
-            check_hyperparam_names(model_fn, tx, wrt, seeds[0], hyperparams)
-            self._owner = build_members(
-                model_fn, tx, wrt, seeds, hyperparams, rngs=rngs, metrics=metrics
+            check_hyperparam_names(
+                model_fn, init_opt, seeds[0], hyperparams, step=train_step is not None
             )
-        program = train_program(
-            loss_fn, tx, wrt, bool(has_aux), on_nonfinite, accumulate, rngs is not None,
-            update_metrics,
-        )  # fmt: skip
+            self._owner = build_members(
+                model_fn, init_opt, seeds, hyperparams, rngs=rngs, metrics=metrics
+            )
         self._engine = Engine(
             program=program, owner=self._owner, placement=placement,
             explicit_plan=explicit_plan, members=MemberLayout(), subject=self,
-            loss_fn=loss_fn, has_aux=bool(has_aux), update_metrics=update_metrics,
+            loss_fn=loss_fn, has_aux=program.has_aux, update_metrics=update_metrics,
             rngs=rngs,
         )  # fmt: skip
         #: Set by a callback (``EarlyStopping``) to end ``fit`` after the current call.
@@ -204,10 +251,14 @@ class Population:
 
     seeds = Config("Each member's seed (its initialization and its shuffle).")
     model_fn = Config("``model_fn(rngs) -> nnx.Module``, which built every member.")
-    tx = Config("The optax transform of every member.")
-    loss_fn = Config("The loss the compiled step was built from.")
-    wrt = Config("The filter of the trained variables.")
-    has_aux = Config("Whether ``loss_fn`` returns ``(loss, aux)``.")
+    tx = Config("The optax transform of every member (None with ``train_step``).")
+    loss_fn = Config("The loss the compiled step was built from (None with ``train_step``).")
+    wrt = Config("The filter of the trained variables (None with ``train_step``).")
+    has_aux = Config("Whether the step reports ``(loss, aux)``.")
+    train_step = Config(
+        "The user's ``nnxscan.pure.Step`` every member trains with, or None for the step "
+        "built from ``loss_fn`` and ``tx``."
+    )
     on_nonfinite = Config('The non-finite policy: ``"ignore"``, ``"skip"`` or ``"stop"``.')
     accumulate = Config("Micro-batches per step (1: none).")
     update_metrics = Config("The NNX metrics update run inside the step, when given.")
@@ -405,6 +456,8 @@ class Population:
           >>> history.epochs[-1]["loss"]      # one mean loss per member
           array([0.31, 0.29, 0.35, 0.30], dtype=float32)
         """
+        if options.get("eval_data") is not None and options.get("metric_fn") is None:
+            self._needs_metric_fn("evaluation during fit")
         checked = fit_options(
             self._engine, data, epochs, options, run_keys={"shared_order": bool(shared_order)},
             member_batches=member_batches, front_end="fit",
@@ -463,7 +516,18 @@ class Population:
           >>> pop.evaluate(test, accuracy, batch_size=256)
           {'accuracy': array([0.95, 0.97, 0.96, 0.91], dtype=float32)}
         """
+        if metric_fn is None:
+            self._needs_metric_fn("evaluate")
         values = evaluate(self._engine, data, metric_fn, batch_size=batch_size, eval_mode=eval_mode)
         values = {k: np.asarray(v, np.float32) for k, v in values.items()}
         self._latest.update(values)
         return values
+
+    def _needs_metric_fn(self, what: str) -> None:
+        """A population of a user's step has no NNX metrics fed by a loss: only a metric_fn."""
+        if self.train_step is not None:
+            raise ValueError(
+                f"{what} of a Population(train_step=...) needs a metric_fn(model, batch): "
+                f"its step computes its loss itself, so there is no loss_fn to feed NNX "
+                f"metrics with."
+            )
