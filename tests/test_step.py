@@ -171,3 +171,31 @@ def test_a_transform_needing_another_argument_is_named():
     batch = jax.tree.map(lambda v: v[:8], _regression())
     with pytest.raises(TypeError, match=r"value=.*grad=.*value_fn=.*weather.*your own Step"):
         jax.jit(step.update, static_argnums=0)(graphdef, state, step.init(graphdef, state), batch)
+
+
+def test_a_frozen_member_stays_put_when_its_step_updates_the_merged_module_in_place(data):
+    """``nnx.merge`` shares the given state's Variables; a step that ``nnx.update``s the
+    merged module writes into them. A frozen member must still keep its old state."""
+    from nnxscan.pure import scan_member_steps, stack_states
+
+    tx = optax.sgd(0.5)
+
+    def update(graphdef, state, opt_state, batch):
+        model = nnx.merge(graphdef, state)
+        grads = nnx.grad(xent)(model, batch)
+        nnx.update(
+            model, jax.tree.map(lambda p, g: p - 0.5 * g, nnx.state(model, nnx.Param), grads)
+        )
+        return nnx.state(model), opt_state, xent(model, batch)
+
+    step = Step(lambda g, s: init_opt_state(tx, s), update)
+    graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
+    states = stack_states([state, state])
+    indices = jnp.broadcast_to(jnp.arange(16).reshape(2, 8), (2, 2, 8))
+    run = jax.jit(lambda s: scan_member_steps(
+        step, graphdef, s, (), data, indices, active=jnp.array([True, False])))  # fmt: skip
+    new_states, _, _ = run(states)
+    for old, new in zip(jax.tree.leaves(states), jax.tree.leaves(new_states), strict=True):
+        np.testing.assert_array_equal(new[1], old[1])  # frozen: unchanged
+    assert any(not np.array_equal(n[0], o[0]) for o, n in
+               zip(jax.tree.leaves(states), jax.tree.leaves(new_states), strict=True))  # fmt: skip
