@@ -31,6 +31,11 @@ __all__ = ["LRFinderResult", "find_learning_rate"]
 
 #: The default ``tolerance`` of the suggestion rule (10% above the best final loss).
 DEFAULT_TOLERANCE = 0.1
+#: A rate whose final loss ends above this many times the starting loss diverged (the
+#: factor fastai's range test stops at): far enough above the start that a rate too small
+#: to learn, whose final loss is the starting loss give or take a batch's noise, is not
+#: taken for one that blew up.
+DIVERGENCE_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,9 @@ class LRFinderResult:
         from its first non-finite step on.
       final_losses: each rate's final loss, shape ``(N,)``: the mean of its last
         ``window`` losses (NaN for a rate whose loss became non-finite).
-      diverged: shape ``(N,)`` bool: the rate's loss became non-finite (NaN or inf), or its
-        final loss ended above the loss every copy started from (``losses[0]``).
+      diverged: shape ``(N,)`` bool: the rate blew up: its loss became non-finite (NaN or
+        inf), or its final loss is above 4 times the loss every copy started from
+        (``losses[0]``; precisely ``start + 3 * |start|``).
       window: how many final steps ``final_losses`` averages.
       tolerance: the tolerance ``suggestion`` was chosen with (see :meth:`suggest`).
       suggestion: the suggested learning rate (see :meth:`suggest`), or None when every
@@ -180,7 +186,7 @@ class LRFinderResult:
             finals.axhspan(lowest, lowest + self.tolerance * abs(lowest), color="C2", alpha=0.15,
                            lw=0, label=f"within {self.tolerance:.0%} of the lowest")  # fmt: skip
         # A diverged rate is a cross: at its final loss when that is finite (it ended above
-        # the starting loss), else at the top of the panel.
+        # 4x the starting loss), else at the top of the panel.
         above = self.diverged & np.isfinite(self.final_losses)
         if above.any():
             finals.plot(rates[above], self.final_losses[above], "x", color="C3", ms=7,
@@ -240,7 +246,7 @@ def find_learning_rate(
     The suggestion (:meth:`LRFinderResult.suggest`): the SMALLEST rate whose final loss
     (the mean of its last ``window`` losses) is within ``tolerance`` of the lowest final
     loss, ``final <= best + tolerance * |best|``, among the rates that did not diverge (a
-    non-finite loss, or a final loss above the starting loss).
+    non-finite loss, or a final loss above 4 times the starting loss).
 
     Args:
       model_fn: ``model_fn(rngs) -> nnx.Module``, called with ``nnx.Rngs(seed)``.
@@ -329,7 +335,9 @@ def find_learning_rate(
     after = np.cumsum(nonfinite, axis=0) > 0
     losses[after] = np.nan
     final = losses[-window:].mean(axis=0)
-    diverged = after.any(axis=0) | ~population.active | (final > losses[0])
+    start = losses[0]  # the same for every rate: the same weights on the same first batch
+    blown = final > start + (DIVERGENCE_FACTOR - 1) * np.abs(start)
+    diverged = after.any(axis=0) | ~population.active | blown
     result = LRFinderResult(
         learning_rates=rates, losses=losses, final_losses=final, diverged=diverged,
         window=window, tolerance=tolerance, suggestion=None,
