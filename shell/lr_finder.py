@@ -56,6 +56,13 @@ class LRFinderResult:
       tolerance: the tolerance ``suggestion`` was chosen with (see :meth:`suggest`).
       suggestion: the suggested learning rate (see :meth:`suggest`), or None when every
         rate diverged.
+
+    Example:
+      >>> result = find_learning_rate(MLP, loss_fn, data, batch_size=32)
+      >>> result.losses.shape, result.suggestion
+      ((300, 16), 0.0031622776601683794)
+      >>> model = MLP(nnx.Rngs(0))
+      >>> Trainer(model, optax.adam(result.suggestion), loss_fn).fit(data, epochs=5, batch_size=32)
     """
 
     learning_rates: np.ndarray

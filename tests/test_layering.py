@@ -264,7 +264,7 @@ PUBLIC = {
     "nnxscan.shell": {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
         "enable_compilation_cache", "Preempted", "NonFiniteLossWarning",
-        "Population", "train_tasks",
+        "Population", "train_tasks", "find_learning_rate", "LRFinderResult",
     },
 }  # fmt: skip
 

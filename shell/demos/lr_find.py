@@ -48,9 +48,9 @@ def run_lr_find_demo(
     plot = demo_plot_path(out_dir, "lr-find")
     result.plot(plot)
     print(
-        f"digits MLP learning-rate range test: {NUM_RATES} rates (Adam, batch {BATCH_SIZE}) "
-        f"trained side by side in one compiled program, {steps} steps each, from the same "
-        f"weights on the same batches; final loss = mean of the last {result.window} steps:"
+        f"digits MLP learning-rate range test: {NUM_RATES} rates of Adam, batch {BATCH_SIZE}, "
+        f"{steps} steps each,\ntrained side by side in one compiled program from the same "
+        f"weights on the same batches\n(final loss: the mean of the last {result.window} steps)"
     )
     print(result.table())
     if result.suggestion is None:
@@ -58,8 +58,8 @@ def run_lr_find_demo(
     else:
         print(
             f"suggested learning rate: {result.suggestion:.3g} (the smallest rate whose final "
-            f"loss is within {result.tolerance:.0%} of the lowest, among rates that did not "
-            f"diverge)"
+            f"loss is within {result.tolerance:.0%} of the lowest,\namong the rates that did "
+            f"not diverge)"
         )
     print(f"wrote {plot}")
     return {
