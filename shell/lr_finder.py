@@ -77,7 +77,8 @@ class LRFinderResult:
     def best(self) -> int | None:
         """The index of the rate with the lowest final loss among those that did not
         diverge (None when every rate diverged)."""
-        finite = np.where(self.diverged, np.inf, self.final_losses)
+        kept = ~self.diverged & np.isfinite(self.final_losses)
+        finite = np.where(kept, self.final_losses, np.inf)
         return None if np.isinf(finite).all() else int(np.argmin(finite))
 
     def suggest(self, tolerance: float | None = None) -> float | None:
@@ -108,7 +109,8 @@ class LRFinderResult:
         if best is None:
             return None
         lowest = self.final_losses[best]
-        near = ~self.diverged & (self.final_losses <= lowest + tolerance * abs(lowest))
+        kept = ~self.diverged & np.isfinite(self.final_losses)
+        near = kept & (self.final_losses <= lowest + tolerance * abs(lowest))
         return float(self.learning_rates[np.flatnonzero(near)[0]])
 
     def table(self) -> str:
