@@ -11,6 +11,8 @@ It compiles the pure core, writes trained state back into the user's ``nnx.Modul
 - :class:`FitArguments`: the options ``Trainer.fit`` and ``Population.fit`` share, each
   documented once.
 - :class:`History`: what ``fit`` returns (losses, epoch logs, ``plot``).
+- :func:`find_learning_rate`: a learning-rate range test, N rates trained side by side
+  in one compiled program (:class:`LRFinderResult`: curves, suggestion, ``plot``).
 - :class:`Plan`: how the steps are executed (``"scan"``, ``"unrolled"``, ``"step"``).
 - :func:`enable_compilation_cache`: keep compiled programs on disk, so a second process
   compiles nothing.
@@ -41,6 +43,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on 
     from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
     from nnxscan.shell.continual import train_tasks
     from nnxscan.shell.history import History
+    from nnxscan.shell.lr_finder import LRFinderResult, find_learning_rate
     from nnxscan.shell.population import Population
     from nnxscan.shell.scan_train import scan_train
     from nnxscan.shell.trainer import Trainer
@@ -52,6 +55,7 @@ _PUBLIC = {
     "EarlyStopping": "nnxscan.shell.callbacks",
     "FitArguments": "nnxscan.shell._options",
     "History": "nnxscan.shell.history",
+    "LRFinderResult": "nnxscan.shell.lr_finder",
     "LambdaCallback": "nnxscan.shell.callbacks",
     "NonFiniteLossWarning": "nnxscan.shell._fit",
     "Plan": "nnxscan.shell._plans",
@@ -59,6 +63,7 @@ _PUBLIC = {
     "Preempted": "nnxscan.shell._fit",
     "Trainer": "nnxscan.shell.trainer",
     "enable_compilation_cache": "nnxscan.shell._compile_cache",
+    "find_learning_rate": "nnxscan.shell.lr_finder",
     "scan_train": "nnxscan.shell.scan_train",
     "train_tasks": "nnxscan.shell.continual",
 }
@@ -67,6 +72,7 @@ __all__ = [
     "EarlyStopping",
     "FitArguments",
     "History",
+    "LRFinderResult",
     "LambdaCallback",
     "NonFiniteLossWarning",
     "Plan",
@@ -74,6 +80,7 @@ __all__ = [
     "Preempted",
     "Trainer",
     "enable_compilation_cache",
+    "find_learning_rate",
     "scan_train",
     "train_tasks",
 ]

@@ -15,6 +15,7 @@ DEMOS = {
     "digits": "an MLP on scikit-learn's digits (the default)",
     "hypernet": "one hypernetwork learns a family of sine functions",
     "hypernet-cl": "tasks in sequence: a hypernetwork remembers, fine-tuning forgets",
+    "lr-find": "16 learning rates of the digits MLP side by side in one program",
     "ppo": "PPO on CartPole, --seeds N runs vmapped in one jit (needs [rl])",
     "sweep": "a learning-rate x seed sweep: 16 MLPs in one compiled program",
 }
@@ -66,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
         help="ppo: train N seeds (seed, seed+1, ...) vmapped in one program (default: 1)",
     )  # fmt: skip
     demo.add_argument(
+        "--steps", type=int, default=300, metavar="N",
+        help="lr-find: steps each learning rate trains (default: 300)",
+    )  # fmt: skip
+    demo.add_argument(
         "--no-progress", action="store_true",
         help="show no progress bar (and, off a terminal, no line per epoch)",
     )  # fmt: skip
@@ -113,6 +118,10 @@ def _run_demo(args: argparse.Namespace) -> None:
         from nnxscan.shell.demos.hypernet_cl import run_hypernet_cl_demo
 
         run_hypernet_cl_demo(args.out, seed=args.seed, progress=not args.no_progress)
+    elif args.name == "lr-find":
+        from nnxscan.shell.demos.lr_find import run_lr_find_demo
+
+        run_lr_find_demo(args.out, steps=args.steps, seed=args.seed, progress=not args.no_progress)
     elif args.name == "ppo":
         from nnxscan.shell.demos.ppo_demo import run_ppo_demo
 

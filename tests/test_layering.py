@@ -335,7 +335,8 @@ PUBLIC = {
     "nnxscan.shell": {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
         "enable_compilation_cache", "Preempted", "NonFiniteLossWarning",
-        "Population", "train_tasks", "FitArguments",
+        "Population", "train_tasks", "FitArguments", "find_learning_rate",
+        "LRFinderResult",
     },
 }  # fmt: skip
 
