@@ -37,7 +37,7 @@ def tree_select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def fresh_nodes(*trees: Any) -> tuple:
+def _fresh_nodes(*trees: Any) -> tuple:
     """New pytree nodes (Variables, States) over the same arrays, for the step to take.
 
     A step that merges its state (``nnx.merge``, ``copy=False`` by default) and updates
@@ -63,7 +63,7 @@ def halt_after_nonfinite(step: Any, *, has_aux: bool = False) -> Any:
 
     def halting(graphdef: nnx.GraphDef, state: nnx.State, carry: Any, batch: Any):
         opt_state, halted = carry
-        new_state, new_opt_state, out = step(graphdef, *fresh_nodes(state, opt_state), batch)
+        new_state, new_opt_state, out = step(graphdef, *_fresh_nodes(state, opt_state), batch)
         loss = out[0] if has_aux else out
         stop = halted | ~jnp.isfinite(loss)
         state = tree_select(stop, state, new_state)
@@ -103,7 +103,7 @@ def skip_nonfinite(step: Any, *, has_aux: bool | None = None) -> Any:
     update = step.update if isinstance(step, Step) else step
 
     def skipping(graphdef: nnx.GraphDef, state: nnx.State, opt_state: Any, batch: Any):
-        new_state, new_opt_state, out = update(graphdef, *fresh_nodes(state, opt_state), batch)
+        new_state, new_opt_state, out = update(graphdef, *_fresh_nodes(state, opt_state), batch)
         loss = out[0] if has_aux else out
         ok = jnp.isfinite(loss) & all_finite(new_state, new_opt_state)
         state = tree_select(ok, new_state, state)

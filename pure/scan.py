@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscan.pure import _loops, batching, checks
-from nnxscan.pure.nonfinite import fresh_nodes, tree_select
+from nnxscan.pure.nonfinite import _fresh_nodes, tree_select
 from nnxscan.pure.train_step import StepFn
 
 __all__ = ["scan_indexed_steps", "scan_member_steps", "scan_steps"]
@@ -144,7 +144,7 @@ def _frozen_aware(step: StepFn, active: jax.Array) -> StepFn:
 
     def guarded(graphdef, state, opt_state, batch):
         # Fresh nodes: a step that merges and updates its module writes into them.
-        new_state, new_opt_state, out = step(graphdef, *fresh_nodes(state, opt_state), batch)
+        new_state, new_opt_state, out = step(graphdef, *_fresh_nodes(state, opt_state), batch)
         state = tree_select(active, new_state, state)
         return state, tree_select(active, new_opt_state, opt_state), out
 
