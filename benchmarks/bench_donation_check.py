@@ -29,8 +29,8 @@ import optax
 from flax import nnx
 
 from nnxscan.shell import LambdaCallback, Trainer, _calls
-from nnxscan.shell._owner import ModelOwner
-from nnxscan.shell._placement import Placement
+from nnxscan.shell._engine.owner import ModelOwner
+from nnxscan.shell._engine.placement import Placement
 
 
 class MLP(nnx.Module):

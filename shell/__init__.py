@@ -36,10 +36,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on first use
-    from nnxscan.shell._compile_cache import enable_compilation_cache
-    from nnxscan.shell._fit import NonFiniteLossWarning, Preempted
-    from nnxscan.shell._options import FitArguments
-    from nnxscan.shell._plans import Plan
+    from nnxscan.shell._edges.compile_cache import enable_compilation_cache
+    from nnxscan.shell._engine.fit import NonFiniteLossWarning, Preempted
+    from nnxscan.shell._engine.options import FitArguments
+    from nnxscan.shell._engine.plans import Plan
     from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
     from nnxscan.shell.continual import train_tasks
     from nnxscan.shell.history import History
@@ -53,16 +53,16 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on 
 # --help`` answers before jax would have finished importing (PEP 562).
 _PUBLIC = {
     "EarlyStopping": "nnxscan.shell.callbacks",
-    "FitArguments": "nnxscan.shell._options",
+    "FitArguments": "nnxscan.shell._engine.options",
     "History": "nnxscan.shell.history",
     "LRFinderResult": "nnxscan.shell.lr_finder",
     "LambdaCallback": "nnxscan.shell.callbacks",
-    "NonFiniteLossWarning": "nnxscan.shell._fit",
-    "Plan": "nnxscan.shell._plans",
+    "NonFiniteLossWarning": "nnxscan.shell._engine.fit",
+    "Plan": "nnxscan.shell._engine.plans",
     "Population": "nnxscan.shell.population",
-    "Preempted": "nnxscan.shell._fit",
+    "Preempted": "nnxscan.shell._engine.fit",
     "Trainer": "nnxscan.shell.trainer",
-    "enable_compilation_cache": "nnxscan.shell._compile_cache",
+    "enable_compilation_cache": "nnxscan.shell._edges.compile_cache",
     "find_learning_rate": "nnxscan.shell.lr_finder",
     "scan_train": "nnxscan.shell.scan_train",
     "train_tasks": "nnxscan.shell.continual",

@@ -27,8 +27,8 @@ from flax import nnx
 
 from nnxscan.adapters.distributed import is_primary
 from nnxscan.pure import select_members
-from nnxscan.shell._stop_events import record_early_stopping
-from nnxscan.shell._warn import warn
+from nnxscan.shell._edges.stop_events import record_early_stopping
+from nnxscan.shell._edges.warn import warn
 
 __all__ = ["EarlyStopping", "LambdaCallback"]
 

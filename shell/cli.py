@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from nnxscan.shell._compile_cache import DEFAULT_DIR
+from nnxscan.shell._edges.compile_cache import DEFAULT_DIR
 
 __all__ = ["main"]
 

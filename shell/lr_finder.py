@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from nnxscan.adapters._extras import require_extra
-from nnxscan.shell._streaming import CHUNK_BYTES, is_stream
+from nnxscan.shell._engine.streaming import CHUNK_BYTES, is_stream
 from nnxscan.shell.population import Population
 
 __all__ = ["LRFinderResult", "find_learning_rate"]

@@ -36,20 +36,20 @@ from nnxscan.pure.checks import (
     check_transform,
 )
 from nnxscan.shell._config import Config
-from nnxscan.shell._engine import Engine
-from nnxscan.shell._evaluation import evaluate
-from nnxscan.shell._members import build_members
-from nnxscan.shell._options import FitArguments, fit_options
-from nnxscan.shell._owner import check_companions
-from nnxscan.shell._placement import Placement
-from nnxscan.shell._plans import Plan, resolve_plan
+from nnxscan.shell._engine.engine import Engine
+from nnxscan.shell._engine.evaluation import evaluate
+from nnxscan.shell._engine.members import build_members
+from nnxscan.shell._engine.options import FitArguments, fit_options
+from nnxscan.shell._engine.owner import check_companions
+from nnxscan.shell._engine.placement import Placement
+from nnxscan.shell._engine.plans import Plan, resolve_plan
+from nnxscan.shell._engine.programs import MemberLayout, step_program, train_program
 from nnxscan.shell._population_checks import (
     check_hyperparam_names,
     check_hyperparams,
     check_seeds,
     check_user_step,
 )
-from nnxscan.shell._programs import MemberLayout, step_program, train_program
 from nnxscan.shell.history import History
 
 __all__ = ["Population"]

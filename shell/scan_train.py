@@ -12,14 +12,14 @@ import numpy as np
 from flax import nnx
 
 from nnxscan.pure.checks import abstract_batch, check_batch_size, check_leading_size
-from nnxscan.shell._calls import LiveState, plan_calls, run_calls
-from nnxscan.shell._engine import Engine
-from nnxscan.shell._epochs import ArrayEpochs, EpochStats
+from nnxscan.shell._engine.calls import LiveState, plan_calls, run_calls
+from nnxscan.shell._engine.engine import Engine
+from nnxscan.shell._engine.epochs import ArrayEpochs, EpochStats
+from nnxscan.shell._engine.owner import ModelOwner
+from nnxscan.shell._engine.placement import Placement, device_of
+from nnxscan.shell._engine.plans import Plan, resolve_plan
+from nnxscan.shell._engine.programs import train_program
 from nnxscan.shell._module_check import check_module
-from nnxscan.shell._owner import ModelOwner
-from nnxscan.shell._placement import Placement, device_of
-from nnxscan.shell._plans import Plan, resolve_plan
-from nnxscan.shell._programs import train_program
 
 __all__ = ["scan_train"]
 

@@ -1,7 +1,7 @@
 """The Trainer: scanned epochs on the user's own NNX module and optimizer.
 
 ``Trainer`` checks its arguments and delegates to the one fit engine (``_engine.Engine``,
-shared with ``Population``): a :class:`~nnxscan.shell._owner.ModelOwner` reads and writes
+shared with ``Population``): a :class:`~nnxscan.shell._engine.owner.ModelOwner` reads and writes
 the user's objects, a compiled program from ``_programs`` runs the pure step, and
 ``_fit.FitLoop`` runs the epochs with callbacks, evaluation, checkpoints and progress.
 """
@@ -20,13 +20,13 @@ from flax import nnx
 from nnxscan.pure import Step
 from nnxscan.pure.checks import abstract_batch, check_count, check_no_captured_nnx
 from nnxscan.shell._config import Config
-from nnxscan.shell._engine import Engine
-from nnxscan.shell._evaluation import evaluate
-from nnxscan.shell._options import FitArguments, fit_options
-from nnxscan.shell._owner import ModelOwner
-from nnxscan.shell._placement import Placement
-from nnxscan.shell._plans import Plan, resolve_plan
-from nnxscan.shell._programs import (
+from nnxscan.shell._engine.engine import Engine
+from nnxscan.shell._engine.evaluation import evaluate
+from nnxscan.shell._engine.options import FitArguments, fit_options
+from nnxscan.shell._engine.owner import ModelOwner
+from nnxscan.shell._engine.placement import Placement
+from nnxscan.shell._engine.plans import Plan, resolve_plan
+from nnxscan.shell._engine.programs import (
     TrainProgram,
     nnx_step_program,
     step_program,

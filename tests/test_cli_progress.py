@@ -18,7 +18,7 @@ from flax import nnx
 from rich.console import Console
 
 from nnxscan.shell import Trainer
-from nnxscan.shell._progress import RunProgress
+from nnxscan.shell._edges.progress import RunProgress
 from nnxscan.shell.cli import main
 
 from conftest import MLP, xent

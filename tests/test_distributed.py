@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnxscan.shell import Trainer
-from nnxscan.shell._placement import fsdp_spec
+from nnxscan.shell._engine.placement import fsdp_spec
 
 from conftest import run_together
 

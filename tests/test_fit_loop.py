@@ -216,7 +216,7 @@ def test_the_write_back_puts_a_carry_into_the_users_variables_as_nnx_update_does
     the structure it read); any other carry goes through nnx.update. The reference: fresh
     objects updated by nnx.update with the same carry."""
     from nnxscan.adapters.nnx_optimizer import optimizer_state_writer
-    from nnxscan.shell._owner import ModelOwner
+    from nnxscan.shell._engine.owner import ModelOwner
 
     def objects():
         model = MLP(rngs=nnx.Rngs(0))

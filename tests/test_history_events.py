@@ -17,7 +17,7 @@ from flax import nnx
 
 from nnxscan.adapters.checkpoint import CheckpointWriter
 from nnxscan.shell import EarlyStopping, History, Population, Trainer
-from nnxscan.shell._checkpointing import RunLog
+from nnxscan.shell._edges.checkpointing import RunLog
 
 from conftest import MLP, make_data, state_arrays, xent
 

@@ -319,7 +319,7 @@ def test_only_the_owner_calls_nnx_update_in_the_shell():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "nnx.update":
                 callers.add(str(path.relative_to(ROOT)))
-    assert callers == {"shell/_owner.py"}
+    assert callers == {"shell/_engine/owner.py"}
 
 
 PUBLIC = {

@@ -19,7 +19,7 @@ from flax import nnx
 from nnxscan.adapters import _checkpoint_files as files
 from nnxscan.adapters.checkpoint import CheckpointWriter, all_steps, read_log
 from nnxscan.shell import History, Trainer
-from nnxscan.shell._checkpointing import RunLog
+from nnxscan.shell._edges.checkpointing import RunLog
 
 from conftest import MLP, BNDropout, assert_trees_close, make_data, state_arrays, xent
 

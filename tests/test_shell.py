@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from nnxscan.shell import Plan, Trainer, scan_train
-from nnxscan.shell import _programs as programs_module
+from nnxscan.shell._engine import programs as programs_module
 
 from conftest import (
     MLP,
@@ -245,7 +245,7 @@ def test_progress_bar_in_a_terminal_shows_loss_rate_and_eta():
     import jax.numpy as jnp
     from rich.console import Console
 
-    from nnxscan.shell._progress import RunProgress
+    from nnxscan.shell._edges.progress import RunProgress
 
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=120)

@@ -358,7 +358,7 @@ def test_bad_streams_raise_before_training(batches):
 
 
 def test_is_stream_rule():
-    from nnxscan.shell._streaming import is_stream
+    from nnxscan.shell._engine.streaming import is_stream
 
     x = np.zeros((4, 2))
     assert not is_stream({"x": x}) and not is_stream((x, x)) and not is_stream(x)

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from nnxscan.shell import Population, Trainer, scan_train
-from nnxscan.shell._trace_notes import NOTE_HEADER, noting_batch
+from nnxscan.shell._engine.trace_notes import NOTE_HEADER, noting_batch
 
 N, BATCH, EVAL_BATCH = 32, 8, 12
 

@@ -7,7 +7,7 @@ protocol and never asks which kind it has. Two kinds exist:
   the only code in nnxscan that calls ``nnx.update`` on them. There is ONE step counter:
   with an ``nnx.Optimizer`` its ``step`` is the truth (``trainer.step`` reads it,
   checkpoints save and restore it); without one the owner counts.
-- :class:`~nnxscan.shell._members.StackedOwner` holds a population's members stacked along
+- :class:`~nnxscan.shell._engine.members.StackedOwner` holds a population's members stacked along
   a leading axis (no user object), which members still train, and their seeds.
 """
 

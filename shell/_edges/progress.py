@@ -26,7 +26,7 @@ from rich.progress import (
 )
 from rich.table import Column
 
-from nnxscan.shell._placement import to_host
+from nnxscan.shell._engine.placement import to_host
 
 LINE_EVERY_S = 10.0
 BAR_WIDTH = 16

@@ -21,9 +21,9 @@ import numpy as np
 from nnxscan.adapters.data import to_numpy
 from nnxscan.pure import epoch_order
 from nnxscan.pure.batching import cut_batches
-from nnxscan.shell._calls import Call, plan_calls
-from nnxscan.shell._plans import Plan
-from nnxscan.shell._streaming import BatchChecker, ChunkStream, EpochSource
+from nnxscan.shell._engine.calls import Call, plan_calls
+from nnxscan.shell._engine.plans import Plan
+from nnxscan.shell._engine.streaming import BatchChecker, ChunkStream, EpochSource
 
 
 class EpochStats:

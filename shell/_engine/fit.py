@@ -5,7 +5,7 @@ Per compiled call it does no host sync (the progress bar shows the newest loss a
 the host side); per epoch it makes one: reading the epoch's losses for the logs.
 
 :class:`FitLoop` gets narrow inputs: the compiled program and how to execute it, the
-:class:`~nnxscan.shell._owner.Owner` (one model, or members stacked), the runner factory,
+:class:`~nnxscan.shell._engine.owner.Owner` (one model, or members stacked), the runner factory,
 the callbacks, the progress switch, the evaluation and the checkpoints. It never reads the
 Trainer or the Population; the only object it shares with the callbacks is the ``subject``
 they receive, whose public ``stop_training`` flag it sets (False, as fit starts) and reads.
@@ -23,9 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from nnxscan.adapters.distributed import is_primary
-from nnxscan.shell._calls import Execution, LiveState, NonFiniteStop, run_calls
-from nnxscan.shell._epochs import Epochs, EpochStats
-from nnxscan.shell._logs import (
+from nnxscan.shell._edges.logs import (
     empty_losses,
     epoch_logs,
     host_outputs,
@@ -33,11 +31,13 @@ from nnxscan.shell._logs import (
     prepend_losses,
     split_steps,
 )
-from nnxscan.shell._owner import Owner
-from nnxscan.shell._placement import Placement, device_of
-from nnxscan.shell._programs import TrainProgram
-from nnxscan.shell._progress import RunProgress
-from nnxscan.shell._warn import warn
+from nnxscan.shell._edges.progress import RunProgress
+from nnxscan.shell._edges.warn import warn
+from nnxscan.shell._engine.calls import Execution, LiveState, NonFiniteStop, run_calls
+from nnxscan.shell._engine.epochs import Epochs, EpochStats
+from nnxscan.shell._engine.owner import Owner
+from nnxscan.shell._engine.placement import Placement, device_of
+from nnxscan.shell._engine.programs import TrainProgram
 from nnxscan.shell.history import History
 
 # At most this many steps in one fused call of several epochs: the progress bar still

@@ -2,7 +2,7 @@
 
 A population writes to no user object: ``member(i)`` hands out fresh modules. So this owner
 keeps the stacked ``(state, opt_state)`` itself, with the counters the fit engine reads
-through the :class:`~nnxscan.shell._owner.Owner` protocol, which members still train
+through the :class:`~nnxscan.shell._engine.owner.Owner` protocol, which members still train
 (:attr:`active`), their seeds, and what a restore must match (seeds, hyperparameters, the
 run's ``shared_order``). Each member's state is that of its node: the model, or
 ``(model, rngs, metrics)`` when the population carries call-time Rngs or NNX metrics.
@@ -25,10 +25,10 @@ from nnxscan.pure import (
     with_hyperparams,
 )
 from nnxscan.pure.companions import node_of, unpack
-from nnxscan.shell._owner import Writer, check_meta_ints, metric_logs
+from nnxscan.shell._edges.warn import warn
+from nnxscan.shell._engine.owner import Writer, check_meta_ints, metric_logs
+from nnxscan.shell._engine.programs import member_metrics
 from nnxscan.shell._population_checks import call_model_fn
-from nnxscan.shell._programs import member_metrics
-from nnxscan.shell._warn import warn
 
 
 class StackedOwner:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from nnxscan.pure import hyperparam_value
-from nnxscan.shell._placement import to_host
+from nnxscan.shell._engine.placement import to_host
 
 RESERVED_LOGS = frozenset(
     {

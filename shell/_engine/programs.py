@@ -33,8 +33,8 @@ from nnxscan.pure import (
 )
 from nnxscan.pure.batching import constrain_sharding
 from nnxscan.pure.companions import unpack
-from nnxscan.shell._plans import StepTraits, step_traits
-from nnxscan.shell._trace_notes import noting_batch
+from nnxscan.shell._engine.plans import StepTraits, step_traits
+from nnxscan.shell._engine.trace_notes import noting_batch
 
 _MAX_CACHED = 32
 _TRAIN: OrderedDict[Hashable, TrainProgram] = OrderedDict()

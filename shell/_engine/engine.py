@@ -3,14 +3,14 @@
 A front-end checks its own arguments, then hands the engine what differs between them,
 declared rather than duplicated:
 
-- an owner (:class:`~nnxscan.shell._owner.ModelOwner`, or the members'
-  :class:`~nnxscan.shell._members.StackedOwner`),
+- an owner (:class:`~nnxscan.shell._engine.owner.ModelOwner`, or the members'
+  :class:`~nnxscan.shell._engine.members.StackedOwner`),
 - a member layout for the runner (``None``: one model; else the members vmapped),
 - the shuffle seeds of the run (one seed, or one per member).
 
 Everything else is written once, here and in ``_fit``: the fit-time checks, the plan, the
 epoch source (arrays or streams), evaluation during fit, checkpoints, resume, and the
-call to the one :class:`~nnxscan.shell._fit.FitLoop`.
+call to the one :class:`~nnxscan.shell._engine.fit.FitLoop`.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ from nnxscan.pure.checks import (
     check_count,
     check_leading_size,
 )
-from nnxscan.shell import _checkpointing, _evaluation
-from nnxscan.shell._calls import Execution, prepare_execution
-from nnxscan.shell._epochs import (
+from nnxscan.shell._edges import checkpointing as _checkpointing
+from nnxscan.shell._edges.logs import empty_losses
+from nnxscan.shell._engine import evaluation as _evaluation
+from nnxscan.shell._engine.calls import Execution, prepare_execution
+from nnxscan.shell._engine.epochs import (
     ArrayEpochs,
     Epochs,
     StepEpochs,
@@ -43,17 +45,16 @@ from nnxscan.shell._epochs import (
     peek_stream,
     with_steps_per_call,
 )
-from nnxscan.shell._fit import CallbackList, Checkpoints, FitLoop
-from nnxscan.shell._logs import empty_losses
-from nnxscan.shell._options import FitOptions
-from nnxscan.shell._owner import Owner
-from nnxscan.shell._placement import Placement, device_of
-from nnxscan.shell._plans import Plan
-from nnxscan.shell._programs import (
+from nnxscan.shell._engine.fit import CallbackList, Checkpoints, FitLoop
+from nnxscan.shell._engine.options import FitOptions
+from nnxscan.shell._engine.owner import Owner
+from nnxscan.shell._engine.placement import Placement, device_of
+from nnxscan.shell._engine.plans import Plan
+from nnxscan.shell._engine.programs import (
     MemberLayout,
     TrainProgram,
 )
-from nnxscan.shell._streaming import EpochSource, default_chunk_size, is_stream
+from nnxscan.shell._engine.streaming import EpochSource, default_chunk_size, is_stream
 from nnxscan.shell.history import History
 
 

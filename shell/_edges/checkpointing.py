@@ -2,7 +2,7 @@
 restored one reaches the owner.
 
 The orbax code lives in ``nnxscan.adapters.checkpoint`` and works on plain pytrees; the
-owner (:class:`~nnxscan.shell._owner.Owner`) decides what a checkpoint holds, checks a
+owner (:class:`~nnxscan.shell._engine.owner.Owner`) decides what a checkpoint holds, checks a
 restored one and writes it back.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from nnxscan.shell._owner import Owner
-from nnxscan.shell._placement import Placement
+from nnxscan.shell._engine.owner import Owner
+from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell.history import History
 
 

@@ -7,12 +7,13 @@ import pathlib
 import sys
 import warnings
 
-# The folders of nnxscan's packages (pure/, shell/, adapters/ of this checkout or install),
-# as Python names the files it runs, with links resolved and not.
+# The folders of nnxscan's packages (pure/, shell/, adapters/ of this checkout or install;
+# this file is shell/_edges/warn.py), as Python names the files it runs, with links
+# resolved and not.
 _PACKAGE_ROOTS = tuple(
     os.path.join(str(root), name) + os.sep
-    for root in {pathlib.Path(__file__).absolute().parent.parent,
-                 pathlib.Path(__file__).resolve().parent.parent}
+    for root in {pathlib.Path(__file__).absolute().parents[2],
+                 pathlib.Path(__file__).resolve().parents[2]}
     for name in ("pure", "shell", "adapters")
 )  # fmt: skip
 

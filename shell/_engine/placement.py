@@ -40,7 +40,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnxscan.shell._specs import (
+from nnxscan.shell._engine.specs import (
     annotated_spec,
     check_rules,
     fsdp_spec,

@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscan.shell._placement import Placement
-from nnxscan.shell._plans import Plan, choose_plan
-from nnxscan.shell._programs import TrainProgram
+from nnxscan.shell._engine.placement import Placement
+from nnxscan.shell._engine.plans import Plan, choose_plan
+from nnxscan.shell._engine.programs import TrainProgram
 
 
 class Execution(NamedTuple):
