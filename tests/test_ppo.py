@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
+from nnxscan.pure import make_train_step
 from nnxscan.shell.demos.ppo import (
     PPOConfig,
     annealed_learning_rate,
@@ -20,6 +21,7 @@ from nnxscan.shell.demos.ppo import (
     make_policy,
     make_ppo_train,
     make_update_epochs,
+    ppo_loss,
     ppo_optimizer,
 )
 from nnxscan.shell.demos.ppo_policy import (
@@ -173,6 +175,59 @@ def test_update_epochs_equal_purejaxrl_style_shuffled_minibatch_loop():
     got = nnx.to_pure_dict(new_state)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("vmapped", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_update_epochs_batch_bitwise_as_purejaxrl_permute_reshape_and_scan(vmapped):
+    """The update epochs' minibatches are PureJaxRL's: per epoch ``jax.random.permutation``
+    of the buffer, ``jnp.take`` of the shuffled copy, reshaped into ``num_minibatches`` and
+    ``lax.scan``-ned, with the same step: bitwise the same losses, aux, params and optimizer
+    state,
+    for one seed and vmapped over two (as the demo runs its seeds). The update gathers each
+    epoch's minibatches once, before its loop, as PureJaxRL does (``scan_indexed_steps``)."""
+    config = PPOConfig(num_envs=2, num_steps=16, update_epochs=2, num_minibatches=4)
+    n, minibatches = config.num_envs * config.num_steps, config.num_minibatches
+    graphdef, state = nnx.split(ActorCritic(4, 2, rngs=nnx.Rngs(0)))
+    tx = optax.sgd(0.05, momentum=0.9)  # any optimizer: the minibatches are what's checked
+    opt_state = tx.init(nnx.state(nnx.merge(graphdef, state), nnx.Param))
+    step = make_train_step(
+        lambda model, batch: ppo_loss(model, batch, clip_eps=0.2, vf_coef=0.5, ent_coef=0.01),
+        tx,
+        has_aux=True,
+    )
+
+    def purejaxrl_update(state, opt_state, buffer, key):  # their _update_epoch, written out
+        def update_epoch(carry, epoch_key):
+            permutation = jax.random.permutation(epoch_key, n)
+            shuffled = jax.tree.map(lambda x: jnp.take(x, permutation, axis=0), buffer)
+            batches = jax.tree.map(lambda x: x.reshape(minibatches, -1, *x.shape[1:]), shuffled)
+
+            def update_minibatch(carry, batch):
+                state, opt_state, out = step(graphdef, *carry, batch)
+                return (state, opt_state), out
+
+            return jax.lax.scan(update_minibatch, carry, batches)
+
+        keys = jax.random.split(key, config.update_epochs)
+        (state, opt_state), out = jax.lax.scan(update_epoch, (state, opt_state), keys)
+        return state, opt_state, out
+
+    ours = make_update_epochs(graphdef, tx, config)
+    buffers = [_random_buffer(n, seed) for seed in (0, 1)]
+    keys = jax.random.split(jax.random.key(5), 2)
+    one = (state, opt_state, buffers[0], keys[0])
+    both = (
+        *jax.tree.map(lambda x: jnp.stack([x, x]), (state, opt_state)),
+        jax.tree.map(lambda *x: jnp.stack(x), *buffers),
+        keys,
+    )
+    program, args = (lambda f: jax.jit(jax.vmap(f)), both) if vmapped else (jax.jit, one)
+    got, want = program(ours)(*args), program(purejaxrl_update)(*args)
+    assert got[2][0].shape[-2:] == (config.update_epochs, minibatches)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    if vmapped:  # the seeds' runs differ (the vmapped axis is not broadcast)
+        assert not np.array_equal(np.asarray(got[2][0][0]), np.asarray(got[2][0][1]))
 
 
 # -- pieces against closed forms -------------------------------------------------------------

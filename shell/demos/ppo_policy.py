@@ -61,8 +61,7 @@ def orthogonal_kernels(
             raise ValueError(f"orthogonal() initializes 2-D kernels, got shape {shape}.")
     size = max(max(shape) for shape in shapes)
     padded = []
-    for key, shape in zip(keys, shapes, strict=True):
-        tall = jax.random.normal(key, (max(shape), min(shape)), dtype)
+    for tall in _gaussians(keys, [(max(shape), min(shape)) for shape in shapes], dtype):
         padded.append(jnp.zeros((size, size), dtype).at[: tall.shape[0], : tall.shape[1]].set(tall))
     q = jax.vmap(_orthonormal_columns, in_axes=(0, None))(
         jnp.stack(padded), max(min(shape) for shape in shapes)
@@ -72,6 +71,21 @@ def orthogonal_kernels(
         tall = qi[: max(rows, cols), : min(rows, cols)]
         kernels.append(jnp.asarray(scale, dtype) * (tall.T if rows < cols else tall))
     return kernels
+
+
+def _gaussians(
+    keys: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]], dtype: Any
+) -> list[jax.Array]:
+    """``[jax.random.normal(key, shape, dtype) for key, shape in ...]``, bitwise, drawn in ONE
+    vmapped call: with jax's default partitionable threefry each element's bits hash its
+    flat index, so a shape's draw is the first ``prod(shape)`` elements of a longer flat
+    draw from the same key. Each separate ``normal`` is its own threefry and ``erf_inv`` in
+    the program: six of them took ~1 s of the PPO run's compile on a 2-core CPU."""
+    if not jax.config.jax_threefry_partitionable:  # the counters then depend on the shape
+        return [jax.random.normal(k, shape, dtype) for k, shape in zip(keys, shapes, strict=True)]
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    flat = jax.vmap(lambda key: jax.random.normal(key, (max(sizes),), dtype))(jnp.stack(keys))
+    return [row[:size].reshape(shape) for row, size, shape in zip(flat, sizes, shapes, strict=True)]
 
 
 def _orthonormal_columns(a: jax.Array, columns: int) -> jax.Array:
