@@ -312,3 +312,26 @@ def test_a_mismatched_opt_state_is_named_before_compiling(compile_count):
     with pytest.raises(ValueError, match=r"opt_state leaf \['ema'\]"):
         scan_train(model, batches=batches, train_step=EMA_STEP, opt_state=bad_shape)
     assert compile_count() == before
+
+
+def test_a_step_stopped_part_way_hands_back_the_matching_opt_state():
+    calls = {"n": 0}
+
+    def data_source(_):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("the data source failed")
+
+    def update(graphdef, state, opt_state, batch):
+        jax.debug.callback(data_source, batch["x"][0, 0])
+        return EMA_STEP.update(graphdef, state, opt_state, batch)
+
+    failing = Step(EMA_STEP.init, update, has_aux=True)
+    model = MLP(rngs=nnx.Rngs(0))
+    with pytest.raises(Exception, match="data source failed") as info:
+        scan_train(model, batches=_batches(), train_step=failing, execution="step")
+
+    first_three = jax.tree.map(lambda x: x[:3], _batches())
+    state, ref_opt_state, _ = _hand_reference(first_three)
+    assert_trees_close(model, state, exact=True)  # the last completed step: the third
+    assert_trees_close(info.value.opt_state, ref_opt_state, exact=True)
