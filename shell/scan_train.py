@@ -133,17 +133,17 @@ def scan_train(
         )
     if train_step is None:
         _check_builtin(optimizer, loss_fn, extras, opt_state)
-    else:
-        owner, program, finish = _user_step(
-            model, optimizer, loss_fn, train_step, tuple(extras), opt_state, rngs
-        )
     num = check_leading_size(batches, "batches")
     if batch_size is None:
         _check_steps_axis(batches)
     else:
         batch_size = check_batch_size(batch_size, num, drop_remainder=drop_remainder)
     explicit = resolve_plan(execution)
-    if train_step is None:
+    if train_step is not None:  # after the data's checks: a Step's init runs here
+        owner, program, finish = _user_step(
+            model, optimizer, loss_fn, train_step, tuple(extras), opt_state, rngs
+        )
+    else:
         owner = ModelOwner(model, optimizer, rngs=rngs)
         program = train_program(loss_fn, owner.tx, owner.wrt, False, with_rngs=rngs is not None)
         finish = _losses_only
