@@ -1,9 +1,16 @@
-"""``scan_train``: one compiled scan over many batches, on the user's model and optimizer."""
+"""``scan_train``: one compiled scan over many batches, on the user's model and optimizer.
+
+Three kinds of step run in that scan: the one built from a ``loss_fn`` (the default), a
+stateful NNX ``train_step`` function that mutates its objects (Flax's tutorial style), and a
+pure :class:`~nnxscan.pure.Step` whose ``opt_state`` the caller holds between calls.
+"""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import inspect
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -11,14 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure.checks import abstract_batch, check_batch_size, check_leading_size
+from nnxscan.pure import Step, nnx_train_step
+from nnxscan.pure.checks import (
+    abstract_batch,
+    check_batch_size,
+    check_leading_size,
+    check_no_captured_nnx,
+)
 from nnxscan.shell._engine.calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.epochs import ArrayEpochs, EpochStats
 from nnxscan.shell._engine.owner import ModelOwner
 from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.plans import Plan, resolve_plan
-from nnxscan.shell._engine.programs import train_program
+from nnxscan.shell._engine.programs import TrainProgram, step_program, train_program
 from nnxscan.shell._module_check import check_module
 
 __all__ = ["scan_train"]
@@ -26,10 +39,13 @@ __all__ = ["scan_train"]
 
 def scan_train(
     model: nnx.Module,
-    optimizer: nnx.Optimizer,
-    loss_fn: Callable[..., Any],
-    batches: Any,
+    optimizer: nnx.Optimizer | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    batches: Any = None,
     *,
+    train_step: Step | Callable[..., Any] | None = None,
+    extras: Sequence[Any] = (),
+    opt_state: Any = None,
     batch_size: int | None = None,
     drop_remainder: bool = True,
     rngs: nnx.Rngs | None = None,
@@ -37,64 +53,118 @@ def scan_train(
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str | tuple[str, ...] | None = None,
     shardings: Mapping[str, Any] | None = None,
-) -> jax.Array:
+) -> Any:
     """Trains one step per batch, compiled as one scan, on the user's model and optimizer.
 
-    ``model`` and ``optimizer`` (its optax state and ``step`` counter) are updated in place,
-    exactly as ``optimizer.update(model, grads)`` in a per-step loop would. A second call with
-    the same ``loss_fn``, optimizer and shapes compiles nothing.
+    The step is one of three:
+
+    - ``scan_train(model, optimizer, loss_fn, batches)``: the step built from the loss.
+      ``model`` and ``optimizer`` (its optax state and ``step`` counter) are updated in
+      place, exactly as ``optimizer.update(model, grads)`` in a per-step loop would.
+      Returns the per-step losses.
+    - ``scan_train(model, optimizer, batches=xs, train_step=fn, extras=(...))``: your own
+      stateful NNX step, unchanged: ``fn(model, optimizer, *extras, batch)`` (without an
+      optimizer, ``fn(model, *extras, batch)``) mutates its objects (``nnx.value_and_grad``
+      then ``optimizer.update(model, grads)``, ``metrics.update(...)``, ``nnx.Rngs``
+      draws), as in Flax's tutorials; it may be ``@nnx.jit``-decorated. Every object is
+      written back after the call. Returns what ``fn`` returns, stacked: each leaf gains a
+      leading steps axis (``None`` when ``fn`` returns nothing).
+    - ``scan_train(model, batches=xs, train_step=S, opt_state=...)``: a pure
+      :class:`~nnxscan.pure.Step`. The model is written back; the step's ``opt_state``
+      (whatever ``S`` carries besides the model) is NOT kept anywhere by nnxscan: it is
+      passed in and handed back. ``opt_state=None`` starts from ``S.init(graphdef,
+      state)``; pass the returned one to the next call to go on. Returns ``(outs,
+      opt_state)``, where ``outs`` is ``S.update``'s loss (or ``(loss, aux)``) per step.
+      The ``opt_state`` you pass is never donated: it stays valid after the call.
+
+    A second call with the same step (the same ``loss_fn`` and optimizer, the same ``fn``
+    or ``S`` object) and shapes compiles nothing. Bad arguments raise before anything
+    compiles, and a call that raises leaves every object as it was before it.
 
     Args:
       model: the ``nnx.Module`` to train.
-      optimizer: an ``nnx.Optimizer`` built on ``model`` (its ``tx`` and ``wrt`` are used).
+      optimizer: an ``nnx.Optimizer`` built on ``model`` (its ``tx`` and ``wrt`` are used);
+        with ``train_step=fn``, the optimizer ``fn`` receives (or None); none with a Step.
       loss_fn: ``loss_fn(model, batch)`` returning a scalar; ``loss_fn(model, batch, rngs)``
-        with ``rngs``.
+        with ``rngs``. Not with ``train_step``.
       batches: without ``batch_size``, a pytree whose leaves share a leading steps axis:
         ``(steps, batch, ...)``. With ``batch_size``, flat data ``(examples, ...)``, cut in
         order into steps of ``batch_size`` examples.
+      train_step: your own step instead of ``loss_fn``: a stateful NNX function (see
+        above) or a :class:`~nnxscan.pure.Step`.
+      extras: with a stateful ``train_step``, the further NNX objects it takes and mutates
+        (``nnx.Metric``, ``nnx.Rngs``, a teacher module...), passed after the optimizer.
+      opt_state: with a Step, the state to start from (``None``: ``S.init``'s); it must
+        have the structure, shapes and dtypes ``S.init`` gives.
       batch_size: cut flat data into steps of this many examples (no shuffling: the
         examples are used in their order).
       drop_remainder: with ``batch_size``, drop the ``examples % batch_size`` examples that
         do not fill a step; ``False`` trains them as one more, shorter step.
-      rngs: call-time ``nnx.Rngs`` passed to ``loss_fn`` and advanced as in a plain loop.
+      rngs: call-time ``nnx.Rngs`` passed to ``loss_fn`` and advanced as in a plain loop
+        (a ``train_step`` takes its ``nnx.Rngs`` in ``extras``).
       execution: the plan, as for :class:`Trainer` (``"auto"`` by default).
       mesh, data_axis, shardings: as for :class:`Trainer`: on ``mesh=`` (or the mesh
         ``jax.set_mesh`` put in context) every variable keeps the sharding the model gives
         it (see ``docs/scaling.md``) and each batch is split over the data axes.
 
     Returns:
-      The per-step losses, a ``(steps,)`` device array (not synced to the host).
+      With ``loss_fn``: the per-step losses, a ``(steps,)`` device array (not synced to the
+      host). With a stateful ``train_step``: ``fn``'s outputs stacked along a leading
+      steps axis. With a Step: ``(outs, opt_state)``.
 
     Example:
       >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
       >>> losses = scan_train(model, optimizer, loss_fn, {"x": xs, "y": ys})  # (steps, B, ..)
       >>> losses = scan_train(model, optimizer, loss_fn, {"x": x, "y": y}, batch_size=32)
+      >>> def train_step(model, optimizer, batch):  # your own step, as written for Flax
+      ...     loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+      ...     optimizer.update(model, grads)
+      ...     return loss
+      >>> losses = scan_train(model, optimizer, batches={"x": xs, "y": ys}, train_step=train_step)
+      >>> step = make_train_step(loss_fn, optax.adam(1e-3))  # a pure Step
+      >>> losses, opt_state = scan_train(model, batches=stacked, train_step=step)
+      >>> more, opt_state = scan_train(model, batches=stacked, train_step=step, opt_state=opt_state)
     """
     check_module(model)  # first: a Linen model is the cause of a missing optimizer too
-    if not isinstance(optimizer, nnx.Optimizer):
+    if batches is None:
         raise TypeError(
-            f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}. For a plain "
-            f"optax transform use Trainer or nnxscan.pure.scan_steps."
+            "scan_train needs batches: scan_train(model, optimizer, loss_fn, batches), or "
+            "scan_train(model, optimizer, batches=xs, train_step=fn)."
         )
+    if train_step is None:
+        _check_builtin(optimizer, loss_fn, extras, opt_state)
     num = check_leading_size(batches, "batches")
     if batch_size is None:
         _check_steps_axis(batches)
     else:
         batch_size = check_batch_size(batch_size, num, drop_remainder=drop_remainder)
     explicit = resolve_plan(execution)
-    owner = ModelOwner(model, optimizer, rngs=rngs)
-    program = train_program(loss_fn, owner.tx, owner.wrt, False, with_rngs=rngs is not None)
+    if train_step is not None:  # after the data's checks: a Step's init runs here
+        owner, program, finish = _user_step(
+            model, optimizer, loss_fn, train_step, tuple(extras), opt_state, rngs
+        )
+    else:
+        owner = ModelOwner(model, optimizer, rngs=rngs)
+        program = train_program(loss_fn, owner.tx, owner.wrt, False, with_rngs=rngs is not None)
+        finish = _losses_only
     placement = Placement(mesh, data_axis, rules=shardings, tx=owner.tx, wrt=owner.wrt)
     engine = Engine(
         program=program, owner=owner, placement=placement, explicit_plan=explicit,
-        members=None, subject=None, loss_fn=loss_fn, has_aux=False,
+        members=None, subject=None, loss_fn=loss_fn, has_aux=program.has_aux,
     )  # fmt: skip
     placement = engine.bind()
     with placement.context():
-        return _scan(engine, placement, batches, num, batch_size, drop_remainder)
+        try:
+            outs = _scan(engine, placement, batches, num, batch_size, drop_remainder)
+        except BaseException as error:
+            if finish is _outputs_and_opt_state and owner.step > 0:  # some steps trained
+                _keep_opt_state(error, owner)
+            raise
+    return finish(outs, owner)
 
 
-def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> jax.Array:
+def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> Any:
+    """Runs the calls; returns the step's outputs, each leaf stacked over every step."""
     owner, program = engine.owner, engine.program
     _, state, opt_state = owner.read()
     device = device_of(state)
@@ -119,7 +189,9 @@ def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> jax.Ar
     # No local keeps the owner's arrays: the first call counts who else references them.
     del state, opt_state
     outs = run_calls(program, execution, live, calls)
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+    if len(outs) == 1:
+        return outs[0]
+    return jax.tree.map(lambda *calls: jnp.concatenate(calls), *outs)
 
 
 def _check_steps_axis(batches: Any) -> None:
@@ -132,3 +204,210 @@ def _check_steps_axis(batches: Any) -> None:
                 f"a steps axis and a batch axis. For flat data (examples, ...), pass "
                 f"batch_size=B to cut it into steps of B examples."
             )
+
+
+# -- the three kinds of step --------------------------------------------------------------
+
+
+def _check_builtin(optimizer: Any, loss_fn: Any, extras: Sequence[Any], opt_state: Any) -> None:
+    """The step built from a loss needs an nnx.Optimizer and a loss, and nothing else."""
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}. For a plain "
+            f"optax transform use Trainer or nnxscan.pure.scan_steps."
+        )
+    if loss_fn is None:
+        raise TypeError(
+            "scan_train needs a loss_fn, scan_train(model, optimizer, loss_fn, batches), or "
+            "your own step: scan_train(model, optimizer, batches=xs, train_step=fn) with a "
+            "stateful NNX fn(model, optimizer, batch), or scan_train(model, batches=xs, "
+            "train_step=step) with a nnxscan.pure.Step."
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    if extras:
+        raise TypeError(
+            "extras= goes with a stateful train_step=fn (the NNX objects it mutates); a "
+            "loss_fn takes call-time rngs= instead."
+        )
+    if opt_state is not None:
+        raise TypeError(
+            "opt_state= goes with a pure Step (train_step=step); an nnx.Optimizer keeps its "
+            "own state, updated in place."
+        )
+
+
+def _user_step(
+    model: nnx.Module,
+    optimizer: Any,
+    loss_fn: Any,
+    train_step: Any,
+    extras: tuple,
+    opt_state: Any,
+    rngs: Any,
+) -> tuple[ModelOwner, TrainProgram, Callable[[Any, ModelOwner], Any]]:
+    """The owner, program and result of ``scan_train(..., train_step=...)``, after every
+    check (nothing is read from or written to the user's objects before they pass)."""
+    if loss_fn is not None or rngs is not None:
+        given = "loss_fn" if loss_fn is not None else "rngs"
+        raise TypeError(
+            f"train_step= replaces the step built from a loss, so {given} has no effect: "
+            f"leave it out (your step computes its loss and gradients itself; a stateful "
+            f"step takes its nnx.Rngs in extras=(rngs,))."
+        )
+    if isinstance(train_step, Step):
+        if optimizer is not None or extras:
+            raise TypeError(
+                "a pure Step carries its optimizer state itself (its init makes it, "
+                "opt_state= passes it in): call scan_train(model, batches=xs, "
+                "train_step=step) without an optimizer or extras. A stateful NNX function "
+                "fn(model, optimizer, *extras, batch) takes them."
+            )
+        check_no_captured_nnx(train_step.update, "train_step.update")
+        if opt_state is not None:  # the owner's opt_state is the caller's, not init's
+            given = _given(train_step, model, opt_state)
+            owner = ModelOwner.of_step(model, train_step._replace(init=given))
+        else:
+            owner = ModelOwner.of_step(model, train_step)
+        return owner, step_program(train_step), _outputs_and_opt_state
+    if not callable(train_step):
+        raise TypeError(
+            f"train_step must be a nnxscan.pure.Step or a function fn(model, optimizer, "
+            f"*extras, batch), got {type(train_step).__name__}."
+        )
+    if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"with a stateful train_step, the second argument is the nnx.Optimizer it "
+            f"receives, got {type(optimizer).__name__}. Build one: "
+            f"nnx.Optimizer(model, tx, wrt=nnx.Param)."
+        )
+    for i, extra in enumerate(extras):
+        if not isinstance(extra, nnx.Pytree | nnx.Variable):
+            raise TypeError(
+                f"extras[{i}] is a {type(extra).__name__}; extras are the NNX objects your "
+                f"train_step mutates (nnx.Metric, nnx.Rngs, modules, optimizers). Pass "
+                f"constants through the batch or a closure."
+            )
+    if opt_state is not None:
+        raise TypeError(
+            "opt_state= goes with a pure Step; a stateful train_step keeps every state in "
+            "its objects (the nnx.Optimizer's own), updated in place."
+        )
+    names = ["model"] + (["optimizer"] if optimizer is not None else [])
+    names += [f"extras[{i}]" for i in range(len(extras))]
+    _check_arity(train_step, names)
+    check_no_captured_nnx(train_step, "train_step")
+    owner = ModelOwner.of_step(model, optimizer=optimizer, extras=extras)
+    return owner, _outputs_program(train_step), _stateful_outputs
+
+
+def _check_arity(fn: Callable, names: list[str]) -> None:
+    """``fn`` is called as ``fn(*objects, batch)``: a mismatch is said now, not mid-trace."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or an object without one: let it run
+        return
+    try:
+        signature.bind(*names, "batch")
+    except TypeError:
+        call = ", ".join([*names, "batch"])
+        raise TypeError(
+            f"train_step{signature} cannot be called as train_step({call}), which is how "
+            f"scan_train calls it: the NNX objects it mutates (the model, the optimizer "
+            f"given, then each of extras), then the batch. Pass the optimizer (and extras) "
+            f"your function takes, or take the ones you pass."
+        ) from None
+
+
+# The stateful steps' programs, by function: a second call reuses the compiled scan.
+_MAX_CACHED = 32
+_OUTPUT_PROGRAMS: OrderedDict[Hashable, TrainProgram] = OrderedDict()
+_OUTPUTS = "outputs"
+
+
+def _outputs_program(fn: Callable) -> TrainProgram:
+    """The cached program of a stateful ``fn`` that reports whatever ``fn`` returns.
+
+    ``nnx_train_step`` reads a dict without a ``"loss"`` as "no loss" and passes it on as
+    the aux, so wrapping ``fn``'s output in one carries it out of the scan unchanged,
+    whatever pytree it is (a loss, a tuple, a dict, nothing)."""
+    try:
+        key: Hashable = (fn, hash(fn))
+    except TypeError:
+        key = ("id", id(fn))
+    program = _OUTPUT_PROGRAMS.get(key)
+    if program is None:
+
+        def reporting(*args: Any) -> dict[str, Any]:
+            return {_OUTPUTS: fn(*args)}
+
+        program = TrainProgram(nnx_train_step(reporting), "ignore", {"train_step": fn})
+        _OUTPUT_PROGRAMS[key] = program
+        if len(_OUTPUT_PROGRAMS) > _MAX_CACHED:
+            _OUTPUT_PROGRAMS.popitem(last=False)
+    else:
+        _OUTPUT_PROGRAMS.move_to_end(key)
+    return program
+
+
+def _given(step: Step, model: nnx.Module, opt_state: Any) -> Callable[..., Any]:
+    """An ``init`` that returns the caller's ``opt_state``, once checked against the
+    structure, shapes and dtypes ``step.init`` gives (traced only, nothing computed).
+
+    The owner gets a copy (made without compiling anything), which the call may donate:
+    the caller's own arrays stay valid."""
+    graphdef, state = nnx.split(model)
+    expected = jax.eval_shape(lambda state: step.init(graphdef, state), state)
+    if jax.tree.structure(opt_state) != jax.tree.structure(expected):
+        got, want = _paths(opt_state), _paths(expected)
+        first = next((p for p in got if p not in want), None) or next(
+            (p for p in want if p not in got), "its tree's node types"
+        )
+        raise ValueError(
+            f"opt_state does not have the structure train_step.init gives: a "
+            f"{type(opt_state).__name__} of {len(got)} leaves where init gives a "
+            f"{type(expected).__name__} of {len(want)}; they differ at {first}. Pass the "
+            f"opt_state a previous scan_train with this step returned, or None to start "
+            f"from train_step.init."
+        )
+    paths = jax.tree_util.tree_leaves_with_path(opt_state)
+    for (path, leaf), want in zip(paths, jax.tree.leaves(expected), strict=True):
+        got = (tuple(np.shape(leaf)), jnp.result_type(leaf))
+        if got != (want.shape, want.dtype):
+            raise ValueError(
+                f"opt_state leaf {jax.tree_util.keystr(path)} has shape {got[0]} and dtype "
+                f"{got[1]}, but train_step.init gives {want.shape} {want.dtype}. Pass the "
+                f"opt_state a previous scan_train with this step returned, or None."
+            )
+    fresh = jax.tree.map(lambda x: jax.device_put(x, may_alias=False), opt_state)
+    return lambda graphdef, state: fresh
+
+
+def _paths(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _keep_opt_state(error: BaseException, owner: ModelOwner) -> None:
+    """A Step's call stopped after some compiled calls (Ctrl-C, a failing call): the model
+    holds the last completed state, and the exception the opt_state that goes with it."""
+    try:
+        error.opt_state = owner.opt_state  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type with __slots__: nothing to attach to
+        return
+    error.add_note(
+        "scan_train: the model holds the state of the last completed compiled call; the "
+        "step's opt_state that goes with it is this exception's .opt_state."
+    )
+
+
+def _losses_only(outs: Any, owner: ModelOwner) -> Any:
+    return outs
+
+
+def _stateful_outputs(outs: Any, owner: ModelOwner) -> Any:
+    _, aux = outs  # the NaN placeholder losses of a step that reports no loss, then fn's
+    return aux[_OUTPUTS]
+
+
+def _outputs_and_opt_state(outs: Any, owner: ModelOwner) -> tuple[Any, Any]:
+    return outs, owner.opt_state
