@@ -11,8 +11,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnxscan.pure import Step, hyperparam_names
-from nnxscan.pure.checks import check_count, check_no_captured_nnx
+from nnxscan.pure.checks import check_count
 from nnxscan.shell._module_check import is_linen
+from nnxscan.shell._user_steps import check_pure_step, refuse_loss_options
 
 _MAX_SEED = 2**31 - 1  # as Trainer: the seed enters numpy's generator as an int32
 
@@ -103,15 +104,9 @@ def check_user_step(train_step: Any, given: list[str]) -> Step:
     """``Population(model_fn, train_step=S, ...)``: ``S`` must be a pure
     :class:`~nnxscan.pure.Step`, and nothing meant for the built-in step (``given``: the
     names of such options passed) may come with it."""
-    if given:
-        raise TypeError(
-            f"train_step= replaces the step built from a loss, so {', '.join(given)} "
-            f"{'has' if len(given) == 1 else 'have'} no effect: leave "
-            f"{'it' if len(given) == 1 else 'them'} out (your step computes its loss, "
-            f"gradients and metrics itself)."
-        )
+    refuse_loss_options(given)
     if isinstance(train_step, Step):
-        check_no_captured_nnx(train_step.update, "train_step.update")
+        check_pure_step(train_step, None, (), "Population(model_fn, train_step=step, seeds=...)")
         return train_step
     if callable(train_step):
         raise TypeError(

@@ -8,7 +8,6 @@ pure :class:`~nnxscan.pure.Step` whose ``opt_state`` the caller holds between ca
 from __future__ import annotations
 
 import functools
-import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
@@ -23,7 +22,6 @@ from nnxscan.pure.checks import (
     abstract_batch,
     check_batch_size,
     check_leading_size,
-    check_no_captured_nnx,
 )
 from nnxscan.shell._engine.calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine.engine import Engine
@@ -33,6 +31,11 @@ from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.plans import Plan, resolve_plan
 from nnxscan.shell._engine.programs import TrainProgram, step_program, train_program
 from nnxscan.shell._module_check import check_module
+from nnxscan.shell._user_steps import (
+    check_pure_step,
+    check_stateful_step,
+    refuse_loss_options,
+)
 
 __all__ = ["scan_train"]
 
@@ -248,75 +251,27 @@ def _user_step(
 ) -> tuple[ModelOwner, TrainProgram, Callable[[Any, ModelOwner], Any]]:
     """The owner, program and result of ``scan_train(..., train_step=...)``, after every
     check (nothing is read from or written to the user's objects before they pass)."""
-    if loss_fn is not None or rngs is not None:
-        given = "loss_fn" if loss_fn is not None else "rngs"
-        raise TypeError(
-            f"train_step= replaces the step built from a loss, so {given} has no effect: "
-            f"leave it out (your step computes its loss and gradients itself; a stateful "
-            f"step takes its nnx.Rngs in extras=(rngs,))."
-        )
+    refuse_loss_options(
+        [name for name, x in (("loss_fn", loss_fn), ("rngs", rngs)) if x is not None]
+    )
     if isinstance(train_step, Step):
-        if optimizer is not None or extras:
-            raise TypeError(
-                "a pure Step carries its optimizer state itself (its init makes it, "
-                "opt_state= passes it in): call scan_train(model, batches=xs, "
-                "train_step=step) without an optimizer or extras. A stateful NNX function "
-                "fn(model, optimizer, *extras, batch) takes them."
-            )
-        check_no_captured_nnx(train_step.update, "train_step.update")
+        check_pure_step(
+            train_step, optimizer, extras, "scan_train(model, batches=xs, train_step=step)"
+        )
         if opt_state is not None:  # the owner's opt_state is the caller's, not init's
             given = _given(train_step, model, opt_state)
             owner = ModelOwner.of_step(model, train_step._replace(init=given))
         else:
             owner = ModelOwner.of_step(model, train_step)
         return owner, step_program(train_step), _outputs_and_opt_state
-    if not callable(train_step):
-        raise TypeError(
-            f"train_step must be a nnxscan.pure.Step or a function fn(model, optimizer, "
-            f"*extras, batch), got {type(train_step).__name__}."
-        )
-    if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
-        raise TypeError(
-            f"with a stateful train_step, the second argument is the nnx.Optimizer it "
-            f"receives, got {type(optimizer).__name__}. Build one: "
-            f"nnx.Optimizer(model, tx, wrt=nnx.Param)."
-        )
-    for i, extra in enumerate(extras):
-        if not isinstance(extra, nnx.Pytree | nnx.Variable):
-            raise TypeError(
-                f"extras[{i}] is a {type(extra).__name__}; extras are the NNX objects your "
-                f"train_step mutates (nnx.Metric, nnx.Rngs, modules, optimizers). Pass "
-                f"constants through the batch or a closure."
-            )
     if opt_state is not None:
         raise TypeError(
             "opt_state= goes with a pure Step; a stateful train_step keeps every state in "
             "its objects (the nnx.Optimizer's own), updated in place."
         )
-    names = ["model"] + (["optimizer"] if optimizer is not None else [])
-    names += [f"extras[{i}]" for i in range(len(extras))]
-    _check_arity(train_step, names)
-    check_no_captured_nnx(train_step, "train_step")
+    check_stateful_step(train_step, optimizer, extras, "scan_train")
     owner = ModelOwner.of_step(model, optimizer=optimizer, extras=extras)
     return owner, _outputs_program(train_step), _stateful_outputs
-
-
-def _check_arity(fn: Callable, names: list[str]) -> None:
-    """``fn`` is called as ``fn(*objects, batch)``: a mismatch is said now, not mid-trace."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin or an object without one: let it run
-        return
-    try:
-        signature.bind(*names, "batch")
-    except TypeError:
-        call = ", ".join([*names, "batch"])
-        raise TypeError(
-            f"train_step{signature} cannot be called as train_step({call}), which is how "
-            f"scan_train calls it: the NNX objects it mutates (the model, the optimizer "
-            f"given, then each of extras), then the batch. Pass the optimizer (and extras) "
-            f"your function takes, or take the ones you pass."
-        ) from None
 
 
 # The stateful steps' programs, by function: a second call reuses the compiled scan.

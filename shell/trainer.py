@@ -32,6 +32,11 @@ from nnxscan.shell._engine.programs import (
     step_program,
     train_program,
 )
+from nnxscan.shell._user_steps import (
+    check_pure_step,
+    check_stateful_step,
+    refuse_loss_options,
+)
 from nnxscan.shell.history import History
 
 __all__ = ["Trainer"]
@@ -62,42 +67,11 @@ def _user_step(
 ) -> tuple[ModelOwner, TrainProgram]:
     """The owner and program of ``Trainer(model, [optimizer], train_step=..., extras=...)``,
     after checking that nothing meant for the built-in step was given."""
-    if loss_fn is not None or loss_options:
-        given = (["loss_fn"] if loss_fn is not None else []) + loss_options
-        raise TypeError(
-            f"train_step= replaces the step built from a loss, so {', '.join(given)} "
-            f"{'has' if len(given) == 1 else 'have'} no effect: leave "
-            f"{'it' if len(given) == 1 else 'them'} out (your step computes its loss, "
-            f"gradients and metrics itself)."
-        )
+    refuse_loss_options((["loss_fn"] if loss_fn is not None else []) + loss_options)
     if isinstance(train_step, Step):
-        if optimizer is not None or extras:
-            raise TypeError(
-                "a pure Step carries its optimizer state itself (its init makes it): pass "
-                "Trainer(model, train_step=step) without an optimizer or extras. A stateful "
-                "NNX function fn(model, optimizer, *extras, batch) takes them."
-            )
-        check_no_captured_nnx(train_step.update, "train_step.update")
+        check_pure_step(train_step, optimizer, extras, "Trainer(model, train_step=step)")
         return ModelOwner.of_step(model, train_step), step_program(train_step, on_nonfinite)
-    if not callable(train_step):
-        raise TypeError(
-            f"train_step must be a nnxscan.pure.Step or a function fn(model, optimizer, "
-            f"*extras, batch), got {type(train_step).__name__}."
-        )
-    if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
-        raise TypeError(
-            f"with a stateful train_step, the second argument is the nnx.Optimizer it "
-            f"receives, got {type(optimizer).__name__}. Build one: "
-            f"nnx.Optimizer(model, tx, wrt=nnx.Param)."
-        )
-    for i, extra in enumerate(extras):
-        if not isinstance(extra, nnx.Pytree | nnx.Variable):
-            raise TypeError(
-                f"extras[{i}] is a {type(extra).__name__}; extras are the NNX objects your "
-                f"train_step mutates (nnx.Metric, nnx.Rngs, modules, optimizers). Pass "
-                f"constants through the batch or a closure."
-            )
-    check_no_captured_nnx(train_step, "train_step")
+    check_stateful_step(train_step, optimizer, extras, "Trainer")
     owner = ModelOwner.of_step(model, optimizer=optimizer, extras=extras)
     return owner, nnx_step_program(train_step, on_nonfinite)
 

@@ -1,0 +1,84 @@
+"""The checks every front door makes of a user's step, written once.
+
+``Trainer``, ``scan_train`` and ``Population`` take ``train_step=``: a pure
+:class:`~nnxscan.pure.Step`, or a stateful NNX function ``fn(model, [optimizer], *extras,
+batch)``. Each checks it here, before anything is read from the user's objects or compiled.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from nnxscan.pure import Step
+from nnxscan.pure.checks import check_no_captured_nnx
+
+
+def refuse_loss_options(given: list[str]) -> None:
+    """Options meant for the step built from a loss have no effect on a user's step."""
+    if given:
+        raise TypeError(
+            f"train_step= replaces the step built from a loss, so {', '.join(given)} "
+            f"{'has' if len(given) == 1 else 'have'} no effect: leave "
+            f"{'it' if len(given) == 1 else 'them'} out (your step computes its loss, "
+            f"gradients and metrics itself; a stateful step takes its nnx.Rngs and metrics "
+            f"in extras=(...))."
+        )
+
+
+def check_pure_step(step: Step, optimizer: Any, extras: tuple, call: str) -> None:
+    """A pure Step carries its optimizer state itself: no optimizer, no extras."""
+    if optimizer is not None or extras:
+        raise TypeError(
+            f"a pure Step carries its optimizer state itself (its init makes it): call "
+            f"{call} without an optimizer or extras. A stateful NNX function "
+            f"fn(model, optimizer, *extras, batch) takes them."
+        )
+    check_no_captured_nnx(step.update, "train_step.update")
+
+
+def check_stateful_step(fn: Any, optimizer: Any, extras: tuple, front: str) -> None:
+    """A stateful ``fn(model, [optimizer], *extras, batch)``: callable so, with an
+    ``nnx.Optimizer`` (if any) and NNX objects as extras, capturing none."""
+    if not callable(fn):
+        raise TypeError(
+            f"train_step must be a nnxscan.pure.Step or a function fn(model, optimizer, "
+            f"*extras, batch), got {type(fn).__name__}."
+        )
+    if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"with a stateful train_step, the second argument is the nnx.Optimizer it "
+            f"receives, got {type(optimizer).__name__}. Build one: "
+            f"nnx.Optimizer(model, tx, wrt=nnx.Param)."
+        )
+    for i, extra in enumerate(extras):
+        if not isinstance(extra, nnx.Pytree | nnx.Variable):
+            raise TypeError(
+                f"extras[{i}] is a {type(extra).__name__}; extras are the NNX objects your "
+                f"train_step mutates (nnx.Metric, nnx.Rngs, modules, optimizers). Pass "
+                f"constants through the batch or a closure."
+            )
+    names = ["model"] + (["optimizer"] if optimizer is not None else [])
+    _check_arity(fn, [*names, *(f"extras[{i}]" for i in range(len(extras)))], front)
+    check_no_captured_nnx(fn, "train_step")
+
+
+def _check_arity(fn: Callable, names: list[str], front: str) -> None:
+    """``fn`` is called as ``fn(*objects, batch)``: a mismatch is said now, not mid-trace."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or an object without one: let it run
+        return
+    try:
+        signature.bind(*names, "batch")
+    except TypeError:
+        call = ", ".join([*names, "batch"])
+        raise TypeError(
+            f"train_step{signature} cannot be called as train_step({call}), which is how "
+            f"{front} calls it: the NNX objects it mutates (the model, the optimizer given, "
+            f"then each of extras), then the batch. Pass the optimizer (and extras) your "
+            f"function takes, or take the ones you pass."
+        ) from None
