@@ -239,6 +239,16 @@ def check_transform(tx: Any) -> optax.GradientTransformation:
     )
 
 
+def _wrapped(value: Any) -> Any:
+    """The function a decorated one wraps (``__wrapped__``, set by ``nnx.jit``, ``jax.jit``
+    and ``functools.wraps``), or None."""
+    try:
+        inner = getattr(value, "__wrapped__", None)
+    except Exception:  # an object whose __getattr__ raises something else
+        return None
+    return inner if callable(inner) else None
+
+
 def _captured(fn: Any, depth: int = 2, seen: set[int] | None = None) -> list[tuple[str, Any]]:
     """(description, value) of what ``fn`` captures: closure cells, referenced globals,
     defaults and ``functools.partial`` arguments, following plain functions it refers to
@@ -253,7 +263,9 @@ def _captured(fn: Any, depth: int = 2, seen: set[int] | None = None) -> list[tup
         found += [(f"the functools.partial keyword {k!r}", v) for k, v in fn.keywords.items()]
         return found + _captured(fn.func, depth, seen)
     if not isinstance(fn, types.FunctionType):
-        return found
+        # A decorated function (nnx.jit, jax.jit, functools.wraps): what it wraps captures.
+        inner = _wrapped(fn)
+        return found if inner is None else _captured(inner, depth, seen)
     code = fn.__code__
     cells = zip(code.co_freevars, fn.__closure__ or (), strict=False)
     for name, cell in cells:
@@ -273,7 +285,10 @@ def _captured(fn: Any, depth: int = 2, seen: set[int] | None = None) -> list[tup
     nested = [
         value
         for _, value in found
-        if isinstance(value, types.FunctionType | functools.partial) and value is not fn
+        if value is not fn
+        and (  # functions, partials, and decorated functions (nnx.jit's helpers)
+            isinstance(value, types.FunctionType | functools.partial) or _wrapped(value)
+        )
     ]
     for value in nested:
         found += _captured(value, depth - 1, seen)
@@ -304,7 +319,16 @@ def check_no_captured_nnx(fn: Any, what: str = "loss_fn") -> None:
       TypeError: loss_fn captures an nnx.Rngs (the closure variable 'rngs') ...
     """
     for where, value in _captured(fn):
-        if isinstance(value, nnx.Rngs):
+        if what == "train_step" and isinstance(value, nnx.Pytree | nnx.Variable):
+            # A stateful NNX step: its objects come in as arguments, after the optimizer.
+            kind = f"an NNX object ({type(value).__name__})"
+            fix = (
+                "Inside the compiled step it would be a constant, never updated. Pass it in "
+                "extras: Trainer(model, optimizer, train_step=fn, extras=(..., it)) calls "
+                "fn(model, optimizer, *extras, batch) and carries its state through every "
+                "call."
+            )
+        elif isinstance(value, nnx.Rngs):
             kind = "an nnx.Rngs"
             fix = (
                 "Pass it to the Trainer (or scan_train) as rngs=... and write the loss as "

@@ -422,6 +422,17 @@ def _captures_a_module():
     return Step(lambda graphdef, state: (), update)
 
 
+CAPTURED_RNGS = nnx.Rngs(3)
+
+
+@nnx.jit
+def captures_rngs(model, optimizer, batch):
+    """The tutorial's decoration, but the Rngs captured instead of passed in."""
+    loss, grads = nnx.value_and_grad(xent)(model, batch)
+    optimizer.update(model, grads)
+    return loss + 0.0 * jax.random.normal(CAPTURED_RNGS.noise())
+
+
 BAD_ARGUMENTS = {
     "loss_fn and train_step": (
         lambda m, o: Trainer(m, TX, xent, train_step=PLAIN_STEP),
@@ -458,6 +469,10 @@ BAD_ARGUMENTS = {
     "a Step whose update captures a module": (
         lambda m, o: Trainer(m, train_step=_captures_a_module()),
         r"train_step.update captures an NNX object \(MLP\)",
+    ),
+    "an @nnx.jit step capturing its Rngs": (
+        lambda m, o: Trainer(m, o, train_step=captures_rngs),
+        r"train_step captures an NNX object \(Rngs\) \(the global 'CAPTURED_RNGS'\).*extras",
     ),
     "extras without train_step": (
         lambda m, o: Trainer(m, TX, xent, extras=(nnx.Rngs(0),)),
