@@ -92,6 +92,18 @@ class Trainer:
         restore it).
       loss_fn: ``loss_fn(model, batch)`` returning a scalar, or ``(loss, aux)`` with
         ``has_aux=True``; with ``rngs``, ``loss_fn(model, batch, rngs)``.
+      train_step: your own step instead of ``tx_or_optimizer`` + ``loss_fn``: a pure
+        :class:`nnxscan.pure.Step` (``Trainer(model, train_step=step)``: its ``init``
+        makes the ``opt_state`` the trainer keeps, checkpoints and restores), or a
+        stateful NNX function ``fn(model, optimizer, *extras, batch)`` as Flax's tutorials
+        write it (``Trainer(model, optimizer, train_step=fn, extras=(...))``, the optimizer
+        optional), run inside the compiled scan with every object written back after each
+        call; it may return nothing, a loss, ``(loss, aux)`` or a dict of scalars (the
+        epoch's logs). The options of the built-in step (``wrt``, ``has_aux``,
+        ``accumulate``, ``rngs``, ``metrics``, ``update_metrics``) do not apply. See
+        ``docs/custom_steps.md``. ``trainer.step`` stays the step counter.
+      extras: the other NNX objects a stateful ``train_step`` mutates (``nnx.Metric``s,
+        logged as ``train_<name>`` and reset each epoch; ``nnx.Rngs``; an ``nnx.EMA``...).
       wrt: the NNX filter of the variables to train (an ``nnx.Optimizer`` brings its own).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; scalar aux leaves are averaged
         into the epoch logs.
@@ -128,6 +140,7 @@ class Trainer:
     Example:
       >>> trainer = Trainer(model, optax.adam(1e-3), loss_fn)
       >>> history = trainer.fit({"x": x, "y": y}, epochs=10, batch_size=32)
+      >>> Trainer(model, optimizer, train_step=train_step).fit(data, epochs=3, batch_size=32)
       >>> trainer.evaluate({"x": x_test, "y": y_test}, accuracy, batch_size=256)
       {'accuracy': 0.97}
 
