@@ -35,29 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+# The workload of bench_epoch.py (run as a script, its folder is on the path).
+from bench_epoch import BATCH, MLP, loss_fn
 from flax import nnx
 
 from nnxscan.pure import Step, epoch_order, init_opt_state, make_train_step, split_wrt
 from nnxscan.pure import nnx_train_step as pure_nnx_step
 from nnxscan.shell import Trainer
-
-BATCH = 32
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.l1 = nnx.Linear(64, 64, rngs=rngs)
-        self.l2 = nnx.Linear(64, 64, rngs=rngs)
-        self.l3 = nnx.Linear(64, 10, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l3(nnx.relu(self.l2(nnx.relu(self.l1(x)))))
-
-
-def loss_fn(model, batch):
-    logits = model(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
 
 TX = optax.adam(1e-3)
 
