@@ -14,6 +14,7 @@ from flax import nnx
 
 __all__ = [
     "ActorCritic",
+    "RunKey",
     "action_entropy",
     "action_log_prob",
     "orthogonal",
@@ -108,10 +109,21 @@ def _orthonormal_columns(a: jax.Array, columns: int) -> jax.Array:
     return q * jnp.sign(jnp.diagonal(r))[None, :]
 
 
+class RunKey(nnx.Variable):
+    """The key a PPO run starts from, held by the policy it trains: drawn from the
+    ``nnx.Rngs`` the policy is built with, so ``model_fn(nnx.Rngs(seed))`` fixes the whole
+    run (the environments' resets, the actions sampled, the minibatch orders), and each
+    member of a ``Population`` is its seed's run. The step reads it once, at ``init``; it
+    never changes (the run's key then lives in the step's ``opt_state``) and is no ``Param``
+    (no optimizer touches it)."""
+
+
 class ActorCritic(nnx.Module):
     """PureJaxRL's actor-critic: separate tanh towers ``obs→64→64→actions`` and
     ``obs→64→64→1``, orthogonal kernels (scale √2, last layers 0.01 and 1; see
-    :func:`orthogonal`), zero biases.
+    :func:`orthogonal`), zero biases; and ``run_key``, the :class:`RunKey` a PPO run from
+    this policy starts from (``rngs.run()``, drawn after the weights' keys: the weights are
+    those of the towers alone).
 
     Example:
       >>> logits, value = ActorCritic(4, 2, rngs=nnx.Rngs(0))(jnp.zeros(4))
@@ -149,6 +161,7 @@ class ActorCritic(nnx.Module):
         shapes = [layer.kernel.shape for layer in layers]
         for layer, kernel in zip(layers, orthogonal_kernels(keys, shapes, scales), strict=True):
             layer.kernel[...] = kernel
+        self.run_key = RunKey(rngs.run())
 
     def __call__(self, obs: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(logits (..., actions), value (...))``."""
