@@ -4,6 +4,7 @@ so its three methods are written here with ``jax.random.categorical`` and ``log_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +61,19 @@ def orthogonal_kernels(
     for shape in shapes:
         if len(shape) != 2:
             raise ValueError(f"orthogonal() initializes 2-D kernels, got shape {shape}.")
+    # One compiled program (built once per shapes): run eagerly, its few hundred small ops
+    # each dispatched (and compiled) alone took ~2 s of building a policy on a 2-core CPU.
+    shapes = tuple(tuple(int(n) for n in shape) for shape in shapes)
+    return list(_orthogonal_kernels(list(keys), shapes, tuple(scales), dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _orthogonal_kernels(
+    keys: list[jax.Array],
+    shapes: tuple[tuple[int, int], ...],
+    scales: tuple[float, ...],
+    dtype: Any,
+) -> list[jax.Array]:
     size = max(max(shape) for shape in shapes)
     padded = []
     for tall in _gaussians(keys, [(max(shape), min(shape)) for shape in shapes], dtype):
