@@ -16,7 +16,7 @@ DEMOS = {
     "hypernet": "one hypernetwork learns a family of sine functions",
     "hypernet-cl": "tasks in sequence: a hypernetwork remembers, fine-tuning forgets",
     "lr-find": "16 learning rates of the digits MLP side by side in one program",
-    "ppo": "PPO on CartPole: one jit, resumable (--checkpoint-dir), --sweep (needs [rl])",
+    "ppo": "PPO on CartPole: one jit; --checkpoint-dir, --sweep (needs [rl])",
     "sweep": "a learning-rate x seed sweep: 16 MLPs in one compiled program",
 }
 DEMO_LIST = "demos:\n" + "".join(f"  {name:<12}{text}\n" for name, text in DEMOS.items())
