@@ -16,7 +16,7 @@ DEMOS = {
     "hypernet": "one hypernetwork learns a family of sine functions",
     "hypernet-cl": "tasks in sequence: a hypernetwork remembers, fine-tuning forgets",
     "lr-find": "16 learning rates of the digits MLP side by side in one program",
-    "ppo": "PPO on CartPole, --seeds N runs vmapped in one jit (needs [rl])",
+    "ppo": "PPO on CartPole: one jit; --checkpoint-dir, --sweep (needs [rl])",
     "sweep": "a learning-rate x seed sweep: 16 MLPs in one compiled program",
 }
 DEMO_LIST = "demos:\n" + "".join(f"  {name:<12}{text}\n" for name, text in DEMOS.items())
@@ -65,6 +65,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--seeds", type=int, default=1, metavar="N",
         help="ppo: train N seeds (seed, seed+1, ...) vmapped in one program (default: 1)",
+    )  # fmt: skip
+    demo.add_argument(
+        "--checkpoint-dir", default=None, metavar="DIR",
+        help="ppo: train through Trainer.fit with checkpoints in DIR; run it again after "
+        "a kill to resume",
+    )  # fmt: skip
+    demo.add_argument(
+        "--sweep", default=None, metavar="NAME=V1,V2",
+        help="ppo: a Population of every seed x value, e.g. --sweep ent_coef=0,0.01,0.05",
     )  # fmt: skip
     demo.add_argument(
         "--steps", type=int, default=300, metavar="N",
@@ -123,9 +132,16 @@ def _run_demo(args: argparse.Namespace) -> None:
 
         run_lr_find_demo(args.out, steps=args.steps, seed=args.seed, progress=not args.no_progress)
     elif args.name == "ppo":
-        from nnxscan.shell.demos.ppo_demo import run_ppo_demo
+        from nnxscan.shell.demos.ppo_demo import parse_sweep, run_ppo_demo
 
-        run_ppo_demo(args.out, seeds=args.seeds, seed=args.seed)
+        options: dict = {}
+        if args.checkpoint_dir is not None:
+            options["checkpoint_dir"] = args.checkpoint_dir
+        if args.sweep is not None:
+            options["sweep"] = dict([parse_sweep(args.sweep)])
+        if options:
+            options["progress"] = not args.no_progress
+        run_ppo_demo(args.out, seeds=args.seeds, seed=args.seed, **options)
     elif args.name == "sweep":
         from nnxscan.shell.demos.sweep import run_sweep_demo
 

@@ -123,7 +123,8 @@ def run_script(code: str, where: pathlib.Path, label: str) -> None:
 # The slow lane (pyproject.toml): guides whose scripts start processes, and the guides whose
 # examples train longest (their library paths have fast tests of their own).
 SLOW_GUIDES = {"custom_loops.md", "custom_steps.md", "evaluation.md", "hypernetworks.md",
-               "populations.md", "porting.md", "pure_core.md"}  # fmt: skip
+               "populations.md", "porting.md", "pure_core.md",
+               "reinforcement_learning.md"}  # fmt: skip
 
 
 def _lane(path: pathlib.Path):

@@ -32,22 +32,27 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnxscan.pure import init_opt_state, make_epoch, make_train_step
+from nnxscan.pure import Step, init_opt_state, make_epoch, make_train_step
 from nnxscan.shell.demos.ppo_policy import (
     ActorCritic,
+    RunKey,
     action_entropy,
     action_log_prob,
     sample_action,
 )
 
 __all__ = [
+    "HYPERPARAMS",
     "EnvCarry",
     "PPOConfig",
+    "PPOHyperparams",
     "PPORun",
+    "PPOState",
     "annealed_learning_rate",
     "final_return",
     "gae",
     "make_policy",
+    "make_ppo_step",
     "make_ppo_train",
     "make_rollout",
     "make_update_epochs",
@@ -363,16 +368,143 @@ def reset_envs(env: Any, env_params: Any, config: PPOConfig, key: jax.Array) -> 
     return EnvCarry(env_state, obs, zeros, zeros)
 
 
+#: The float fields of :class:`PPOConfig` a PPO step reads from its ``opt_state`` (so a
+#: ``Population(..., hyperparams={"ent_coef": [...]})`` gives each member its own value).
+HYPERPARAMS = (
+    "learning_rate", "gamma", "gae_lambda", "clip_eps", "ent_coef", "vf_coef", "max_grad_norm",
+)  # fmt: skip
+
+
+class PPOHyperparams(NamedTuple):
+    """PPO's float hyperparameters, carried in the step's ``opt_state`` as scalar arrays.
+
+    The shape ``optax.inject_hyperparams`` gives its states (a NamedTuple with a
+    ``hyperparams`` dict), so :func:`nnxscan.pure.with_hyperparams` and a
+    ``Population(hyperparams=...)`` set them per member like an injected learning rate.
+    """
+
+    hyperparams: dict[str, jax.Array]
+
+
+class PPOState(NamedTuple):
+    """The ``opt_state`` of :func:`make_ppo_step`: everything one PPO run carries besides
+    the policy's weights.
+
+    Fields:
+      tx: the optax state of :func:`ppo_optimizer`.
+      envs: the ``num_envs`` environments between rollouts (:class:`EnvCarry`).
+      key: the run's RNG key, split once per update (rollout and minibatch orders).
+      coefficients: the float hyperparameters (:class:`PPOHyperparams`).
+    """
+
+    tx: Any
+    envs: EnvCarry
+    key: jax.Array
+    coefficients: PPOHyperparams
+
+
+def make_ppo_step(env: Any, env_params: Any, config: PPOConfig | None = None) -> Step:
+    """PPO as a :class:`~nnxscan.pure.Step` whose ``update`` is ONE PPO iteration: a
+    rollout of the ``num_envs`` environments (:func:`make_rollout`), :func:`gae`, and the
+    update epochs (:func:`make_update_epochs`). The batch is ``None``: the environments live
+    in the ``opt_state`` (:class:`PPOState`), with the optax state, the RNG key and the
+    float hyperparameters.
+
+    ``init(graphdef, state)`` reads the policy's :class:`~nnxscan.shell.demos.ppo_policy.RunKey`
+    (drawn by :func:`make_policy` from the ``nnx.Rngs`` the policy was built with, after its
+    weights), splits it into the environments' reset key and the run's key, resets the
+    environments and initializes :func:`ppo_optimizer`. So a policy built from
+    ``nnx.Rngs(seed)`` is one seed's whole run, alone (``Trainer``) or as a member of a
+    ``Population`` with that seed.
+
+    ``update`` reports ``(loss, aux)``: the loss averaged over the update's minibatches, and
+    ``aux`` = ``episode_return`` (the mean over the rollout of each environment's last
+    finished episode's return, PureJaxRL's logged ``returned_episode_returns``),
+    ``actor_loss``, ``value_loss``, ``entropy`` (averaged like the loss).
+
+    Run ``config.num_updates`` updates: the annealed learning rate reaches zero there (and
+    would turn negative after).
+
+    Example:
+      >>> step = make_ppo_step(env, env_params, PPOConfig())
+      >>> trainer = Trainer(make_policy(env, env_params, config, nnx.Rngs(0)), train_step=step)
+      >>> trainer.fit(None, epochs=61, steps_per_epoch=16)   # 976 updates
+    """
+    config = _check_config(PPOConfig() if config is None else config)
+    buffer_size = config.num_envs * config.num_steps
+    rollout = make_rollout(env, env_params, config)
+
+    def configured(opt_state: PPOState) -> PPOConfig:
+        # The float fields come from the opt_state (a member's own values in a population).
+        return config._replace(**opt_state.coefficients.hyperparams)
+
+    def init(graphdef: nnx.GraphDef, state: nnx.State) -> PPOState:
+        return start(_run_key(state), state)
+
+    # One compiled program: the shell calls init eagerly, where the resets' and optax's
+    # small ops dispatched one by one took ~0.5 s (inside a traced train it is inlined).
+    @jax.jit
+    def start(run_key: jax.Array, state: nnx.State) -> PPOState:
+        reset_key, key = jax.random.split(run_key)
+        coefficients = PPOHyperparams(
+            {name: jnp.asarray(getattr(config, name), jnp.float32) for name in HYPERPARAMS}
+        )
+        tx = ppo_optimizer(config)
+        return PPOState(
+            tx=init_opt_state(tx, state),
+            envs=reset_envs(env, env_params, config, reset_key),
+            key=key,
+            coefficients=coefficients,
+        )
+
+    def update(graphdef: nnx.GraphDef, state: nnx.State, opt_state: PPOState, batch: Any = None):
+        run_config = configured(opt_state)
+        update_epochs = make_update_epochs(graphdef, ppo_optimizer(run_config), run_config)
+        key, rollout_key, epochs_key = jax.random.split(opt_state.key, 3)
+        policy = nnx.merge(graphdef, state)
+        envs, traj = rollout(policy, opt_state.envs, rollout_key)
+        _, last_value = policy(envs.obs)
+        advantage, target = gae(
+            traj.reward, traj.value, traj.done, last_value,
+            run_config.gamma, run_config.gae_lambda,
+        )  # fmt: skip
+        buffer = {
+            "obs": traj.obs, "action": traj.action, "log_prob": traj.log_prob,
+            "value": traj.value, "advantage": advantage, "target": target,
+        }  # fmt: skip
+        buffer = jax.tree.map(lambda x: x.reshape(buffer_size, *x.shape[2:]), buffer)
+        state, tx_state, (loss, aux) = update_epochs(state, opt_state.tx, buffer, epochs_key)
+        aux = {"episode_return": traj.episode_return.mean()} | {
+            name: value.mean() for name, value in aux.items()
+        }
+        new_opt_state = PPOState(tx_state, envs, key, opt_state.coefficients)
+        return state, new_opt_state, (loss.mean(), aux)
+
+    return Step(init, update, has_aux=True)
+
+
+def _run_key(state: nnx.State) -> jax.Array:
+    """The policy's one :class:`RunKey` in its ``state``: the key its run starts from."""
+    keys = jax.tree.leaves(nnx.filter_state(state, RunKey))
+    if len(keys) != 1:
+        raise ValueError(
+            f"a PPO step reads the key its run starts from in the policy: one RunKey "
+            f"variable, found {len(keys)}. Build the policy with make_policy(env, "
+            f"env_params, config, nnx.Rngs(seed)) (ActorCritic holds run_key = "
+            f"RunKey(rngs.run())), or give your own module such a variable."
+        )
+    return keys[0]
+
+
 def make_ppo_train(
     env: Any, env_params: Any, config: PPOConfig | None = None
 ) -> Callable[[jax.Array], PPORun]:
     """Builds ``train(key) -> PPORun``: a whole PPO run, pure, for one seed.
 
-    ``train`` initializes the policy from ``key`` (:func:`make_policy`), resets
-    ``num_envs`` environments, then scans ``num_updates`` rounds of: a rollout
-    (:func:`make_rollout`), :func:`gae`, and the update epochs
-    (:func:`make_update_epochs`, i.e. ``make_epoch`` over ``make_train_step(ppo_loss,
-    ...)``) with :func:`ppo_optimizer`.
+    ``train`` builds the policy from ``nnx.Rngs(key)`` (:func:`make_policy`), then runs
+    :func:`make_ppo_step`'s ``init`` and ``num_updates`` of its ``update`` in a
+    ``lax.scan``: the same step ``Trainer(policy, train_step=step).fit(None, ...)`` runs, in
+    one program (for a policy built from ``nnx.Rngs(key)`` the same run).
 
     Args:
       env, env_params: a gymnax 1.0 environment (``gymnax.make("CartPole-v1")``) with a
@@ -394,42 +526,20 @@ def make_ppo_train(
       (976,)
     """
     config = _check_config(PPOConfig() if config is None else config)
-    buffer_size = config.num_envs * config.num_steps
-    graphdef = nnx.graphdef(
-        nnx.eval_shape(lambda: make_policy(env, env_params, config, nnx.Rngs(0)))
-    )
-    rollout = make_rollout(env, env_params, config)
 
     def train(key: jax.Array) -> PPORun:
-        # Built inside: a traced float field (a vmapped learning rate) enters the schedule.
-        tx = ppo_optimizer(config)
-        update_epochs = make_update_epochs(graphdef, tx, config)
-        init_key, reset_key, key = jax.random.split(key, 3)
-        state = nnx.state(make_policy(env, env_params, config, nnx.Rngs(init_key)))
-        opt_state = init_opt_state(tx, state)
-        envs = reset_envs(env, env_params, config, reset_key)
+        # Built inside: a traced float field (a vmapped learning rate) enters the step.
+        step = make_ppo_step(env, env_params, config)
+        graphdef, state = nnx.split(make_policy(env, env_params, config, nnx.Rngs(key)))
+        opt_state = step.init(graphdef, state)
 
-        def one_update(carry, key):
-            state, opt_state, envs = carry
-            rollout_key, epochs_key = jax.random.split(key)
-            policy = nnx.merge(graphdef, state)
-            envs, traj = rollout(policy, envs, rollout_key)
-            _, last_value = policy(envs.obs)
-            advantage, target = gae(
-                traj.reward, traj.value, traj.done, last_value, config.gamma, config.gae_lambda
-            )
-            buffer = {
-                "obs": traj.obs, "action": traj.action, "log_prob": traj.log_prob,
-                "value": traj.value, "advantage": advantage, "target": target,
-            }  # fmt: skip
-            buffer = jax.tree.map(lambda x: x.reshape(buffer_size, *x.shape[2:]), buffer)
-            state, opt_state, (loss, aux) = update_epochs(state, opt_state, buffer, epochs_key)
-            metrics = {"episode_return": traj.episode_return.mean(), "loss": loss.mean()}
-            metrics |= {name: value.mean() for name, value in aux.items()}
-            return (state, opt_state, envs), metrics
+        def one_update(carry, _):
+            state, opt_state, (loss, aux) = step.update(graphdef, *carry, None)
+            return (state, opt_state), {"loss": loss, **aux}
 
-        keys = jax.random.split(key, config.num_updates)
-        (state, _, _), metrics = jax.lax.scan(one_update, (state, opt_state, envs), keys)
+        (state, _), metrics = jax.lax.scan(
+            one_update, (state, opt_state), None, length=config.num_updates
+        )
         return PPORun(state, metrics)
 
     return train

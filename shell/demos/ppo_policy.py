@@ -4,6 +4,7 @@ so its three methods are written here with ``jax.random.categorical`` and ``log_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from flax import nnx
 
 __all__ = [
     "ActorCritic",
+    "RunKey",
     "action_entropy",
     "action_log_prob",
     "orthogonal",
@@ -59,6 +61,19 @@ def orthogonal_kernels(
     for shape in shapes:
         if len(shape) != 2:
             raise ValueError(f"orthogonal() initializes 2-D kernels, got shape {shape}.")
+    # One compiled program (built once per shapes): run eagerly, its few hundred small ops
+    # each dispatched (and compiled) alone took ~2 s of building a policy on a 2-core CPU.
+    shapes = tuple(tuple(int(n) for n in shape) for shape in shapes)
+    return list(_orthogonal_kernels(list(keys), shapes, tuple(scales), dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _orthogonal_kernels(
+    keys: list[jax.Array],
+    shapes: tuple[tuple[int, int], ...],
+    scales: tuple[float, ...],
+    dtype: Any,
+) -> list[jax.Array]:
     size = max(max(shape) for shape in shapes)
     padded = []
     for tall in _gaussians(keys, [(max(shape), min(shape)) for shape in shapes], dtype):
@@ -108,10 +123,21 @@ def _orthonormal_columns(a: jax.Array, columns: int) -> jax.Array:
     return q * jnp.sign(jnp.diagonal(r))[None, :]
 
 
+class RunKey(nnx.Variable):
+    """The key a PPO run starts from, held by the policy it trains: drawn from the
+    ``nnx.Rngs`` the policy is built with, so ``model_fn(nnx.Rngs(seed))`` fixes the whole
+    run (the environments' resets, the actions sampled, the minibatch orders), and each
+    member of a ``Population`` is its seed's run. The step reads it once, at ``init``; it
+    never changes (the run's key then lives in the step's ``opt_state``) and is no ``Param``
+    (no optimizer touches it)."""
+
+
 class ActorCritic(nnx.Module):
     """PureJaxRL's actor-critic: separate tanh towers ``obs→64→64→actions`` and
     ``obs→64→64→1``, orthogonal kernels (scale √2, last layers 0.01 and 1; see
-    :func:`orthogonal`), zero biases.
+    :func:`orthogonal`), zero biases; and ``run_key``, the :class:`RunKey` a PPO run from
+    this policy starts from (``rngs.run()``, drawn after the weights' keys: the weights are
+    those of the towers alone).
 
     Example:
       >>> logits, value = ActorCritic(4, 2, rngs=nnx.Rngs(0))(jnp.zeros(4))
@@ -149,6 +175,7 @@ class ActorCritic(nnx.Module):
         shapes = [layer.kernel.shape for layer in layers]
         for layer, kernel in zip(layers, orthogonal_kernels(keys, shapes, scales), strict=True):
             layer.kernel[...] = kernel
+        self.run_key = RunKey(rngs.run())
 
     def __call__(self, obs: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(logits (..., actions), value (...))``."""

@@ -1,0 +1,102 @@
+"""PPO's whole run through the shell against the single-``jit`` run, compile included.
+
+The same PPO (``nnxscan.shell.demos.ppo``, PureJaxRL's CartPole defaults, one seed) three
+ways, each in a fresh process (cold compilation caches, no persistent cache), timed from
+building the policy to the trained result:
+
+  jit          ``jax.jit(make_ppo_train(...)).lower(key).compile()`` then the call: one program
+               (``nnxscan demo ppo``);
+  shell        ``Trainer(policy, train_step=make_ppo_step(...)).fit(None, epochs=61,
+               steps_per_epoch=16, checkpoint_dir=D, resume=True)``: 61 calls, a checkpoint
+               after each (``nnxscan demo ppo --checkpoint-dir D``);
+  shell-nockpt the same fit without checkpoints.
+
+Rounds run every variant once in a new shuffled order; medians, and the median of each
+round's shell ÷ jit ratio.
+
+    python benchmarks/bench_ppo_shell.py --rounds 5
+    python benchmarks/bench_ppo_shell.py --quick      # 32 updates, 1 round: it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = ("jit", "shell", "shell-nockpt")
+
+
+def child(variant: str, updates: int) -> None:
+    import gymnax
+    import jax
+    from flax import nnx
+
+    from nnxscan.shell import Trainer
+    from nnxscan.shell.demos.ppo import PPOConfig, make_policy, make_ppo_step, make_ppo_train
+
+    jax.numpy.zeros(()).block_until_ready()  # the backend starts before the clock
+    env, env_params = gymnax.make("CartPole-v1")
+    config = PPOConfig(total_timesteps=updates * 4 * 128)
+    start = time.perf_counter()
+    if variant == "jit":
+        key = jax.random.key(0)
+        compiled = jax.jit(make_ppo_train(env, env_params, config)).lower(key).compile()
+        run = jax.block_until_ready(compiled(key))
+        final = float(run.metrics["episode_return"][-16:].mean())
+    else:
+        trainer = Trainer(
+            make_policy(env, env_params, config, nnx.Rngs(0)),
+            train_step=make_ppo_step(env, env_params, config),
+        )
+        options = {}
+        if variant == "shell":
+            options = {"checkpoint_dir": tempfile.mkdtemp(), "resume": True}
+        history = trainer.fit(
+            None, epochs=updates // 16, steps_per_epoch=16, progress=False, **options
+        )
+        final = float(history.epochs[-1]["episode_return"])
+    print(json.dumps({"whole": time.perf_counter() - start, "return": final}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--child", nargs=2, metavar=("VARIANT", "UPDATES"))
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]))
+        return
+    updates, rounds = (32, 1) if args.quick else (976, args.rounds)
+    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        order = list(VARIANTS)
+        random.Random(r).shuffle(order)
+        for variant in order:
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", variant, str(updates)],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            results[variant].append(result)
+            print(f"round {r}: {variant:>12} whole {result['whole']:6.2f} s, "
+                  f"return {result['return']:6.1f}", flush=True)  # fmt: skip
+    print(f"\nPPO CartPole-v1, {updates} updates, one seed; medians of {rounds} round(s)\n")
+    print("| variant | whole run (s) | ÷ jit (median of paired rounds) |")
+    print("|---|---:|---:|")
+    for variant in VARIANTS:
+        whole = statistics.median(r["whole"] for r in results[variant])
+        paired = statistics.median(
+            a["whole"] / b["whole"] for a, b in zip(results[variant], results["jit"], strict=True)
+        )
+        print(f"| {variant} | {whole:.2f} | {paired:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()
