@@ -27,9 +27,7 @@ costs over its own (the last column's ratios alike).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +35,7 @@ import numpy as np
 import optax
 
 # The workload of bench_epoch.py (run as a script, its folder is on the path).
-from bench_epoch import BATCH, MLP, loss_fn
+from bench_epoch import BATCH, MLP, interleaved_times, loss_fn
 from flax import nnx
 
 from nnxscan.pure import Step, epoch_order, init_opt_state, make_train_step, split_wrt
@@ -159,20 +157,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=11)
     args = parser.parse_args()
     runs, epoch_index = variants(args.steps)
-    for fn, prepare in runs.values():  # compile
-        jax.block_until_ready(fn(prepare()))
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    shuffler = random.Random(0)
-    for rep in range(args.reps):
-        epoch_index[0] = rep + 1
-        names = list(runs)
-        shuffler.shuffle(names)
-        for name in names:
-            fn, prepare = runs[name]
-            arg = jax.block_until_ready(prepare())
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(arg))
-            times[name].append((time.perf_counter() - t0) / args.steps * 1e6)
+    times = interleaved_times(runs, epoch_index, args.steps, args.reps)
     print(f"jax {jax.__version__}, {args.steps} steps an epoch, batch {BATCH}, {args.reps} reps")
     print("| step | fit µs/step | by hand µs/step | fit ÷ by hand |\n|---|---:|---:|---:|")
     for kind, hand in (("built-in", "hand"), ("user Step", "hand"), ("NNX fn", "hand")):

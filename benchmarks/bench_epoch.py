@@ -136,17 +136,14 @@ def variants(steps: int) -> dict:
     }, epoch_index
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--reps", type=int, default=11)
-    args = parser.parse_args()
-    runs, epoch_index = variants(args.steps)
+def interleaved_times(runs: dict, epoch_index: list, steps: int, reps: int) -> dict:
+    """µs/step of each ``name: (fn, prepare)`` over ``reps`` rounds, compiled first, in a new
+    shuffled order each round (round ``r`` trains epoch ``r + 1``'s order)."""
     for fn, prepare in runs.values():  # compile
         jax.block_until_ready(fn(prepare()))
     times: dict[str, list[float]] = {name: [] for name in runs}
     shuffler = random.Random(0)
-    for rep in range(args.reps):
+    for rep in range(reps):
         epoch_index[0] = rep + 1
         names = list(runs)
         shuffler.shuffle(names)
@@ -155,7 +152,17 @@ def main() -> None:
             arg = jax.block_until_ready(prepare())
             t0 = time.perf_counter()
             jax.block_until_ready(fn(arg))
-            times[name].append((time.perf_counter() - t0) / args.steps * 1e6)
+            times[name].append((time.perf_counter() - t0) / steps * 1e6)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--reps", type=int, default=11)
+    args = parser.parse_args()
+    runs, epoch_index = variants(args.steps)
+    times = interleaved_times(runs, epoch_index, args.steps, args.reps)
     base = statistics.median(times["scan_train"])
     print(f"jax {jax.__version__}, {args.steps} steps an epoch, batch {BATCH}, {args.reps} reps")
     print("| variant | µs/step (median) | ÷ scan_train |\n|---|---:|---:|")
