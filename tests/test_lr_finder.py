@@ -93,6 +93,7 @@ def test_the_suggestion_is_the_smallest_rate_within_tolerance_of_the_best():
         result.suggest(-0.1)
 
 
+@pytest.mark.slow
 def test_a_diverging_rate_is_excluded_and_frozen_where_its_loss_became_non_finite(data):
     """SGD at 1e-2, 1e2 and 1e6: the two large rates blow up (one to a non-finite loss, in
     the middle of a call of 7 steps), the small one trains; no warning escapes."""
@@ -187,6 +188,7 @@ def test_bad_input_is_refused_before_anything_compiles(data, compile_count, chan
     assert compile_count() == 0
 
 
+@pytest.mark.slow
 def test_lr_find_demo_prints_a_table_and_writes_the_figure(tmp_path, capsys):
     pytest.importorskip("sklearn")
     from nnxscan.shell.cli import main

@@ -116,6 +116,7 @@ def test_members_equal_each_trained_alone_by_a_trainer(data):
     assert pop.best("accuracy", mode="max") == int(np.argmax(alone_scores))
 
 
+@pytest.mark.slow
 def test_a_stream_trains_every_member_as_a_trainer_on_that_stream(data):
     batches = epoch_batches(data, BS, seed=7, epoch=0)
     pop = Population(mlp, train_step=ADAMW, seeds=SEEDS)
@@ -163,6 +164,7 @@ def test_a_step_converted_from_a_stateful_fn_of_the_model_alone_trains(data):
 # -- resume, non-finite policies, callbacks ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_after_a_cut_equals_the_uninterrupted_run_bitwise(data, tmp_path):
     def make():
         return Population(

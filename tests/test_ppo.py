@@ -186,7 +186,8 @@ def test_update_epochs_equal_purejaxrl_style_shuffled_minibatch_loop():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("vmapped", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("vmapped", [False, True])
 def test_update_epochs_batch_bitwise_as_purejaxrl_permute_reshape_and_scan(vmapped):
     """The update epochs' minibatches are PureJaxRL's: per epoch ``jax.random.permutation``
     of the buffer, ``jnp.take`` of the shuffled copy, reshaped into ``num_minibatches`` and

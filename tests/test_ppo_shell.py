@@ -50,6 +50,7 @@ def alone():
     return run
 
 
+@pytest.mark.slow
 def test_sigterm_saves_raises_preempted_and_the_rerun_ends_as_one_program_does(alone, tmp_path):
     def policy(seed):
         return make_policy(ENV, ENV_PARAMS, TINY, nnx.Rngs(seed))
@@ -81,6 +82,7 @@ def test_sigterm_saves_raises_preempted_and_the_rerun_ends_as_one_program_does(a
     )
 
 
+@pytest.mark.slow
 def test_a_sweep_member_is_its_seed_and_entropy_coefficient_trained_alone(alone):
     seeds, ent_coefs = [0, 1, 0], [0.0, 0.05, float("nan")]
     population = Population(

@@ -74,6 +74,7 @@ def test_qa_step_under_scan_train_equals_flaxs_nnx_scan():
     assert all(np.any(x != y) for x, y in zip(state_arrays(policy), untrained, strict=True))
 
 
+@pytest.mark.slow
 def test_stateful_outputs_come_back_stacked_whatever_their_tree():
     def with_norms(model, optimizer, batch):
         loss, grads = nnx.value_and_grad(xent)(model, batch)

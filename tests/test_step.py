@@ -106,6 +106,7 @@ def test_lbfgs_trains_as_optaxs_documented_loop():
     assert float(losses[-1]) < 1e-3 < float(losses[0])  # it really converged
 
 
+@pytest.mark.slow
 def test_lbfgs_under_trainer_and_scan_train_equals_optaxs_loop():
     data, steps = _regression(), 8
     want, _ = _optax_lbfgs_loop(_as_plain(nnx.state(Linear(nnx.Rngs(0)))), data, steps)
