@@ -124,7 +124,7 @@ def run_script(code: str, where: pathlib.Path, label: str) -> None:
 # examples train longest (their library paths have fast tests of their own).
 SLOW_GUIDES = {"custom_loops.md", "custom_steps.md", "evaluation.md", "hypernetworks.md",
                "populations.md", "porting.md", "pure_core.md",
-               "reinforcement_learning.md"}  # fmt: skip
+               "reinforcement_learning.md", "training.md"}  # fmt: skip
 
 
 def _lane(path: pathlib.Path):

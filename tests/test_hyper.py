@@ -184,6 +184,7 @@ def test_gradients_reach_every_head_leaf(spec, heads, x):
         assert np.any(np.asarray(g) != 0), f"zero gradient at {jax.tree_util.keystr(path)}"
 
 
+@pytest.mark.slow
 def test_directional_derivative_matches_central_finite_differences():
     with jax.enable_x64(True):
         f64 = jnp.float64

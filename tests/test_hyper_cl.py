@@ -424,6 +424,7 @@ def test_chunked_heads_reject_bad_sizes():
 # -- conv targets ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [None, 64], ids=["heads", "chunked"])
 def test_generated_cnn_runs_like_the_cnn_with_those_weights_and_learns(chunk_size):
     target = CNN(rngs=nnx.Rngs(0))

@@ -45,6 +45,7 @@ def injected_adam(rate):
     return optax.inject_hyperparams(optax.adam)(learning_rate=rate)
 
 
+@pytest.mark.slow
 def test_each_rate_equals_its_own_trainer_run(found, data):
     rates = np.geomspace(MIN_LR, MAX_LR, NUM)
     np.testing.assert_allclose(found.learning_rates, rates, rtol=1e-12)

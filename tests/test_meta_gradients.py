@@ -204,6 +204,7 @@ def test_the_meta_learned_init_adapts_better_in_k_steps_than_a_pretrained_one(
     assert meta_after < 0.6 * min(pre_before, pre_after)
 
 
+@pytest.mark.slow
 def test_the_outer_gradient_is_second_order_through_the_inner_steps():
     """The MAML gradient differs from the first-order one (inner gradients stopped) and
     matches central differences along a random direction in parameter space."""

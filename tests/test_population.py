@@ -146,6 +146,7 @@ def test_population_epoch_equals_make_epoch_per_member(data):
 # -- the shell: each member is a Trainer run alone --------------------------------------------
 
 
+@pytest.mark.slow
 def test_each_member_equals_its_own_trainer_run(data):
     """BatchNorm + Dropout, per-member seeds, shuffles and learning rates, 320 Adam steps."""
     epochs = 40
@@ -239,6 +240,7 @@ def test_evaluate_equals_each_members_trainer_evaluate(data):
     assert pop.best("loss") == int(np.argmin(history.epochs[-1]["loss"]))
 
 
+@pytest.mark.slow
 def test_member_is_a_fresh_module_that_trains_further(data):
     pop = Population(bn_dropout, TX, xent, seeds=[0, 1])
     pop.fit(data, epochs=1, batch_size=BS)

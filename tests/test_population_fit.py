@@ -69,6 +69,7 @@ def trainer_run(seed, data, epochs, *, rate=1e-2, **options):
     return trainer, history
 
 
+@pytest.mark.slow
 def test_a_frozen_member_stays_bitwise_and_logs_its_loss_at_the_frozen_state(data):
     pop = Population(mlp, injected_adam(), xent, seeds=SEEDS)
     before = unstack_states(pop.state)[1], unstack_states(pop.opt_state)[1]

@@ -235,6 +235,7 @@ def test_pure_metric_evaluation_counts_every_example(data):
 # -- scan_train on flat data, with call-time Rngs -----------------------------------------------
 
 
+@pytest.mark.slow
 def test_scan_train_cuts_flat_data_and_refuses_it_without_batch_size():
     data = make_data(70)
     model = MLP(rngs=nnx.Rngs(0))

@@ -95,6 +95,7 @@ def _mlflow_metrics(client, run_id) -> dict[str, list[tuple[int, float]]]:
     }
 
 
+@pytest.mark.slow
 def test_mlflow_records_a_fit_and_a_second_fit_continues_the_run(tracking_uri):
     data, test = _split()
     trainer = Trainer(MLP(rngs=nnx.Rngs(0)), _injected(), xent)
@@ -277,6 +278,7 @@ def _wandb_run(run_dir) -> tuple[dict, dict[str, list[tuple[int, float]]]]:
     return summary, series
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_history_config_and_summary(wandb_offline):
     data, test = _split()
     trainer = Trainer(MLP(rngs=nnx.Rngs(0)), _injected(), xent)
