@@ -13,6 +13,9 @@ to ``scan_train``:
   hand_gather     by hand: ``x[order]`` once, reshaped to ``(steps, batch, ...)``, ``lax.scan``
   nnx_scan        Flax's ``nnx.scan`` over a stateful step (model and optimizer as
                   ``nnx.Carry``) inside ``nnx.jit``, on stacked batches: the Flax anchor
+  nnx_scan_shuffled
+                  the same, timing the epoch's shuffle too (``x[order]`` on the device,
+                  reshaped): what a Flax user's epoch over a data set costs
 
     python benchmarks/bench_epoch.py --reps 15
 """
@@ -127,12 +130,20 @@ def variants(steps: int) -> dict:
     def run_nnx_scan(batches):
         return flax_epoch(fx_model, fx_opt, batches)[-1]
 
+    fs_model = MLP(nnx.Rngs(0))
+    fs_opt = nnx.Optimizer(fs_model, tx, wrt=nnx.Param)
+
+    def run_nnx_scan_shuffled(_):
+        # What a Flax user's epoch does: shuffle on the device, then nnx.scan.
+        return flax_epoch(fs_model, fs_opt, stacked())[-1]
+
     return {
         "scan_train": (run_scan_train, stacked),
         "fit": (run_fit, lambda: None),
         "make_epoch": (run_make_epoch, lambda: None),
         "hand_gather": (run_hand, lambda: None),
         "nnx_scan": (run_nnx_scan, stacked),
+        "nnx_scan_shuffled": (run_nnx_scan_shuffled, lambda: None),
     }, epoch_index
 
 

@@ -7,7 +7,7 @@ cut their orders here, so a loop of pure functions and ``Trainer.fit`` see the s
   full batches and a short tail.
 - :func:`full_then_tail`: the rule every epoch and every evaluation follows: scan the full
   batches, then the tail once, as a step of its own shape.
-- :func:`take_batch`: rows of every leaf of a data set, by index.
+- :func:`take_batch`: rows of every leaf of a data set, by index (:func:`take_rows`).
 - :func:`shard_batch`, :func:`constrain_sharding`: a batch (an array) on a sharding inside
   traced code, on an Explicit or an Auto mesh.
 
@@ -29,8 +29,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["constrain_sharding", "cut_batches", "full_then_tail", "shard_batch", "take_batch"]
+__all__ = [
+    "constrain_sharding",
+    "cut_batches",
+    "full_then_tail",
+    "shard_batch",
+    "take_batch",
+    "take_rows",
+]
 
 
 def cut_batches(order: Any, batch_size: int, *, drop_remainder: bool) -> tuple[Any, Any | None]:
@@ -85,7 +93,48 @@ def take_batch(data: Any, indices: jax.Array) -> Any:
       Array([[0., 2.],
              [4., 6.]], dtype=float32)
     """
-    return jax.tree.map(lambda x: jnp.take(x, indices, axis=0), data)
+    return jax.tree.map(lambda x: take_rows(x, indices), data)
+
+
+# XLA:CPU gathers a row of fewer than ~128 elements element by element (2-3x slower than
+# memory allows: 2.3 ms for 16 MB of 64-float rows against ~1 ms for rows of >= 128
+# elements, measured on this project's 2-core CPU); the same row viewed as bytes has 4x
+# the elements and gathers at memory speed. Bitwise the same rows.
+_NARROW_ROW_ELEMENTS = 128
+
+
+def take_rows(x: Any, indices: Any) -> jax.Array:
+    """``jnp.take(x, indices, axis=0)``, on the CPU through a byte view of ``x``'s rows when
+    a row has few elements (bitwise the same result, several times faster there).
+
+    Args:
+      x: an array with a leading rows axis.
+      indices: an int array of row indices, of any shape.
+
+    Returns:
+      ``x[indices]``: shape ``(*indices.shape, *x.shape[1:])``.
+
+    Example:
+      >>> take_rows(jnp.arange(6.0).reshape(3, 2), jnp.array([2, 0]))
+      Array([[4., 5.],
+             [0., 1.]], dtype=float32)
+    """
+    dtype = jnp.result_type(x)
+    row = int(np.prod(jnp.shape(x)[1:], dtype=np.int64))
+    narrow = (
+        jnp.ndim(x) >= 1
+        and dtype.itemsize > 1
+        and row < _NARROW_ROW_ELEMENTS
+        and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
+        and jax.default_backend() == "cpu"
+    )
+    if not narrow:
+        return jnp.take(x, indices, axis=0)
+    shape = jnp.shape(x)
+    rows = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(shape[0], row * dtype.itemsize)
+    taken = jnp.take(rows, indices, axis=0)
+    taken = taken.reshape(*jnp.shape(indices), *shape[1:], dtype.itemsize)
+    return jax.lax.bitcast_convert_type(taken, dtype)
 
 
 def constrain_sharding(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:

@@ -156,7 +156,8 @@ def scan_train(
         members=None, subject=None, loss_fn=loss_fn, has_aux=program.has_aux,
     )  # fmt: skip
     placement = engine.bind()
-    with placement.context():
+    # One walk of the objects serves set-up's reads (released before the first call).
+    with placement.context(), owner.reads_held():
         try:
             outs = _scan(engine, placement, batches, num, batch_size, drop_remainder)
         except BaseException as error:
@@ -189,6 +190,7 @@ def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> Any:
         )  # fmt: skip
         calls = epoch_calls(0, EpochStats())
     live = LiveState(state, opt_state, owner.writer(), placement, engine.make_runner())
+    owner.release_reads()
     # No local keeps the owner's arrays: the first call counts who else references them.
     del state, opt_state
     outs = run_calls(program, execution, live, calls)

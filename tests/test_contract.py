@@ -139,6 +139,32 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
     assert_trees_close(model, whole[0])
 
 
+@pytest.mark.parametrize(
+    "leaf",
+    [
+        np.arange(24, dtype=np.float32).reshape(6, 4),  # narrow rows: through bytes on the CPU
+        np.array([1.5, np.nan, -0.0, np.inf, 3.0, 1e-40], np.float32),  # NaN, -0, subnormal
+        np.arange(6, dtype=np.int16).reshape(6, 1) - 3,
+        np.arange(12, dtype=np.float16).reshape(6, 2, 1),
+        np.arange(6, dtype=np.uint8),  # bytes already
+        np.array([True, False, True, True, False, False]),  # bool: gathered as it is
+        np.arange(6 * 200, dtype=np.float32).reshape(6, 200),  # wide rows: gathered as they are
+    ],
+)
+def test_take_rows_is_numpy_indexing_bitwise(leaf):
+    """Rows gathered through a byte view of the data (faster on XLA:CPU) are numpy's own
+    fancy indexing, bit for bit: NaN payloads, -0.0 and subnormals included."""
+    from nnxscan.pure.batching import take_rows
+
+    indices = np.array([[5, 0, 3], [3, 3, 1]])
+    want = leaf[indices]
+    for got in (take_rows(leaf, indices), jax.jit(take_rows)(leaf, indices)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint8), np.ascontiguousarray(want).view(np.uint8)
+        )
+
+
 def test_make_epoch_checks_the_order_before_tracing(data):
     step = make_train_step(xent, TX)
     graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))

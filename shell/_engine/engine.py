@@ -146,7 +146,9 @@ class Engine:
         raises before training leaves everything as it was (a resume's restore aside,
         which is itself checked first).
         """
-        with self.bind().context():
+        # Set-up reads the objects several times (checks, the plan's trace, the runner,
+        # the first carry): one walk serves them all, released before any callback runs.
+        with self.bind().context(), self.owner.reads_held():
             return self._fit(data, options)
 
     def _fit(self, data: Any, options: FitOptions) -> History:

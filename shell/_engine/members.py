@@ -10,6 +10,7 @@ run's ``shared_order``). Each member's state is that of its node: the model, or
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,13 @@ class StackedOwner:
 
     def read_state(self) -> Any:
         return self._carry[0]
+
+    def reads_held(self) -> contextlib.AbstractContextManager:
+        """Reads cost nothing here (the carry is held, not walked): nothing to hold."""
+        return contextlib.nullcontext()
+
+    def release_reads(self) -> None:
+        pass
 
     def copy_of(self, which: int) -> Any:
         """A copy of the stacked state (``which=0``) or optax state (``1``)."""
