@@ -84,7 +84,10 @@ def scan_indexed_steps(
     index inside a loop body costs XLA:CPU more than a small model's whole step; one gather
     per call costs one copy of the call's examples. When that copy would exceed
     ``gather_budget`` bytes, the steps run as an outer loop over chunks of steps whose
-    batches fit, each gathered once. A ``(steps,)`` index (whole stacked batches) takes
+    batches fit, each gathered once. A call that gathers most of ``data`` at once (an
+    epoch) gathers narrow rows through a byte view on the CPU
+    (:func:`nnxscan.pure.batching.take_rows`: bitwise the same rows, several times
+    faster). A ``(steps,)`` index (whole stacked batches) takes
     each step's batch by a dynamic slice, which costs nothing extra in the loop.
 
     Args:
@@ -116,9 +119,10 @@ def scan_indexed_steps(
             unroll=unroll, batch_sharding=batch_sharding,
         )  # fmt: skip
 
-    def run_chunk(carry, idx):
+    def run_chunk(carry, idx, as_bytes=False):
+        batches = batching.take_batch(data, idx, as_bytes=as_bytes)
         state, opt_state, outs = _loops.scan_batches(
-            step, graphdef, *carry, batching.take_batch(data, idx), lambda b: b,
+            step, graphdef, *carry, batches, lambda b: b,
             unroll=unroll, batch_sharding=batch_sharding,
         )  # fmt: skip
         return (state, opt_state), outs
@@ -126,7 +130,10 @@ def scan_indexed_steps(
     steps, per_step = indices.shape[0], _loops.batch_bytes(data, indices.shape[1])
     chunk = max(1, gather_budget // max(per_step, 1))
     if chunk >= steps:  # the whole call in one gather
-        carry, outs = run_chunk((state, opt_state), indices)
+        # Through bytes when the call reads most of the data (an epoch): the byte view
+        # then costs at most one more pass over the data, where it is not fused.
+        as_bytes = 2 * steps * per_step >= _loops.batch_bytes(data, _num_rows(data))
+        carry, outs = run_chunk((state, opt_state), indices, as_bytes)
         return (*carry, outs)
     num_chunks = steps // chunk
     head = indices[: num_chunks * chunk].reshape(num_chunks, chunk, *indices.shape[1:])
@@ -136,6 +143,10 @@ def scan_indexed_steps(
         carry, rest = run_chunk(carry, indices[num_chunks * chunk :])
         outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, rest)
     return (*carry, outs)
+
+
+def _num_rows(data: Any) -> int:
+    return jax.tree.leaves(data)[0].shape[0]
 
 
 def _frozen_aware(step: StepFn, active: jax.Array) -> StepFn:
