@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure.batching import shard_batch
+from nnxscan.pure.batching import gathers_as_bytes, shard_batch
 from nnxscan.pure.train_step import StepFn
 
 
@@ -89,6 +89,20 @@ def scan_batches(
 #: every call (measured in docs/performance.md: 4 MiB was as fast or faster than both a
 #: whole-epoch copy and a gather per step, for rows of 256 B to 64 kB).
 GATHER_BUDGET_BYTES = 4 * 1024 * 1024
+#: The budget when every leaf's rows gather through bytes (``batching.gathers_as_bytes``):
+#: such a gather is bound by XLA:CPU's per-element loop, not by the cache, and a call
+#: gathered whole gets the byte view (in a chunk loop XLA would hoist the view of the
+#: data set out of the loop as a copy). Below glibc's largest mmap threshold (32 MiB),
+#: so the buffer is reused call after call (docs/performance.md).
+NARROW_GATHER_BUDGET_BYTES = 24 * 1024 * 1024
+
+
+def gather_budget(data: Any) -> int:
+    """The default bytes one gather of a call may copy for ``data``'s rows."""
+    leaves = jax.tree.leaves(data)
+    if leaves and all(gathers_as_bytes(x) for x in leaves):
+        return NARROW_GATHER_BUDGET_BYTES
+    return GATHER_BUDGET_BYTES
 
 
 def batch_bytes(data: Any, batch_size: int) -> int:

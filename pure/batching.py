@@ -108,6 +108,20 @@ def take_batch(data: Any, indices: jax.Array, *, as_bytes: bool = False) -> Any:
 _NARROW_ROW_ELEMENTS = 128
 
 
+def gathers_as_bytes(x: Any) -> bool:
+    """Whether :func:`take_rows` gathers ``x``'s rows through a byte view: on the CPU, an
+    integer or float array of more than one byte per element whose rows hold fewer than
+    128 elements."""
+    dtype = jnp.result_type(x)
+    return (
+        jnp.ndim(x) >= 1
+        and dtype.itemsize > 1
+        and int(np.prod(jnp.shape(x)[1:], dtype=np.int64)) < _NARROW_ROW_ELEMENTS
+        and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
+        and jax.default_backend() == "cpu"
+    )
+
+
 def take_rows(x: Any, indices: Any) -> jax.Array:
     """``jnp.take(x, indices, axis=0)``, on the CPU through a byte view of ``x``'s rows when
     a row has few elements (bitwise the same result, several times faster there).
@@ -124,18 +138,10 @@ def take_rows(x: Any, indices: Any) -> jax.Array:
       Array([[4., 5.],
              [0., 1.]], dtype=float32)
     """
-    dtype = jnp.result_type(x)
-    row = int(np.prod(jnp.shape(x)[1:], dtype=np.int64))
-    narrow = (
-        jnp.ndim(x) >= 1
-        and dtype.itemsize > 1
-        and row < _NARROW_ROW_ELEMENTS
-        and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
-        and jax.default_backend() == "cpu"
-    )
-    if not narrow:
+    if not gathers_as_bytes(x):
         return jnp.take(x, indices, axis=0)
-    shape = jnp.shape(x)
+    dtype, shape = jnp.result_type(x), jnp.shape(x)
+    row = int(np.prod(shape[1:], dtype=np.int64))
     rows = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(shape[0], row * dtype.itemsize)
     taken = jnp.take(rows, indices, axis=0)
     taken = taken.reshape(*jnp.shape(indices), *shape[1:], dtype.itemsize)

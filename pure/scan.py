@@ -68,7 +68,7 @@ def scan_indexed_steps(
     *,
     unroll: int | bool = 1,
     batch_sharding: jax.sharding.Sharding | None = None,
-    gather_budget: int = _loops.GATHER_BUDGET_BYTES,
+    gather_budget: int | None = None,
 ) -> tuple[nnx.State, Any, Any]:
     """Scans ``step`` over batches gathered from ``data`` by a ``(steps, batch)`` index array
     (or ``(steps,)``: row ``i`` of ``data`` is a whole batch, as in a stream's chunk).
@@ -101,7 +101,9 @@ def scan_indexed_steps(
       unroll: forwarded to ``lax.scan``; ``True`` unrolls fully (no loop left).
       batch_sharding: shard each batch's leading axis, e.g. ``NamedSharding(mesh,
         P("data"))``, for data-parallel steps.
-      gather_budget: the most bytes of examples one gather copies (4 MiB by default).
+      gather_budget: the most bytes of examples one gather copies; by default 4 MiB, or
+        24 MiB when every leaf's rows are narrow enough to gather as bytes (see
+        ``docs/performance.md``).
 
     Returns:
       ``(state, opt_state, outs)``; ``outs`` (the losses, or ``(loss, aux)`` pairs) are
@@ -127,6 +129,8 @@ def scan_indexed_steps(
         )  # fmt: skip
         return (state, opt_state), outs
 
+    if gather_budget is None:
+        gather_budget = _loops.gather_budget(data)
     steps, per_step = indices.shape[0], _loops.batch_bytes(data, indices.shape[1])
     chunk = max(1, gather_budget // max(per_step, 1))
     if chunk >= steps:  # the whole call in one gather
@@ -175,7 +179,7 @@ def scan_member_steps(
     member_axis: str | None = None,
     batch_sharding: jax.sharding.Sharding | None = None,
     data_per_member: bool = False,
-    gather_budget: int = _loops.GATHER_BUDGET_BYTES,
+    gather_budget: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """:func:`scan_indexed_steps` vmapped over the members of a population.
 
@@ -218,6 +222,8 @@ def scan_member_steps(
       >>> losses.shape  # (steps, members)
       (3, 4)
     """
+    if gather_budget is None:
+        gather_budget = _loops.gather_budget(data)
     member_budget = max(1, gather_budget // indices.shape[0])
 
     def member(state, opt_state, member_data, idx, alive):
