@@ -108,3 +108,24 @@ def test_data_none_needs_steps_per_epoch_and_steps_per_epoch_needs_no_data(data)
     assert trainer.step == 0 and all(
         np.array_equal(a, b) for a, b in zip(before, after, strict=True)
     )
+
+
+def test_the_step_is_traced_once_even_with_weakly_typed_state():
+    """The plan probe's trace is the compiled call's: a weakly typed leaf in the opt_state
+    (an environment's ``time = 0`` counter) is probed as weak, so jit's cache hits."""
+    traces = []
+
+    def init(graphdef, state):
+        return {**_init(graphdef, state), "time": jnp.asarray(0)}  # weakly typed
+
+    def update(graphdef, state, opt_state, batch):
+        traces.append(1)
+        rest = {k: v for k, v in opt_state.items() if k != "time"}
+        state, rest, out = _update(graphdef, state, rest, batch)
+        return state, {**rest, "time": opt_state["time"] + 1}, out
+
+    step = Step(init, update, has_aux=True)
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=step)
+    assert trainer._owner.opt_state["time"].weak_type
+    trainer.fit(None, epochs=2, steps_per_epoch=3, progress=False)
+    assert len(traces) == 1 and int(trainer._owner.opt_state["time"]) == 6

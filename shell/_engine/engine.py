@@ -330,13 +330,18 @@ class Engine:
 
 def _one_model(x: Any, sharding: Any, stacked: bool, *, member: bool = True) -> Any:
     """The shape (and, on a mesh, sharding) of ONE model's leaf: a population's leaves lose
-    their leading members axis (and its entry in the sharding)."""
+    their leading members axis (and its entry in the sharding). A weakly typed leaf stays
+    weak: the compiled call sees it so, and a probe traced with another type would miss
+    jit's trace cache and trace the whole step a second time."""
     shape = tuple(np.shape(x))[1:] if stacked else tuple(np.shape(x))
     dtype = jax.numpy.result_type(x) if not hasattr(x, "dtype") else x.dtype
+    weak = bool(getattr(x, "weak_type", False))
     if sharding is None:
-        return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
     spec = tuple(sharding.spec)
     if stacked and member:
         spec = spec[1:]
     spec = spec[: len(shape)]
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(sharding.mesh, P(*spec)))
+    return jax.ShapeDtypeStruct(
+        shape, dtype, sharding=NamedSharding(sharding.mesh, P(*spec)), weak_type=weak
+    )
