@@ -296,7 +296,10 @@ class Engine:
         run_log = _checkpointing.RunLog(writer)
 
         def save(history: History, partial: np.ndarray, carry: tuple | None = None) -> None:
-            _checkpointing.save_with(writer, self.owner, run_log.record(history, partial), carry)
+            owner = self.owner
+            if writer.newest_step() == owner.step and not owner.loaded_since_checkpoint:
+                return  # this step is saved (save_with would keep it): no log line either
+            _checkpointing.save_with(writer, owner, run_log.record(history, partial), carry)
 
         return directory, Checkpoints(every, every_steps, save, writer.close, run_log)
 

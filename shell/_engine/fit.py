@@ -225,6 +225,7 @@ class FitLoop:
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
         injected = learning_rate(live.carry()[1], self.members) is not None
         groups = self._fused_groups(owner.epoch, epochs, epoch_calls, injected)
+        last_epoch = owner.epoch + epochs
         if partial is not None:
             self._partial = partial
         self.callbacks.subject.stop_training = False
@@ -252,9 +253,12 @@ class FitLoop:
             raise
         self.callbacks("on_train_end", history)
         if self.checkpoints is not None:
-            if owner.loaded_since_checkpoint:
+            finished = owner.epoch == last_epoch and not owner.epoch_step
+            if owner.loaded_since_checkpoint or finished:
                 # EarlyStopping put the best epoch's weights back: the checkpoint holds them
-                # and the History's events.
+                # and the History's events. A run that trained all its epochs ends saved
+                # whatever checkpoint_every is, so its rerun trains nothing (no-op when
+                # the last epoch was saved already).
                 self.checkpoints.save(history, empty_losses(self.members))
             self.checkpoints.close()  # every checkpoint is on disk when fit returns
         self._warn_nonfinite()

@@ -50,7 +50,8 @@ class FitArguments(TypedDict, total=False):
         step of its own size (one extra compile, cached).
       prefetch: prepare a stream's next chunk in a background thread (default True).
       checkpoint_dir: save a checkpoint here every ``checkpoint_every`` epochs, counted by
-        the global epoch index.
+        the global epoch index, and once the last epoch is trained (a rerun with
+        ``resume=True`` then trains nothing).
       checkpoint_every: epochs between checkpoints (default 1).
       checkpoint_every_steps: also save every this many global steps, at the first
         compiled-call boundary at or after each multiple (the scan plan then runs calls of
