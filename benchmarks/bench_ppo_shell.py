@@ -7,8 +7,10 @@ building the policy to the trained result:
   jit          ``jax.jit(make_ppo_train(...)).lower(key).compile()`` then the call: one program
                (``nnxscan demo ppo``);
   shell        ``Trainer(policy, train_step=make_ppo_step(...)).fit(None, epochs=61,
-               steps_per_epoch=16, checkpoint_dir=D, resume=True)``: 61 calls, a checkpoint
-               after each (``nnxscan demo ppo --checkpoint-dir D``);
+               steps_per_epoch=16, checkpoint_dir=D, checkpoint_every=8, resume=True)``:
+               61 calls, a checkpoint every 128 updates and at the end, as
+               ``nnxscan demo ppo --checkpoint-dir D`` saves;
+  shell-every-epoch  the same with a checkpoint after every call (``checkpoint_every=1``);
   shell-nockpt the same fit without checkpoints.
 
 Rounds run every variant once in a new shuffled order; medians, and the median of each
@@ -29,7 +31,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("jit", "shell", "shell-nockpt")
+VARIANTS = ("jit", "shell", "shell-every-epoch", "shell-nockpt")
 
 
 def child(variant: str, updates: int) -> None:
@@ -39,6 +41,7 @@ def child(variant: str, updates: int) -> None:
 
     from nnxscan.shell import Trainer
     from nnxscan.shell.demos.ppo import PPOConfig, make_policy, make_ppo_step, make_ppo_train
+    from nnxscan.shell.demos.ppo_demo import checkpoint_epochs
 
     jax.numpy.zeros(()).block_until_ready()  # the backend starts before the clock
     env, env_params = gymnax.make("CartPole-v1")
@@ -55,8 +58,10 @@ def child(variant: str, updates: int) -> None:
             train_step=make_ppo_step(env, env_params, config),
         )
         options = {}
-        if variant == "shell":
-            options = {"checkpoint_dir": tempfile.mkdtemp(), "resume": True}
+        if variant != "shell-nockpt":
+            every = 1 if variant == "shell-every-epoch" else checkpoint_epochs(16)
+            options = {"checkpoint_dir": tempfile.mkdtemp(), "resume": True,
+                       "checkpoint_every": every}  # fmt: skip
         history = trainer.fit(
             None, epochs=updates // 16, steps_per_epoch=16, progress=False, **options
         )
@@ -85,7 +90,7 @@ def main() -> None:
             )  # fmt: skip
             result = json.loads(out.stdout.strip().splitlines()[-1])
             results[variant].append(result)
-            print(f"round {r}: {variant:>12} whole {result['whole']:6.2f} s, "
+            print(f"round {r}: {variant:>17} whole {result['whole']:6.2f} s, "
                   f"return {result['return']:6.1f}", flush=True)  # fmt: skip
     print(f"\nPPO CartPole-v1, {updates} updates, one seed; medians of {rounds} round(s)\n")
     print("| variant | whole run (s) | ÷ jit (median of paired rounds) |")
