@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,6 +68,23 @@ def test_fit_without_data_trains_what_a_scan_of_update_trains(reference):
     np.testing.assert_array_equal(
         jax.random.key_data(trainer._owner.opt_state["key"]), jax.random.key_data(opt_state["key"])
     )
+
+
+def test_the_progress_line_shows_the_scalars_the_step_reports(reference, capsys):
+    """Off a terminal, fit prints a line per epoch (the first and the last here) with the
+    epoch's mean of each scalar the step reports in its aux, as the History logs it."""
+    _, _, losses, first_x = reference
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
+    capsys.readouterr()
+    history = trainer.fit(None, epochs=3, steps_per_epoch=50, steps_per_call=25)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines] == ["0", "2"]
+    for line, epoch in zip(lines, (0, 2), strict=True):
+        shown = float(re.search(r"  first_x (\S+)  ", line).group(1))
+        want = first_x[50 * epoch : 50 * (epoch + 1)].mean()
+        np.testing.assert_allclose(shown, want, rtol=5e-4)  # printed with 4 digits
+        assert f"first_x {history.epochs[epoch]['first_x']:.4g}" in line
+        assert f"loss {losses[50 * epoch : 50 * (epoch + 1)].mean():.4g}" in line
 
 
 def test_calls_of_a_few_steps_and_a_cut_then_resume_end_where_one_run_ends(reference, tmp_path):

@@ -51,17 +51,26 @@ def _mean(values: np.ndarray, skipping: bool) -> np.ndarray:
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan).astype(values.dtype)
 
 
-def aux_means(aux: Any, members: int | None, skipping: bool = False) -> dict[str, Any]:
-    """Means over steps of every aux leaf that is a scalar per step (per member), keyed by
-    its path; a key that would shadow one of fit's own logs gets ``aux/``."""
+def scalar_aux(aux: Any, members: int | None) -> dict[str, Any]:
+    """The aux leaves that are a scalar per step (per member): ``(steps,)`` or ``(steps,
+    N)``, keyed by their log name (their path; a name that would shadow one of fit's own
+    logs gets ``aux/``). Reads only shapes: the leaves stay where they are."""
     per_step = 1 if members is None else 2
-    logs = {}
+    leaves = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
         if np.ndim(leaf) == per_step:
             key = jax.tree_util.keystr(path, simple=True, separator="/") or "aux"
-            value = _mean(np.asarray(leaf), skipping)
-            logs[f"aux/{key}" if key in RESERVED_LOGS else key] = _value(value, members)
-    return logs
+            leaves[f"aux/{key}" if key in RESERVED_LOGS else key] = leaf
+    return leaves
+
+
+def aux_means(aux: Any, members: int | None, skipping: bool = False) -> dict[str, Any]:
+    """Means over steps of every aux leaf that is a scalar per step (per member), keyed as
+    :func:`scalar_aux` names them."""
+    return {
+        key: _value(_mean(np.asarray(leaf), skipping), members)
+        for key, leaf in scalar_aux(aux, members).items()
+    }
 
 
 def epoch_logs(
