@@ -87,24 +87,36 @@ def test_the_progress_line_shows_the_scalars_the_step_reports(reference, capsys)
         assert f"loss {losses[50 * epoch : 50 * (epoch + 1)].mean():.4g}" in line
 
 
-def test_calls_of_a_few_steps_and_a_cut_then_resume_end_where_one_run_ends(reference, tmp_path):
-    state, _, losses, _ = reference
-    first = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
+def test_calls_of_a_few_steps_and_cuts_then_resumes_end_where_one_run_ends(reference, tmp_path):
+    """Cut twice inside the second epoch (at steps 70 and 90, saved there), resumed each
+    time: the model, the losses and every epoch's logs, the aux means of the cut epoch
+    too, are those of the uninterrupted scan."""
+    state, _, losses, first_x = reference
 
     class Cut:
+        def __init__(self, at):
+            self.at = at
+
         def on_call_end(self, trainer, logs):
-            if trainer.step >= 70:
+            if trainer.step >= self.at:
                 trainer.stop_training = True
 
-    first.fit(None, epochs=3, steps_per_epoch=50, steps_per_call=10, progress=False,
-              checkpoint_dir=tmp_path, checkpoint_every_steps=10, callbacks=[Cut()])  # fmt: skip
-    assert first.step == 70
+    fit = dict(epochs=3, steps_per_epoch=50, steps_per_call=10, progress=False,
+               checkpoint_dir=tmp_path, checkpoint_every_steps=10, resume=True)  # fmt: skip
+    for seed, cut in [(0, 70), (3, 90)]:
+        trainer = Trainer(MLP(rngs=nnx.Rngs(seed)), train_step=SAMPLER)
+        trainer.fit(None, callbacks=[Cut(cut)], **fit)
+        assert trainer.step == cut
     again = Trainer(MLP(rngs=nnx.Rngs(5)), train_step=SAMPLER)
-    history = again.fit(None, epochs=3, steps_per_epoch=50, steps_per_call=10,
-                        checkpoint_dir=tmp_path, resume=True, progress=False)  # fmt: skip
+    history = again.fit(None, **fit)
     assert again.step == 150
     assert_trees_close(again.model, state, exact=True)
     np.testing.assert_array_equal(history.losses, losses)
+    for epoch, logs in enumerate(history.epochs):
+        steps = slice(50 * epoch, 50 * (epoch + 1))
+        assert logs["steps"] == 50 and logs["epoch"] == epoch
+        assert logs["loss"] == float(losses[steps].mean())
+        assert logs["first_x"] == float(first_x[steps].mean()), epoch  # all 50 steps'
 
 
 def test_early_stopping_watches_a_scalar_the_step_reports():

@@ -258,18 +258,18 @@ class Engine:
     def _resume(self, options: FitOptions, data: Any):
         """Restores the latest checkpoint, if any; returns the epochs left and the run."""
         members = self.owner.num_members
-        history, partial = History(losses=empty_losses(members)), None
+        history, partial, partial_aux = History(losses=empty_losses(members)), None, None
         directory = options.checkpoint_dir
         if _checkpointing.latest_step(directory) is not None:
             placement = self.bind()  # onto the model's current shardings, as restore()
-            history, partial, where = _checkpointing.resume(
+            history, partial, where, partial_aux = _checkpointing.resume(
                 self.owner, placement, directory, options.run_keys
             )
             options.checkpoints.run_log.resumed(history, partial, where)
         if isinstance(data, GrainEpochs):
             data.epoch = self.owner.epoch  # grain draws each epoch's order from its index
         left = max(options.epochs - self.owner.epoch, 0)
-        return left, {"history": history, "partial": partial}
+        return left, {"history": history, "partial": partial, "partial_aux": partial_aux}
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -295,11 +295,17 @@ class Engine:
         # checkpoint records where (its cost does not grow with the run).
         run_log = _checkpointing.RunLog(writer)
 
-        def save(history: History, partial: np.ndarray, carry: tuple | None = None) -> None:
+        def save(
+            history: History,
+            partial: np.ndarray,
+            carry: tuple | None = None,
+            partial_aux: dict[str, np.ndarray] | None = None,
+        ) -> None:
             owner = self.owner
             if writer.newest_step() == owner.step and not owner.loaded_since_checkpoint:
                 return  # this step is saved (save_with would keep it): no log line either
-            _checkpointing.save_with(writer, owner, run_log.record(history, partial), carry)
+            run = run_log.record(history, partial, partial_aux)
+            _checkpointing.save_with(writer, owner, run, carry)
 
         return directory, Checkpoints(every, every_steps, save, writer.close, run_log)
 
