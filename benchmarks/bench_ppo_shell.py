@@ -14,7 +14,9 @@ building the policy to the trained result:
   shell-nockpt the same fit without checkpoints.
 
 Rounds run every variant once in a new shuffled order; medians, and the median of each
-round's shell ÷ jit ratio.
+round's shell ÷ jit ratio, of the wall time and of the CPU time (the process's, all its
+threads: on a machine other jobs share, the wall time also counts the waits for a core,
+the CPU time mostly the work).
 
     python benchmarks/bench_ppo_shell.py --rounds 5
     python benchmarks/bench_ppo_shell.py --quick      # 32 updates, 1 round: it runs
@@ -46,7 +48,7 @@ def child(variant: str, updates: int) -> None:
     jax.numpy.zeros(()).block_until_ready()  # the backend starts before the clock
     env, env_params = gymnax.make("CartPole-v1")
     config = PPOConfig(total_timesteps=updates * 4 * 128)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if variant == "jit":
         key = jax.random.key(0)
         compiled = jax.jit(make_ppo_train(env, env_params, config)).lower(key).compile()
@@ -66,7 +68,8 @@ def child(variant: str, updates: int) -> None:
             None, epochs=updates // 16, steps_per_epoch=16, progress=False, **options
         )
         final = float(history.epochs[-1]["episode_return"])
-    print(json.dumps({"whole": time.perf_counter() - start, "return": final}))
+    whole, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    print(json.dumps({"whole": whole, "cpu": cpu, "return": final}))
 
 
 def main() -> None:
@@ -91,16 +94,20 @@ def main() -> None:
             result = json.loads(out.stdout.strip().splitlines()[-1])
             results[variant].append(result)
             print(f"round {r}: {variant:>17} whole {result['whole']:6.2f} s, "
-                  f"return {result['return']:6.1f}", flush=True)  # fmt: skip
+                  f"cpu {result['cpu']:6.2f} s, return {result['return']:6.1f}",
+                  flush=True)  # fmt: skip
     print(f"\nPPO CartPole-v1, {updates} updates, one seed; medians of {rounds} round(s)\n")
-    print("| variant | whole run (s) | ÷ jit (median of paired rounds) |")
-    print("|---|---:|---:|")
+    print("| variant | whole run (s) | ÷ jit (paired) | CPU time (s) | ÷ jit (paired) |")
+    print("|---|---:|---:|---:|---:|")
     for variant in VARIANTS:
-        whole = statistics.median(r["whole"] for r in results[variant])
-        paired = statistics.median(
-            a["whole"] / b["whole"] for a, b in zip(results[variant], results["jit"], strict=True)
-        )
-        print(f"| {variant} | {whole:.2f} | {paired:.2f}× |")
+        cells = []
+        for what in ("whole", "cpu"):
+            median = statistics.median(r[what] for r in results[variant])
+            paired = statistics.median(
+                a[what] / b[what] for a, b in zip(results[variant], results["jit"], strict=True)
+            )
+            cells += [f"{median:.2f}", f"{paired:.2f}×"]
+        print(f"| {variant} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
