@@ -193,3 +193,23 @@ def test_the_epoch_line_off_a_terminal_shows_the_epochs_scalar_logs():
     line = out.getvalue().strip()
     assert line.startswith("epoch 0  loss median 0.375") and "per_env" not in line
     assert "  episode_return median 30  100 steps/s" in line
+
+
+def test_log_names_choose_the_scalar_logs_of_the_line_in_their_order():
+    """PPO's aux reaches the shell sorted by name (a dict through jit): the return comes
+    after actor_loss and entropy and would not fit 80 columns; ``log_names`` puts it first."""
+    aux = {
+        "actor_loss": jnp.full(3, -0.0019635),
+        "entropy": jnp.full(3, 0.66041),
+        "episode_return": jnp.asarray([30.0, 34.0, 38.0]),
+    }
+    shown = {}
+    for names in (None, ["episode_return"]):
+        out = io.StringIO()
+        console = Console(width=80, force_terminal=True, file=out)
+        with RunProgress(61, 16, True, has_aux=True, console=console, log_names=names) as bar:
+            bar.call_done(0, 3, (jnp.asarray([26.5, 26.5, 26.47]), aux))
+            bar._progress.refresh()  # draw this call's frame now
+            shown[names is None] = re.split(r"[\r\n]", ANSI.sub("", out.getvalue()))[-1]
+    assert "episode_return" not in shown[True] and "actor_loss -0.001963" in shown[True]
+    assert "loss 26.47  episode_return 34 " in shown[False] and "entropy" not in shown[False]

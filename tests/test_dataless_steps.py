@@ -87,6 +87,23 @@ def test_the_progress_line_shows_the_scalars_the_step_reports(reference, capsys)
         assert f"loss {losses[50 * epoch : 50 * (epoch + 1)].mean():.4g}" in line
 
 
+def test_progress_logs_names_what_the_line_shows(capsys):
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
+    for bad in ("first_x", [1]):
+        with pytest.raises(TypeError, match="progress_logs"):
+            trainer.fit(None, epochs=1, steps_per_epoch=5, progress_logs=bad)
+    assert trainer.step == 0  # nothing ran
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match=r"\['return'\].*\['first_x'\]"):
+        history = trainer.fit(None, epochs=1, steps_per_epoch=5, progress_logs=["return"])
+    line = capsys.readouterr().out.strip()
+    assert "first_x" not in line and "return" not in line  # named none the step reports
+    assert "first_x" in history.epochs[0]  # logged all the same
+    again = trainer.fit(None, epochs=1, steps_per_epoch=5, progress_logs=["first_x"])
+    line = capsys.readouterr().out.strip()
+    assert f"  first_x {again.epochs[0]['first_x']:.4g}  " in line
+
+
 def test_calls_of_a_few_steps_and_cuts_then_resumes_end_where_one_run_ends(reference, tmp_path):
     """Cut twice inside the second epoch (at steps 70 and 90, saved there), resumed each
     time: the model, the losses and every epoch's logs, the aux means of the cut epoch

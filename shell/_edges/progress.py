@@ -15,6 +15,7 @@ logs are not flooded.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -31,6 +32,7 @@ from rich.progress import (
 from rich.table import Column
 
 from nnxscan.shell._edges.logs import scalar_aux
+from nnxscan.shell._edges.warn import warn
 from nnxscan.shell._engine.placement import to_host
 
 LINE_EVERY_S = 10.0
@@ -132,7 +134,8 @@ class RunProgress:
 
     ``calls_per_epoch=None`` (a stream of unknown length) shows a running count, no ETA.
     ``members=N``: the losses are a population's; the line shows their median and range
-    (and each scalar log's median).
+    (and each scalar log's median). ``log_names``: the scalar logs to show, in order
+    (None: every one the step reports).
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class RunProgress:
         has_aux: bool = False,
         console: Console | None = None,
         members: int | None = None,
+        log_names: Sequence[str] | None = None,
     ):
         self._console = console or Console()
         self._enabled = enabled
@@ -154,6 +158,7 @@ class RunProgress:
         # The step's scalar logs (their names, known from the first call's output shapes)
         # and the newest call's values of them.
         self._log_keys: list[str] | None = None
+        self._log_names = None if log_names is None else list(log_names)
         self._logs: dict[str, Any] = {}
         self._start = time.perf_counter()
         self._steps = 0
@@ -210,18 +215,32 @@ class RunProgress:
         ``compile_s``: the seconds this run spent compiling so far (left out of the rate)."""
         self._steps += steps
         self._compile_s = compile_s
-        if self._log_keys is None and self._has_aux:  # shapes only: no sync
-            self._log_keys = list(scalar_aux(out[1], self._members))
+        if self._log_keys is None:  # shapes only: no sync
+            self._log_keys = self._shown_logs(out)
         if self._progress is None:
             return
         ready = _ready_outputs(out, self._has_aux, self._members)
         if ready is not None:
-            loss, self._logs = ready
+            loss, means = ready
+            self._logs = {key: means[key] for key in self._log_keys}
             self._loss = self._loss if loss is None else loss
         rate = self._steps / max(time.perf_counter() - self._start - compile_s, 1e-9)
         status = _status(self._loss, rate, self._evals, self._status_room(epoch),
                          _log_texts(self._logs))  # fmt: skip
         self._progress.update(self._task, advance=1, epoch=epoch, status=status)
+
+    def _shown_logs(self, out: Any) -> list[str]:
+        """The scalar logs to show (``log_names``, or all the step reports), once."""
+        reported = list(scalar_aux(out[1], self._members)) if self._has_aux else []
+        if self._log_names is None:
+            return reported
+        missing = [name for name in self._log_names if name not in reported]
+        if missing and self._enabled:
+            warn(
+                f"nnxscan: progress_logs names {missing}, which the training step does not "
+                f"report as a scalar per step; it reports {reported or 'none'}."
+            )
+        return [name for name in self._log_names if name in reported]
 
     def _epoch_log_texts(self, logs: dict) -> list[str]:
         """The epoch's means of the step's scalar logs, as the status shows them."""

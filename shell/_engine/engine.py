@@ -169,6 +169,7 @@ class Engine:
             program=self.program, execution=execution, owner=self.owner,
             placement=self.placement, make_runner=self.make_runner(options.member_batches),
             callbacks=CallbackList(options.callbacks, self.subject), progress=options.progress,
+            progress_logs=options.progress_logs,
             evaluation=options.evaluation, checkpoints=options.checkpoints,
         )  # fmt: skip
         return loop.run(epochs, epoch_calls, **run)

@@ -178,6 +178,7 @@ class FitLoop:
         progress: bool,
         evaluation: Evaluation | None,
         checkpoints: Checkpoints | None = None,
+        progress_logs: Sequence[str] | None = None,
     ):
         self.program, self.execution = program, execution
         self.owner, self.placement, self.make_runner = owner, placement, make_runner
@@ -192,6 +193,7 @@ class FitLoop:
         self._save_at_epoch_end = False
         # Several processes train one model: only the first one reports.
         self.progress = progress and is_primary()
+        self.progress_logs = progress_logs
         self._warned_drop = False
         # Under on_nonfinite="ignore": steps whose loss was not finite (per member), and
         # the first one's (epoch, step of the epoch); counted from the epochs' host losses.
@@ -240,7 +242,7 @@ class FitLoop:
         counts = [epoch_calls.calls(count) for count in groups]
         total = None if None in counts else sum(counts)
         bar = RunProgress(1, total, self.progress, has_aux=self.program.has_aux,
-                          members=self.members)  # fmt: skip
+                          members=self.members, log_names=self.progress_logs)  # fmt: skip
         bar.set_last_epoch(owner.epoch + epochs - 1)
         try:
             with caught_signals(self.checkpoints is not None) as self._signals, bar:

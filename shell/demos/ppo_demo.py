@@ -52,6 +52,10 @@ UPDATES_PER_EPOCH = 16
 #: checkpoint every 8 epochs and one at the end: 8 saves in the default 976-update run (a
 #: save after every epoch cost ~8% of it on 2 CPU cores); a kill loses at most 128 updates.
 CHECKPOINT_EVERY_UPDATES = 128
+#: What the progress line shows besides the loss: the mean episode return (of each call on
+#: a terminal, of each epoch off one); the other scalars the step reports (actor and value
+#: losses, entropy) stay in the History and the writers.
+PROGRESS_LOGS = ("episode_return",)
 
 
 def draw_returns(env_steps: np.ndarray, returns: np.ndarray, seeds: list[int]) -> Any:
@@ -269,6 +273,7 @@ def _trainer_run(out_dir, env, env_params, config, seed, checkpoint_dir, progres
     history = trainer.fit(
         None, epochs=epochs, steps_per_epoch=per_epoch, checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_epochs(per_epoch), resume=True, progress=progress,
+        progress_logs=PROGRESS_LOGS,
     )  # fmt: skip
     whole_s = time.perf_counter() - start
     returns = np.asarray([e["episode_return"] for e in history.epochs], np.float64)
@@ -313,7 +318,7 @@ def _population_run(out_dir, env, env_params, config, seed_list, sweep, checkpoi
                        "checkpoint_every": checkpoint_epochs(per_epoch)}  # fmt: skip
     history = population.fit(
         None, epochs=epochs, steps_per_epoch=per_epoch, resume=checkpoint_dir is not None,
-        progress=progress, **fit_options,
+        progress=progress, progress_logs=PROGRESS_LOGS, **fit_options,
     )  # fmt: skip
     whole_s = time.perf_counter() - start
     # (epochs, members) -> (values, seeds, epochs)
