@@ -51,8 +51,9 @@ def _median(values: Any) -> float | None:
 def _ready_outputs(
     out: Any, has_aux: bool, members: int | None
 ) -> tuple[float | None, dict[str, np.ndarray]] | None:
-    """A call's newest finite loss and the mean over its steps of each scalar aux log
-    (members: their median), if the call's outputs are on the host already; else None."""
+    """A call's newest finite loss (members: their median) and the mean over its steps of
+    each scalar aux log (members: one per member), if the call's outputs are on the host
+    already; else None."""
     losses = out[0] if has_aux else out
     leaves = scalar_aux(out[1], members) if has_aux else {}
     if not losses.is_ready() or not all(x.is_ready() for x in leaves.values()):
