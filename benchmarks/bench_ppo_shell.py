@@ -7,12 +7,16 @@ building the policy to the trained result:
   jit          ``jax.jit(make_ppo_train(...)).lower(key).compile()`` then the call: one program
                (``nnxscan demo ppo``);
   shell        ``Trainer(policy, train_step=make_ppo_step(...)).fit(None, epochs=61,
-               steps_per_epoch=16, checkpoint_dir=D, resume=True)``: 61 calls, a checkpoint
-               after each (``nnxscan demo ppo --checkpoint-dir D``);
+               steps_per_epoch=16, checkpoint_dir=D, checkpoint_every=8, resume=True)``:
+               61 calls, a checkpoint every 128 updates and at the end, as
+               ``nnxscan demo ppo --checkpoint-dir D`` saves;
+  shell-every-epoch  the same with a checkpoint after every call (``checkpoint_every=1``);
   shell-nockpt the same fit without checkpoints.
 
 Rounds run every variant once in a new shuffled order; medians, and the median of each
-round's shell ÷ jit ratio.
+round's shell ÷ jit ratio, of the wall time and of the CPU time (the process's, all its
+threads: on a machine other jobs share, the wall time also counts the waits for a core,
+the CPU time mostly the work).
 
     python benchmarks/bench_ppo_shell.py --rounds 5
     python benchmarks/bench_ppo_shell.py --quick      # 32 updates, 1 round: it runs
@@ -29,7 +33,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("jit", "shell", "shell-nockpt")
+VARIANTS = ("jit", "shell", "shell-every-epoch", "shell-nockpt")
 
 
 def child(variant: str, updates: int) -> None:
@@ -39,11 +43,12 @@ def child(variant: str, updates: int) -> None:
 
     from nnxscan.shell import Trainer
     from nnxscan.shell.demos.ppo import PPOConfig, make_policy, make_ppo_step, make_ppo_train
+    from nnxscan.shell.demos.ppo_demo import checkpoint_epochs
 
     jax.numpy.zeros(()).block_until_ready()  # the backend starts before the clock
     env, env_params = gymnax.make("CartPole-v1")
     config = PPOConfig(total_timesteps=updates * 4 * 128)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if variant == "jit":
         key = jax.random.key(0)
         compiled = jax.jit(make_ppo_train(env, env_params, config)).lower(key).compile()
@@ -55,13 +60,16 @@ def child(variant: str, updates: int) -> None:
             train_step=make_ppo_step(env, env_params, config),
         )
         options = {}
-        if variant == "shell":
-            options = {"checkpoint_dir": tempfile.mkdtemp(), "resume": True}
+        if variant != "shell-nockpt":
+            every = 1 if variant == "shell-every-epoch" else checkpoint_epochs(16)
+            options = {"checkpoint_dir": tempfile.mkdtemp(), "resume": True,
+                       "checkpoint_every": every}  # fmt: skip
         history = trainer.fit(
             None, epochs=updates // 16, steps_per_epoch=16, progress=False, **options
         )
         final = float(history.epochs[-1]["episode_return"])
-    print(json.dumps({"whole": time.perf_counter() - start, "return": final}))
+    whole, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    print(json.dumps({"whole": whole, "cpu": cpu, "return": final}))
 
 
 def main() -> None:
@@ -85,17 +93,21 @@ def main() -> None:
             )  # fmt: skip
             result = json.loads(out.stdout.strip().splitlines()[-1])
             results[variant].append(result)
-            print(f"round {r}: {variant:>12} whole {result['whole']:6.2f} s, "
-                  f"return {result['return']:6.1f}", flush=True)  # fmt: skip
+            print(f"round {r}: {variant:>17} whole {result['whole']:6.2f} s, "
+                  f"cpu {result['cpu']:6.2f} s, return {result['return']:6.1f}",
+                  flush=True)  # fmt: skip
     print(f"\nPPO CartPole-v1, {updates} updates, one seed; medians of {rounds} round(s)\n")
-    print("| variant | whole run (s) | ÷ jit (median of paired rounds) |")
-    print("|---|---:|---:|")
+    print("| variant | whole run (s) | ÷ jit (paired) | CPU time (s) | ÷ jit (paired) |")
+    print("|---|---:|---:|---:|---:|")
     for variant in VARIANTS:
-        whole = statistics.median(r["whole"] for r in results[variant])
-        paired = statistics.median(
-            a["whole"] / b["whole"] for a, b in zip(results[variant], results["jit"], strict=True)
-        )
-        print(f"| {variant} | {whole:.2f} | {paired:.2f}× |")
+        cells = []
+        for what in ("whole", "cpu"):
+            median = statistics.median(r[what] for r in results[variant])
+            paired = statistics.median(
+                a[what] / b[what] for a, b in zip(results[variant], results["jit"], strict=True)
+            )
+            cells += [f"{median:.2f}", f"{paired:.2f}×"]
+        print(f"| {variant} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

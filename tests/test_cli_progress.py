@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -153,3 +154,62 @@ def test_a_long_epoch_line_off_a_terminal_stays_one_line(data, capsys):
     assert f"eval_accuracy_of_the_model_on_the_held_out_examples {accuracy:.4g}" in lines[0]
     assert lines[0].startswith("epoch 0  loss ") and "steps/s" in lines[0]
     assert len(lines[0]) > 80
+
+
+def test_the_terminal_line_shows_each_calls_mean_of_the_steps_scalar_logs():
+    """A step's aux leaves that are a scalar per step (an RL step's return) are shown as
+    the mean over each call's steps, next to the loss of its last step; the epoch's end
+    shows the epoch's logs. Leaves of another shape are not shown."""
+    returns = np.array([[10.0, 20.0, 60.0], [5.0, 7.0, 12.0]])
+    losses = np.array([[0.5, 0.4, 0.3], [0.2, 0.1, 0.05]])
+    frames_after = []
+    for width in (80, 120):
+        out = io.StringIO()
+        console = Console(width=width, force_terminal=True, file=out)
+        # The PPO demo's bar: 61 epochs of 16 calls.
+        with RunProgress(61, 16, True, has_aux=True, console=console) as bar:
+            for call in range(2):
+                aux = {"episode_return": jnp.asarray(returns[call]), "per_env": jnp.zeros((3, 4))}
+                bar.call_done(0, 3, (jnp.asarray(losses[call]), aux))
+                bar._progress.refresh()  # draw this call's frame now
+                frames_after.append(re.split(r"[\r\n]", ANSI.sub("", out.getvalue()))[-1])
+        for frame in frames_after[-2:]:
+            assert len(frame) <= width and "per_env" not in frame
+    for frame, call in zip(frames_after, [0, 1, 0, 1], strict=True):
+        assert f"loss {losses[call][-1]:.4g}" in frame
+        assert f"episode_return {returns[call].mean():.4g}" in frame
+    assert "steps/s" in frames_after[3]  # 120 columns: room for the rate too
+
+
+def test_the_epoch_line_off_a_terminal_shows_the_epochs_scalar_logs():
+    out = io.StringIO()
+    console = Console(width=80, force_terminal=False, file=out)
+    with RunProgress(2, 1, True, has_aux=True, console=console, members=2) as bar:
+        bar.set_last_epoch(0)
+        aux = {"episode_return": jnp.zeros((3, 2)), "per_env": jnp.zeros((3, 2, 4))}
+        bar.call_done(0, 3, (jnp.zeros((3, 2)), aux))
+        logs = {"loss": np.array([0.5, 0.25]), "episode_return": np.array([10.0, 30.0, 50.0])}
+        bar.epoch_done(0, {**logs, "steps_per_sec": 100.0})
+    line = out.getvalue().strip()
+    assert line.startswith("epoch 0  loss median 0.375") and "per_env" not in line
+    assert "  episode_return median 30  100 steps/s" in line
+
+
+def test_log_names_choose_the_scalar_logs_of_the_line_in_their_order():
+    """PPO's aux reaches the shell sorted by name (a dict through jit): the return comes
+    after actor_loss and entropy and would not fit 80 columns; ``log_names`` puts it first."""
+    aux = {
+        "actor_loss": jnp.full(3, -0.0019635),
+        "entropy": jnp.full(3, 0.66041),
+        "episode_return": jnp.asarray([30.0, 34.0, 38.0]),
+    }
+    shown = {}
+    for names in (None, ["episode_return"]):
+        out = io.StringIO()
+        console = Console(width=80, force_terminal=True, file=out)
+        with RunProgress(61, 16, True, has_aux=True, console=console, log_names=names) as bar:
+            bar.call_done(0, 3, (jnp.asarray([26.5, 26.5, 26.47]), aux))
+            bar._progress.refresh()  # draw this call's frame now
+            shown[names is None] = re.split(r"[\r\n]", ANSI.sub("", out.getvalue()))[-1]
+    assert "episode_return" not in shown[True] and "actor_loss -0.001963" in shown[True]
+    assert "loss 26.47  episode_return 34 " in shown[False] and "entropy" not in shown[False]

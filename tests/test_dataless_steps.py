@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,24 +70,70 @@ def test_fit_without_data_trains_what_a_scan_of_update_trains(reference):
     )
 
 
-def test_calls_of_a_few_steps_and_a_cut_then_resume_end_where_one_run_ends(reference, tmp_path):
-    state, _, losses, _ = reference
-    first = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
+def test_the_progress_line_shows_the_scalars_the_step_reports(reference, capsys):
+    """Off a terminal, fit prints a line per epoch (the first and the last here) with the
+    epoch's mean of each scalar the step reports in its aux, as the History logs it."""
+    _, _, losses, first_x = reference
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
+    capsys.readouterr()
+    history = trainer.fit(None, epochs=3, steps_per_epoch=50, steps_per_call=25)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines] == ["0", "2"]
+    for line, epoch in zip(lines, (0, 2), strict=True):
+        shown = float(re.search(r"  first_x (\S+)  ", line).group(1))
+        want = first_x[50 * epoch : 50 * (epoch + 1)].mean()
+        np.testing.assert_allclose(shown, want, rtol=5e-4)  # printed with 4 digits
+        assert f"first_x {history.epochs[epoch]['first_x']:.4g}" in line
+        assert f"loss {losses[50 * epoch : 50 * (epoch + 1)].mean():.4g}" in line
+
+
+def test_progress_logs_names_what_the_line_shows(capsys):
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
+    for bad in ("first_x", [1]):
+        with pytest.raises(TypeError, match="progress_logs"):
+            trainer.fit(None, epochs=1, steps_per_epoch=5, progress_logs=bad)
+    assert trainer.step == 0  # nothing ran
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match=r"\['return'\].*\['first_x'\]"):
+        history = trainer.fit(None, epochs=1, steps_per_epoch=5, progress_logs=["return"])
+    line = capsys.readouterr().out.strip()
+    assert "first_x" not in line and "return" not in line  # named none the step reports
+    assert "first_x" in history.epochs[0]  # logged all the same
+    again = trainer.fit(None, epochs=1, steps_per_epoch=5, progress_logs=["first_x"])
+    line = capsys.readouterr().out.strip()
+    assert f"  first_x {again.epochs[0]['first_x']:.4g}  " in line
+
+
+def test_calls_of_a_few_steps_and_cuts_then_resumes_end_where_one_run_ends(reference, tmp_path):
+    """Cut twice inside the second epoch (at steps 70 and 90, saved there), resumed each
+    time: the model, the losses and every epoch's logs, the aux means of the cut epoch
+    too, are those of the uninterrupted scan."""
+    state, _, losses, first_x = reference
 
     class Cut:
+        def __init__(self, at):
+            self.at = at
+
         def on_call_end(self, trainer, logs):
-            if trainer.step >= 70:
+            if trainer.step >= self.at:
                 trainer.stop_training = True
 
-    first.fit(None, epochs=3, steps_per_epoch=50, steps_per_call=10, progress=False,
-              checkpoint_dir=tmp_path, checkpoint_every_steps=10, callbacks=[Cut()])  # fmt: skip
-    assert first.step == 70
+    fit = dict(epochs=3, steps_per_epoch=50, steps_per_call=10, progress=False,
+               checkpoint_dir=tmp_path, checkpoint_every_steps=10, resume=True)  # fmt: skip
+    for seed, cut in [(0, 70), (3, 90)]:
+        trainer = Trainer(MLP(rngs=nnx.Rngs(seed)), train_step=SAMPLER)
+        trainer.fit(None, callbacks=[Cut(cut)], **fit)
+        assert trainer.step == cut
     again = Trainer(MLP(rngs=nnx.Rngs(5)), train_step=SAMPLER)
-    history = again.fit(None, epochs=3, steps_per_epoch=50, steps_per_call=10,
-                        checkpoint_dir=tmp_path, resume=True, progress=False)  # fmt: skip
+    history = again.fit(None, **fit)
     assert again.step == 150
     assert_trees_close(again.model, state, exact=True)
     np.testing.assert_array_equal(history.losses, losses)
+    for epoch, logs in enumerate(history.epochs):
+        steps = slice(50 * epoch, 50 * (epoch + 1))
+        assert logs["steps"] == 50 and logs["epoch"] == epoch
+        assert logs["loss"] == float(losses[steps].mean())
+        assert logs["first_x"] == float(first_x[steps].mean()), epoch  # all 50 steps'
 
 
 def test_early_stopping_watches_a_scalar_the_step_reports():
@@ -108,3 +156,24 @@ def test_data_none_needs_steps_per_epoch_and_steps_per_epoch_needs_no_data(data)
     assert trainer.step == 0 and all(
         np.array_equal(a, b) for a, b in zip(before, after, strict=True)
     )
+
+
+def test_the_step_is_traced_once_even_with_weakly_typed_state():
+    """The plan probe's trace is the compiled call's: a weakly typed leaf in the opt_state
+    (an environment's ``time = 0`` counter) is probed as weak, so jit's cache hits."""
+    traces = []
+
+    def init(graphdef, state):
+        return {**_init(graphdef, state), "time": jnp.asarray(0)}  # weakly typed
+
+    def update(graphdef, state, opt_state, batch):
+        traces.append(1)
+        rest = {k: v for k, v in opt_state.items() if k != "time"}
+        state, rest, out = _update(graphdef, state, rest, batch)
+        return state, {**rest, "time": opt_state["time"] + 1}, out
+
+    step = Step(init, update, has_aux=True)
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=step)
+    assert trainer._owner.opt_state["time"].weak_type
+    trainer.fit(None, epochs=2, steps_per_epoch=3, progress=False)
+    assert len(traces) == 1 and int(trainer._owner.opt_state["time"]) == 6

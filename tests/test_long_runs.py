@@ -109,9 +109,9 @@ def test_mid_epoch_checkpoints_land_at_the_first_call_boundary_after_each_multip
         DATA, epochs=2, batch_size=BS, progress=False, checkpoint_dir=tmp_path,
         checkpoint_every_steps=5, checkpoint_every=100,
     )  # fmt: skip
-    # Calls of 5 steps within 7-step epochs end at 5, 7, 12, 14: saves at 5, 12 (and the
-    # first boundary past 10 is 12); max_to_keep=3 keeps the newest three.
-    assert all_steps(tmp_path) == [5, 12]
+    # Calls of 5 steps within 7-step epochs end at 5, 7, 12, 14: saves at 5, 12 (the
+    # first boundary past 10 is 12), and 14 as the run ends; max_to_keep=3 keeps them all.
+    assert all_steps(tmp_path) == [5, 12, 14]
 
 
 @pytest.mark.slow

@@ -171,10 +171,10 @@ def test_the_log_is_on_disk_before_the_checkpoint_that_names_it_in_both_storages
             log_of[3 * (epoch + 1)] = where
     assert all_steps(tmp_path) == [9, 12]  # max_to_keep deletes checkpoints, never the log
     for step in (9, 12):
-        back, partial, where = RunLog.read(tmp_path, log_of[step])
+        back, partial, where, partial_aux = RunLog.read(tmp_path, log_of[step])
         n = step // 3
         np.testing.assert_array_equal(back.losses, history.losses[: 3 * n])
-        assert back.epochs == history.epochs[:n] and partial.size == 0
+        assert back.epochs == history.epochs[:n] and partial.size == 0 and partial_aux == {}
     assert read_log(tmp_path, 0, 0) == b""
     with pytest.raises(ValueError, match="holds"):
         read_log(tmp_path, 0, 10**9)

@@ -84,11 +84,12 @@ def restore(
 
 def resume(
     owner: Owner, placement: Placement, directory: pathlib.Path, run_keys: dict[str, Any]
-) -> tuple[History, np.ndarray, dict[str, Any]]:
+) -> tuple[History, np.ndarray, dict[str, Any], dict[str, np.ndarray] | None]:
     """Restores the latest checkpoint for a resumed fit; returns its run's History, the
-    partial losses of its unfinished epoch, and where they are in the run log (see
-    :meth:`RunLog.read`). The History is read before the first object is written: a log
-    that does not hold it raises and changes nothing."""
+    partial losses of its unfinished epoch, where they are in the run log, and the
+    unfinished epoch's scalar aux logs per step (see :meth:`RunLog.read`). The History is
+    read before the first object is written: a log that does not hold it raises and
+    changes nothing."""
     tree = _read(owner, placement, directory, None)
     run = RunLog.read(directory, tree["meta"]["run"], owner.num_members)
     owner.restore(tree, run_keys)
@@ -134,8 +135,10 @@ class RunLog:
 
     Each save appends one JSON line of what the History gained since the last save: the
     new steps' losses (those of the unfinished epoch too), the new epochs' logs and the
-    new events. The checkpoint itself records only where the fit's lines are in the log
-    (:meth:`record`'s small JSON): a save costs the same at epoch 10 and epoch 10,000.
+    new events; a save inside an epoch adds that epoch's scalar aux logs per step so far
+    (at most an epoch's worth), so a resume logs the epoch's aux over all its steps. The
+    checkpoint itself records only where the fit's lines are in the log (:meth:`record`'s
+    small JSON): a save costs the same at epoch 10 and epoch 10,000.
     A resume reads the lines back (:meth:`read`), cuts off what a killed process appended
     after the restored checkpoint, and appends after them (:meth:`resumed`).
     """
@@ -149,10 +152,15 @@ class RunLog:
         self.done = 0  # the steps of the logged epochs
         self.events = 0
 
-    def record(self, history: History, partial: np.ndarray) -> str:
+    def record(
+        self,
+        history: History,
+        partial: np.ndarray,
+        partial_aux: dict[str, np.ndarray] | None = None,
+    ) -> str:
         """Appends what ``history`` (and ``partial``, the losses of the unfinished epoch's
-        trained steps) gained since the last call; returns the run's meta for the
-        checkpoint saved next."""
+        trained steps, with ``partial_aux``, their scalar aux logs) gained since the last
+        call; returns the run's meta for the checkpoint saved next."""
         epochs = history.epochs
         fresh = self.start is None or len(epochs) < self.epochs
         fresh = fresh or len(history.events) < self.events
@@ -168,6 +176,12 @@ class RunLog:
             "epochs": new_epochs,
             "events": history.events[self.events :],
         }
+        if len(partial) and partial_aux:
+            # Whole (not since the last line): a resume reads the last line's.
+            line["partial_aux"] = {
+                key: {"dtype": np.asarray(v).dtype.name, "values": np.asarray(v).tolist()}
+                for key, v in partial_aux.items()
+            }
         end = self.writer.append_log((json.dumps(line, default=_plain) + "\n").encode())
         self.steps += len(losses)
         self.epochs, self.logged_epochs = len(epochs), self.logged_epochs + len(new_epochs)
@@ -197,21 +211,23 @@ class RunLog:
     @staticmethod
     def read(
         directory: str | os.PathLike[str], text: str, members: int | None = None
-    ) -> tuple[History, np.ndarray, dict[str, Any]]:
-        """``(History, partial losses, where)`` of the run a checkpoint's meta ``text``
-        names ("" gives an empty History): losses of shape ``(steps,)``, or ``(steps, N)``
-        for ``members``; logs that were arrays are numpy arrays again. Only reads: a log
-        missing or not holding what the checkpoint recorded raises ValueError."""
+    ) -> tuple[History, np.ndarray, dict[str, Any], dict[str, np.ndarray] | None]:
+        """``(History, partial losses, where, partial aux)`` of the run a checkpoint's meta
+        ``text`` names ("" gives an empty History): losses of shape ``(steps,)``, or
+        ``(steps, N)`` for ``members``; logs that were arrays are numpy arrays again; the
+        partial aux: the unfinished epoch's scalar aux logs per step, in their dtypes
+        (None when the log did not keep them). Only reads: a log missing or not holding
+        what the checkpoint recorded raises ValueError."""
         shape = (-1,) if members is None else (-1, members)
         if not text:
             empty = np.zeros((0,), np.float32).reshape(shape)
-            return History(empty), empty, {}
+            return History(empty), empty, {}, {}
         where = json.loads(text)
         if "log" not in where:  # written before the run log: the History inline
             history, partial = _inline_run(where, shape)
-            return history, partial, {}
+            return history, partial, {}, None if len(partial) else {}
         raw = _adapter().read_log(directory, where["start"], where["end"])
-        losses, epochs, events = [], [], []
+        losses, epochs, events, record = [], [], [], {}
         for line in raw.decode().splitlines():
             record = json.loads(line)
             losses += record["losses"]
@@ -226,7 +242,7 @@ class RunLog:
                 f"fit without resume=True to go on without the History."
             )
         history, partial = _history(losses, epochs, events, shape)
-        return history, partial, where
+        return history, partial, where, _partial_aux(record, len(partial))
 
     def resumed(self, history: History, partial: np.ndarray, where: dict[str, Any]) -> None:
         """The fit goes on from a restored checkpoint: its lines are this fit's so far, and
@@ -249,6 +265,19 @@ def _history(losses: list, epochs: list, events: list, shape: tuple) -> tuple[Hi
     history = History(losses[:done], epochs)
     history.events = list(events)
     return history, losses[done:]
+
+
+def _partial_aux(record: dict[str, Any], steps: int) -> dict[str, np.ndarray] | None:
+    """The unfinished epoch's scalar aux logs per step, from the log's last line (the
+    restored checkpoint's): ``{}`` when no step of it was trained, None when that line does
+    not hold them for every one of its ``steps`` steps (written without them)."""
+    if not steps:
+        return {}
+    saved = record.get("partial_aux")
+    if not saved:
+        return None
+    aux = {key: np.asarray(v["values"], jax.numpy.dtype(v["dtype"])) for key, v in saved.items()}
+    return aux if all(len(v) == steps for v in aux.values()) else None
 
 
 def _inline_run(record: dict[str, Any], shape: tuple) -> tuple[History, np.ndarray]:

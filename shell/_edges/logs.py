@@ -51,17 +51,26 @@ def _mean(values: np.ndarray, skipping: bool) -> np.ndarray:
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan).astype(values.dtype)
 
 
-def aux_means(aux: Any, members: int | None, skipping: bool = False) -> dict[str, Any]:
-    """Means over steps of every aux leaf that is a scalar per step (per member), keyed by
-    its path; a key that would shadow one of fit's own logs gets ``aux/``."""
+def scalar_aux(aux: Any, members: int | None) -> dict[str, Any]:
+    """The aux leaves that are a scalar per step (per member): ``(steps,)`` or ``(steps,
+    N)``, keyed by their log name (their path; a name that would shadow one of fit's own
+    logs gets ``aux/``). Reads only shapes: the leaves stay where they are."""
     per_step = 1 if members is None else 2
-    logs = {}
+    leaves = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
         if np.ndim(leaf) == per_step:
             key = jax.tree_util.keystr(path, simple=True, separator="/") or "aux"
-            value = _mean(np.asarray(leaf), skipping)
-            logs[f"aux/{key}" if key in RESERVED_LOGS else key] = _value(value, members)
-    return logs
+            leaves[f"aux/{key}" if key in RESERVED_LOGS else key] = leaf
+    return leaves
+
+
+def aux_means(aux: Any, members: int | None, skipping: bool = False) -> dict[str, Any]:
+    """Means over steps of every aux leaf that is a scalar per step (per member), keyed as
+    :func:`scalar_aux` names them."""
+    return {
+        key: _value(_mean(np.asarray(leaf), skipping), members)
+        for key, leaf in scalar_aux(aux, members).items()
+    }
 
 
 def epoch_logs(
@@ -127,13 +136,46 @@ def split_steps(stacked: Any, count: int) -> list[Any]:
     return [jax.tree.map(lambda x, i=i: np.array_split(x, count)[i], stacked) for i in range(count)]
 
 
-def prepend_losses(partial: np.ndarray, stacked: Any, has_aux: bool) -> Any:
-    """The resumed epoch's outputs with the losses trained before the interruption first
-    (their aux is not kept across a resume)."""
-    if has_aux:
-        losses, aux = stacked
-        return np.concatenate([partial, np.asarray(losses, np.float32)]), aux
-    return np.concatenate([partial, np.asarray(stacked, np.float32)])
+def prepend_losses(
+    partial: np.ndarray,
+    stacked: Any,
+    has_aux: bool,
+    partial_aux: dict[str, np.ndarray] | None = None,
+    members: int | None = None,
+) -> Any:
+    """The resumed epoch's outputs with those of the steps trained before the interruption
+    first: their losses, and (``partial_aux``, from :func:`partial_scalar_aux`) their
+    scalar aux logs, so the epoch's logs average every step of it. ``partial_aux=None``
+    (a run log written without it): the aux logs average the steps after the resume."""
+    if not has_aux:
+        return np.concatenate([partial, np.asarray(stacked, np.float32)])
+    losses, aux = stacked
+    losses = np.concatenate([partial, np.asarray(losses, np.float32)])
+    if partial_aux is not None:
+        aux = scalar_aux(aux, members)
+        aux = {
+            key: np.concatenate([np.asarray(x) for x in (partial_aux.get(key), aux.get(key))
+                                 if x is not None])
+            for key in {**partial_aux, **aux}
+        }  # fmt: skip
+    return losses, aux
+
+
+def partial_scalar_aux(
+    before: dict[str, np.ndarray] | None, outs: list[Any], has_aux: bool, members: int | None
+) -> dict[str, np.ndarray] | None:
+    """The unfinished epoch's scalar aux logs per step (:func:`scalar_aux`, on the host):
+    ``before`` (those of its steps trained before a resume; None: unknown) followed by
+    those of ``outs``, its calls since. None when unknown or when the step reports no aux."""
+    if not has_aux or before is None:
+        return None
+    new = [scalar_aux(out[1], members) for out in to_host(outs)]
+    keys = new[0] if new else before
+    return {
+        key: np.concatenate([np.asarray(x) for x in ([before[key]] if key in before else [])
+                             + [n[key] for n in new]])
+        for key in keys
+    }  # fmt: skip
 
 
 def empty_losses(members: int | None) -> np.ndarray:

@@ -1,16 +1,21 @@
 """Progress for a whole ``fit``: one bar, advanced per compiled call, never forcing a sync.
 
-In a terminal, a rich bar shows the epoch, the latest loss, steps/s, the last epoch's eval
-metrics and the ETA (the elapsed time once done, or while the total is unknown), fitted to
-the terminal's width: eval metrics that do not fit are left out. The loss shown is that of
-the newest call whose result is already on the host side (``is_ready``), so drawing the bar
-never waits for the device. When stdout is not a terminal (CI logs), no bar is drawn: one
-plain line per epoch is printed instead, so logs are not flooded.
+In a terminal, a rich bar shows the epoch, the latest loss, the step's scalar logs, steps/s,
+the last epoch's eval metrics and the ETA (the elapsed time once done, or while the total is
+unknown), fitted to the terminal's width: scalar logs and eval metrics that do not fit are
+left out. The loss and the scalar logs shown are those of the newest call whose result is
+already on the host side (``is_ready``), so drawing the bar never waits for the device: the
+loss of its last step, and each scalar log (every aux leaf that is a scalar per step, e.g.
+a PPO step's ``episode_return``) averaged over its steps. On a short line the scalar logs
+come first, then steps/s, then the eval metrics. When stdout is not a terminal (CI
+logs), no bar is drawn: one plain line per epoch is printed instead (the epoch's logs), so
+logs are not flooded.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -26,6 +31,8 @@ from rich.progress import (
 )
 from rich.table import Column
 
+from nnxscan.shell._edges.logs import scalar_aux
+from nnxscan.shell._edges.warn import warn
 from nnxscan.shell._engine.placement import to_host
 
 LINE_EVERY_S = 10.0
@@ -33,14 +40,45 @@ BAR_WIDTH = 16
 TIME_WIDTH = 7  # "1:23:45"; "12:34" under an hour
 
 
-def _ready_loss(out: Any, has_aux: bool) -> float | None:
-    """The newest finite loss of a call already on the host (members: their median)."""
-    losses = out[0] if has_aux else out
-    if not losses.is_ready():
-        return None
-    last = np.asarray(to_host(losses))[-1]
-    finite = np.ravel(last)[np.isfinite(np.ravel(last))]
+def _median(values: Any) -> float | None:
+    """One number for the status line: a model's value, or the members' median of the
+    finite ones (None when none is)."""
+    values = np.ravel(np.asarray(values, np.float64))
+    finite = values[np.isfinite(values)]
     return float(np.median(finite)) if finite.size else None
+
+
+def _ready_outputs(
+    out: Any, has_aux: bool, members: int | None
+) -> tuple[float | None, dict[str, np.ndarray]] | None:
+    """A call's newest finite loss (members: their median) and the mean over its steps of
+    each scalar aux log (members: one per member), if the call's outputs are on the host
+    already; else None."""
+    losses = out[0] if has_aux else out
+    leaves = scalar_aux(out[1], members) if has_aux else {}
+    if not losses.is_ready() or not all(x.is_ready() for x in leaves.values()):
+        return None
+    losses, leaves = to_host((losses, leaves))
+    means = {}
+    for key, leaf in leaves.items():
+        # A skipped step's NaN stays out of the mean (NaN where every step was skipped).
+        leaf = np.asarray(leaf, np.float64)
+        finite = np.isfinite(leaf)
+        counts, sums = finite.sum(axis=0), np.where(finite, leaf, 0.0).sum(axis=0)
+        means[key] = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    return _median(np.asarray(losses)[-1]), means
+
+
+def _log_texts(values: dict[str, Any]) -> list[str]:
+    """``name value`` for each scalar log with a finite value (members: ``name median
+    value``, over the members' finite values)."""
+    texts = []
+    for key, value in values.items():
+        number = None if value is None else _median(value)
+        if number is not None:
+            median = "median " if np.ndim(value) else ""
+            texts.append(f"{key} {median}{number:.4g}")
+    return texts
 
 
 def _loss_text(logs: dict) -> str:
@@ -68,10 +106,23 @@ def _eval_texts(logs: dict) -> list[str]:
     return texts
 
 
-def _status(loss: float | None, rate: float, evals: list[str], room: int) -> str:
-    """Loss and steps/s, then as many eval metrics as fit in ``room`` characters."""
+def _status(
+    loss: float | None, rate: float, evals: list[str], room: int, logs: list[str] = ()
+) -> str:
+    """What fits in ``room`` characters of: the loss, the step's scalar ``logs``, steps/s,
+    the eval metrics, in that order of priority (a log the step reports, such as an RL
+    step's return, comes before the rate when the line is short)."""
     parts = [] if loss is None else [f"loss {loss:.4g}"]
-    parts.append(f"{rate:,.0f} steps/s")
+    shown = 0
+    for text in logs:
+        if len("  ".join([*parts, text])) > room:
+            break
+        parts.append(text)
+        shown += 1
+    rate_text = f"{rate:,.0f} steps/s"
+    if shown and (shown < len(logs) or len("  ".join([*parts, rate_text])) > room):
+        return "  ".join(parts)  # the rate gave its room to the step's logs
+    parts.append(rate_text)
     for text in evals:
         if len("  ".join([*parts, text])) > room:
             break
@@ -83,7 +134,9 @@ class RunProgress:
     """``with RunProgress(epochs, calls_per_epoch, enabled) as bar: bar.call_done(...)``.
 
     ``calls_per_epoch=None`` (a stream of unknown length) shows a running count, no ETA.
-    ``members=N``: the losses are a population's; the line shows their median and range.
+    ``members=N``: the losses are a population's; the line shows their median and range
+    (and each scalar log's median). ``log_names``: the scalar logs to show, in order
+    (None: every one the step reports).
     """
 
     def __init__(
@@ -95,12 +148,19 @@ class RunProgress:
         has_aux: bool = False,
         console: Console | None = None,
         members: int | None = None,
+        log_names: Sequence[str] | None = None,
     ):
         self._console = console or Console()
         self._enabled = enabled
         self._has_aux = has_aux
+        self._members = members
         self._progress = None
         self._loss: float | None = None
+        # The step's scalar logs (their names, known from the first call's output shapes)
+        # and the newest call's values of them.
+        self._log_keys: list[str] | None = None
+        self._log_names = None if log_names is None else list(log_names)
+        self._logs: dict[str, Any] = {}
         self._start = time.perf_counter()
         self._steps = 0
         self._printed = -1.0
@@ -156,13 +216,36 @@ class RunProgress:
         ``compile_s``: the seconds this run spent compiling so far (left out of the rate)."""
         self._steps += steps
         self._compile_s = compile_s
+        if self._log_keys is None:  # shapes only: no sync
+            self._log_keys = self._shown_logs(out)
         if self._progress is None:
             return
-        loss = _ready_loss(out, self._has_aux)
-        self._loss = self._loss if loss is None else loss
+        ready = _ready_outputs(out, self._has_aux, self._members)
+        if ready is not None:
+            loss, means = ready
+            self._logs = {key: means[key] for key in self._log_keys}
+            self._loss = self._loss if loss is None else loss
         rate = self._steps / max(time.perf_counter() - self._start - compile_s, 1e-9)
-        status = _status(self._loss, rate, self._evals, self._status_room(epoch))
+        status = _status(self._loss, rate, self._evals, self._status_room(epoch),
+                         _log_texts(self._logs))  # fmt: skip
         self._progress.update(self._task, advance=1, epoch=epoch, status=status)
+
+    def _shown_logs(self, out: Any) -> list[str]:
+        """The scalar logs to show (``log_names``, or all the step reports), once."""
+        reported = list(scalar_aux(out[1], self._members)) if self._has_aux else []
+        if self._log_names is None:
+            return reported
+        missing = [name for name in self._log_names if name not in reported]
+        if missing and self._enabled:
+            warn(
+                f"nnxscan: progress_logs names {missing}, which the training step does not "
+                f"report as a scalar per step; it reports {reported or 'none'}."
+            )
+        return [name for name in self._log_names if name in reported]
+
+    def _epoch_log_texts(self, logs: dict) -> list[str]:
+        """The epoch's means of the step's scalar logs, as the status shows them."""
+        return _log_texts({key: logs.get(key) for key in self._log_keys or ()})
 
     def epoch_done(self, epoch: int, logs: dict) -> None:
         if not self._enabled:
@@ -174,7 +257,7 @@ class RunProgress:
             now = time.perf_counter()
             last = epoch == self._last_epoch
             if last or now - self._printed >= LINE_EVERY_S or self._printed < 0:
-                extras = "".join(f"  {text}" for text in evals)
+                extras = "".join(f"  {text}" for text in [*self._epoch_log_texts(logs), *evals])
                 active = logs.get("active")
                 if active is not None:
                     extras += f"  {int(np.sum(active))} of {np.size(active)} training"
@@ -191,5 +274,8 @@ class RunProgress:
             finite = loss[np.isfinite(loss)]
             self._loss = float(np.median(finite)) if finite.size else None
             self._evals = evals
-            status = _status(self._loss, rate, evals, self._status_room(epoch))
+            # The epoch's means replace the last call's: what the History logs.
+            self._logs = {key: logs.get(key) for key in self._log_keys or ()}
+            status = _status(self._loss, rate, evals, self._status_room(epoch),
+                             _log_texts(self._logs))  # fmt: skip
             self._progress.update(self._task, epoch=epoch, status=status)

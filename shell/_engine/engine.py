@@ -171,6 +171,7 @@ class Engine:
             program=self.program, execution=execution, owner=self.owner,
             placement=self.placement, make_runner=self.make_runner(options.member_batches),
             callbacks=CallbackList(options.callbacks, self.subject), progress=options.progress,
+            progress_logs=options.progress_logs,
             evaluation=options.evaluation, checkpoints=options.checkpoints,
         )  # fmt: skip
         return loop.run(epochs, epoch_calls, **run)
@@ -260,18 +261,18 @@ class Engine:
     def _resume(self, options: FitOptions, data: Any):
         """Restores the latest checkpoint, if any; returns the epochs left and the run."""
         members = self.owner.num_members
-        history, partial = History(losses=empty_losses(members)), None
+        history, partial, partial_aux = History(losses=empty_losses(members)), None, None
         directory = options.checkpoint_dir
         if _checkpointing.latest_step(directory) is not None:
             placement = self.bind()  # onto the model's current shardings, as restore()
-            history, partial, where = _checkpointing.resume(
+            history, partial, where, partial_aux = _checkpointing.resume(
                 self.owner, placement, directory, options.run_keys
             )
             options.checkpoints.run_log.resumed(history, partial, where)
         if isinstance(data, GrainEpochs):
             data.epoch = self.owner.epoch  # grain draws each epoch's order from its index
         left = max(options.epochs - self.owner.epoch, 0)
-        return left, {"history": history, "partial": partial}
+        return left, {"history": history, "partial": partial, "partial_aux": partial_aux}
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -297,8 +298,17 @@ class Engine:
         # checkpoint records where (its cost does not grow with the run).
         run_log = _checkpointing.RunLog(writer)
 
-        def save(history: History, partial: np.ndarray, carry: tuple | None = None) -> None:
-            _checkpointing.save_with(writer, self.owner, run_log.record(history, partial), carry)
+        def save(
+            history: History,
+            partial: np.ndarray,
+            carry: tuple | None = None,
+            partial_aux: dict[str, np.ndarray] | None = None,
+        ) -> None:
+            owner = self.owner
+            if writer.newest_step() == owner.step and not owner.loaded_since_checkpoint:
+                return  # this step is saved (save_with would keep it): no log line either
+            run = run_log.record(history, partial, partial_aux)
+            _checkpointing.save_with(writer, owner, run, carry)
 
         return directory, Checkpoints(every, every_steps, save, writer.close, run_log)
 
@@ -332,13 +342,18 @@ class Engine:
 
 def _one_model(x: Any, sharding: Any, stacked: bool, *, member: bool = True) -> Any:
     """The shape (and, on a mesh, sharding) of ONE model's leaf: a population's leaves lose
-    their leading members axis (and its entry in the sharding)."""
+    their leading members axis (and its entry in the sharding). A weakly typed leaf stays
+    weak: the compiled call sees it so, and a probe traced with another type would miss
+    jit's trace cache and trace the whole step a second time."""
     shape = tuple(np.shape(x))[1:] if stacked else tuple(np.shape(x))
     dtype = jax.numpy.result_type(x) if not hasattr(x, "dtype") else x.dtype
+    weak = bool(getattr(x, "weak_type", False))
     if sharding is None:
-        return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
     spec = tuple(sharding.spec)
     if stacked and member:
         spec = spec[1:]
     spec = spec[: len(shape)]
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(sharding.mesh, P(*spec)))
+    return jax.ShapeDtypeStruct(
+        shape, dtype, sharding=NamedSharding(sharding.mesh, P(*spec)), weak_type=weak
+    )

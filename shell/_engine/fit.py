@@ -28,6 +28,7 @@ from nnxscan.shell._edges.logs import (
     epoch_logs,
     host_outputs,
     learning_rate,
+    partial_scalar_aux,
     prepend_losses,
     split_steps,
 )
@@ -82,11 +83,13 @@ class Evaluation(NamedTuple):
 
 
 class Checkpoints(NamedTuple):
-    """Where and when ``fit`` saves: ``save(history, partial_losses, carry=None)`` writes a
-    checkpoint of the owner's objects (``carry``: the state just written into them) with the
-    run so far; every ``every_epochs`` epochs, every ``every_steps`` steps (at call
-    boundaries; None: never mid-epoch), on SIGTERM or SIGINT, and once more at the end when
-    a callback loaded a state (EarlyStopping's best epoch) since the last save. A save may
+    """Where and when ``fit`` saves: ``save(history, partial_losses, carry=None,
+    partial_aux=None)`` writes a checkpoint of the owner's objects (``carry``: the state just
+    written into them) with the run so far (``partial_aux``: the unfinished epoch's scalar
+    aux logs per step, beside its losses); every ``every_epochs`` epochs, every
+    ``every_steps`` steps (at call boundaries; None: never mid-epoch), on SIGTERM or
+    SIGINT, and once more at the end when the last epoch was trained or a callback loaded a
+    state (EarlyStopping's best epoch) since the last save. A save may
     return before its checkpoint is on disk (it is written in the background); ``close()``
     waits for it, and fit calls it on every way out (the end, a preemption, an
     exception). ``run_log``: where the saves put the History (``_checkpointing.RunLog``),
@@ -175,6 +178,7 @@ class FitLoop:
         progress: bool,
         evaluation: Evaluation | None,
         checkpoints: Checkpoints | None = None,
+        progress_logs: Sequence[str] | None = None,
     ):
         self.program, self.execution = program, execution
         self.owner, self.placement, self.make_runner = owner, placement, make_runner
@@ -183,9 +187,13 @@ class FitLoop:
         self.members = owner.num_members
         self._signals: list[int] = []
         self._partial = empty_losses(self.members)
+        # The unfinished epoch's scalar aux logs per step trained before a resume (None:
+        # unknown, a run log written without them).
+        self._partial_aux: dict[str, np.ndarray] | None = {}
         self._save_at_epoch_end = False
         # Several processes train one model: only the first one reports.
         self.progress = progress and is_primary()
+        self.progress_logs = progress_logs
         self._warned_drop = False
         # Under on_nonfinite="ignore": steps whose loss was not finite (per member), and
         # the first one's (epoch, step of the epoch); counted from the epochs' host losses.
@@ -206,12 +214,14 @@ class FitLoop:
         *,
         history: History | None = None,
         partial: np.ndarray | None = None,
+        partial_aux: dict[str, np.ndarray] | None = None,
     ) -> History:
         """Trains ``epochs`` epochs of ``epoch_calls`` from the owner's state.
 
-        ``history`` and ``partial`` carry on a resumed run: the History so far, and the
-        losses of the unfinished epoch's steps that were trained before the interruption
-        (``owner.epoch_step`` of them).
+        ``history``, ``partial`` and ``partial_aux`` carry on a resumed run: the History so
+        far, and the losses and scalar aux logs of the unfinished epoch's steps that were
+        trained before the interruption (``owner.epoch_step`` of them; ``partial_aux`` None
+        when the run log did not keep them).
         """
         owner = self.owner
         history = History(losses=empty_losses(self.members)) if history is None else history
@@ -226,13 +236,14 @@ class FitLoop:
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
         injected = learning_rate(live.carry()[1], self.members) is not None
         groups = self._fused_groups(owner.epoch, epochs, epoch_calls, injected)
+        last_epoch = owner.epoch + epochs
         if partial is not None:
-            self._partial = partial
+            self._partial, self._partial_aux = partial, partial_aux
         self.callbacks.subject.stop_training = False
         counts = [epoch_calls.calls(count) for count in groups]
         total = None if None in counts else sum(counts)
         bar = RunProgress(1, total, self.progress, has_aux=self.program.has_aux,
-                          members=self.members)  # fmt: skip
+                          members=self.members, log_names=self.progress_logs)  # fmt: skip
         bar.set_last_epoch(owner.epoch + epochs - 1)
         try:
             with caught_signals(self.checkpoints is not None) as self._signals, bar:
@@ -253,9 +264,12 @@ class FitLoop:
             raise
         self.callbacks("on_train_end", history)
         if self.checkpoints is not None:
-            if owner.loaded_since_checkpoint:
+            finished = owner.epoch == last_epoch and not owner.epoch_step
+            if owner.loaded_since_checkpoint or finished:
                 # EarlyStopping put the best epoch's weights back: the checkpoint holds them
-                # and the History's events.
+                # and the History's events. A run that trained all its epochs ends saved
+                # whatever checkpoint_every is, so its rerun trains nothing (no-op when
+                # the last epoch was saved already).
                 self.checkpoints.save(history, empty_losses(self.members))
             self.checkpoints.close()  # every checkpoint is on disk when fit returns
         self._warn_nonfinite()
@@ -377,8 +391,9 @@ class FitLoop:
             empty = empty_losses(self.members)
             stacked, wall_time = ((empty, None) if self.program.has_aux else empty), 0.0
         if skip:  # the resumed epoch's first steps were trained before the interruption
-            stacked = prepend_losses(self._partial, stacked, self.program.has_aux)
-        self._partial = empty_losses(self.members)
+            stacked = prepend_losses(self._partial, stacked, self.program.has_aux,
+                                     self._partial_aux, self.members)  # fmt: skip
+        self._partial, self._partial_aux = empty_losses(self.members), {}
         pieces = [stacked] if count == 1 else split_steps(stacked, count)
         compile_time = (live.compile_s - compiled_before) / count
         for i, piece in enumerate(pieces):
@@ -432,13 +447,15 @@ class FitLoop:
             NonFiniteLossWarning,
         )
 
-    def _losses_so_far(self, outs: list) -> np.ndarray:
-        """The unfinished epoch's losses: before a resume, and from ``outs`` since."""
+    def _losses_so_far(self, outs: list) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
+        """The unfinished epoch's losses and scalar aux logs per step: before a resume, and
+        from ``outs`` since."""
+        aux = partial_scalar_aux(self._partial_aux, outs, self.program.has_aux, self.members)
         if not outs:
-            return self._partial
+            return self._partial, aux
         stacked, _ = host_outputs(outs, time.perf_counter())
         losses = stacked[0] if self.program.has_aux else stacked
-        return np.concatenate([self._partial, np.asarray(losses, np.float32)])
+        return np.concatenate([self._partial, np.asarray(losses, np.float32)]), aux
 
     def _save_mid_epoch(
         self, history: History, outs: list, epoch_step: int, live: LiveState
@@ -448,20 +465,25 @@ class FitLoop:
         owner = self.owner
         complete_epoch_step, owner.epoch_step = owner.epoch_step, epoch_step
         try:
-            self.checkpoints.save(history, self._losses_so_far(outs), written_carry(live))
+            losses, aux = self._losses_so_far(outs)
+            self.checkpoints.save(history, losses, written_carry(live), aux)
         finally:
             owner.epoch_step = complete_epoch_step
 
     def _preempted(self, history: History, outs: list, complete: bool) -> None:
         """A SIGTERM or SIGINT arrived: the current call finished; save, then raise."""
-        partial = empty_losses(self.members) if complete else self._losses_so_far(outs)
+        if complete:
+            partial, aux = empty_losses(self.members), {}
+        else:
+            partial, aux = self._losses_so_far(outs)
         if complete and outs:
             # The epoch ended with the call: log it first, so the History holds it.
             stacked, wall_time = host_outputs(outs, time.perf_counter())
-            stacked = prepend_losses(self._partial, stacked, self.program.has_aux)
+            stacked = prepend_losses(self._partial, stacked, self.program.has_aux,
+                                     self._partial_aux, self.members)  # fmt: skip
             logs, losses = self._logs(self.owner.epoch - 1, stacked, wall_time, EpochStats())
             history._append(losses, logs)
-        self.checkpoints.save(history, partial)
+        self.checkpoints.save(history, partial, None, aux)
         self.checkpoints.close()  # on disk before the process is told it may exit
         signum = self._signals[0]
         if signum == signal.SIGINT:

@@ -39,6 +39,11 @@ class FitArguments(TypedDict, total=False):
         ends ``fit`` after the current compiled call.
       progress: show a progress bar that advances once per compiled call (default True);
         off a terminal, one line per epoch.
+      progress_logs: which of the step's scalar logs (its aux leaves that are a scalar per
+        step, by their log names) the progress line shows after the loss, in this order:
+        each call's mean on the bar, the epoch's on a plain line. None (the default): all
+        of them, as many as fit the line. A name the step does not report is warned about
+        once, at the first call.
       steps_per_call: steps per compiled call of the ``"scan"`` plan (default: the whole
         epoch for a data set); for a stream, the batches stacked per chunk (default 100,
         fewer if that passes 256 MiB). The ``"unrolled"`` plan keeps its own call size (4).
@@ -50,7 +55,8 @@ class FitArguments(TypedDict, total=False):
         step of its own size (one extra compile, cached).
       prefetch: prepare a stream's next chunk in a background thread (default True).
       checkpoint_dir: save a checkpoint here every ``checkpoint_every`` epochs, counted by
-        the global epoch index.
+        the global epoch index, and once the last epoch is trained (a rerun with
+        ``resume=True`` then trains nothing).
       checkpoint_every: epochs between checkpoints (default 1).
       checkpoint_every_steps: also save every this many global steps, at the first
         compiled-call boundary at or after each multiple (the scan plan then runs calls of
@@ -80,6 +86,7 @@ class FitArguments(TypedDict, total=False):
     shuffle: bool
     callbacks: Sequence[Any]
     progress: bool
+    progress_logs: Sequence[str] | None
     steps_per_call: int | None
     drop_remainder: bool
     prefetch: bool
@@ -101,6 +108,7 @@ FIT_DEFAULTS: dict[str, Any] = {
     "shuffle": True,
     "callbacks": (),
     "progress": True,
+    "progress_logs": None,
     "steps_per_call": None,
     "drop_remainder": True,
     "prefetch": True,
@@ -137,6 +145,7 @@ class FitOptions(NamedTuple):
     run_keys: dict[str, Any]
     member_batches: bool = False
     steps_per_epoch: int | None = None
+    progress_logs: tuple[str, ...] | None = None
 
 
 def fit_options(
@@ -196,11 +205,22 @@ def fit_options(
         raise TypeError(
             f"callbacks must be a list of callback objects, got {type(callbacks).__name__}."
         )
+    progress_logs = o["progress_logs"]
+    if progress_logs is not None:
+        if isinstance(progress_logs, str) or not isinstance(progress_logs, Sequence):
+            raise TypeError(
+                f"progress_logs must be a list of log names (e.g. ['episode_return']), got "
+                f"{progress_logs!r}."
+            )
+        bad = [name for name in progress_logs if not isinstance(name, str)]
+        if bad:
+            raise TypeError(f"progress_logs holds names (str), got {bad[0]!r}.")
+        progress_logs = tuple(progress_logs)
     return FitOptions(
         epochs=epochs, batch_size=batch_size, shuffle=bool(o["shuffle"]),
         steps_per_call=steps_per_call, drop_remainder=bool(o["drop_remainder"]),
         prefetch=bool(o["prefetch"]), callbacks=list(callbacks), progress=bool(o["progress"]),
         evaluation=evaluation, checkpoint_dir=directory, checkpoints=checkpoints,
         resume=bool(o["resume"]), run_keys=run_keys, member_batches=bool(member_batches),
-        steps_per_epoch=steps_per_epoch,
+        steps_per_epoch=steps_per_epoch, progress_logs=progress_logs,
     )  # fmt: skip

@@ -34,6 +34,7 @@ from nnxscan.shell.demos.ppo import (
 )
 
 __all__ = [
+    "checkpoint_epochs",
     "draw_returns",
     "draw_sweep_returns",
     "format_sweep_table",
@@ -46,6 +47,15 @@ ENV_NAME = "CartPole-v1"
 #: Updates per epoch of the shell's runs (at most): an epoch is a compiled call, a
 #: checkpoint and a line of logs; 16 updates of CartPole take ~0.3 s on 2 CPU cores.
 UPDATES_PER_EPOCH = 16
+#: Updates between the shell's checkpoints (at least): counted in updates, never in time,
+#: so where a run is saved does not depend on the machine. With 16 updates an epoch, a
+#: checkpoint every 8 epochs and one at the end: 8 saves in the default 976-update run (a
+#: save after every epoch cost ~8% of it on 2 CPU cores); a kill loses at most 128 updates.
+CHECKPOINT_EVERY_UPDATES = 128
+#: What the progress line shows besides the loss: the mean episode return (of each call on
+#: a terminal, of each epoch off one); the other scalars the step reports (actor and value
+#: losses, entropy) stay in the History and the writers.
+PROGRESS_LOGS = ("episode_return",)
 
 
 def draw_returns(env_steps: np.ndarray, returns: np.ndarray, seeds: list[int]) -> Any:
@@ -132,6 +142,17 @@ def updates_per_epoch(num_updates: int, most: int = UPDATES_PER_EPOCH) -> int:
     return max(k for k in range(1, min(most, num_updates) + 1) if num_updates % k == 0)
 
 
+def checkpoint_epochs(per_epoch: int, every_updates: int = CHECKPOINT_EVERY_UPDATES) -> int:
+    """Epochs of ``per_epoch`` updates between the shell's checkpoints: the fewest that hold
+    ``every_updates`` updates (at least one). ``fit`` also saves after the last epoch.
+
+    Example:
+      >>> checkpoint_epochs(16)
+      8
+    """
+    return max(1, -(-every_updates // per_epoch))
+
+
 def run_ppo_demo(
     out_dir: str | os.PathLike[str] = ".",
     *,
@@ -147,8 +168,9 @@ def run_ppo_demo(
     Without ``checkpoint_dir`` and ``sweep``: one ``jax.jit`` of ``jax.vmap(train)`` over
     the seeds' keys (:func:`~nnxscan.shell.demos.ppo.make_ppo_train`). With
     ``checkpoint_dir`` and one seed: ``Trainer(policy, train_step=make_ppo_step(...))
-    .fit(None, epochs=..., steps_per_epoch=..., checkpoint_dir=..., resume=True)``, which a
-    rerun resumes. With ``sweep={name: values}`` (one float hyperparameter of
+    .fit(None, epochs=..., steps_per_epoch=..., checkpoint_dir=..., resume=True)``, saving
+    every :data:`CHECKPOINT_EVERY_UPDATES` updates and at the end, which a rerun resumes.
+    With ``sweep={name: values}`` (one float hyperparameter of
     :data:`~nnxscan.shell.demos.ppo.HYPERPARAMS`), or several seeds and a
     ``checkpoint_dir``: a ``Population`` of every seed x value, printed as a table of final
     returns, with its best member.
@@ -240,7 +262,8 @@ def _trainer_run(out_dir, env, env_params, config, seed, checkpoint_dir, progres
     print(
         f"PPO on {ENV_NAME}: seed {seed} x {config.num_envs} environments x "
         f"{int(env_steps[-1]):,} steps, {epochs} epochs of {per_epoch} updates through "
-        f"Trainer.fit, checkpoints in {checkpoint_dir} (resumed if there are some)"
+        f"Trainer.fit, a checkpoint every {checkpoint_epochs(per_epoch) * per_epoch} updates "
+        f"and at the end in {checkpoint_dir} (resumed if there are some)"
     )
     start = time.perf_counter()
     trainer = Trainer(
@@ -249,7 +272,8 @@ def _trainer_run(out_dir, env, env_params, config, seed, checkpoint_dir, progres
     )
     history = trainer.fit(
         None, epochs=epochs, steps_per_epoch=per_epoch, checkpoint_dir=checkpoint_dir,
-        resume=True, progress=progress,
+        checkpoint_every=checkpoint_epochs(per_epoch), resume=True, progress=progress,
+        progress_logs=PROGRESS_LOGS,
     )  # fmt: skip
     whole_s = time.perf_counter() - start
     returns = np.asarray([e["episode_return"] for e in history.epochs], np.float64)
@@ -288,10 +312,13 @@ def _population_run(out_dir, env, env_params, config, seed_list, sweep, checkpoi
         seeds=seed_list * len(values),
         hyperparams={name: [v for v in values for _ in seed_list]},
     )
-    fit_options = {} if checkpoint_dir is None else {"checkpoint_dir": checkpoint_dir}
+    fit_options = {}
+    if checkpoint_dir is not None:
+        fit_options = {"checkpoint_dir": checkpoint_dir,
+                       "checkpoint_every": checkpoint_epochs(per_epoch)}  # fmt: skip
     history = population.fit(
         None, epochs=epochs, steps_per_epoch=per_epoch, resume=checkpoint_dir is not None,
-        progress=progress, **fit_options,
+        progress=progress, progress_logs=PROGRESS_LOGS, **fit_options,
     )  # fmt: skip
     whole_s = time.perf_counter() - start
     # (epochs, members) -> (values, seeds, epochs)

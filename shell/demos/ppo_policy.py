@@ -149,14 +149,20 @@ class ActorCritic(nnx.Module):
         # orthogonalized in one loop.
         keys = []
 
+        def zeros(shape, dtype):
+            # Put from the host, not computed: built eagerly (the shell's Trainer), each
+            # jnp.zeros of a new shape is an XLA program compiled alone (~30 ms each on 2
+            # CPU cores). Inside a traced run they are constants either way.
+            return jax.device_put(np.zeros(shape, dtype))
+
         def dense(fan_in: int, fan_out: int) -> nnx.Linear:
             def record_key(key, shape, dtype):
                 keys.append(key)
-                return jnp.zeros(shape, dtype)
+                return zeros(shape, dtype)
 
             return nnx.Linear(
-                fan_in, fan_out, rngs=rngs,
-                kernel_init=record_key, bias_init=nnx.initializers.zeros_init(),
+                fan_in, fan_out, rngs=rngs, kernel_init=record_key,
+                bias_init=lambda key, shape, dtype: zeros(shape, dtype),
             )  # fmt: skip
 
         self.actor = nnx.Sequential(
