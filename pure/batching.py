@@ -101,22 +101,22 @@ def take_batch(data: Any, indices: jax.Array, *, as_bytes: bool = False) -> Any:
     return jax.tree.map(lambda x: jnp.take(x, indices, axis=0), data)
 
 
-# XLA:CPU gathers a row of fewer than ~128 elements element by element (2-3x slower than
-# memory allows: 2.3 ms for 16 MB of 64-float rows against ~1 ms for rows of >= 128
-# elements, measured on this project's 2-core CPU); the same row viewed as bytes has 4x
-# the elements and gathers at memory speed. Bitwise the same rows.
+# XLA:CPU gathers rows of fewer than 128 elements 2-3x slower than rows of 128 or more
+# (benchmarks/bench_gather.py: 16 MiB of 64-float rows, 11.6 ms against 3.8 ms through
+# bytes); the same row viewed as bytes has itemsize times the elements. Bitwise the same.
 _NARROW_ROW_ELEMENTS = 128
 
 
 def gathers_as_bytes(x: Any) -> bool:
     """Whether :func:`take_rows` gathers ``x``'s rows through a byte view: on the CPU, an
-    integer or float array of more than one byte per element whose rows hold fewer than
-    128 elements."""
+    integer or float array whose rows hold fewer than 128 elements but at least 128
+    bytes (a row of 32 to 127 float32s). Narrower rows gather no faster as bytes
+    (``benchmarks/bench_gather.py``)."""
     dtype = jnp.result_type(x)
+    row = int(np.prod(jnp.shape(x)[1:], dtype=np.int64))
     return (
         jnp.ndim(x) >= 1
-        and dtype.itemsize > 1
-        and int(np.prod(jnp.shape(x)[1:], dtype=np.int64)) < _NARROW_ROW_ELEMENTS
+        and row < _NARROW_ROW_ELEMENTS <= row * dtype.itemsize
         and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
         and jax.default_backend() == "cpu"
     )

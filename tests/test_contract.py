@@ -139,23 +139,28 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
     assert_trees_close(model, whole[0])
 
 
+_SPECIALS = np.array([1.5, np.nan, -0.0, np.inf, -np.inf, 1e-40], np.float32)
+
+
 @pytest.mark.parametrize(
-    "leaf",
+    ("leaf", "as_bytes"),
     [
-        np.arange(24, dtype=np.float32).reshape(6, 4),  # narrow rows: through bytes on the CPU
-        np.array([1.5, np.nan, -0.0, np.inf, 3.0, 1e-40], np.float32),  # NaN, -0, subnormal
-        np.arange(6, dtype=np.int16).reshape(6, 1) - 3,
-        np.arange(12, dtype=np.float16).reshape(6, 2, 1),
-        np.arange(6, dtype=np.uint8),  # bytes already
-        np.array([True, False, True, True, False, False]),  # bool: gathered as it is
-        np.arange(6 * 200, dtype=np.float32).reshape(6, 200),  # wide rows: gathered as they are
+        (np.arange(6 * 40, dtype=np.float32).reshape(6, 40), True),
+        (np.resize(_SPECIALS, (6, 32)), True),  # NaN, -0.0, infinities, subnormals
+        (np.arange(6 * 64, dtype=np.int16).reshape(6, 64) - 100, True),
+        (np.arange(6 * 64, dtype=np.float16).reshape(6, 8, 8), True),
+        (np.arange(24, dtype=np.float32).reshape(6, 4), False),  # 16 B rows: as they are
+        (np.arange(6, dtype=np.uint8), False),
+        (np.array([True, False, True, True, False, False]), False),
+        (np.arange(6 * 200, dtype=np.float32).reshape(6, 200), False),  # 200 elements a row
     ],
 )
-def test_take_rows_is_numpy_indexing_bitwise(leaf):
+def test_take_rows_is_numpy_indexing_bitwise(leaf, as_bytes):
     """Rows gathered through a byte view of the data (faster on XLA:CPU) are numpy's own
     fancy indexing, bit for bit: NaN payloads, -0.0 and subnormals included."""
-    from nnxscan.pure.batching import take_rows
+    from nnxscan.pure.batching import gathers_as_bytes, take_rows
 
+    assert gathers_as_bytes(leaf) == (as_bytes and jax.default_backend() == "cpu")
     indices = np.array([[5, 0, 3], [3, 3, 1]])
     want = leaf[indices]
     for got in (take_rows(leaf, indices), jax.jit(take_rows)(leaf, indices)):
