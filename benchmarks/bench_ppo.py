@@ -84,15 +84,32 @@ def theirs(
     return train, returns
 
 
-def whole_run(build: Callable[[], tuple[Callable, Callable]], seeds: int, label: str):
-    """One whole run from empty compilation caches: (whole s, compile s, CPU s, returns)."""
+def load_purejaxrl(directory: str) -> Any:
+    """PureJaxRL's ``ppo.py`` imported from ``directory`` (with its two stand-ins)."""
+    sys.path.insert(0, os.path.abspath(directory))
+    return importlib.import_module("ppo")
+
+
+def whole_run(
+    build: Callable[[], tuple[Callable, Callable]],
+    seeds: int,
+    label: str,
+    keys: jax.Array | None = None,
+    last: int = 10,
+):
+    """One whole run from empty compilation caches: (whole s, compile s, CPU s, returns).
+
+    ``keys`` (one per seed, stacked) default to ``jax.random.split(PRNGKey(0), seeds)``;
+    the returns are each seed's mean over its ``last`` updates."""
     jax.clear_caches()
     watchdog = threading.Timer(RUN_TIMEOUT_S, _hung, args=(label, seeds))
     watchdog.start()
     try:
         start, cpu_start = time.perf_counter(), time.process_time()
         train, returns_of = build()
-        if seeds == 1:
+        if keys is not None:
+            program = jax.jit(jax.vmap(train))
+        elif seeds == 1:
             keys = jax.random.PRNGKey(0)
             program = jax.jit(train)
         else:
@@ -104,7 +121,7 @@ def whole_run(build: Callable[[], tuple[Callable, Callable]], seeds: int, label:
         done, cpu_done = time.perf_counter(), time.process_time()
     finally:
         watchdog.cancel()
-    finals = np.atleast_1d(final_return(returns_of(out)))
+    finals = np.atleast_1d(final_return(returns_of(out), last))
     return done - start, compiled_at - start, cpu_done - cpu_start, finals
 
 
@@ -129,8 +146,7 @@ def main() -> None:
         config, seed_counts, rounds = PPOConfig(total_timesteps=4 * 128 * 4), [1, 2], 1
     variants: dict[str, Callable[[], tuple[Callable, Callable]]] = {"nnxscan": lambda: ours(config)}
     if args.purejaxrl:
-        sys.path.insert(0, os.path.abspath(args.purejaxrl))
-        module = importlib.import_module("ppo")
+        module = load_purejaxrl(args.purejaxrl)
         variants["PureJaxRL"] = lambda: theirs(module, config)
 
     # Untimed warm-up: imports, gymnax's own jits and the first-use costs land nowhere.
