@@ -123,11 +123,6 @@ def _orthonormal_columns(a: jax.Array, columns: int) -> jax.Array:
     return q * jnp.sign(jnp.diagonal(r))[None, :]
 
 
-def _fold_in(key: jax.Array, counts: jax.Array) -> jax.Array:
-    """``[jax.random.fold_in(key, c) for c in counts]`` stacked, bitwise, in one call."""
-    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, counts)
-
-
 class RunKey(nnx.Variable):
     """The key a PPO run starts from, held by the policy it trains: drawn from the
     ``nnx.Rngs`` the policy is built with, so ``model_fn(nnx.Rngs(seed))`` fixes the whole
@@ -151,16 +146,12 @@ class ActorCritic(nnx.Module):
     def __init__(self, obs_size: int, num_actions: int, *, hidden: int = 64, rngs: nnx.Rngs):
         # Each layer draws its kernel's key as with kernel_init=orthogonal(scale) (the same
         # weights, to rounding, as nnx.initializers.orthogonal), then all six kernels are
-        # orthogonalized in one loop. The keys are the stream's draws, fold_in(key, count),
-        # recomputed for all kernels (and the run key) in ONE vmapped fold_in: each separate
-        # fold_in is its own threefry loop in a traced run, compiled alone (~7% of the PPO
-        # run's XLA compile on a 2-core CPU); the layers' own draws are then dead code.
-        params = rngs.params  # the stream the layers draw from (its own or the default)
-        counts = []
+        # orthogonalized in one loop.
+        keys = []
 
         def dense(fan_in: int, fan_out: int) -> nnx.Linear:
             def record_key(key, shape, dtype):
-                counts.append(params.count[...] - 1)  # the draw that gave ``key``
+                keys.append(key)
                 return jnp.zeros(shape, dtype)
 
             return nnx.Linear(
@@ -182,18 +173,9 @@ class ActorCritic(nnx.Module):
         root2 = float(np.sqrt(2))
         scales = [root2, root2, 0.01, root2, root2, 1.0]
         shapes = [layer.kernel.shape for layer in layers]
-        run_stream = rngs.run
-        if run_stream is params:  # one stream (nnx.Rngs(seed)): the run key's draw joins
-            counts.append(params.count[...])
-        keys = _fold_in(params.key[...], jnp.stack(counts))
-        run_key = keys[len(layers)] if run_stream is params else run_stream()
-        if run_stream is params:
-            run_stream()  # the stream moves on as if it had drawn the run key
-        for layer, kernel in zip(
-            layers, orthogonal_kernels(list(keys[: len(layers)]), shapes, scales), strict=True
-        ):
+        for layer, kernel in zip(layers, orthogonal_kernels(keys, shapes, scales), strict=True):
             layer.kernel[...] = kernel
-        self.run_key = RunKey(run_key)
+        self.run_key = RunKey(rngs.run())
 
     def __call__(self, obs: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(logits (..., actions), value (...))``."""
