@@ -346,9 +346,9 @@ def test_actor_critic_has_the_weights_nnx_orthogonal_init_gives_the_same_module(
 
 @pytest.mark.parametrize("streams", ["one", "separate"])
 def test_the_kernel_keys_and_run_key_are_the_draws_nnx_rngs_gives(streams):
-    """ActorCritic folds its keys in one call: they must be the stream's own draws (each
-    layer a kernel key then a bias key, then the run key), and the streams must move on as
-    far as those draws would have moved them."""
+    """ActorCritic's kernel keys and run key are the stream's own draws (each layer a
+    kernel key then a bias key, then the run key), and the streams move on as far as those
+    draws move them: what makes a population member its seed's run alone."""
 
     def rngs():
         return nnx.Rngs(3) if streams == "one" else nnx.Rngs(params=3, run=7)
