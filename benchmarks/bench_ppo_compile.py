@@ -10,6 +10,7 @@ as the demo runs it (``--no-vmap``: ``jax.jit(train)`` on one key, as PureJaxRL'
   compile            XLA's compile of the lowered program (wall s, and the process's CPU s:
                      on a shared machine the CPU seconds move far less with the load);
   run                the compiled call, blocked on (wall s);
+  whole              trace to result (wall s, and the process's CPU s);
   size               StableHLO ops and ``while`` loops of the lowered program; instructions,
                      ``while`` loops and fusions of the optimized HLO XLA compiled.
 
@@ -17,7 +18,8 @@ Variants: ``nnxscan`` (this tree's ``make_ppo_train``), ``PureJaxRL`` (``--purej
 see ``bench_ppo.py``) and, with ``--baseline DIR``, ``baseline``: ``make_ppo_train`` of
 another source tree of this repository (``git archive <rev> | tar -x -C DIR``), to show a
 change's effect paired with the tree it changes. Rounds run every variant once, in a new
-shuffled order; medians and the median of paired ratios to PureJaxRL (or the baseline).
+shuffled order; medians, and the ratios to PureJaxRL (or the baseline) as the median of
+the rounds' paired ratios.
 
     python benchmarks/bench_ppo_compile.py --purejaxrl DIR --seeds 1 16 --rounds 5
     python benchmarks/bench_ppo_compile.py --purejaxrl DIR --baseline /tmp/before --rounds 5
@@ -77,7 +79,7 @@ def child(variant: str, seeds: int, updates: int, vmap: bool, purejaxrl: str | N
         program = jax.jit(jax.vmap(train))
     else:
         program, keys = jax.jit(train), keys[0]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     traced = program.trace(keys)
     t1 = time.perf_counter()
     lowered = traced.lower()
@@ -85,7 +87,7 @@ def child(variant: str, seeds: int, updates: int, vmap: bool, purejaxrl: str | N
     compiled = lowered.compile()
     t3, cpu3 = time.perf_counter(), time.process_time()
     out = jax.block_until_ready(compiled(keys))
-    t4 = time.perf_counter()
+    t4, cpu4 = time.perf_counter(), time.process_time()
     mlir, hlo = lowered.as_text(), compiled.as_text()
     return {
         "trace": t1 - t0,
@@ -95,6 +97,7 @@ def child(variant: str, seeds: int, updates: int, vmap: bool, purejaxrl: str | N
         "xla_events": compile_events[0],
         "run": t4 - t3,
         "whole": t4 - t0,
+        "whole_cpu": cpu4 - cpu0,
         "return": float(returns(out)[..., -10:].mean()),
         "stablehlo_ops": len(re.findall(r"= stablehlo\.|^\s*stablehlo\.", mlir, re.M)),
         "stablehlo_while": mlir.count("stablehlo.while"),
@@ -111,6 +114,7 @@ COLUMNS = (
     ("compile_cpu", "compile CPU (s)", ".2f"),
     ("run", "run (s)", ".2f"),
     ("whole", "whole (s)", ".2f"),
+    ("whole_cpu", "whole CPU (s)", ".2f"),
     ("stablehlo_ops", "StableHLO ops", ".0f"),
     ("stablehlo_while", "while", ".0f"),
     ("hlo_instructions", "HLO instrs", ".0f"),
@@ -172,8 +176,8 @@ def main() -> None:
             print(f"| {n} | {variant} | " + " | ".join(cells) + " |")
     anchors = [a for a in ("PureJaxRL", "baseline") if a in variants]
     if anchors:
-        print("\n| seeds | variant | ÷ | compile | compile CPU | whole | (median of paired rounds)")
-        print("|---:|---|---|---:|---:|---:|---|")
+        print("\n| seeds | variant | ÷ | compile | compile CPU | whole | whole CPU |")
+        print("|---:|---|---|---:|---:|---:|---:|")
         for n in args.seeds:
             for anchor in anchors:
                 for variant in variants:
@@ -182,12 +186,12 @@ def main() -> None:
                     pairs = list(zip(results[(variant, n)], results[(anchor, n)], strict=True))
                     ratios = [
                         statistics.median(a[k] / b[k] for a, b in pairs)
-                        for k in ("compile", "compile_cpu", "whole")
+                        for k in ("compile", "compile_cpu", "whole", "whole_cpu")
                     ]
                     print(
                         f"| {n} | {variant} | {anchor} | "
                         + " | ".join(f"{x:.2f}×" for x in ratios)
-                        + " | |"
+                        + " |"
                     )
 
 
