@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -123,6 +125,26 @@ def whole_run(
         watchdog.cancel()
     finals = np.atleast_1d(final_return(returns_of(out), last))
     return done - start, compiled_at - start, cpu_done - cpu_start, finals
+
+
+def json_child(
+    command: list[str], label: str, timeout: float = 1200.0, tries: int = 3, env: Any = None
+) -> dict:
+    """Runs ``command`` (a benchmark's child process, printing one JSON line last) and
+    returns that dict with ``hung``: how many earlier tries were killed after ``timeout``
+    seconds without a result. PureJaxRL's init calls LAPACK's QR under ``jax.vmap``, whose
+    batched kernels can deadlock XLA:CPU's thread pool on jaxlib 0.10 (see
+    ``ppo_policy.orthogonal``): such a run is killed and run again."""
+    for attempt in range(tries):
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            print(f"{label}: no result in {timeout:.0f} s (hung): killed, run again", flush=True)
+            continue
+        if out.returncode:
+            raise RuntimeError(f"{label} failed:\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1]) | {"hung": attempt}
+    raise RuntimeError(f"{label} hung {tries} times in a row.")
 
 
 def _hung(label: str, seeds: int) -> None:

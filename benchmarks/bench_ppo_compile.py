@@ -34,7 +34,6 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -139,6 +138,10 @@ def main() -> None:
         result = child(args.child[0], int(args.child[1]), args.updates, args.vmap, args.purejaxrl)
         print(json.dumps(result))
         return
+    # Imported here: bench_ppo imports nnxscan, which a baseline child must import from
+    # its own tree (use_source_tree) before anything else does.
+    from bench_ppo import json_child
+
     if args.quick:
         args.seeds, args.rounds, args.updates = [1], 1, 8
     variants = ["nnxscan"]
@@ -153,10 +156,7 @@ def main() -> None:
             command = [sys.executable, __file__, "--child", variant, str(n)]
             command += ["--updates", str(args.updates)] + ([] if args.vmap else ["--no-vmap"])
             command += ["--purejaxrl", args.purejaxrl] if args.purejaxrl else []
-            out = subprocess.run(command, capture_output=True, text=True, env=env)
-            if out.returncode:
-                raise RuntimeError(f"{variant} {n} failed:\n{out.stderr[-3000:]}")
-            result = json.loads(out.stdout.strip().splitlines()[-1])
+            result = json_child(command, f"{variant} with {n} seed(s)", env=env)
             results.setdefault((variant, n), []).append(result)
             print(
                 f"round {r}: {variant:>9} {n:>2} seed(s): compile {result['compile']:5.2f} s "

@@ -27,6 +27,10 @@ each variant ÷ PureJaxRL as the median of the rounds' paired ratios.
     python benchmarks/bench_ppo_population.py --purejaxrl DIR --out ppo_population.md
     python benchmarks/bench_ppo_population.py --purejaxrl DIR --seeds 8 --rounds 1
     python benchmarks/bench_ppo_population.py --purejaxrl DIR --quick   # < 1 minute
+
+PureJaxRL's init calls LAPACK's QR under ``jax.vmap``; on jaxlib 0.10 its batched kernels
+can deadlock XLA:CPU's thread pool (here: 2 seeds hung in most tries, 1, 8 and 16 did not).
+A run with no result in ``--timeout`` seconds is killed and run again; the table counts them.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -45,7 +48,7 @@ from typing import Any
 import gymnax
 import jax
 import numpy as np
-from bench_ppo import load_purejaxrl, ours, theirs, whole_run
+from bench_ppo import json_child, load_purejaxrl, ours, theirs, whole_run
 
 from nnxscan.shell import Population
 from nnxscan.shell.demos.ppo import PPOConfig, make_policy, make_ppo_step
@@ -108,14 +111,13 @@ def run_variant(variant: str, seeds: int, updates: int, purejaxrl: str | None) -
     }
 
 
-def fresh_process(variant: str, seeds: int, updates: int, purejaxrl: str | None) -> dict:
+def fresh_process(
+    variant: str, seeds: int, updates: int, purejaxrl: str | None, timeout: float
+) -> dict:
+    """One run in a new process (a hung one is killed and run again: ``json_child``)."""
     command = [sys.executable, __file__, "--child", variant, str(seeds), str(updates)]
-    if purejaxrl:
-        command += ["--purejaxrl", purejaxrl]
-    out = subprocess.run(command, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"{variant} with {seeds} seeds failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    command += ["--purejaxrl", purejaxrl] if purejaxrl else []
+    return json_child(command, f"{variant} with {seeds} seeds", timeout)
 
 
 def table(results: dict, variants: list[str], seed_counts: list[int], header: str) -> str:
@@ -134,6 +136,9 @@ def table(results: dict, variants: list[str], seed_counts: list[int], header: st
                 f"| {statistics.mean(r['mean'] for r in runs):.1f} "
                 f"| {min(r['min'] for r in runs):.1f} |"
             )
+    hung = sum(r.get("hung", 0) for runs in results.values() for r in runs)
+    if hung:
+        lines += ["", f"{hung} run(s) hung (killed and run again; see bench_ppo.json_child)."]
     anchor = "PureJaxRL" if "PureJaxRL" in variants else "jit"
     lines += [
         "",
@@ -162,9 +167,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--purejaxrl", metavar="DIR", help="folder with PureJaxRL's ppo.py")
     parser.add_argument(
-        "--quick", action="store_true", help="16 updates of 2 seeds, one process: it runs"
+        "--quick", action="store_true", help="16 updates of 1 seed, one round: it runs"
     )
     parser.add_argument("--out", help="also write the tables to this markdown file")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds before a run counts as hung"
+    )
     parser.add_argument("--child", nargs=3, metavar=("VARIANT", "SEEDS", "UPDATES"))
     args = parser.parse_args()
     if args.child:
@@ -174,11 +182,14 @@ def main() -> None:
 
     variants = [v for v in VARIANTS if v != "PureJaxRL" or args.purejaxrl]
     seed_counts, rounds, updates = args.seeds, args.rounds, UPDATES
-    run = fresh_process
+
     if args.quick:
-        # One process, caches cleared before each run (jax.clear_caches): no process starts.
-        seed_counts, rounds, updates = [2], 1, 16
-        run = run_variant
+        # One seed (vmapped over one key): PureJaxRL with 2 seeds hung in most tries here.
+        seed_counts, rounds, updates, args.timeout = [1], 1, 16, 120.0
+
+    def run(name: str, n: int, updates: int, purejaxrl: str | None) -> dict:
+        return fresh_process(name, n, updates, purejaxrl, args.timeout)
+
     results: dict[tuple[str, int], list[dict]] = {}
     for r in range(rounds):
         cells = [(name, n) for name in variants for n in seed_counts]
@@ -195,8 +206,7 @@ def main() -> None:
     header = (
         f"PPO on CartPole-v1, {updates} updates ({updates * 4 * 128:,} environment steps) per "
         f"seed; {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}; "
-        f"medians of {rounds} round(s), "
-        f"{'one process' if args.quick else 'each run a fresh process'}, compile included"
+        f"medians of {rounds} round(s), each run a fresh process, compile included"
     )
     text = table(results, variants, seed_counts, header)
     print("\n" + text)
