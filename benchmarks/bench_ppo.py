@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -84,15 +86,32 @@ def theirs(
     return train, returns
 
 
-def whole_run(build: Callable[[], tuple[Callable, Callable]], seeds: int, label: str):
-    """One whole run from empty compilation caches: (whole s, compile s, CPU s, returns)."""
+def load_purejaxrl(directory: str) -> Any:
+    """PureJaxRL's ``ppo.py`` imported from ``directory`` (with its two stand-ins)."""
+    sys.path.insert(0, os.path.abspath(directory))
+    return importlib.import_module("ppo")
+
+
+def whole_run(
+    build: Callable[[], tuple[Callable, Callable]],
+    seeds: int,
+    label: str,
+    keys: jax.Array | None = None,
+    last: int = 10,
+):
+    """One whole run from empty compilation caches: (whole s, compile s, CPU s, returns).
+
+    ``keys`` (one per seed, stacked) default to ``jax.random.split(PRNGKey(0), seeds)``;
+    the returns are each seed's mean over its ``last`` updates."""
     jax.clear_caches()
     watchdog = threading.Timer(RUN_TIMEOUT_S, _hung, args=(label, seeds))
     watchdog.start()
     try:
         start, cpu_start = time.perf_counter(), time.process_time()
         train, returns_of = build()
-        if seeds == 1:
+        if keys is not None:
+            program = jax.jit(jax.vmap(train))
+        elif seeds == 1:
             keys = jax.random.PRNGKey(0)
             program = jax.jit(train)
         else:
@@ -104,8 +123,28 @@ def whole_run(build: Callable[[], tuple[Callable, Callable]], seeds: int, label:
         done, cpu_done = time.perf_counter(), time.process_time()
     finally:
         watchdog.cancel()
-    finals = np.atleast_1d(final_return(returns_of(out)))
+    finals = np.atleast_1d(final_return(returns_of(out), last))
     return done - start, compiled_at - start, cpu_done - cpu_start, finals
+
+
+def json_child(
+    command: list[str], label: str, timeout: float = 1200.0, tries: int = 3, env: Any = None
+) -> dict:
+    """Runs ``command`` (a benchmark's child process, printing one JSON line last) and
+    returns that dict with ``hung``: how many earlier tries were killed after ``timeout``
+    seconds without a result. PureJaxRL's init calls LAPACK's QR under ``jax.vmap``, whose
+    batched kernels can deadlock XLA:CPU's thread pool on jaxlib 0.10 (see
+    ``ppo_policy.orthogonal``): such a run is killed and run again."""
+    for attempt in range(tries):
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            print(f"{label}: no result in {timeout:.0f} s (hung): killed, run again", flush=True)
+            continue
+        if out.returncode:
+            raise RuntimeError(f"{label} failed:\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1]) | {"hung": attempt}
+    raise RuntimeError(f"{label} hung {tries} times in a row.")
 
 
 def _hung(label: str, seeds: int) -> None:
@@ -129,8 +168,7 @@ def main() -> None:
         config, seed_counts, rounds = PPOConfig(total_timesteps=4 * 128 * 4), [1, 2], 1
     variants: dict[str, Callable[[], tuple[Callable, Callable]]] = {"nnxscan": lambda: ours(config)}
     if args.purejaxrl:
-        sys.path.insert(0, os.path.abspath(args.purejaxrl))
-        module = importlib.import_module("ppo")
+        module = load_purejaxrl(args.purejaxrl)
         variants["PureJaxRL"] = lambda: theirs(module, config)
 
     # Untimed warm-up: imports, gymnax's own jits and the first-use costs land nowhere.

@@ -125,7 +125,7 @@ def test_the_run_log_keeps_events_and_an_inline_run_without_them_reads_as_none(t
     history.events.append({"epoch": 0, "step": 4, "what": "early_stopping_stopped", "member": 2})
     with CheckpointWriter(tmp_path) as writer:
         where = RunLog(writer).record(history, np.zeros(0, np.float32))
-    back, partial, _ = RunLog.read(tmp_path, where)
+    back, partial, *_ = RunLog.read(tmp_path, where)
     assert back.events == history.events and partial.size == 0
     # A checkpoint written before the run log held its History inline, maybe without events.
     old = {"epochs": history.epochs, "losses": [1.0] * 4, "partial": []}

@@ -342,3 +342,39 @@ def test_actor_critic_has_the_weights_nnx_orthogonal_init_gives_the_same_module(
     want = nnx.to_pure_dict(nnx.state(NnxInit(nnx.Rngs(5))))
     for got, expected in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(got, expected, atol=2e-5)
+
+
+@pytest.mark.parametrize("streams", ["one", "separate"])
+def test_the_kernel_keys_and_run_key_are_the_draws_nnx_rngs_gives(streams):
+    """ActorCritic's kernel keys and run key are the stream's own draws (each layer a
+    kernel key then a bias key, then the run key), and the streams move on as far as those
+    draws move them: what makes a population member its seed's run alone."""
+
+    def rngs():
+        return nnx.Rngs(3) if streams == "one" else nnx.Rngs(params=3, run=7)
+
+    reference = rngs()
+    kernel_keys = []
+    for _ in range(6):
+        kernel_keys.append(reference.params())
+        reference.params()  # the bias's draw
+    run_key = reference.run()
+    gaussians = [jax.random.normal(k, shape) for k, shape in zip(kernel_keys, [
+        (64, 4), (64, 64), (64, 2), (64, 4), (64, 64), (64, 1)], strict=True)]  # fmt: skip
+
+    given = rngs()
+    policy = ActorCritic(4, 2, rngs=given)
+    np.testing.assert_array_equal(
+        jax.random.key_data(policy.run_key[...]), jax.random.key_data(run_key)
+    )
+    for stream in ("params", "run"):
+        assert int(getattr(given, stream).count[...]) == int(getattr(reference, stream).count[...])
+    # Each kernel is the orthogonalized Gaussian of its key (Q's columns span the draw's).
+    layers = [*policy.actor.layers[::2], *policy.critic.layers[::2]]
+    for layer, g in zip(layers, gaussians, strict=True):
+        kernel = np.asarray(layer.kernel[...], np.float64)
+        tall = kernel if kernel.shape[0] >= kernel.shape[1] else kernel.T
+        q, r = np.linalg.qr(np.asarray(g, np.float64))
+        q = q * np.sign(np.diagonal(r))
+        scale = np.linalg.norm(tall[:, 0])
+        np.testing.assert_allclose(tall / scale, q, atol=5e-5)
