@@ -35,6 +35,7 @@ __all__ = [
     "constrain_sharding",
     "cut_batches",
     "full_then_tail",
+    "gathers_as_bytes",
     "shard_batch",
     "take_batch",
     "take_rows",
