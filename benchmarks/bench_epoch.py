@@ -54,6 +54,24 @@ def loss_fn(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
+def nnx_scan_epoch(loss):
+    """Flax's own scanned epoch: ``epoch(model, optimizer, batches) -> losses``, one
+    ``nnx.jit`` call of ``nnx.scan`` over stacked batches, model and optimizer carried."""
+
+    @nnx.jit
+    def epoch(model, optimizer, batches):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def body(carry, batch):
+            model, optimizer = carry
+            value, grads = nnx.value_and_grad(loss)(model, batch)
+            optimizer.update(model, grads)
+            return (model, optimizer), value
+
+        return body((model, optimizer), batches)[1]
+
+    return epoch
+
+
 def variants(steps: int) -> dict:
     n = steps * BATCH
     rng = np.random.default_rng(0)
@@ -115,17 +133,7 @@ def variants(steps: int) -> dict:
     fx_model = MLP(nnx.Rngs(0))
     fx_opt = nnx.Optimizer(fx_model, tx, wrt=nnx.Param)
 
-    @nnx.jit
-    def flax_epoch(model, optimizer, batches):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-        def body(carry, batch):
-            model, optimizer = carry
-            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-            optimizer.update(model, grads)
-            return (model, optimizer), loss
-
-        _, losses = body((model, optimizer), batches)
-        return losses
+    flax_epoch = nnx_scan_epoch(loss_fn)
 
     def run_nnx_scan(batches):
         return flax_epoch(fx_model, fx_opt, batches)[-1]

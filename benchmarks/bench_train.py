@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from bench_epoch import nnx_scan_epoch
 from flax import nnx
 
 from nnxscan.shell import Trainer
@@ -218,16 +219,7 @@ def methods(name: str, steps: int) -> dict[str, Callable[[], float]]:
     opt_e = nnx.Optimizer(model_e, tx, wrt=nnx.Param)
     stacked = jax.block_until_ready(jax.tree.map(lambda *b: jnp.stack(b), *batches))
 
-    @nnx.jit
-    def epoch_e(model, optimizer, batches):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-        def body(carry, batch):
-            model, optimizer = carry
-            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-            optimizer.update(model, grads)
-            return (model, optimizer), loss
-
-        return body((model, optimizer), batches)[1]
+    epoch_e = nnx_scan_epoch(loss_fn)
 
     def run_e():
         t = time.perf_counter()
