@@ -139,6 +139,7 @@ def scan_indexed_steps(
         as_bytes = 2 * steps * per_step >= _loops.batch_bytes(data, _num_rows(data))
         carry, outs = run_chunk((state, opt_state), indices, as_bytes)
         return (*carry, outs)
+    chunk = _loops.chunk_steps(steps, chunk)
     num_chunks = steps // chunk
     head = indices[: num_chunks * chunk].reshape(num_chunks, chunk, *indices.shape[1:])
     carry, outs = jax.lax.scan(run_chunk, (state, opt_state), head)

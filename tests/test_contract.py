@@ -131,8 +131,18 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
         )(state, opt_state)
 
     whole = run(10 * per_step)
-    for budget in (3 * per_step, per_step, 1):  # chunks of 3 (+ a rest of 2), of 1
+    for budget in (3 * per_step, per_step, 1):  # chunks of 2 (8 = 4 x 2: one loop), of 1
         assert_trees_close(run(budget), whole, exact=True)
+    first7 = order[:7]  # 7 steps in chunks of at most 3: no divisor in [2, 3], a rest of 1
+    whole7 = jax.jit(
+        lambda s, o: scan_indexed_steps(step, graphdef, s, o, data, first7, gather_budget=10**9)
+    )(state, opt_state)
+    chunked7 = jax.jit(
+        lambda s, o: scan_indexed_steps(
+            step, graphdef, s, o, data, first7, gather_budget=3 * per_step
+        )
+    )(state, opt_state)
+    assert_trees_close(chunked7, whole7, exact=True)
     model = MLP(rngs=nnx.Rngs(0))  # the plain per-step NNX loop on the same batches
     optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
     reference_loop(model, optimizer, xent, epoch_batches(data, BS, 3, 0))
@@ -168,6 +178,18 @@ def test_take_rows_is_numpy_indexing_bitwise(leaf, as_bytes):
         np.testing.assert_array_equal(
             np.asarray(got).view(np.uint8), np.ascontiguousarray(want).view(np.uint8)
         )
+
+
+def test_chunks_divide_the_call_when_they_can():
+    """A call's chunks are one loop when a divisor of its steps lies in [most/2, most]
+    (a rest would be a second loop of the step, compiled again)."""
+    from nnxscan.pure._loops import chunk_steps
+
+    for steps, most in [(1320, 503), (96, 10), (2000, 504), (1319, 503), (7, 3), (5, 1)]:
+        size = chunk_steps(steps, most)
+        assert 1 <= size <= most
+        divisors = [d for d in range(max((most + 1) // 2, 2), most + 1) if steps % d == 0]
+        assert size == (max(divisors) if divisors else most)
 
 
 def test_make_epoch_checks_the_order_before_tracing(data):
