@@ -102,7 +102,7 @@ def scan_indexed_steps(
       batch_sharding: shard each batch's leading axis, e.g. ``NamedSharding(mesh,
         P("data"))``, for data-parallel steps.
       gather_budget: the most bytes of examples one gather copies; by default 4 MiB, or
-        24 MiB when every leaf's rows are narrow enough to gather as bytes (see
+        24 MiB when the rows are narrow enough to gather as bytes (see
         ``docs/performance.md``).
 
     Returns:
