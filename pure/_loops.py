@@ -89,7 +89,8 @@ def scan_batches(
 #: every call (measured in docs/performance.md: 4 MiB was as fast or faster than both a
 #: whole-epoch copy and a gather per step, for rows of 256 B to 64 kB).
 GATHER_BUDGET_BYTES = 4 * 1024 * 1024
-#: The budget when every leaf's rows gather through bytes (``batching.gathers_as_bytes``):
+#: The budget when the rows gather through bytes (``batching.gathers_as_bytes``; see
+#: :func:`gather_budget`):
 #: such a gather is bound by XLA:CPU's per-element loop, not by the cache, and a call
 #: gathered whole gets the byte view (in a chunk loop XLA would hoist the view of the
 #: data set out of the loop as a copy). Below glibc's largest mmap threshold (32 MiB),
