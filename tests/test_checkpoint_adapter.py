@@ -234,6 +234,7 @@ def test_missing_or_extra_variable_raises(tmp_path):
         restore_checkpoint(tmp_path / "no_bias", {**linear_tree(False), "meta": {"step": 0}})
 
 
+@pytest.mark.slow  # a fresh Python process (~1.5 s)
 def test_importing_the_adapter_leaves_orbax_and_logging_alone():
     code = textwrap.dedent(
         """

@@ -73,6 +73,7 @@ def test_installed_console_script_imports_no_jax(flag):
     assert not {m for m in imported if m.split(".")[0] in HEAVY}, sorted(imported)
 
 
+@pytest.mark.slow  # a fresh Python process (~1.5 s)
 def test_importing_the_shell_loads_no_module_until_a_name_is_used():
     out = _run_python(
         """

@@ -50,6 +50,7 @@ def test_a_second_process_reads_every_program_from_the_cache(tmp_path):
     assert any((tmp_path / "cache").iterdir())
 
 
+@pytest.mark.slow  # a fresh Python process (~1.5 s)
 def test_importing_nnxscan_does_not_turn_the_cache_on():
     code = "import jax, nnxscan.shell; print(jax.config.jax_compilation_cache_dir)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

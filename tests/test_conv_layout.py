@@ -248,8 +248,8 @@ def case_of(name: str) -> Case:
 
 
 # The slow lane (pyproject.toml) holds the models whose layouts the fast lane's cases
-# (1-D, NCHW, the tutorial's BatchNorm + Dropout) already cover in kind.
-SLOW_CASES = {"tutorial_cnn", "strided_dilated", "grouped", "conv_3d"}
+# (NCHW, the tutorial's BatchNorm + Dropout) already cover in kind.
+SLOW_CASES = {"tutorial_cnn", "strided_dilated", "grouped", "conv_3d", "conv_1d"}
 
 
 @pytest.fixture(

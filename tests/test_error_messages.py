@@ -108,6 +108,7 @@ sys.exit(main(["demo", "ppo", "--no-compile-cache", "--out", sys.argv[1]]))
 """
 
 
+@pytest.mark.slow  # a fresh Python process (~1.5 s)
 def test_a_demo_without_its_extra_says_in_one_line_what_to_install(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", MISSING_GYMNAX, str(tmp_path)],

@@ -249,7 +249,9 @@ def test_param_dtype_reaches_the_heads_and_chunk_options_need_chunk_size():
                 )  # fmt: skip
 
 
-@pytest.mark.parametrize("chunk_size", [None, 7], ids=["heads", "chunked"])
+@pytest.mark.parametrize(
+    "chunk_size", [None, pytest.param(7, marks=pytest.mark.slow)], ids=["heads", "chunked"]
+)
 def test_gradients_through_conditional_generation_match_finite_differences(chunk_size):
     with jax.enable_x64(True):
         f64 = jnp.float64

@@ -161,6 +161,7 @@ def test_no_top_level_pure_or_shell_package_is_installed():
         assert spec is None or origin.is_relative_to(ROOT), f"top-level {name!r} installed"
 
 
+@pytest.mark.slow  # a fresh Python process (~1.5 s)
 def test_import_has_no_side_effects():
     code = textwrap.dedent(
         """

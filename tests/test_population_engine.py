@@ -215,7 +215,9 @@ def cut_at(step):
 
 
 @pytest.mark.parametrize(
-    "cut", [pytest.param(4, marks=pytest.mark.slow), 10], ids=["first_epoch", "mid_epoch"]
+    "cut",
+    [pytest.param(4, marks=pytest.mark.slow), pytest.param(10, marks=pytest.mark.slow)],
+    ids=["first_epoch", "mid_epoch"],
 )
 def test_step_checkpoints_resume_mid_epoch_by_rerunning_bitwise(straight, tmp_path, cut):
     reference, ref_history = straight
