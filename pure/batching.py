@@ -8,6 +8,9 @@ cut their orders here, so a loop of pure functions and ``Trainer.fit`` see the s
 - :func:`full_then_tail`: the rule every epoch and every evaluation follows: scan the full
   batches, then the tail once, as a step of its own shape.
 - :func:`take_batch`: rows of every leaf of a data set, by index (:func:`take_rows`).
+- :func:`gather_budget`, :func:`batch_bytes`, :func:`chunk_steps`: how many bytes one
+  gather of a call may copy, how many a batch takes, how many steps each chunk of a call
+  gathered in chunks gets.
 - :func:`shard_batch`, :func:`constrain_sharding`: a batch (an array) on a sharding inside
   traced code, on an Explicit or an Auto mesh.
 
@@ -32,9 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "batch_bytes",
+    "chunk_steps",
     "constrain_sharding",
     "cut_batches",
     "full_then_tail",
+    "gather_budget",
     "gathers_as_bytes",
     "shard_batch",
     "take_batch",
@@ -261,3 +267,66 @@ def full_then_tail(
 
 def _concat(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.concatenate([a, b], axis=0)
+
+
+#: The most bytes of examples one traced loop copies out of the data set at once when it
+#: gathers a call's batches before scanning them (see ``nnxscan.pure.scan_indexed_steps``).
+#: An epoch whose batches take more is run as an outer loop over chunks of steps that fit.
+#: Small on purpose: on the CPU a chunk this size stays in cache and its buffer is reused
+#: chunk after chunk, where one copy of a whole large epoch page-faults a fresh buffer in
+#: every call (measured in docs/performance.md: 4 MiB was as fast or faster than both a
+#: whole-epoch copy and a gather per step, for rows of 256 B to 64 kB).
+GATHER_BUDGET_BYTES = 4 * 1024 * 1024
+#: The budget when the rows gather through bytes (``gathers_as_bytes``; see
+#: ``gather_budget``):
+#: such a gather is bound by XLA:CPU's per-element loop, not by the cache, and a call
+#: gathered whole gets the byte view (in a chunk loop XLA would hoist the view of the
+#: data set out of the loop as a copy). Below glibc's largest mmap threshold (32 MiB),
+#: so the buffer is reused call after call (docs/performance.md).
+NARROW_GATHER_BUDGET_BYTES = 24 * 1024 * 1024
+
+
+def gather_budget(data: Any) -> int:
+    """The default bytes one gather of a call may copy for ``data``'s rows: the narrow
+    budget (24 MiB) when rows that gather through bytes hold at least 90% of a row's
+    bytes (an image or feature vector beside its int label), else 4 MiB. A call whose
+    batches take more is gathered in chunks of steps (``scan_indexed_steps``).
+
+    Example:
+      >>> gather_budget({"x": np.zeros((100, 64), np.float32), "y": np.zeros(100, np.int32)})
+      25165824
+    """
+    leaves = jax.tree.leaves(data)
+    total = batch_bytes(data, 1)
+    narrow = sum(batch_bytes(x, 1) for x in leaves if gathers_as_bytes(x))
+    if total and narrow >= 0.9 * total:
+        return NARROW_GATHER_BUDGET_BYTES
+    return GATHER_BUDGET_BYTES
+
+
+def batch_bytes(data: Any, batch_size: int) -> int:
+    """Bytes one batch of ``batch_size`` examples of ``data`` takes (every leaf's rows).
+
+    Example:
+      >>> batch_bytes({"x": np.zeros((100, 64), np.float32)}, 32)
+      8192
+    """
+    return batch_size * sum(
+        (x.size // max(x.shape[0], 1)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(data)
+    )
+
+
+def chunk_steps(steps: int, most: int) -> int:
+    """Steps per chunk when a call of ``steps`` steps is gathered in chunks of at most
+    ``most``: a divisor of ``steps`` of at least ``most / 2`` when there is one, so the
+    chunks are one loop. A rest of another length is a second loop of the step, which XLA
+    compiles again (~0.3 s for a small MLP's step, more for larger ones).
+
+    Example:
+      >>> chunk_steps(2000, 1500)  # 2 chunks of 1,000 rather than 1,500 + 500
+      1000
+    """
+    for size in range(most, max((most + 1) // 2, 2) - 1, -1):
+        if steps % size == 0:
+            return size
+    return most

@@ -130,16 +130,16 @@ def scan_indexed_steps(
         return (state, opt_state), outs
 
     if gather_budget is None:
-        gather_budget = _loops.gather_budget(data)
-    steps, per_step = indices.shape[0], _loops.batch_bytes(data, indices.shape[1])
+        gather_budget = batching.gather_budget(data)
+    steps, per_step = indices.shape[0], batching.batch_bytes(data, indices.shape[1])
     chunk = max(1, gather_budget // max(per_step, 1))
     if chunk >= steps:  # the whole call in one gather
         # Through bytes when the call reads most of the data (an epoch): the byte view
         # then costs at most one more pass over the data, where it is not fused.
-        as_bytes = 2 * steps * per_step >= _loops.batch_bytes(data, _num_rows(data))
+        as_bytes = 2 * steps * per_step >= batching.batch_bytes(data, _num_rows(data))
         carry, outs = run_chunk((state, opt_state), indices, as_bytes)
         return (*carry, outs)
-    chunk = _loops.chunk_steps(steps, chunk)
+    chunk = batching.chunk_steps(steps, chunk)
     num_chunks = steps // chunk
     head = indices[: num_chunks * chunk].reshape(num_chunks, chunk, *indices.shape[1:])
     carry, outs = jax.lax.scan(run_chunk, (state, opt_state), head)
@@ -224,7 +224,7 @@ def scan_member_steps(
       (3, 4)
     """
     if gather_budget is None:
-        gather_budget = _loops.gather_budget(data)
+        gather_budget = batching.gather_budget(data)
     member_budget = max(1, gather_budget // indices.shape[0])
 
     def member(state, opt_state, member_data, idx, alive):

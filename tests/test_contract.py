@@ -117,13 +117,13 @@ def test_unshuffled_fit_is_bitwise_make_epoch_and_scan_steps(data, num_examples)
 def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
     """An epoch whose batches exceed the gather budget runs as chunks of steps, each
     gathered once: bitwise the epoch gathered whole (and the per-step reference)."""
-    from nnxscan.pure import _loops, scan_indexed_steps
+    from nnxscan.pure import batching, scan_indexed_steps
 
     step = make_train_step(xent, TX)
     graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
     opt_state = init_opt_state(TX, state)
     order = epoch_order(3, 0, len(data["x"])).reshape(-1, BS)  # 8 steps: the rule fit uses
-    per_step = _loops.batch_bytes(data, BS)
+    per_step = batching.batch_bytes(data, BS)
 
     def run(budget):
         return jax.jit(
@@ -131,7 +131,7 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
         )(state, opt_state)
 
     whole = run(10 * per_step)
-    for budget in (3 * per_step, per_step, 1):  # chunks of 2 (8 = 4 x 2: one loop), of 1
+    for budget in (3 * per_step, 1):  # chunks of 2 (8 = 4 x 2: one loop); of 1 (at least one)
         assert_trees_close(run(budget), whole, exact=True)
     first7 = order[:7]  # 7 steps in chunks of at most 3: no divisor in [2, 3], a rest of 1
     whole7 = jax.jit(
@@ -183,7 +183,7 @@ def test_take_rows_is_numpy_indexing_bitwise(leaf, as_bytes):
 def test_chunks_divide_the_call_when_they_can():
     """A call's chunks are one loop when a divisor of its steps lies in [most/2, most]
     (a rest would be a second loop of the step, compiled again)."""
-    from nnxscan.pure._loops import chunk_steps
+    from nnxscan.pure.batching import chunk_steps
 
     for steps, most in [(1320, 503), (96, 10), (2000, 504), (1319, 503), (7, 3), (5, 1)]:
         size = chunk_steps(steps, most)
