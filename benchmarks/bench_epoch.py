@@ -8,7 +8,10 @@ interleaved in a shuffled order each round, in one process; medians of µs/step 
 to ``scan_train``:
 
   scan_train      ``nnxscan.shell.scan_train`` over the epoch's batches already stacked
-  fit             ``Trainer.fit(data, epochs=1)`` over the flat data set
+  fit             ``Trainer.fit(data, epochs=1)`` over the flat data set (a whole fit per
+                  epoch: its set-up and its first call's gather are timed)
+  fit_4_epochs    ``Trainer.fit(data, epochs=4)``, per step: what a fit of several epochs
+                  costs an epoch (the next call's batches gathered while one trains)
   make_epoch      ``jax.jit(pure.make_epoch(step))`` with the same order
   hand_gather     by hand: ``x[order]`` once, reshaped to ``(steps, batch, ...)``, ``lax.scan``
   nnx_scan        Flax's ``nnx.scan`` over a stateful step (model and optimizer as
@@ -37,6 +40,7 @@ from nnxscan.pure import epoch_order, init_opt_state, make_epoch, make_train_ste
 from nnxscan.shell import Trainer, scan_train
 
 BATCH = 32
+FIT_EPOCHS = 4  # the epochs of the fit_4_epochs variant's one timed fit
 
 
 class MLP(nnx.Module):
@@ -101,6 +105,11 @@ def variants(steps: int) -> dict:
     def run_fit(_):
         return trainer.fit(data, epochs=1, batch_size=BATCH, progress=False).losses[-1]
 
+    trainer4 = Trainer(MLP(nnx.Rngs(0)), tx, loss_fn)
+
+    def run_fit4(_):
+        return trainer4.fit(data, epochs=FIT_EPOCHS, batch_size=BATCH, progress=False).losses[-1]
+
     step = make_train_step(loss_fn, tx)
     graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
     pure = {"carry": (state, init_opt_state(tx, state))}
@@ -148,6 +157,7 @@ def variants(steps: int) -> dict:
     return {
         "scan_train": (run_scan_train, stacked),
         "fit": (run_fit, lambda: None),
+        "fit_4_epochs": (run_fit4, lambda: None),
         "make_epoch": (run_make_epoch, lambda: None),
         "hand_gather": (run_hand, lambda: None),
         "nnx_scan": (run_nnx_scan, stacked),
@@ -171,7 +181,8 @@ def interleaved_times(runs: dict, epoch_index: list, steps: int, reps: int) -> d
             arg = jax.block_until_ready(prepare())
             t0 = time.perf_counter()
             jax.block_until_ready(fn(arg))
-            times[name].append((time.perf_counter() - t0) / steps * 1e6)
+            epochs = FIT_EPOCHS if name == "fit_4_epochs" else 1
+            times[name].append((time.perf_counter() - t0) / (epochs * steps) * 1e6)
     return times
 
 
