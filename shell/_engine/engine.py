@@ -46,7 +46,6 @@ from nnxscan.shell._engine.epochs import (
     with_steps_per_call,
 )
 from nnxscan.shell._engine.fit import CallbackList, Checkpoints, FitLoop
-from nnxscan.shell._engine.host_gather import HostGather, host_gather_applies
 from nnxscan.shell._engine.options import FitOptions
 from nnxscan.shell._engine.owner import Owner
 from nnxscan.shell._engine.placement import Placement, device_of
@@ -197,16 +196,11 @@ class Engine:
             batch = abstract_batch(data, leading=batch_size)
         execution = self.execution(batch, member_batches=member_batches)
         plan = with_steps_per_call(execution.plan, options.steps_per_call)
-        seeds = self.owner.run_seeds(options.run_keys)
-        host = None
-        if host_gather_applies(
-            data, one_model=isinstance(seeds, int), plan_kind=plan.kind, mesh=self.placement.mesh
-        ):
-            host = HostGather(data, device_of(state))
         epoch_calls = ArrayEpochs(
             plan, data, functools.partial(self.placement.put_data, device=device_of(state)),
-            num_examples=n, batch_size=batch_size, seeds=seeds, shuffle=options.shuffle,
-            keep_tail=not options.drop_remainder and n % batch_size > 0, host=host,
+            num_examples=n, batch_size=batch_size, seeds=self.owner.run_seeds(options.run_keys),
+            shuffle=options.shuffle,
+            keep_tail=not options.drop_remainder and n % batch_size > 0,
         )  # fmt: skip
         return epoch_calls, execution._replace(plan=plan)
 

@@ -19,9 +19,8 @@ import numpy as np
 
 from nnxscan.adapters.data import to_numpy
 from nnxscan.pure import epoch_order
-from nnxscan.pure.batching import chunk_steps, cut_batches
+from nnxscan.pure.batching import cut_batches
 from nnxscan.shell._engine.calls import Call, plan_calls
-from nnxscan.shell._engine.host_gather import HostGather
 from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._engine.streaming import BatchChecker, ChunkStream, EpochSource
 
@@ -95,11 +94,7 @@ class ArrayEpochs:
     call (the same steps in the same order: bitwise what ``k`` separate epochs train).
     Fusing needs every epoch to have the same batch shape: not with a kept short batch.
 
-    ``put`` places the index arrays next to the data (replicated on a mesh). With ``host``
-    (a :class:`~nnxscan.shell._engine.host_gather.HostGather`) each call's batches are
-    gathered on the host, the next call's while the current one trains (the fit loop says
-    which epochs come next with :meth:`schedule`); the calls then scan those stacked
-    batches: the same rows, bitwise the same training.
+    ``put`` places the index arrays next to the data (replicated on a mesh).
     """
 
     def __init__(
@@ -113,39 +108,17 @@ class ArrayEpochs:
         seeds: int | tuple[int, ...],
         shuffle: bool,
         keep_tail: bool,
-        host: HostGather | None = None,
     ):
-        self.plan, self.data, self.put, self.host = plan, data, put, host
+        self.plan, self.data, self.put = plan, data, put
         self.num_examples, self.batch_size = num_examples, batch_size
         self.seeds, self.shuffle, self.keep_tail = seeds, shuffle, keep_tail
         self.steps_per_epoch = num_examples // batch_size + keep_tail
         self.fusable = not keep_tail
         self._axis = 0 if isinstance(seeds, int) else 1
-        self._cuts: dict[tuple[int, int], tuple] = {}  # (epoch, count) -> cut_batches' pair
-        self._next: dict[int, tuple[int, int]] = {}  # a group's first epoch -> the next group
-        self._steps_index: dict[int, Any] = {}  # placed 0..length-1, per call length
-
-    def schedule(self, first: int, groups: list[int], skip: int = 0) -> None:
-        """The groups of fused epochs the fit will ask for, from epoch ``first`` (less the
-        ``skip`` steps of it a resumed run trained): lets the host gather prepare the
-        first call's batches while the fit sets up, and the next group's while a group
-        trains."""
-        self._next.clear()
-        if groups:
-            self._prepare(first, groups[0], skip)
-        for count, following in itertools.pairwise(groups):
-            self._next[first] = (first + count, following)
-            first += count
-
-    def close(self) -> None:
-        """Drops a prepared call the fit will not ask for (it stopped early)."""
-        if self.host is not None:
-            self.host.close()
 
     def calls(self, count: int = 1) -> int:
         full_steps = count * (self.num_examples // self.batch_size)
-        chunks = self._host_chunks(full_steps) or self.plan.chunks(full_steps)
-        return len(chunks) + self.keep_tail
+        return len(self.plan.chunks(full_steps)) + self.keep_tail
 
     def _order(self, epoch: int) -> np.ndarray:
         def order(seed: int) -> np.ndarray:
@@ -156,112 +129,35 @@ class ArrayEpochs:
         unique = {seed: order(seed) for seed in dict.fromkeys(self.seeds)}  # shared_order
         return np.stack([unique[seed] for seed in self.seeds])
 
-    def _cut(self, epoch: int, count: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """The full batches of ``count`` epochs from ``epoch`` (joined along the steps
-        axis) and the last one's short batch, as host index arrays; remembered, since the
-        host gather's worker may have cut them for the prepared call."""
-        cut = self._cuts.get((epoch, count))
-        if cut is None:
-            fulls, tail = [], None
-            for e in range(epoch, epoch + count):
-                # The core's cut of the same order make_epoch uses: a loop of make_epoch
-                # calls fed epoch_order(seed, e, n) trains exactly what fit trains.
-                full, tail = cut_batches(
-                    self._order(e), self.batch_size, drop_remainder=not self.keep_tail
-                )
-                fulls.append(full)
-            full = fulls[0] if count == 1 else np.concatenate(fulls, axis=self._axis)
-            cut = self._cuts[(epoch, count)] = (full, tail)
-        return cut
-
     def __call__(
         self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
     ) -> Iterator[Call]:
         if count > 1 and not self.fusable:
             raise ValueError("epochs with a kept short batch cannot be fused")
         axis = self._axis
-        full, tail = self._cut(epoch, count)
-        for key in [k for k in self._cuts if k[0] < epoch]:  # past groups' cuts
-            del self._cuts[key]
+        fulls, tail = [], None
+        for e in range(epoch, epoch + count):
+            # The core's cut of the same order make_epoch uses: a loop of make_epoch calls
+            # fed epoch_order(seed, e, n) trains exactly what fit trains.
+            full, tail = cut_batches(
+                self._order(e), self.batch_size, drop_remainder=not self.keep_tail
+            )
+            fulls.append(full)
+        full = fulls[0] if count == 1 else np.concatenate(fulls, axis=axis)
         num_full = full.shape[axis]
         if skip > num_full + (tail is not None):
             raise ValueError(f"cannot skip {skip} steps of a {self.steps_per_epoch}-step epoch")
         if skip > num_full:  # every full batch and the tail were trained
             tail = None
         full = full[(slice(None),) * axis + (slice(min(skip, num_full), None),)]
+        full, tail = self.put((full, tail))
         stats.expected_steps = count * self.steps_per_epoch - skip
-        chunks = self._host_chunks(full.shape[axis]) if full.shape[axis] else None
-        if chunks is not None:
-            yield from self._host_calls(epoch, count, skip, full, chunks)
-        else:
-            full, tail = self.put((full, tail))
-            if full.shape[axis]:
-                yield from plan_calls(self.plan, self.data, full, full.shape[axis])
+        if full.shape[axis]:
+            yield from plan_calls(self.plan, self.data, full, full.shape[axis])
         if tail is not None:
             # The short batch: one step of its own shape, unrolled (no loop), as the core's
             # full_then_tail trains it.
-            yield Call(self.data, self.put(tail), 0, 1, unroll=True)
-
-    def _host_chunks(self, steps: int) -> list[tuple[int, int]] | None:
-        """``(start, length)`` of the calls over ``steps`` steps when the host gathers
-        their batches, else None: the plan's calls, or, when the plan leaves the call's
-        size to the fit (an epoch, fused epochs), equal calls within the host's budget."""
-        if self.host is None:
-            return None
-        most = self.host.most_steps(self.batch_size)
-        chunks = self.plan.chunks(steps)
-        if self.plan.steps_per_call is None and chunks[0][1] > most:
-            size = chunk_steps(steps, most)
-            chunks = [(a, min(size, steps - a)) for a in range(0, steps, size)]
-        if max(length for _, length in chunks) > most:
-            return None  # the user's steps_per_call: gathered inside the calls, in chunks
-        return chunks
-
-    def _host_calls(
-        self, epoch: int, count: int, skip: int, full: np.ndarray, chunks: list
-    ) -> Iterator[Call]:
-        """The calls over ``full``'s batches gathered on the host, each call's batches
-        prepared while the call before it trains (the last call prepares the next group's
-        first)."""
-        host = self.host
-        assert host is not None
-        host.discard_except((epoch, count, skip, 0))
-        for i, (start, length) in enumerate(chunks):
-            batches = host.take((epoch, count, skip, i), lambda s=start, n=length: full[s : s + n])
-            if i + 1 < len(chunks):
-                after, size = chunks[i + 1]
-                host.submit((epoch, count, skip, i + 1), lambda s=after, n=size: full[s : s + n])
-            else:
-                self._prepare_next_group(epoch)
-            yield Call(batches, self._steps_of(length), 0, length)
-
-    def _prepare_next_group(self, epoch: int) -> None:
-        following = self._next.get(epoch)
-        if following is not None:
-            self._prepare(*following)
-
-    def _prepare(self, epoch: int, count: int, skip: int = 0) -> None:
-        """Starts gathering the first call of the group of ``count`` epochs from ``epoch``
-        (its order cut on the worker too)."""
-        if self.host is None or (count > 1 and not self.fusable):
-            return
-        full_steps = count * (self.num_examples // self.batch_size)
-        steps = full_steps - skip
-        chunks = self._host_chunks(steps) if steps > 0 else None
-        if chunks is None:
-            return
-        length = chunks[0][1]
-        self.host.submit(
-            (epoch, count, skip, 0),
-            lambda: self._cut(epoch, count)[0][skip : skip + length],
-        )
-
-    def _steps_of(self, length: int) -> Any:
-        """The placed index 0..length-1 a call over stacked batches scans (once a length)."""
-        placed = self._steps_index.get(length)
-        if placed is None:
-            placed = self._steps_index[length] = self.put(_arange(length, None))
-        return placed
+            yield Call(self.data, tail, 0, 1, unroll=True)
 
 
 class StepEpochs:

@@ -240,9 +240,6 @@ class FitLoop:
         if partial is not None:
             self._partial, self._partial_aux = partial, partial_aux
         self.callbacks.subject.stop_training = False
-        schedule = getattr(epoch_calls, "schedule", None)
-        if schedule is not None:  # a data set's source may prepare the next group's batches
-            schedule(owner.epoch, groups, owner.epoch_step)
         counts = [epoch_calls.calls(count) for count in groups]
         total = None if None in counts else sum(counts)
         bar = RunProgress(1, total, self.progress, has_aux=self.program.has_aux,
@@ -265,10 +262,6 @@ class FitLoop:
                 with contextlib.suppress(Exception):  # the error on its way out matters more
                     self.checkpoints.close()
             raise
-        finally:
-            close = getattr(epoch_calls, "close", None)
-            if close is not None:  # batches prepared for epochs that will not run
-                close()
         self.callbacks("on_train_end", history)
         if self.checkpoints is not None:
             finished = owner.epoch == last_epoch and not owner.epoch_step
