@@ -393,3 +393,40 @@ def test_fused_groups_end_where_evaluation_runs(data, compile_count):
 
 def accuracy_metric(model, batch):
     return (model(batch["x"]).argmax(-1) == batch["y"]).mean()
+
+
+def test_a_ctrl_c_between_fused_calls_counts_the_finished_epochs_and_the_next_fit_goes_on(
+    data, monkeypatch
+):
+    """Three fused epochs of 8 steps run as 12 calls of 2 (``steps_per_call=2``, no hooks);
+    a Ctrl-C lands in the 6th call (after it, 12 steps: epoch 0 and half of epoch 1). The
+    trainer then counts epoch 1 at step 4 (it counted epoch 0 at step 12, and the next fit
+    recursed without end), the error's History holds epoch 0, and the next fit trains the
+    rest of epoch 1: bitwise a user's loop of two make_epoch calls."""
+    import contextlib
+
+    from nnxscan.shell._engine import calls
+
+    entered = [0]
+
+    @contextlib.contextmanager
+    def ctrl_c_in_the_sixth_call():
+        entered[0] += 1
+        yield lambda: entered[0] == 6
+
+    monkeypatch.setattr(calls, "held_interrupts", ctrl_c_in_the_sixth_call)
+    model = MLP(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent, execution="scan")
+    options = dict(batch_size=BS, seed=5, steps_per_call=2, progress=False)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        trainer.fit(data, epochs=3, **options)
+    assert (trainer.step, trainer.epoch) == (12, 1)
+    _, _, want = _pure_loop(MLP, data, 2, seed=5)
+    assert len(caught.value.history.epochs) == 1
+    np.testing.assert_array_equal(caught.value.history.losses, want[:8])
+    history = trainer.fit(data, epochs=1, **options)  # the rest of epoch 1
+    assert (trainer.step, trainer.epoch) == (16, 2)
+    state, opt_state, _ = _pure_loop(MLP, data, 2, seed=5)
+    assert_trees_close(model, state, exact=True)
+    assert_trees_close(trainer.opt_state, opt_state, exact=True)
+    np.testing.assert_array_equal(history.losses, want[12:])

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from nnxscan.adapters.distributed import is_primary
@@ -306,6 +307,8 @@ class FitLoop:
     def _fused_groups(self, first: int, epochs: int, epoch_calls: Epochs, injected: bool) -> list:
         """How many epochs each compiled stretch trains: 1, or several fused into one call
         when nothing needs the host between them (see ``docs/performance.md``)."""
+        if epochs <= 0:
+            return []
         hooks = self.callbacks.has_epoch_hooks or self.callbacks.has_call_hooks
         if (
             not epoch_calls.fusable
@@ -317,7 +320,7 @@ class FitLoop:
             or self.checkpoints is not None  # saves at epoch boundaries (and within)
         ):
             return [1] * epochs
-        if self.owner.epoch_step:  # a resumed, unfinished epoch trains alone
+        if self.owner.epoch_step and first == self.owner.epoch:  # an unfinished epoch: alone
             return [1, *self._fused_groups(first + 1, epochs - 1, epoch_calls, injected)]
         most = max(1, FUSED_STEPS // max(epoch_calls.steps_per_epoch or 1, 1))
         every = self.evaluation.every if self.evaluation is not None else None
@@ -380,7 +383,15 @@ class FitLoop:
             if complete:
                 owner.epoch, owner.epoch_step = epoch + count, 0
             else:
-                owner.epoch_step = skip + owner.step - first_step
+                # Fused epochs stopped between their calls (a Ctrl-C): the epochs they
+                # finished count, and the next fit resumes inside the one after.
+                trained, finished = skip + owner.step - first_step, 0
+                if count > 1 and epoch_calls.steps_per_epoch:
+                    finished, trained = divmod(trained, epoch_calls.steps_per_epoch)
+                owner.epoch, owner.epoch_step = epoch + finished, trained
+                if finished and outs:  # their logs reach the History the error carries
+                    per_epoch = epoch_calls.steps_per_epoch
+                    self._log_finished(history, epoch, finished, per_epoch, outs, start)
         if self._signals:
             self._preempted(history, outs, complete)
         if not outs and not (skip and complete):  # stopped before the epoch's first call
@@ -401,6 +412,17 @@ class FitLoop:
             self._log_epoch(history, epoch + i, piece, timing, stats, complete, live,
                             injected, bar)  # fmt: skip
         return not self._stop_requested and self._anyone_trains()
+
+    def _log_finished(
+        self, history: History, epoch: int, finished: int, per_epoch: int, outs: list, start
+    ) -> None:
+        """Logs the ``finished`` first of fused epochs that stopped between their calls:
+        their losses and aux means (no hooks ran: none do between fused epochs)."""
+        stacked, wall_time = host_outputs(outs, start)
+        stacked = jax.tree.map(lambda x: x[: finished * per_epoch], stacked)
+        for i, piece in enumerate(split_steps(stacked, finished)):
+            logs, losses = self._logs(epoch + i, piece, wall_time / finished, EpochStats())
+            history._append(losses, logs)
 
     def _logs(
         self, epoch: int, stacked: Any, timing: Any, stats: EpochStats, skipping=None
