@@ -11,7 +11,7 @@ to ``scan_train``:
   fit             ``Trainer.fit(data, epochs=1)`` over the flat data set (a whole fit per
                   epoch: its set-up and its first call's gather are timed)
   fit_4_epochs    ``Trainer.fit(data, epochs=4)``, per step: what a fit of several epochs
-                  costs an epoch (the next call's batches gathered while one trains)
+                  costs an epoch (one set-up for the four)
   make_epoch      ``jax.jit(pure.make_epoch(step))`` with the same order
   hand_gather     by hand: ``x[order]`` once, reshaped to ``(steps, batch, ...)``, ``lax.scan``
   nnx_scan        Flax's ``nnx.scan`` over a stateful step (model and optimizer as

@@ -421,12 +421,11 @@ def test_a_ctrl_c_between_fused_calls_counts_the_finished_epochs_and_the_next_fi
     with pytest.raises(KeyboardInterrupt) as caught:
         trainer.fit(data, epochs=3, **options)
     assert (trainer.step, trainer.epoch) == (12, 1)
-    _, _, want = _pure_loop(MLP, data, 2, seed=5)
+    state, opt_state, want = _pure_loop(MLP, data, 2, seed=5)
     assert len(caught.value.history.epochs) == 1
     np.testing.assert_array_equal(caught.value.history.losses, want[:8])
     history = trainer.fit(data, epochs=1, **options)  # the rest of epoch 1
     assert (trainer.step, trainer.epoch) == (16, 2)
-    state, opt_state, _ = _pure_loop(MLP, data, 2, seed=5)
     assert_trees_close(model, state, exact=True)
     assert_trees_close(trainer.opt_state, opt_state, exact=True)
     np.testing.assert_array_equal(history.losses, want[12:])

@@ -307,8 +307,6 @@ class FitLoop:
     def _fused_groups(self, first: int, epochs: int, epoch_calls: Epochs, injected: bool) -> list:
         """How many epochs each compiled stretch trains: 1, or several fused into one call
         when nothing needs the host between them (see ``docs/performance.md``)."""
-        if epochs <= 0:
-            return []
         hooks = self.callbacks.has_epoch_hooks or self.callbacks.has_call_hooks
         if (
             not epoch_calls.fusable
@@ -386,11 +384,11 @@ class FitLoop:
                 # Fused epochs stopped between their calls (a Ctrl-C): the epochs they
                 # finished count, and the next fit resumes inside the one after.
                 trained, finished = skip + owner.step - first_step, 0
-                if count > 1 and epoch_calls.steps_per_epoch:
-                    finished, trained = divmod(trained, epoch_calls.steps_per_epoch)
+                per_epoch = epoch_calls.steps_per_epoch
+                if count > 1 and per_epoch:
+                    finished, trained = divmod(trained, per_epoch)
                 owner.epoch, owner.epoch_step = epoch + finished, trained
                 if finished and outs:  # their logs reach the History the error carries
-                    per_epoch = epoch_calls.steps_per_epoch
                     self._log_finished(history, epoch, finished, per_epoch, outs, start)
         if self._signals:
             self._preempted(history, outs, complete)
