@@ -12,8 +12,8 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
-from nnxscan.pure import hyperparam_value
 from nnxscan.shell._engine.placement import to_host
 
 RESERVED_LOGS = frozenset(
@@ -110,14 +110,25 @@ def epoch_logs(
     return logs, losses
 
 
+#: The states of ``optax.inject_hyperparams``: theirs hold the CURRENT value of a scheduled
+#: rate. A step's own state of the same shape (the PPO demo's ``PPOHyperparams``, which
+#: ``with_hyperparams`` and populations set alike) may hold a base rate that the step
+#: anneals: logging it as the rate would be wrong, so only optax's own states are read.
+_OPTAX_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
 def learning_rate(opt_state: Any, members: int | None) -> Any:
     """The current learning rate (an ``(N,)`` array for members), when ``tx`` came from
     ``optax.inject_hyperparams``; else None. The first injected state holding one is used
     (e.g. inside an ``optax.chain``); one host read."""
-    value = hyperparam_value(opt_state, "learning_rate")
-    if value is None:
-        return None
-    return _value(to_host(value), members)
+
+    def injected(node: Any) -> bool:
+        return isinstance(node, _OPTAX_INJECTED)
+
+    for node in jax.tree.leaves(opt_state, is_leaf=injected):
+        if injected(node) and "learning_rate" in node.hyperparams:
+            return _value(to_host(node.hyperparams["learning_rate"]), members)
+    return None
 
 
 def host_outputs(outs: list[Any], start: float) -> tuple[Any, float]:

@@ -39,6 +39,7 @@ from nnxscan.shell._engine import evaluation as _evaluation
 from nnxscan.shell._engine.calls import Execution, prepare_execution
 from nnxscan.shell._engine.epochs import (
     ArrayEpochs,
+    EpochOrders,
     Epochs,
     StepEpochs,
     StreamEpochs,
@@ -92,6 +93,7 @@ class Engine:
         self.explicit_plan, self.members, self.subject = explicit_plan, members, subject
         self.feed = dict(loss_fn=loss_fn, has_aux=has_aux, rngs=rngs)
         self.update_metrics = update_metrics
+        self.orders = EpochOrders()  # the next epochs' orders, drawn while the device works
 
     def bind(self) -> Placement:
         """Resolves the mesh of this call (``mesh=``, else ``jax.set_mesh``'s)."""
@@ -200,7 +202,7 @@ class Engine:
             plan, data, functools.partial(self.placement.put_data, device=device_of(state)),
             num_examples=n, batch_size=batch_size, seeds=self.owner.run_seeds(options.run_keys),
             shuffle=options.shuffle,
-            keep_tail=not options.drop_remainder and n % batch_size > 0,
+            keep_tail=not options.drop_remainder and n % batch_size > 0, orders=self.orders,
         )  # fmt: skip
         return epoch_calls, execution._replace(plan=plan)
 
