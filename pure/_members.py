@@ -45,7 +45,9 @@ def members_of(stacked: Any, what: str = "states") -> int:
 
 
 def is_injected(node: Any) -> bool:
-    """An ``optax.inject_hyperparams`` state: a NamedTuple with a ``hyperparams`` dict."""
+    """A hyperparameter state: a NamedTuple with a ``hyperparams`` dict, the shape of
+    ``optax.inject_hyperparams``' states (and of a step's own, such as the PPO demo's
+    coefficients). The learning-rate LOG reads only optax's own classes (shell logs)."""
     return (
         isinstance(node, tuple)
         and hasattr(node, "_replace")

@@ -85,8 +85,9 @@ class Population:
         and has no optimizer object to hand it: write it as a ``Step``).
       hyperparams: ``{name: [one value per member]}`` for names the injected ``tx`` holds
         (``learning_rate``, ``b1``...); each member's optax state starts with its values.
-        With ``train_step``: names that the ``optax.inject_hyperparams`` states in
-        ``train_step.init``'s opt_state hold (set in each such state holding the name;
+        With ``train_step``: names that the hyperparameter states in
+        ``train_step.init``'s opt_state hold (``optax.inject_hyperparams``' own, or any
+        NamedTuple with a ``hyperparams`` dict) (set in each such state holding the name;
         ``update`` reads them from there).
       wrt, has_aux, execution, accumulate: as for ``Trainer`` (``"auto"``: one call per
         epoch, CNNs on the CPU too).

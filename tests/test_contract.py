@@ -75,6 +75,29 @@ def test_a_loop_of_pure_epochs_reproduces_fit_bitwise(data, model_cls):
     np.testing.assert_array_equal(np.concatenate([first.losses, last.losses]), losses)
 
 
+def test_the_next_fit_finds_its_epoch_order_drawn_ahead(data, monkeypatch):
+    """While a fit's last call trains, the next epoch's order is drawn (once per distinct
+    seed): the next fit draws only the epoch after its own."""
+    import nnxscan.shell._engine.epochs as epochs_module
+    from nnxscan.shell import Population
+
+    drawn = []
+    real = epochs_module.epoch_order
+
+    def counted(seed, epoch, num_examples, **kwargs):
+        drawn.append((seed, epoch))
+        return real(seed, epoch, num_examples, **kwargs)
+
+    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
+    population = Population(lambda rngs: MLP(rngs=rngs), TX, xent, seeds=[3, 3, 5])
+    for fit, seed in ((trainer.fit, {"seed": 5}), (population.fit, {})):
+        fit(data, epochs=2, batch_size=BS, progress=False, **seed)
+        monkeypatch.setattr(epochs_module, "epoch_order", counted)
+        fit(data, epochs=1, batch_size=BS, progress=False, **seed)
+        monkeypatch.setattr(epochs_module, "epoch_order", real)
+    assert drawn == [(5, 3), (3, 3), (5, 3)]
+
+
 def test_a_loop_of_pure_epochs_reproduces_fit_with_the_short_batch_kept(data):
     data = {k: v[:60] for k, v in data.items()}  # 60 = 7 batches of 8 + 4
     model = MLP(rngs=nnx.Rngs(0))

@@ -85,13 +85,17 @@ def _arange(length: int, members: int | None) -> np.ndarray:
 
 
 class EpochOrders:
-    """The epochs' orders (``epoch_order(seed, epoch, n)``), with the next call's drawn
-    AHEAD: once an epoch's last call is dispatched, the host is idle until the device
-    finishes it, so that is when the next epochs' permutations are drawn (0.5 ms for 64,000
-    examples: 1% of the small MLP's 46 ms epoch, docs/performance.md). One per engine, so a loop of
-    ``fit(epochs=1)`` calls gets them too. An order is the same whenever it is drawn: this
-    changes when, never what (results never depend on timing). At most one call's orders
-    are held, and none past ``AHEAD_MAX_ROWS`` indices.
+    """The epochs' orders (``epoch_order(seed, epoch, n)``), the next epoch's drawn AHEAD.
+
+    When the fit loop asks for a call after the last compiled call of a stretch of epochs
+    (one, or several fused) was dispatched and its bookkeeping done, the device is still
+    training it and the host waits: that is when the permutation of the epoch after the
+    stretch is drawn, one per distinct seed (0.5 ms for 64,000 examples: 1% of the small
+    MLP's 46 ms epoch, docs/performance.md). One per engine, so a loop of ``fit(epochs=1)``
+    calls gets them too, and the first epoch of any later stretch. An order is the same
+    whenever it is drawn: this changes when, never what (results never depend on timing).
+    Only that epoch's orders are held (a new draw replaces them), none past
+    ``AHEAD_MAX_ROWS`` indices; a stretch that stops early draws nothing.
     """
 
     #: The most indices drawn ahead (64 MiB of int32): past that an unused order would cost
@@ -108,10 +112,10 @@ class EpochOrders:
             order = epoch_order(seed, epoch, n, shuffle=shuffle)
         return order
 
-    def draw_ahead(self, seeds: tuple[int, ...], epochs: range, n: int, shuffle: bool) -> None:
-        """Draws (and holds, in place of any held before) the orders of ``epochs`` for each
+    def draw_ahead(self, seeds: tuple[int, ...], epoch: int, n: int, shuffle: bool) -> None:
+        """Draws (and holds, in place of any held before) epoch ``epoch``'s order for each
         of ``seeds``. An unshuffled order is an ``arange``: nothing to gain."""
-        keys = [(s, e, n, shuffle) for e in epochs for s in dict.fromkeys(seeds)]
+        keys = [(s, epoch, n, shuffle) for s in dict.fromkeys(seeds)]
         held, self._ahead = self._ahead, {}
         if shuffle and len(keys) * n <= self.AHEAD_MAX_ROWS:
             self._ahead = {k: held[k] if k in held else epoch_order(*k[:3]) for k in keys}
@@ -198,8 +202,7 @@ class ArrayEpochs:
         # Reached when the caller asks for a call after the last one was dispatched: the
         # device is busy with it, the host is not.
         seeds = (self.seeds,) if isinstance(self.seeds, int) else self.seeds
-        ahead = range(epoch + count, epoch + 2 * count)
-        self.orders.draw_ahead(seeds, ahead, self.num_examples, self.shuffle)
+        self.orders.draw_ahead(seeds, epoch + count, self.num_examples, self.shuffle)
 
 
 class StepEpochs:
