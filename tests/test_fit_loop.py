@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
+from nnxscan.pure import Step, make_train_step
 from nnxscan.shell import Trainer
 from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
 
@@ -166,6 +169,44 @@ def test_learning_rate_of_an_injected_schedule_is_logged(data):
     for epoch, logs in enumerate(history.epochs):
         steps_done = 8 * (epoch + 1)
         assert logs["learning_rate"] == pytest.approx(float(schedule(steps_done - 1)), rel=1e-6)
+
+
+class _Coefficients(NamedTuple):
+    hyperparams: dict  # the shape of an optax.inject_hyperparams state
+
+
+def test_a_steps_own_hyperparameter_state_is_not_logged_as_the_learning_rate(data, monkeypatch):
+    # Populations set it like an injected rate, but a step may scale what it holds (the PPO
+    # demo anneals its base rate): only optax's own states give the rate of the last update.
+    # Without a logged rate, nothing needs the host between the epochs: they fuse.
+    import nnxscan.shell._engine.fit as fit_module
+
+    inner = make_train_step(xent, TX)
+
+    def init(graphdef, state):
+        return inner.init(graphdef, state), _Coefficients({"learning_rate": jnp.float32(0.5)})
+
+    def update(graphdef, state, opt_state, batch):
+        state, tx_state, loss = inner(graphdef, state, opt_state[0], batch)
+        return state, (tx_state, opt_state[1]), loss
+
+    stretches = []
+    real = fit_module.run_calls
+
+    def counted(*args, **kwargs):
+        stretches.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fit_module, "run_calls", counted)
+    model = MLP(rngs=nnx.Rngs(0))
+    history = Trainer(model, train_step=Step(init, update)).fit(
+        data, epochs=2, batch_size=BS, seed=3, progress=False
+    )
+    assert all("learning_rate" not in logs for logs in history.epochs)
+    assert len(stretches) == 1
+    reference = MLP(rngs=nnx.Rngs(0))
+    Trainer(reference, TX, xent).fit(data, epochs=2, batch_size=BS, seed=3, progress=False)
+    assert_trees_close(model, reference, exact=True)
 
 
 def test_no_host_sync_per_step_only_one_per_epoch(data, monkeypatch):

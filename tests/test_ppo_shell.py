@@ -116,6 +116,7 @@ def test_a_sweep_member_is_its_seed_and_entropy_coefficient_trained_alone(alone)
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+@pytest.mark.slow
 def test_ppo_on_fit_fuses_its_epochs_and_logs_no_learning_rate(monkeypatch):
     # The step's learning_rate coefficient is the BASE rate it anneals per update, held in a
     # state shaped like optax.inject_hyperparams' (so populations set it): logging it as the
