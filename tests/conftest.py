@@ -37,6 +37,23 @@ def default_sigint():
 
 
 @pytest.fixture
+def stretch_count(monkeypatch):
+    """``stretch_count()`` returns how many compiled stretches (``run_calls``: one epoch, or
+    several fused) fit has run since the test started."""
+    import nnxscan.shell._engine.fit as fit_module
+
+    stretches = []
+    real = fit_module.run_calls
+
+    def counted(*args, **kwargs):
+        stretches.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fit_module, "run_calls", counted)
+    return lambda: len(stretches)
+
+
+@pytest.fixture
 def compile_count():
     """``compile_count()`` returns the number of XLA compilations since the test started."""
     start = _COMPILES["n"]

@@ -117,26 +117,16 @@ def test_a_sweep_member_is_its_seed_and_entropy_coefficient_trained_alone(alone)
 
 
 @pytest.mark.slow
-def test_ppo_on_fit_fuses_its_epochs_and_logs_no_learning_rate(monkeypatch):
+def test_ppo_on_fit_fuses_its_epochs_and_logs_no_learning_rate(stretch_count):
     # The step's learning_rate coefficient is the BASE rate it anneals per update, held in a
     # state shaped like optax.inject_hyperparams' (so populations set it): logging it as the
     # rate would be wrong, and a logged rate would keep every epoch in a call of its own.
-    import nnxscan.shell._engine.fit as fit_module
-
-    stretches = []
-    real = fit_module.run_calls
-
-    def counted(*args, **kwargs):
-        stretches.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fit_module, "run_calls", counted)
     trainer = Trainer(
         make_policy(ENV, ENV_PARAMS, TINY, nnx.Rngs(0)),
         train_step=make_ppo_step(ENV, ENV_PARAMS, TINY),
     )
     history = trainer.fit(None, epochs=2, steps_per_epoch=3, progress=False)
-    assert len(stretches) == 1  # both epochs in one compiled stretch
+    assert stretch_count() == 1  # both epochs in one compiled stretch
     assert all("learning_rate" not in logs for logs in history.epochs)
 
 
