@@ -113,7 +113,8 @@ def make_epoch(
       trains under the ``"scan"`` plan (same ``wrt``, same ``tx``);
     - ``None`` with ``shuffle=False``: the examples in their stored order.
 
-    With ``shuffle=False`` a key is ignored. With ``drop_remainder=False`` a final short
+    With ``shuffle=False`` a key is ignored, and with no order given each step slices its
+    batch from the stored rows: nothing is gathered. With ``drop_remainder=False`` a final short
     batch is trained as one more step of its own shape (no padding, no masking), so every
     example is used exactly once.
 
@@ -135,11 +136,15 @@ def make_epoch(
         checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
         order = _epoch_order(key_or_order, n, shuffle)
         full, tail = batching.cut_batches(order, batch_size, drop_remainder=drop_remainder)
+        if not shuffle and (key_or_order is None or _is_key(key_or_order)):
+            # The stored order: each step slices its batch (batch numbers, no gather).
+            full = jnp.arange(full.shape[0], dtype=jnp.int32)
 
         def scan(carry, idx, unroll):
             state, opt_state, outs = scan_indexed_steps(
-                step, graphdef, *carry, data, idx, unroll=unroll, batch_sharding=batch_sharding
-            )
+                step, graphdef, *carry, data, idx, unroll=unroll, batch_sharding=batch_sharding,
+                batch_rows=batch_size if idx.ndim == 1 else None,
+            )  # fmt: skip
             return (state, opt_state), outs
 
         (state, opt_state), outs = batching.full_then_tail(

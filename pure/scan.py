@@ -69,9 +69,11 @@ def scan_indexed_steps(
     unroll: int | bool = 1,
     batch_sharding: jax.sharding.Sharding | None = None,
     gather_budget: int | None = None,
+    batch_rows: int | None = None,
 ) -> tuple[nnx.State, Any, Any]:
     """Scans ``step`` over batches gathered from ``data`` by a ``(steps, batch)`` index array
-    (or ``(steps,)``: row ``i`` of ``data`` is a whole batch, as in a stream's chunk).
+    (or ``(steps,)``: row ``i`` of ``data`` is a whole batch, as in a stream's chunk; or,
+    with ``batch_rows``, batch number ``i`` of ``data`` in its stored order).
 
     This is the scan under :func:`make_epoch` and under every compiled call of
     ``Trainer.fit`` on arrays: an epoch's order cut into batches of indices
@@ -104,6 +106,12 @@ def scan_indexed_steps(
       gather_budget: the most bytes of examples one gather copies; by default 4 MiB, or
         24 MiB when the rows are narrow enough to gather as bytes (see
         ``docs/performance.md``).
+      batch_rows: with a ``(steps,)`` index, step ``j`` trains the rows
+        ``indices[j] * batch_rows`` to ``indices[j] * batch_rows + batch_rows - 1`` of
+        ``data`` (a data set in its stored order, cut into batches of ``batch_rows``): each
+        step slices its batch, nothing is gathered or copied (an unshuffled epoch,
+        ``fit(shuffle=False)``). Bitwise what the ``(steps, batch)`` index of the same rows
+        trains.
 
     Returns:
       ``(state, opt_state, outs)``; ``outs`` (the losses, or ``(loss, aux)`` pairs) are
@@ -115,6 +123,22 @@ def scan_indexed_steps(
       >>> state, opt_state, losses = jax.jit(scan_indexed_steps, static_argnums=0)(
       ...     step, graphdef, state, opt_state, data, indices)
     """
+    if batch_rows is not None:
+        if indices.ndim != 1:
+            raise ValueError(
+                f"batch_rows takes a (steps,) index of batch numbers, got indices of shape "
+                f"{tuple(indices.shape)}; pass batch_rows=None for a (steps, batch) index."
+            )
+        rows = checks.check_count(batch_rows, "batch_rows", 1)
+
+        def batch_of(i):
+            # A dynamic slice of the stored rows: no gather, no copy of the data.
+            return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * rows, rows), data)
+
+        return _loops.scan_batches(
+            step, graphdef, state, opt_state, indices, batch_of,
+            unroll=unroll, batch_sharding=batch_sharding,
+        )  # fmt: skip
     if indices.ndim == 1:
         return _loops.scan_batches(
             step, graphdef, state, opt_state, indices, lambda i: batching.take_batch(data, i),
@@ -133,19 +157,25 @@ def scan_indexed_steps(
         gather_budget = batching.gather_budget(data)
     steps, per_step = indices.shape[0], batching.batch_bytes(data, indices.shape[1])
     chunk = max(1, gather_budget // max(per_step, 1))
+    data_bytes = batching.batch_bytes(data, _num_rows(data))
     if chunk >= steps:  # the whole call in one gather
         # Through bytes when the call reads most of the data (an epoch): the byte view
         # then costs at most one more pass over the data, where it is not fused.
-        as_bytes = 2 * steps * per_step >= batching.batch_bytes(data, _num_rows(data))
+        as_bytes = 2 * steps * per_step >= data_bytes
         carry, outs = run_chunk((state, opt_state), indices, as_bytes)
         return (*carry, outs)
     chunk = batching.chunk_steps(steps, chunk)
     num_chunks = steps // chunk
+    # The same rule per chunk: a chunk that reads most of the data (fused epochs of a data
+    # set within the budget) gathers through bytes too.
+    as_bytes = 2 * chunk * per_step >= data_bytes
     head = indices[: num_chunks * chunk].reshape(num_chunks, chunk, *indices.shape[1:])
-    carry, outs = jax.lax.scan(run_chunk, (state, opt_state), head)
+    carry, outs = jax.lax.scan(
+        lambda carry, idx: run_chunk(carry, idx, as_bytes), (state, opt_state), head
+    )
     outs = jax.tree.map(lambda x: x.reshape(num_chunks * chunk, *x.shape[2:]), outs)
     if steps > num_chunks * chunk:
-        carry, rest = run_chunk(carry, indices[num_chunks * chunk :])
+        carry, rest = run_chunk(carry, indices[num_chunks * chunk :], as_bytes)
         outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, rest)
     return (*carry, outs)
 
@@ -181,6 +211,7 @@ def scan_member_steps(
     batch_sharding: jax.sharding.Sharding | None = None,
     data_per_member: bool = False,
     gather_budget: int | None = None,
+    batch_rows: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """:func:`scan_indexed_steps` vmapped over the members of a population.
 
@@ -211,6 +242,8 @@ def scan_member_steps(
       batch_sharding: the sharding of ONE member's batch.
       data_per_member: whether ``data`` has a leading members axis.
       gather_budget: the most bytes of examples one gather copies, all members together.
+      batch_rows: with ``(N, steps)`` indices, batch numbers of ``data`` in its stored
+        order (see :func:`scan_indexed_steps`): nothing is gathered.
 
     Returns:
       ``(states, opt_states, outs)``; ``outs`` has shape ``(steps, N, ...)``.
@@ -231,7 +264,7 @@ def scan_member_steps(
         member_step = step if alive is None else _frozen_aware(step, alive)
         return scan_indexed_steps(
             member_step, graphdef, state, opt_state, member_data, idx, unroll=unroll,
-            batch_sharding=batch_sharding, gather_budget=member_budget,
+            batch_sharding=batch_sharding, gather_budget=member_budget, batch_rows=batch_rows,
         )  # fmt: skip
 
     in_axes = (0, 0, 0 if data_per_member else None, 0, None if active is None else 0)

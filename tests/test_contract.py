@@ -174,6 +174,63 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
     assert_trees_close(model, whole[0])
 
 
+def test_batch_numbers_slice_the_stored_rows_bitwise_and_gather_no_examples(data):
+    """``batch_rows``: batch numbers (any order, repeated) train bit for bit what the
+    ``(steps, batch)`` index of the same stored rows trains, and the program gathers no
+    examples: it holds exactly the gathers of ``scan_steps`` on the batches stacked."""
+    from nnxscan.pure import scan_indexed_steps
+
+    step = make_train_step(xent, TX)
+    graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
+    opt_state = init_opt_state(TX, state)
+    numbers = np.array([2, 0, 7, 7, 3], np.int32)
+    rows = (numbers[:, None] * BS + np.arange(BS)).astype(np.int32)  # the same batches
+
+    def by_numbers(s, o):
+        return scan_indexed_steps(step, graphdef, s, o, data, numbers, batch_rows=BS)
+
+    def by_index(s, o):
+        return scan_indexed_steps(step, graphdef, s, o, data, rows)
+
+    def stacked(s, o):
+        return scan_steps(step, graphdef, s, o, jax.tree.map(lambda v: v[rows], data))
+
+    assert_trees_close(jax.jit(by_numbers)(state, opt_state), jax.jit(by_index)(state, opt_state),
+                       exact=True)  # fmt: skip
+
+    def gathers(fn):
+        return str(jax.make_jaxpr(fn)(state, opt_state)).count("gather[")
+
+    # The loss's own take_along_axis gathers in each; the index adds the examples' gather.
+    assert gathers(by_numbers) == gathers(stacked) < gathers(by_index)
+    with pytest.raises(ValueError, match=r"batch_rows takes a \(steps,\) index.*\(5, 8\)"):
+        scan_indexed_steps(step, graphdef, state, opt_state, data, rows, batch_rows=BS)
+
+
+def test_an_unshuffled_population_fit_is_bitwise_its_pure_epochs(data):
+    """``Population.fit(shuffle=False)`` (batches sliced by number, per member) = a loop
+    of ``make_population_epoch`` over every member's stored order (gathered by index)."""
+    from nnxscan.pure import make_population_epoch, stack_states
+    from nnxscan.shell import Population
+
+    population = Population(lambda rngs: MLP(rngs=rngs), TX, xent, seeds=[3, 5])
+    history = population.fit(data, epochs=2, batch_size=BS, shuffle=False, progress=False)
+
+    step = make_train_step(xent, TX)
+    graphdef, states = nnx.split(MLP(rngs=nnx.Rngs(3)))
+    states = stack_states([states, nnx.split(MLP(rngs=nnx.Rngs(5)))[1]])
+    opt_states = jax.vmap(lambda s: init_opt_state(TX, s))(states)
+    epoch = jax.jit(make_population_epoch(step, batch_size=BS))
+    orders = np.stack([epoch_order(seed, 0, len(data["x"]), shuffle=False) for seed in (3, 5)])
+    losses = []
+    for _ in range(2):
+        states, opt_states, out = epoch(graphdef, states, opt_states, data, orders)
+        losses.append(out)
+    assert_trees_close(population.state, states, exact=True)
+    assert_trees_close(population.opt_state, opt_states, exact=True)
+    np.testing.assert_array_equal(np.asarray(history.losses), np.concatenate(losses))
+
+
 _SPECIALS = np.array([1.5, np.nan, -0.0, np.inf, -np.inf, 1e-40], np.float32)
 
 

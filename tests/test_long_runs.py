@@ -86,6 +86,28 @@ def test_rerunning_the_same_fit_with_resume_ends_bitwise_where_a_straight_run_en
     same_history(history, ref_history)  # the History up to the restore point comes back
 
 
+def test_an_unshuffled_run_cut_mid_epoch_resumes_bitwise(tmp_path):
+    """``shuffle=False`` slices its batches by number: a resume skips the trained ones."""
+    ref_model, ref_trainer, _ = straight(2, steps_per_call=3, shuffle=False)
+
+    def run(callbacks=()):
+        model = BNDropout(rngs=nnx.Rngs(0))
+        trainer = Trainer(model, TX, xent)
+        trainer.fit(
+            DATA, epochs=2, batch_size=BS, progress=False, checkpoint_dir=tmp_path,
+            checkpoint_every_steps=3, resume=True, callbacks=callbacks, shuffle=False,
+            steps_per_call=3,
+        )  # fmt: skip
+        return model, trainer
+
+    with pytest.raises(Interrupt):
+        run([cut_at(10)])  # step 10: three steps into the second epoch
+    model, trainer = run()
+    assert trainer.step == ref_trainer.step == 14
+    assert_trees_close(model, ref_model, exact=True)
+    assert_trees_close(trainer.opt_state, ref_trainer.opt_state, exact=True)
+
+
 @pytest.mark.slow
 def test_resume_without_a_checkpoint_trains_from_the_start_and_a_finished_run_is_done(
     tmp_path,

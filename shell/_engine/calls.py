@@ -248,7 +248,8 @@ class Call(NamedTuple):
     ``indices[..., start:start+length, ...]`` (steps along the runner's steps axis). When
     ``sink`` is a list, the call's outputs (losses) are appended to it, so the caller can
     wait for the call to finish. ``unroll`` overrides the plan's (a short final batch runs
-    unrolled, as the core trains it)."""
+    unrolled, as the core trains it). With ``rows``, ``indices`` are batch numbers of
+    ``data`` in its stored order, ``rows`` examples each (sliced, not gathered)."""
 
     data: Any
     indices: Any
@@ -256,12 +257,15 @@ class Call(NamedTuple):
     length: int
     sink: list | None = None
     unroll: bool | None = None
+    rows: int | None = None
 
 
-def plan_calls(plan: Plan, data: Any, indices: Any, num_steps: int) -> Iterator[Call]:
+def plan_calls(
+    plan: Plan, data: Any, indices: Any, num_steps: int, rows: int | None = None
+) -> Iterator[Call]:
     """The calls that train ``num_steps`` steps of ``indices`` in the plan's chunks."""
     for start, length in plan.chunks(num_steps):
-        yield Call(data, indices, start, length)
+        yield Call(data, indices, start, length, rows=rows)
 
 
 HaltPolicy = Callable[[Any, Any, int], int]
@@ -299,7 +303,7 @@ def run_calls(
     on_halt = on_halt or (lambda halted, losses, length: first_nonfinite(losses))
     outs = []
     try:
-        for data, indices, start, length, sink, unroll in calls:
+        for data, indices, start, length, sink, unroll, rows in calls:
             mask = None if active is None else active()
             unroll = plan.unroll if unroll is None else unroll
             # Ctrl-C is held only around the call and its bookkeeping, not while waiting
@@ -308,7 +312,7 @@ def run_calls(
                 leaves = live.donatable() if donate else live.leaves
                 compiled, started = _cache_size(run), time.perf_counter()
                 leaves, out, halted = run(
-                    leaves, data, indices, mask, start, length=length, unroll=unroll
+                    leaves, data, indices, mask, start, length=length, unroll=unroll, rows=rows
                 )
                 if _cache_size(run) > compiled:  # this call traced and compiled a program
                     live.compile_s += time.perf_counter() - started

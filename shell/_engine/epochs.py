@@ -191,10 +191,15 @@ class ArrayEpochs:
         if skip > num_full:  # every full batch and the tail were trained
             tail = None
         full = full[(slice(None),) * axis + (slice(min(skip, num_full), None),)]
+        rows = None
+        if not self.shuffle:
+            # The stored order: each step slices its batch by number, nothing is gathered
+            # (batch k of an unshuffled epoch is rows k*B .. k*B+B-1: its first index / B).
+            full, rows = full[..., 0] // self.batch_size, self.batch_size
         full, tail = self.put((full, tail))
         stats.expected_steps = count * self.steps_per_epoch - skip
         if full.shape[axis]:
-            yield from plan_calls(self.plan, self.data, full, full.shape[axis])
+            yield from plan_calls(self.plan, self.data, full, full.shape[axis], rows=rows)
         if tail is not None:
             # The short batch: one step of its own shape, unrolled (no loop), as the core's
             # full_then_tail trains it.

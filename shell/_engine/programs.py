@@ -96,7 +96,7 @@ class TrainProgram:
     """The compiled pieces of training for one step (a :class:`~nnxscan.pure.Step`).
 
     ``runner(graphdef, carry_def)`` is the jitted ``run(leaves, data, indices, start,
-    length=, unroll=)`` that trains ``length`` steps on the batches
+    length=, unroll=, rows=)`` that trains ``length`` steps on the batches
     ``indices[start:start+length]`` gathered from ``data``, donating the carry's leaves.
     The graphdef is closed over rather than passed: a graphdef argument is hashed on every
     call, which costs more than a small model's step.
@@ -139,7 +139,7 @@ class TrainProgram:
         members: MemberLayout | None = None,
     ) -> Callable:
         """The jitted chunk runner for this graphdef and carry structure:
-        ``run(leaves, data, indices, active, start, length=, unroll=) -> (leaves, outs,
+        ``run(leaves, data, indices, active, start, length=, unroll=, rows=) -> (leaves, outs,
         halted)`` trains the steps ``start:start+length`` of ``indices``.
 
         One model (``members=None``): ``indices`` is ``(steps, ...)`` and ``active`` is
@@ -166,10 +166,10 @@ class TrainProgram:
 
         if members is None:
 
-            def scan(state, carry, data, idx, active, unroll):
+            def scan(state, carry, data, idx, active, unroll, rows):
                 return scan_indexed_steps(
                     step, graphdef, state, carry, data, idx, unroll=unroll,
-                    batch_sharding=batch_sharding,
+                    batch_sharding=batch_sharding, batch_rows=rows,
                 )  # fmt: skip
 
             def no_halt(idx):
@@ -177,11 +177,11 @@ class TrainProgram:
 
         else:
 
-            def scan(states, carry, data, idx, active, unroll):
+            def scan(states, carry, data, idx, active, unroll, rows):
                 return scan_member_steps(
                     step, graphdef, states, carry, data, idx, active=active, unroll=unroll,
                     member_axis=members.axis_name, batch_sharding=batch_sharding,
-                    data_per_member=members.data_per_member,
+                    data_per_member=members.data_per_member, batch_rows=rows,
                 )  # fmt: skip
 
             def no_halt(idx):
@@ -229,17 +229,18 @@ def chunk_runner(
     donate: bool,
     axis: int,
 ) -> Callable:
-    """The jitted ``run(leaves, data, indices, active, start, length=, unroll=) -> (leaves,
-    outs, halted)`` of every training call: it trains the steps ``start:start+length`` of
-    ``indices`` (steps along ``axis``) with ``scan(state, carry, data, idx, active,
-    unroll)``, carrying the "stop" flag (``no_halt(idx)`` at the start) when ``halts``, and
-    keeps the new carry where it was placed (``carry_shardings``)."""
+    """The jitted ``run(leaves, data, indices, active, start, length=, unroll=, rows=) ->
+    (leaves, outs, halted)`` of every training call: it trains the steps
+    ``start:start+length`` of ``indices`` (steps along ``axis``; batch numbers of ``rows``
+    stored examples each when ``rows`` is given) with ``scan(state, carry, data, idx,
+    active, unroll, rows)``, carrying the "stop" flag (``no_halt(idx)`` at the start) when
+    ``halts``, and keeps the new carry where it was placed (``carry_shardings``)."""
 
-    def run(leaves, data, indices, active, start, *, length, unroll):
+    def run(leaves, data, indices, active, start, *, length, unroll, rows=None):
         state, opt_state = jax.tree.unflatten(carry_def, leaves)
         idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=axis)
         carry = (opt_state, no_halt(idx)) if halts else opt_state
-        state, carry, outs = scan(state, carry, data, idx, active, unroll)
+        state, carry, outs = scan(state, carry, data, idx, active, unroll, rows)
         opt_state, halted = carry if halts else (carry, no_halt(idx))
         leaves = jax.tree.leaves((state, opt_state))
         if carry_shardings is not None:
@@ -251,7 +252,7 @@ def chunk_runner(
     donated = (0,) if donate else ()
     if jax.default_backend() == "cpu":  # loop-body convolutions are slow there (jax#12868)
         run = canonical_conv_layout(run)  # after vmap: a population's convs too
-    return jax.jit(run, static_argnames=("length", "unroll"), donate_argnums=donated)
+    return jax.jit(run, static_argnames=("length", "unroll", "rows"), donate_argnums=donated)
 
 
 def train_program(
