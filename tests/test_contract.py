@@ -15,7 +15,15 @@ from flax import nnx
 from nnxscan.pure import epoch_order, init_opt_state, make_epoch, make_train_step, scan_steps
 from nnxscan.shell import Trainer, scan_train
 
-from conftest import MLP, BNDropout, assert_trees_close, epoch_batches, reference_loop, xent
+from conftest import (
+    MLP,
+    BNDropout,
+    assert_trees_close,
+    epoch_batches,
+    make_data,
+    reference_loop,
+    xent,
+)
 
 TX = optax.adam(1e-2)
 BS = 8
@@ -139,13 +147,16 @@ def test_unshuffled_fit_is_bitwise_make_epoch_and_scan_steps(data, num_examples)
     np.testing.assert_array_equal(np.concatenate(scan_losses), np.concatenate(epoch_losses))
 
 
-def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
+@pytest.mark.parametrize("din", [4, 40], ids=["narrow_rows", "rows_gathered_as_bytes"])
+def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
     """An epoch whose batches exceed the gather budget runs as chunks of steps, each
-    gathered once: bitwise the epoch gathered whole (and the per-step reference)."""
+    gathered once (a chunk that reads half the data or more through bytes, where the rows
+    allow it): bitwise the epoch gathered whole (and the per-step reference)."""
     from nnxscan.pure import batching, scan_indexed_steps
 
+    data = make_data(din=din)
     step = make_train_step(xent, TX)
-    graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(MLP(din, rngs=nnx.Rngs(0)))
     opt_state = init_opt_state(TX, state)
     order = epoch_order(3, 0, len(data["x"])).reshape(-1, BS)  # 8 steps: the rule fit uses
     per_step = batching.batch_bytes(data, BS)
@@ -156,7 +167,8 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
         )(state, opt_state)
 
     whole = run(10 * per_step)
-    for budget in (3 * per_step, 1):  # chunks of 2 (8 = 4 x 2: one loop); of 1 (at least one)
+    # Chunks of 4 (half the data each: through bytes), of 2 (8 = 4 x 2), of 1 (at least one).
+    for budget in (5 * per_step, 3 * per_step, 1):
         assert_trees_close(run(budget), whole, exact=True)
     first7 = order[:7]  # 7 steps in chunks of at most 3: no divisor in [2, 3], a rest of 1
     whole7 = jax.jit(
@@ -168,7 +180,7 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(data):
         )
     )(state, opt_state)
     assert_trees_close(chunked7, whole7, exact=True)
-    model = MLP(rngs=nnx.Rngs(0))  # the plain per-step NNX loop on the same batches
+    model = MLP(din, rngs=nnx.Rngs(0))  # the plain per-step NNX loop on the same batches
     optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
     reference_loop(model, optimizer, xent, epoch_batches(data, BS, 3, 0))
     assert_trees_close(model, whole[0])
