@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nnxscan.pure import _loops, batching, checks
@@ -111,7 +112,10 @@ def scan_indexed_steps(
         ``data`` (a data set in its stored order, cut into batches of ``batch_rows``): each
         step slices its batch, nothing is gathered or copied (an unshuffled epoch,
         ``fit(shuffle=False)``). Bitwise what the ``(steps, batch)`` index of the same rows
-        trains.
+        trains. Every number must be below ``n // batch_rows`` (checked when ``indices``
+        is concrete; a traced one out of range is clamped, as ``lax.dynamic_slice`` does).
+        Under ``jax.jit``, pass it as a static argument (``static_argnames``). Not for
+        members: vmapped, a per-member slice becomes a gather inside the loop.
 
     Returns:
       ``(state, opt_state, outs)``; ``outs`` (the losses, or ``(loss, aux)`` pairs) are
@@ -122,6 +126,10 @@ def scan_indexed_steps(
       >>> indices = order[: n // 32 * 32].reshape(-1, 32)  # (steps, batch)
       >>> state, opt_state, losses = jax.jit(scan_indexed_steps, static_argnums=0)(
       ...     step, graphdef, state, opt_state, data, indices)
+      >>> in_order = jax.jit(scan_indexed_steps, static_argnums=0,
+      ...                    static_argnames="batch_rows")  # the stored order, sliced
+      >>> state, opt_state, losses = in_order(step, graphdef, state, opt_state, data,
+      ...                                     np.arange(n // 32), batch_rows=32)
     """
     if batch_rows is not None:
         if indices.ndim != 1:
@@ -130,6 +138,14 @@ def scan_indexed_steps(
                 f"{tuple(indices.shape)}; pass batch_rows=None for a (steps, batch) index."
             )
         rows = checks.check_count(batch_rows, "batch_rows", 1)
+        num_batches = _num_rows(data) // rows
+        if not isinstance(indices, jax.core.Tracer) and indices.size:
+            low, high = int(np.min(indices)), int(np.max(indices))
+            if low < 0 or high >= num_batches:
+                raise ValueError(
+                    f"batch numbers must lie in [0, {num_batches}) for {_num_rows(data)} "
+                    f"examples in batches of {rows}, got {low}..{high}."
+                )
 
         def batch_of(i):
             # A dynamic slice of the stored rows: no gather, no copy of the data.
@@ -211,7 +227,6 @@ def scan_member_steps(
     batch_sharding: jax.sharding.Sharding | None = None,
     data_per_member: bool = False,
     gather_budget: int | None = None,
-    batch_rows: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """:func:`scan_indexed_steps` vmapped over the members of a population.
 
@@ -242,8 +257,6 @@ def scan_member_steps(
       batch_sharding: the sharding of ONE member's batch.
       data_per_member: whether ``data`` has a leading members axis.
       gather_budget: the most bytes of examples one gather copies, all members together.
-      batch_rows: with ``(N, steps)`` indices, batch numbers of ``data`` in its stored
-        order (see :func:`scan_indexed_steps`): nothing is gathered.
 
     Returns:
       ``(states, opt_states, outs)``; ``outs`` has shape ``(steps, N, ...)``.
@@ -264,7 +277,7 @@ def scan_member_steps(
         member_step = step if alive is None else _frozen_aware(step, alive)
         return scan_indexed_steps(
             member_step, graphdef, state, opt_state, member_data, idx, unroll=unroll,
-            batch_sharding=batch_sharding, gather_budget=member_budget, batch_rows=batch_rows,
+            batch_sharding=batch_sharding, gather_budget=member_budget,
         )  # fmt: skip
 
     in_axes = (0, 0, 0 if data_per_member else None, 0, None if active is None else 0)

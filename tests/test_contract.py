@@ -167,6 +167,14 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
         )(state, opt_state)
 
     whole = run(10 * per_step)
+    jaxpr = str(
+        jax.make_jaxpr(
+            lambda s, o: scan_indexed_steps(
+                step, graphdef, s, o, data, order, gather_budget=5 * per_step
+            )
+        )(state, opt_state)
+    )
+    assert ("bitcast_convert_type" in jaxpr) == (din == 40 and jax.default_backend() == "cpu")
     # Chunks of 4 (half the data each: through bytes), of 2 (8 = 4 x 2), of 1 (at least one).
     for budget in (5 * per_step, 3 * per_step, 1):
         assert_trees_close(run(budget), whole, exact=True)
@@ -217,11 +225,33 @@ def test_batch_numbers_slice_the_stored_rows_bitwise_and_gather_no_examples(data
     assert gathers(by_numbers) == gathers(stacked) < gathers(by_index)
     with pytest.raises(ValueError, match=r"batch_rows takes a \(steps,\) index.*\(5, 8\)"):
         scan_indexed_steps(step, graphdef, state, opt_state, data, rows, batch_rows=BS)
+    with pytest.raises(ValueError, match=r"batch numbers must lie in \[0, 8\).*got 0\.\.8"):
+        scan_indexed_steps(step, graphdef, state, opt_state, data, np.array([0, 8]), batch_rows=BS)
+
+
+def test_an_unshuffled_fit_keeping_its_short_batch_slices_then_gathers_bitwise(data):
+    """``fit(shuffle=False, drop_remainder=False)``: full batches sliced, the short one
+    gathered; bitwise ``make_epoch`` given the stored order as an index (all gathered)."""
+    data = {k: v[:23] for k, v in data.items()}  # 2 batches of 8 and a short one of 7
+    model = MLP(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent, execution="scan")
+    history = trainer.fit(
+        data, epochs=2, batch_size=BS, shuffle=False, drop_remainder=False, progress=False
+    )
+    step = make_train_step(xent, TX)
+    graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
+    epoch = jax.jit(make_epoch(step, batch_size=BS, drop_remainder=False))
+    carry, losses = (state, init_opt_state(TX, state)), []
+    for _ in range(2):
+        *carry, out = epoch(graphdef, *carry, data, np.arange(23, dtype=np.int32))
+        losses.append(out)
+    assert_trees_close(model, carry[0], exact=True)
+    np.testing.assert_array_equal(history.losses, np.concatenate(losses))
 
 
 def test_an_unshuffled_population_fit_is_bitwise_its_pure_epochs(data):
-    """``Population.fit(shuffle=False)`` (batches sliced by number, per member) = a loop
-    of ``make_population_epoch`` over every member's stored order (gathered by index)."""
+    """``Population.fit(shuffle=False)`` = a loop of ``make_population_epoch`` over every
+    member's stored order."""
     from nnxscan.pure import make_population_epoch, stack_states
     from nnxscan.shell import Population
 

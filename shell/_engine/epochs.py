@@ -192,9 +192,10 @@ class ArrayEpochs:
             tail = None
         full = full[(slice(None),) * axis + (slice(min(skip, num_full), None),)]
         rows = None
-        if not self.shuffle:
+        if not self.shuffle and axis == 0:
             # The stored order: each step slices its batch by number, nothing is gathered
             # (batch k of an unshuffled epoch is rows k*B .. k*B+B-1: its first index / B).
+            # One model only: vmapped over members, the slice would be a gather per step.
             full, rows = full[..., 0] // self.batch_size, self.batch_size
         full, tail = self.put((full, tail))
         stats.expected_steps = count * self.steps_per_epoch - skip

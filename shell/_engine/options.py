@@ -31,9 +31,9 @@ class FitArguments(TypedDict, total=False):
         generator lives in its ``opt_state``). Epochs then only name chunks of steps
         for logs, callbacks, evaluation and checkpoints.
       shuffle: permute a data set's examples each epoch (default True); False keeps their
-        stored order, and each step then slices its batch from the data set (nothing is
-        gathered: a data set already in the order you want trains at the speed of a
-        scan over stacked batches).
+        stored order, and each step of one model then slices its batch from the data set
+        (nothing is gathered: a data set already in the order you want trains at the
+        speed of a scan over stacked batches; a population still gathers).
       callbacks: objects with any of ``on_train_begin(trainer)``,
         ``on_epoch_begin(trainer, epoch)``, ``on_call_end(trainer, logs)``,
         ``on_epoch_end(trainer, epoch, logs)``, ``on_train_end(trainer, history)`` (see

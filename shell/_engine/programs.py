@@ -181,7 +181,7 @@ class TrainProgram:
                 return scan_member_steps(
                     step, graphdef, states, carry, data, idx, active=active, unroll=unroll,
                     member_axis=members.axis_name, batch_sharding=batch_sharding,
-                    data_per_member=members.data_per_member, batch_rows=rows,
+                    data_per_member=members.data_per_member,
                 )  # fmt: skip
 
             def no_halt(idx):
