@@ -16,6 +16,10 @@ to ``scan_train`` and to ``nnx_scan``:
                   as the stacked variants, from a data set already in the epoch's order
                   (permuted outside the timing, as the stacked variants' batches are): each
                   step slices its batch, nothing is gathered
+  fit_unshuffled_4_epochs
+                  ``Trainer.fit(data[order], epochs=4, shuffle=False)``, per step: four
+                  epochs of those batches in one fit (one set-up), against ``nnx_scan``'s
+                  one call per epoch
   make_epoch      ``jax.jit(pure.make_epoch(step))`` with the same order
   hand_gather     by hand: ``x[order]`` once, reshaped to ``(steps, batch, ...)``, ``lax.scan``
   nnx_scan        Flax's ``nnx.scan`` over a stateful step (model and optimizer as
@@ -124,6 +128,14 @@ def variants(steps: int) -> dict:
         history = trainer_u.fit(flat, epochs=1, batch_size=BATCH, shuffle=False, progress=False)
         return history.losses[-1]
 
+    trainer_u4 = Trainer(MLP(nnx.Rngs(0)), tx, loss_fn)
+
+    def run_fit_unshuffled4(flat):
+        history = trainer_u4.fit(
+            flat, epochs=FIT_EPOCHS, batch_size=BATCH, shuffle=False, progress=False
+        )
+        return history.losses[-1]
+
     step = make_train_step(loss_fn, tx)
     graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
     pure = {"carry": (state, init_opt_state(tx, state))}
@@ -173,6 +185,7 @@ def variants(steps: int) -> dict:
         "fit": (run_fit, lambda: None),
         "fit_4_epochs": (run_fit4, lambda: None),
         "fit_unshuffled": (run_fit_unshuffled, permuted),
+        "fit_unshuffled_4_epochs": (run_fit_unshuffled4, permuted),
         "make_epoch": (run_make_epoch, lambda: None),
         "hand_gather": (run_hand, lambda: None),
         "nnx_scan": (run_nnx_scan, stacked),
@@ -196,7 +209,7 @@ def interleaved_times(runs: dict, epoch_index: list, steps: int, reps: int) -> d
             arg = jax.block_until_ready(prepare())
             t0 = time.perf_counter()
             jax.block_until_ready(fn(arg))
-            epochs = FIT_EPOCHS if name == "fit_4_epochs" else 1
+            epochs = FIT_EPOCHS if name.endswith("_4_epochs") else 1
             times[name].append((time.perf_counter() - t0) / (epochs * steps) * 1e6)
     return times
 
