@@ -150,7 +150,8 @@ class RunProgress:
         members: int | None = None,
         log_names: Sequence[str] | None = None,
     ):
-        self._console = console or Console()
+        # No console when nothing is shown: building rich's costs ~0.1 ms a fit.
+        self._console = console or (Console() if enabled else None)
         self._enabled = enabled
         self._has_aux = has_aux
         self._members = members

@@ -49,10 +49,15 @@ class Execution(NamedTuple):
 
 
 def prepare_execution(
-    program: TrainProgram, explicit: Plan | None, graphdef: Any, state: Any, opt_state: Any, batch
+    program: TrainProgram,
+    explicit: Plan | None,
+    graphdef: Any,
+    carry: Callable[[], tuple[Any, Any]],
+    batch: Any,
 ) -> Execution:
-    """Traces the step once (no compile) to pick the plan (unless given) and donation."""
-    traits = program.traits(graphdef, state, opt_state, batch)
+    """Traces the step once (no compile) to pick the plan (unless given) and donation;
+    ``carry()`` gives the ``(state, opt_state)`` to trace it with (called on a miss)."""
+    traits = program.traits(graphdef, carry, batch)
     plan = explicit or choose_plan(traits, jax.default_backend())
     return Execution(plan, donate=not traits.has_callback)
 

@@ -194,16 +194,18 @@ class TrainProgram:
         key = (graphdef, carry_def, donate, carry_shardings, batch_sharding, members)
         return _lookup(self._runners, key, build)
 
-    def traits(self, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> StepTraits:
-        """The step's traits for these shapes, traced once (no compile) and remembered."""
+    def traits(self, graphdef: Any, carry: Callable[[], tuple[Any, Any]], batch: Any) -> StepTraits:
+        """The step's traits for these shapes, traced once (no compile) and remembered;
+        ``carry()`` gives the ``(state, opt_state)`` to trace with, called only then."""
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch))
         key = (graphdef, shapes, jax.tree.structure(batch))
-        with noting_batch("training step", self.user_functions, batch):
-            return _lookup(
-                self._traits,
-                key,
-                lambda: step_traits(self.jitted_step(graphdef), graphdef, state, opt_state, batch),
-            )
+
+        def build() -> StepTraits:
+            state, opt_state = carry()
+            with noting_batch("training step", self.user_functions, batch):
+                return step_traits(self.jitted_step(graphdef), graphdef, state, opt_state, batch)
+
+        return _lookup(self._traits, key, build)
 
     def jitted_step(self, graphdef: Any) -> Callable:
         """The step for this graphdef under ``jax.jit`` (XLA inlines it in the compiled
