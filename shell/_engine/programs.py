@@ -178,6 +178,9 @@ class TrainProgram:
         else:
 
             def scan(states, carry, data, idx, active, unroll, rows):
+                # Members always gather: vmapped, a slice by batch number would become a
+                # gather per step (ArrayEpochs passes rows for one model only).
+                assert rows is None, "members take (N, steps, batch) indices, not rows"
                 return scan_member_steps(
                     step, graphdef, states, carry, data, idx, active=active, unroll=unroll,
                     member_axis=members.axis_name, batch_sharding=batch_sharding,
