@@ -485,9 +485,10 @@ class Population:
         return self._engine.save(directory, max_to_keep=max_to_keep)
 
     def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
-        """Restores a checkpoint of :meth:`save` (the latest, or ``step``) into this
-        population, which must have the same members (seeds) and architecture; returns
-        the epoch it resumes at. Everything is read and checked before anything changes.
+        """Restores a checkpoint of :meth:`save` (the newest good one, or ``step``) into
+        this population, which must have the same members (seeds) and architecture;
+        returns the epoch it resumes at. Everything is read and checked before anything
+        changes; without ``step`` a damaged newer checkpoint is skipped with a warning.
 
         Example:
           >>> pop = Population(model_fn, tx, loss_fn, seeds=seeds)

@@ -399,12 +399,17 @@ class Trainer:
         return self._engine.save(directory, max_to_keep=max_to_keep)
 
     def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
-        """Loads the latest (or the given) checkpoint into the model, optimizer and counters.
+        """Loads the newest good (or the given) checkpoint into the model, optimizer and
+        counters.
 
         Returns the epoch reached. A later ``fit`` continues exactly where the saved run
-        stopped (bitwise, seed included). A checkpoint whose structure or shapes differ from
-        the model raises ``ValueError`` naming the first mismatching path and both shapes,
-        and changes nothing; a missing directory or checkpoint raises ``FileNotFoundError``.
+        stopped (bitwise, seed included). Without ``step``, a damaged newer checkpoint
+        (crc32 mismatch, truncated or missing files, a manifest nnxscan never writes) is
+        skipped with a warning and left on disk; with ``step``, it raises
+        ``CorruptCheckpointError`` (a ``ValueError``). A checkpoint whose structure or
+        shapes differ from the model raises ``ValueError`` naming the first mismatching
+        path and both shapes; a missing directory or checkpoint raises
+        ``FileNotFoundError``. Every check runs before anything changes.
 
         Example:
           >>> trainer = Trainer(Model(nnx.Rngs(0)), optax.adam(1e-3), loss_fn)

@@ -337,7 +337,7 @@ PUBLIC = {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
         "enable_compilation_cache", "Preempted", "NonFiniteLossWarning",
         "Population", "train_tasks", "FitArguments", "find_learning_rate",
-        "LRFinderResult",
+        "LRFinderResult", "load_model",
     },
 }  # fmt: skip
 

@@ -151,15 +151,24 @@ class Engine:
         raises before training leaves everything as it was (a resume's restore aside,
         which is itself checked first).
         """
-        # Set-up reads the objects several times (checks, the plan's trace, the runner,
-        # the first carry): one walk serves them all, released before any callback runs.
-        with self.bind().context(), self.owner.reads_held():
-            return self._fit(data, options)
+        checkpoints = options.checkpoints
+        try:
+            if checkpoints is not None:
+                # One run per directory, from before a checkpoint is read until the last
+                # one is written: a second run on it raises here, having changed nothing.
+                checkpoints.lock()
+            # Set-up reads the objects several times (checks, the plan's trace, the runner,
+            # the first carry): one walk serves them all, released before any callback runs.
+            with self.bind().context(), self.owner.reads_held():
+                return self._fit(data, options)
+        finally:
+            if checkpoints is not None:
+                checkpoints.close()  # the loop closed it already, unless fit failed before
 
     def _fit(self, data: Any, options: FitOptions) -> History:
         epochs, run = options.epochs, {}
         members = self.owner.num_members
-        if options.resume:  # the last step that may change the objects before training
+        if options.resume is not False:  # the last change to the objects before training
             epochs, run = self._resume(options, data)
             if epochs == 0:
                 return run["history"]
@@ -264,14 +273,16 @@ class Engine:
         return epoch_calls, execution
 
     def _resume(self, options: FitOptions, data: Any):
-        """Restores the latest checkpoint, if any; returns the epochs left and the run."""
+        """Restores the newest good checkpoint (or the one ``resume`` names), if any;
+        returns the epochs left and the run."""
         members = self.owner.num_members
         history, partial, partial_aux = History(losses=empty_losses(members)), None, None
         directory = options.checkpoint_dir
-        if _checkpointing.latest_step(directory) is not None:
+        step = None if options.resume is True else options.resume
+        if step is not None or _checkpointing.latest_step(directory) is not None:
             placement = self.bind()  # onto the model's current shardings, as restore()
             history, partial, where, partial_aux = _checkpointing.resume(
-                self.owner, placement, directory, options.run_keys
+                self.owner, placement, directory, options.run_keys, step
             )
             options.checkpoints.run_log.resumed(history, partial, where)
         if isinstance(data, GrainEpochs):
@@ -282,7 +293,12 @@ class Engine:
     # -- checkpoints ------------------------------------------------------------------------
 
     def checkpoints(
-        self, directory: Any, every: Any, every_steps: Any, resume: bool, asynchronous: bool = True
+        self,
+        directory: Any,
+        every: Any,
+        every_steps: Any,
+        resume: bool | int,
+        asynchronous: bool = True,
     ) -> tuple[pathlib.Path | None, Checkpoints | None]:
         """Checks fit's checkpoint arguments; returns the directory and when to save (one
         writer for the fit, asynchronous unless asked otherwise; nothing touches the disk
@@ -291,13 +307,14 @@ class Engine:
         if every_steps is not None:
             every_steps = check_count(every_steps, "checkpoint_every_steps", 1)
         if directory is None:
-            if resume or every_steps is not None:
+            if resume is not False or every_steps is not None:
                 raise ValueError(
                     "resume=True and checkpoint_every_steps need a checkpoint_dir to save "
                     "to and resume from."
                 )
             return None, None
         directory = pathlib.Path(directory).resolve()
+        _checkpointing.check_directory(directory)  # a file, or not writable: before compiling
         writer = _checkpointing.writer(directory, asynchronous=asynchronous)
         # The History goes to the run log beside the checkpoints, a line per save; the
         # checkpoint records where (its cost does not grow with the run).
@@ -315,7 +332,7 @@ class Engine:
             run = run_log.record(history, partial, partial_aux)
             _checkpointing.save_with(writer, owner, run, carry)
 
-        return directory, Checkpoints(every, every_steps, save, writer.close, run_log)
+        return directory, Checkpoints(every, every_steps, save, writer.close, run_log, writer.lock)
 
     def save(
         self, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""

@@ -94,13 +94,15 @@ class Checkpoints(NamedTuple):
     return before its checkpoint is on disk (it is written in the background); ``close()``
     waits for it, and fit calls it on every way out (the end, a preemption, an
     exception). ``run_log``: where the saves put the History (``_checkpointing.RunLog``),
-    told by a resume where the restored run's lines end."""
+    told by a resume where the restored run's lines end. ``lock()``: takes the directory's
+    writer lock (fit does, before it reads or trains anything; ``close()`` releases it)."""
 
     every_epochs: int
     every_steps: int | None
     save: Callable[..., Any]
     close: Callable[[], None] = lambda: None
     run_log: Any = None
+    lock: Callable[[], None] = lambda: None
 
 
 def written_carry(live: LiveState) -> tuple | None:
@@ -537,6 +539,8 @@ class FitLoop:
         if complete:
             self.callbacks("on_epoch_end", epoch, logs)
             checkpoints = self.checkpoints
+            if checkpoints is not None:  # what the run log cannot keep exactly: refused now
+                checkpoints.run_log.check(epoch, logs)
             due = self._save_at_epoch_end
             if checkpoints is not None and (due or (epoch + 1) % checkpoints.every_epochs == 0):
                 checkpoints.save(history, empty_losses(self.members), written_carry(live))

@@ -72,7 +72,11 @@ class FitArguments(TypedDict, total=False):
         holds a checkpoint, restore it (the History so far included) and train only what
         remains, finishing a partly trained epoch first; with none, train from the start.
         Rerunning the same command after a kill or a preemption gives bitwise the model an
-        uninterrupted run gives.
+        uninterrupted run gives. A damaged newest checkpoint (a crc32 that does not match,
+        a truncated or deleted file, a torn run log) is skipped with a warning and moved
+        aside to ``<step>.nnxscan-corrupt`` (never deleted); the newest good one is
+        restored. ``resume=<step>`` (an int) resumes from that checkpoint instead; newer
+        ones are moved aside to ``<step>.nnxscan-superseded``.
       eval_data, metric_fn, eval_every, eval_batch_size: every ``eval_every`` epochs
         (default 1), evaluate ``metric_fn`` on ``eval_data`` (a data set of arrays) and log
         each metric as ``eval_<name>`` (``eval_batch_size`` defaults to ``batch_size``, or
@@ -96,7 +100,7 @@ class FitArguments(TypedDict, total=False):
     checkpoint_every: int
     checkpoint_every_steps: int | None
     checkpoint_async: bool
-    resume: bool
+    resume: bool | int
     eval_data: Any
     metric_fn: Callable[[nnx.Module, Any], Any] | None
     eval_every: int
@@ -141,7 +145,7 @@ class FitOptions(NamedTuple):
     evaluation: Any
     checkpoint_dir: pathlib.Path | None
     checkpoints: Any
-    resume: bool
+    resume: bool | int  # True: the newest good checkpoint; an int: that step
     #: What identifies the run's data order, checked on resume and saved with it: one
     #: model's ``{"seed": s or None}``, a population's ``{"shared_order": bool}``.
     run_keys: dict[str, Any]
@@ -223,6 +227,13 @@ def fit_options(
         steps_per_call=steps_per_call, drop_remainder=bool(o["drop_remainder"]),
         prefetch=bool(o["prefetch"]), callbacks=list(callbacks), progress=bool(o["progress"]),
         evaluation=evaluation, checkpoint_dir=directory, checkpoints=checkpoints,
-        resume=bool(o["resume"]), run_keys=run_keys, member_batches=bool(member_batches),
+        resume=_resume(o["resume"]), run_keys=run_keys, member_batches=bool(member_batches),
         steps_per_epoch=steps_per_epoch, progress_logs=progress_logs,
     )  # fmt: skip
+
+
+def _resume(resume: Any) -> bool | int:
+    """``resume``: a bool, or the step of the checkpoint to resume from (an int >= 0)."""
+    if isinstance(resume, bool) or resume is None:
+        return bool(resume)
+    return check_count(resume, "resume (a checkpoint's step, or True)", 0)

@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
 from nnxscan.adapters.nnx_optimizer import (
     _is_variable,
     optax_state_from_optimizer,
@@ -100,11 +101,18 @@ def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
     return {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in host.items()}
 
 
-def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...]) -> None:
-    """A restored checkpoint's counters must be ints (a corrupted one raises, changes nothing)."""
+def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...], where: str = "") -> None:
+    """A restored checkpoint's counters must be non-negative ints (a corrupted or crafted
+    one raises before anything is written, and changes nothing); ``where``: the checkpoint,
+    for the message."""
     for name in names:
-        if isinstance(meta[name], bool) or not isinstance(meta[name], int):
-            raise ValueError(f"checkpoint meta {name}={meta[name]!r} is not an int.")
+        value = meta[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CorruptCheckpointError(
+                f"{where or 'checkpoint'}: leaf ['meta']['{name}'] is {value!r}, not a "
+                f"non-negative int: the checkpoint is damaged or was not written by "
+                f"nnxscan; restore another one."
+            )
 
 
 class ModelOwner:
