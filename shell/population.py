@@ -3,7 +3,7 @@
 Each member is built by ``model_fn(nnx.Rngs(seed))`` from its own seed, shuffles the data
 by its own ``epoch_order(seed, epoch, n)`` and may have its own optax hyperparameters
 (``optax.inject_hyperparams``). The members' states are stacked and trained by
-:func:`nnxscan.pure.make_population_epoch`: the same pure step ``Trainer`` compiles,
+:func:`nnxscan.pure.vmap_members` of the same pure step ``Trainer`` compiles: that step,
 vmapped over the members. Member ``i`` therefore trains what ``Trainer`` trains on that
 model alone with ``seed=seeds[i]`` and that member's hyperparameters.
 

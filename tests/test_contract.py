@@ -250,9 +250,9 @@ def test_an_unshuffled_fit_keeping_its_short_batch_slices_then_gathers_bitwise(d
 
 
 def test_an_unshuffled_population_fit_is_bitwise_its_pure_epochs(data):
-    """``Population.fit(shuffle=False)`` = a loop of ``make_population_epoch`` over every
-    member's stored order."""
-    from nnxscan.pure import make_population_epoch, stack_states
+    """``Population.fit(shuffle=False)`` = a loop of ``make_epoch`` of the members' step
+    (``vmap_members``) over every member's stored order."""
+    from nnxscan.pure import stack_states, vmap_members
     from nnxscan.shell import Population
 
     population = Population(lambda rngs: MLP(rngs=rngs), TX, xent, seeds=[3, 5])
@@ -261,15 +261,16 @@ def test_an_unshuffled_population_fit_is_bitwise_its_pure_epochs(data):
     step = make_train_step(xent, TX)
     graphdef, states = nnx.split(MLP(rngs=nnx.Rngs(3)))
     states = stack_states([states, nnx.split(MLP(rngs=nnx.Rngs(5)))[1]])
-    opt_states = jax.vmap(lambda s: init_opt_state(TX, s))(states)
-    epoch = jax.jit(make_population_epoch(step, batch_size=BS))
+    members = vmap_members(step)
+    opt_states = members.init(graphdef, states)
+    epoch = jax.jit(make_epoch(members, batch_size=BS))
     orders = np.stack([epoch_order(seed, 0, len(data["x"]), shuffle=False) for seed in (3, 5)])
     losses = []
     for _ in range(2):
         states, opt_states, out = epoch(graphdef, states, opt_states, data, orders)
         losses.append(out)
     assert_trees_close(population.state, states, exact=True)
-    assert_trees_close(population.opt_state, opt_states, exact=True)
+    assert_trees_close(population.opt_state, opt_states.inner, exact=True)
     np.testing.assert_array_equal(np.asarray(history.losses), np.concatenate(losses))
 
 

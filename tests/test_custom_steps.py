@@ -313,10 +313,10 @@ def test_the_guards_keep_the_old_state_of_an_update_that_mutates_its_merged_mode
         )
     else:
         halting = halt_after_nonfinite(PLAIN_STEP)
-        new_state, (_, halted), loss = jax.jit(halting, static_argnums=0)(
-            graphdef, state, (opt_state, jnp.bool_(False)), bad
+        new_state, halt, loss = jax.jit(halting.update, static_argnums=0)(
+            graphdef, state, halting.init(graphdef, state), bad
         )
-        assert bool(halted)
+        assert bool(halt.halted)
     assert np.isnan(loss)
     for got, want in zip(state_arrays(new_state), before, strict=True):
         np.testing.assert_array_equal(got, want)

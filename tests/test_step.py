@@ -177,7 +177,7 @@ def test_a_transform_needing_another_argument_is_named():
 def test_a_frozen_member_stays_put_when_its_step_updates_the_merged_module_in_place(data):
     """``nnx.merge`` shares the given state's Variables; a step that ``nnx.update``s the
     merged module writes into them. A frozen member must still keep its old state."""
-    from nnxscan.pure import scan_member_steps, stack_states
+    from nnxscan.pure import MembersState, scan_indexed_steps, stack_states, vmap_members
 
     tx = optax.sgd(0.5)
 
@@ -192,9 +192,10 @@ def test_a_frozen_member_stays_put_when_its_step_updates_the_merged_module_in_pl
     step = Step(lambda g, s: init_opt_state(tx, s), update)
     graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
     states = stack_states([state, state])
-    indices = jnp.broadcast_to(jnp.arange(16).reshape(2, 8), (2, 2, 8))
-    run = jax.jit(lambda s: scan_member_steps(
-        step, graphdef, s, (), data, indices, active=jnp.array([True, False])))  # fmt: skip
+    indices = jnp.broadcast_to(jnp.arange(16).reshape(2, 1, 8), (2, 2, 8))  # (steps, N, batch)
+    frozen = MembersState((), jnp.array([True, False]))
+    run = jax.jit(lambda s: scan_indexed_steps(
+        vmap_members(step), graphdef, s, frozen, data, indices))  # fmt: skip
     new_states, _, _ = run(states)
     for old, new in zip(jax.tree.leaves(states), jax.tree.leaves(new_states), strict=True):
         np.testing.assert_array_equal(new[1], old[1])  # frozen: unchanged

@@ -127,17 +127,28 @@ class Engine:
         batch = jax.tree.map(lambda x: _one_model(x, sharding, drop, member=False), batch)
         return prepare_execution(self.program, self.explicit_plan, graphdef, abstract_carry, batch)
 
-    def make_runner(self, member_batches: bool = False) -> Callable[..., Any]:
-        """``make(carry_def, carry_shardings, donate)``: the compiled runner of this fit."""
+    def make_runner(self, data: Any = None, member_batches: bool = False) -> Callable[..., Any]:
+        """``make(carry_def, carry_shardings, donate)``: the compiled runner of this fit
+        (``data``: the fit's data, which decides how a population's batches are laid out)."""
         graphdef = self.owner.read()[0]
-        members = self.members
+        members, batch_sharding = self.members, self.placement.batch_sharding
         if members is not None:  # over the member axis of this call's mesh, if it has one
-            members = MemberLayout(self.placement.member_axis, bool(member_batches))
+            arrays = data is not None and not is_stream(data)
+            # No data, or a stream shared by the members: one batch for all. A data set:
+            # each member's own batch, gathered by its own order. A stream of member
+            # batches: its chunks are stacked steps first, (steps, N, batch, ...).
+            shared = data is None or (not arrays and not member_batches)
+            members = MemberLayout(
+                self.placement.member_axis, data_per_member=arrays and bool(member_batches),
+                shared_batch=shared,
+            )  # fmt: skip
+            if not shared:
+                batch_sharding = self.placement.member_batch_sharding
 
         def make(carry_def: Any, carry_shardings: Any, donate: bool) -> Any:
             return self.program.runner(
                 graphdef, carry_def, donate=donate, carry_shardings=carry_shardings,
-                batch_sharding=self.placement.batch_sharding, members=members,
+                batch_sharding=batch_sharding, members=members,
             )  # fmt: skip
 
         return make
@@ -183,7 +194,7 @@ class Engine:
         self.owner.begin_run(options.run_keys)  # every input is known good now
         loop = FitLoop(
             program=self.program, execution=execution, owner=self.owner,
-            placement=self.placement, make_runner=self.make_runner(options.member_batches),
+            placement=self.placement, make_runner=self.make_runner(data, options.member_batches),
             callbacks=CallbackList(options.callbacks, self.subject), progress=options.progress,
             progress_logs=options.progress_logs,
             evaluation=options.evaluation, checkpoints=options.checkpoints,
@@ -226,7 +237,6 @@ class Engine:
         epoch_calls = StepEpochs(
             plan, options.steps_per_epoch,
             functools.partial(self.placement.put_data, device=device_of(state)),
-            members=self.owner.num_members,
         )  # fmt: skip
         return epoch_calls, execution._replace(plan=plan)
 

@@ -283,10 +283,9 @@ class FitLoop:
         return active is None or bool(active.any())
 
     def _active_mask(self) -> Any:
-        """The members' freezing mask for the next call, placed; None when all train (the
-        program without the per-step select runs then)."""
+        """The members' freezing mask for the next call, placed (None for one model)."""
         active = self.owner.active
-        if active is None or active.all():
+        if active is None:
             return None
         key = active.tobytes()
         if self._mask is None or self._mask[0] != key:

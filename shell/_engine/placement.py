@@ -181,6 +181,14 @@ class Placement:
             return None
         return NamedSharding(self.mesh, PartitionSpec(self._data_entry()))
 
+    @property
+    def member_batch_sharding(self) -> NamedSharding | None:
+        """A population's batch with a leading members axis, ``(N, batch, ...)``: members
+        over the member axis (if any), each member's batch over the data axes."""
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, PartitionSpec(self.member_axis, self._data_entry()))
+
     def _data_entry(self) -> Any:
         if not self.data_axes:
             return None
@@ -355,13 +363,13 @@ class Placement:
 
     def put_chunk(self, tree: Any, device: Any, *, member_batches: bool = False) -> Any:
         """A stream chunk ``(steps, batch, ...)``: batch dimension over the data axes; a
-        population's per-member chunk ``(members, steps, batch, ...)``: members over
+        population's per-member chunk ``(steps, members, batch, ...)``: members over
         ``member_axis`` too."""
         if self.mesh is None:
             return jax.device_put(tree, device)
         spec = (None, self._data_entry())
         if member_batches:
-            spec = (self.member_axis, None, self._data_entry())
+            spec = (None, self.member_axis, self._data_entry())
         sharding = NamedSharding(self.mesh, PartitionSpec(*spec))
         if jax.process_count() > 1:
             # Each process holds its own share of every batch: assemble the global chunk.

@@ -15,7 +15,6 @@ waits in the device queue, so the device never idles for the host.
 from __future__ import annotations
 
 import collections.abc
-import functools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -204,16 +203,15 @@ def _chunks(
     check_stop: Callable[[], None],
     on_dropped: Callable[[int], None],
     resumed: bool = False,
-    stack_axis: int = 0,
 ) -> Iterator[Chunk]:
     """Pulls, checks, stacks and transfers (``put``) chunks of ``chunk_size`` batches.
 
     ``resumed``: the iterator starts past batches trained before a resume, so it may hold
-    none at all (the interruption came after the epoch's last batch). ``stack_axis=1``
-    stacks members' batches ``(N, batch, ...)`` into ``(N, K, batch, ...)``.
+    none at all (the interruption came after the epoch's last batch). Members' batches
+    ``(N, batch, ...)`` stack into ``(K, N, batch, ...)``, steps first as every chunk.
     """
     index, pending = 0, []
-    _stack = functools.partial(_stack_batches, axis=stack_axis)
+    _stack = _stack_batches
 
     def pull() -> Any:
         check_stop()  # a stopped fit takes nothing more from the user's iterator
@@ -257,8 +255,8 @@ def _chunks(
         yield Chunk(put(_stack(pending)), len(pending))
 
 
-def _stack_batches(batches: list, axis: int = 0) -> Any:
-    return jax.tree.map(lambda *xs: np.stack(xs, axis=axis), *batches)
+def _stack_batches(batches: list) -> Any:
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
 class ChunkStream:
