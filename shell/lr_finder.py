@@ -139,8 +139,8 @@ class LRFinderResult:
 
     def plot(self, path: str | os.PathLike[str] | None = None) -> Any:
         """Draws two panels and returns the matplotlib ``Figure`` (written to ``path`` as a
-        PNG when given, its folder created when missing); pyplot's global state is not touched. Needs matplotlib: ``pip
-        install 'nnxscan[demo]'``.
+        PNG when given, its folder created when missing); pyplot's global state is not
+        touched. Needs matplotlib: ``pip install 'nnxscan[demo]'``.
 
         Left: the training loss against the step, one line per rate (coloured from the
         smallest rate, dark, to the largest, light; a log y-axis when every loss is
