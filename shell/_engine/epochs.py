@@ -300,7 +300,9 @@ class StreamEpochs:
         self.put_indices = put_indices
         self._pending = [first_epoch]
         # One checker for the whole fit: the step was traced on the first batch.
-        self.checker = BatchChecker(batch_size, members=members if member_batches else None)
+        self.checker = BatchChecker(
+            batch_size, members=members if member_batches else None, hint=source.hint
+        )
         self.members = members
         self._placed: dict[int, Any] = {}
         self.options = dict(
