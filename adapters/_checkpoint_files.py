@@ -11,13 +11,13 @@ Layout of one checkpoint (both storages name a finished checkpoint by its step):
 
     <directory>/<step>/
       manifest.json        the manifest of checkpoint.py (validated whole on read: see
-                           _checkpoint_manifest.py), plus "buffers": per buffer its file,
-                           byte offset, dtype, element count and crc32; the file's first
+                           _checkpoint_manifest.py), plus "buffers": per buffer its byte
+                           offset, dtype, element count and crc32; the file's first
                            member is the crc32 of the rest of its text
-      arrays.bin           the packed buffers (everything but the model state, one per
-                           dtype), each starting on a 64-byte boundary
-      state/               the model state (the tree's "state" entry), one buffer per
-                           array, as an orbax item Flax's own code restores (_orbax_item.py)
+      arrays.bin           the packed buffers, one per dtype, each starting on a 64-byte
+                           boundary
+      state/               the model state (the tree's "state" entry) again, as an orbax
+                           item Flax's own code restores (_orbax_item.py)
 
 Atomicity, as orbax's: a checkpoint is written into ``<step>.nnxscan-tmp/``, every file
 fsync'ed, then renamed to ``<step>/`` (atomic on a POSIX filesystem) and the directory
@@ -33,7 +33,6 @@ recorded (what a killed process appended after its last finished checkpoint).
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 import re
@@ -46,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnxscan.adapters import _checkpoint_manifest as _manifest
+from nnxscan.adapters import _orbax_item
 
 MANIFEST = "manifest.json"
 LOG = "history.jsonl"
@@ -95,52 +95,43 @@ def write(
     path: pathlib.Path,
     step: int,
     manifest: dict[str, Any],
-    buffers: dict[str, tuple[str, np.ndarray]],
-    item_files: dict[str, bytes],
+    buffers: dict[str, np.ndarray],
+    item: tuple[list, list, dict[str, bytes]] | None = None,
 ) -> pathlib.Path:
     """Writes checkpoint ``step`` under ``path`` atomically; returns ``<path>/<step>``.
 
-    ``buffers``: name -> (file, flat contiguous host array that nobody else writes to while
-    this runs: ``checkpoint._fill`` makes copies, never views of device buffers). Buffers of
-    ``arrays.bin`` are packed into it, each on a 64-byte boundary; the others are files of
-    the "state" item (a chunk each). ``item_files``: that item's fixed files (orbax's
-    metadata, each array's ``.zarray``). Each buffer's crc32 goes into the manifest, which
-    carries its own (:func:`_checkpoint_manifest.dumps_checked`)."""
+    ``buffers``: name -> flat, contiguous host array that nobody else writes to while this
+    runs (``checkpoint._fill`` makes copies, never views of device buffers), packed into
+    ``arrays.bin``, each on a 64-byte boundary, its crc32 in the manifest (which carries
+    its own: :func:`_checkpoint_manifest.dumps_checked`). ``item``: ``(leaves, arrays,
+    files)`` of the model state's orbax item (``_orbax_item.write_item``), or None."""
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / f"{step}{TMP_SUFFIX}"
     if tmp.exists():  # a save of this step killed mid-way: replaced, not an obstacle
         shutil.rmtree(tmp)
     tmp.mkdir()
-    placed, written = {}, []
+    placed, written = {}, [tmp / DATA]
     with open(tmp / DATA, "wb") as file:
         offset = 0
-        for name, (where, buffer) in buffers.items():
-            if where != DATA:
-                continue
+        for name, buffer in buffers.items():
             padding = -offset % _ALIGN
             file.write(b"\0" * padding)
             offset += padding
             data = buffer.reshape(-1).view(np.uint8).data
-            placed[name] = _placed(DATA, offset, buffer, data)
+            # crc32 here, on the writer's thread (zlib releases the GIL for large buffers).
+            placed[name] = {"offset": offset, "dtype": buffer.dtype.name, "size": buffer.size,
+                            "crc32": f"{zlib.crc32(data):08x}"}  # fmt: skip
             file.write(data)
             offset += buffer.nbytes
-    written.append(tmp / DATA)
-    folders = {(tmp / relative).parent for relative in item_files}
-    for folder in sorted(folders):
-        folder.mkdir(parents=True, exist_ok=True)
-    for relative, content in item_files.items():
-        written.append(_write_file(tmp / relative, content))
-    for name, (where, buffer) in buffers.items():
-        if where == DATA:
-            continue
-        data = buffer.reshape(-1).view(np.uint8).data
-        placed[name] = _placed(where, 0, buffer, data)
-        written.append(_write_file(tmp / where, data))
+    folders = []
+    if item is not None:
+        folders = [tmp / ITEM, tmp / ITEM / "array_metadatas"]
+        written += _orbax_item.write_item(tmp / ITEM, *item)
     text = _manifest.dumps_checked({**manifest, "buffers": placed})
     written.append(_write_file(tmp / MANIFEST, text))  # one write, not dozens
     # Every file, then every folder, reaches the disk before the rename makes it a
-    # checkpoint; the kernel writes them out together, each fsync then mostly waits.
-    for written_path in (*written, *sorted(folders, reverse=True), tmp):
+    # checkpoint (the item's store is synced by tensorstore itself).
+    for written_path in (*written, *reversed(folders), tmp):
         _fsync(written_path)
     final = path / str(step)
     os.rename(tmp, final)
@@ -148,18 +139,7 @@ def write(
     return final
 
 
-def _placed(file: str, offset: int, buffer: np.ndarray, data: Any) -> dict[str, Any]:
-    # crc32 here, on the writer's thread (zlib releases the GIL for large buffers).
-    return {
-        "file": file,
-        "offset": offset,
-        "dtype": buffer.dtype.name,
-        "size": buffer.size,
-        "crc32": f"{zlib.crc32(data):08x}",
-    }
-
-
-def _write_file(where: pathlib.Path, content: Any) -> pathlib.Path:
+def _write_file(where: pathlib.Path, content: bytes) -> pathlib.Path:
     with open(where, "wb") as file:
         file.write(content)
     return where
@@ -185,47 +165,42 @@ def read_manifest(step_path: pathlib.Path) -> tuple[Any, bool]:
     return _manifest.loads_checked(raw)
 
 
-def file_sizes(step_path: pathlib.Path) -> Any:
-    """``size(file)``: the size in bytes of a file of checkpoint ``step_path`` (None if it
-    is missing), for the manifest's checks; each file is looked at once."""
-
-    @functools.cache
-    def size(relative: str) -> int | None:
-        try:
-            return os.stat(step_path / relative).st_size
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-
-    return size
+def data_size(step_path: pathlib.Path) -> int | None:
+    """The size in bytes of a checkpoint's ``arrays.bin`` (None if it is missing)."""
+    try:
+        return os.stat(step_path / DATA).st_size
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def read_buffers(
     step_path: pathlib.Path, buffers: dict[str, dict[str, Any]], names: set[str]
 ) -> dict[str, np.ndarray]:
     """The buffers ``names`` of a checkpoint whose manifest was validated (each lies inside
-    its file), as writable numpy arrays; each checked against its crc32 when the manifest
-    has one. Raises ValueError naming the buffer whose bytes are not what was written."""
+    ``arrays.bin``), as writable numpy arrays; each checked against its crc32 when the
+    manifest has one. Raises ValueError naming the buffer whose bytes are not what was
+    written."""
     out = {}
-    for name in sorted(names, key=lambda n: (buffers[n]["file"], buffers[n]["offset"])):
-        where = buffers[name]
-        # jnp.dtype knows bfloat16, float8_* and int4 by name; numpy does not.
-        buffer = np.empty(where["size"], dtype=jnp.dtype(where["dtype"]))
-        view = buffer.view(np.uint8)
-        with open(step_path / where["file"], "rb") as file:
+    with open(step_path / DATA, "rb") as file:
+        for name in sorted(names, key=lambda n: buffers[n]["offset"]):
+            where = buffers[name]
+            # jnp.dtype knows bfloat16, float8_* and int4 by name; numpy does not.
+            buffer = np.empty(where["size"], dtype=jnp.dtype(where["dtype"]))
+            view = buffer.view(np.uint8)
             file.seek(where["offset"])
             got = file.readinto(view)
-        if got != where["nbytes"]:
-            raise ValueError(
-                f"buffer {name!r}: {where['file']} ended after {got} of its "
-                f"{where['nbytes']} bytes (truncated)"
-            )
-        crc = where.get("crc32")
-        if crc is not None and f"{zlib.crc32(view):08x}" != crc:
-            raise ValueError(
-                f"buffer {name!r} in {where['file']}: its bytes do not match their crc32 "
-                f"(damaged on disk)"
-            )
-        out[name] = buffer
+            if got != where["nbytes"]:
+                raise ValueError(
+                    f"buffer {name!r}: {DATA} ended after {got} of its {where['nbytes']} "
+                    f"bytes (truncated)"
+                )
+            crc = where.get("crc32")
+            if crc is not None and f"{zlib.crc32(view):08x}" != crc:
+                raise ValueError(
+                    f"buffer {name!r} in {DATA}: its bytes do not match their crc32 "
+                    f"(damaged on disk)"
+                )
+            out[name] = buffer
     return out
 
 

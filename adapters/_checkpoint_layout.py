@@ -3,10 +3,10 @@
 Worked out once per tree structure (a fit saves one structure, every epoch), so a save of
 the same structure only copies its arrays to the host:
 
-- the model state (the tree's ``state`` entry), when orbax would write it as an item:
-  one buffer per array, the chunk files of the ``state/`` item (``_orbax_item.py``);
-- the other arrays this process holds whole (on one device, replicated, or numpy): joined
-  into one flat buffer per dtype in ``arrays.bin`` (orbax's cost is per array);
+- the arrays this process holds whole (on one device, replicated, or numpy): joined into
+  one flat buffer per dtype in ``arrays.bin`` (orbax's cost is per array); the model state
+  (the tree's ``state`` entry) is also written as the ``state/`` item Flax's code restores
+  (``_orbax_item.py``), when orbax would write it so;
 - arrays sharded over several devices or processes: left to orbax, each process writing
   its own shards;
 - Python bool/int/float/str leaves: their values, in the manifest.
@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from nnxscan.adapters import _orbax_item
-from nnxscan.adapters._checkpoint_manifest import ARRAY_KINDS, DATA, PYTHON_KINDS, Leaf
+from nnxscan.adapters._checkpoint_manifest import ARRAY_KINDS, PYTHON_KINDS, Leaf
 from nnxscan.adapters.nnx_optimizer import _is_variable
 
 _STATE = "['state']"
@@ -84,8 +84,8 @@ class Layout(NamedTuple):
     python: tuple[int, ...]  # the Python leaves (bool/int/float/str), by index
     keys: frozenset[int]  # typed PRNG key leaves: saved as their key data
     packs: dict[str, tuple[int, ...]]  # packed buffer of arrays.bin -> its leaves, in order
-    item: dict[str, int]  # buffer (a chunk file of the state item) -> its leaf
-    item_files: dict[str, bytes]  # the state item's other files ({} without an item)
+    item: tuple[tuple[int, Any], ...]  # (leaf, ItemLeaf) of the state item (() without one)
+    item_files: dict[str, bytes]  # the state item's metadata ({} without an item)
     arrays: dict[str, int]  # arrays left to orbax (sharded): name -> leaf
     held_whole: bool  # nnxscan's own files can hold it (see _held_whole)
     on_host: bool  # every packed array is numpy or on a CPU device: readable in place
@@ -183,11 +183,9 @@ def _layout(tree: dict[str, Any], with_item: bool) -> Layout:
     item_leaves = None
     if with_item and held_whole and state and all(data[i] is not None for i in state):
         item_leaves = _item_leaves(tree, [data[i] for i in state])
-    in_item = dict(zip(state, item_leaves, strict=True)) if item_leaves else {}
     records, python, keys, arrays, on_host = [], [], set(), {}, True
     packs: dict[str, list[int]] = {}
     sizes: dict[str, int] = {}
-    item: dict[str, int] = {}
     for index, ((path, leaf), record) in enumerate(zip(pairs, described, strict=True)):
         if record.kind not in ARRAY_KINDS:
             python.append(index)
@@ -200,10 +198,7 @@ def _layout(tree: dict[str, Any], with_item: bool) -> Layout:
             impl = str(jax.random.key_impl(leaf))
             keys.add(index)
         value = data[index]
-        if index in in_item:
-            buffer, offset = in_item[index].chunk, 0
-            item[buffer] = index
-        elif packable(value):
+        if packable(value):
             buffer = f"pack_{_dtype_kind(value.dtype)[1]}"
             offset = sizes.get(buffer, 0)
             sizes[buffer] = offset + value.size
@@ -227,7 +222,7 @@ def _layout(tree: dict[str, Any], with_item: bool) -> Layout:
         python=tuple(python),
         keys=frozenset(keys),
         packs={pack: tuple(members) for pack, members in packs.items()},
-        item=item,
+        item=tuple(zip(state, item_leaves, strict=True)) if item_leaves else (),
         item_files=item_files,
         arrays=arrays,
         held_whole=held_whole,
@@ -235,30 +230,34 @@ def _layout(tree: dict[str, Any], with_item: bool) -> Layout:
     )
 
 
-def fill(layout: Layout, leaves: list) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The manifest's leaf entries and the buffers to write, for ``leaves`` laid out by
-    ``layout``: name -> ``(file, array)`` (``file`` None for an array left to orbax).
-    Every buffer is a copy made here, on the host: what is written is what the tree held
-    now, whatever happens to its device buffers next."""
+def fill(layout: Layout, leaves: list) -> tuple[list[dict[str, Any]], dict[str, Any], list]:
+    """The manifest's leaf entries, the buffers to write (name -> array: the packed
+    buffers of ``arrays.bin``, and the arrays left to orbax) and the state item's arrays
+    (views of the packed buffers), for ``leaves`` laid out by ``layout``. Every packed
+    buffer is a copy made here, on the host: what is written is what the tree held now,
+    whatever happens to its device buffers next."""
     entries = list(layout.entries)
     for index in layout.python:
         leaf = leaves[index]
         entries[index] = Leaf(layout.records[index].path, type(leaf).__name__,
                               value=leaf).to_json()  # fmt: skip
     buffers: dict[str, Any] = {
-        name: (None, array_data(leaves[index], index in layout.keys))
+        name: array_data(leaves[index], index in layout.keys)
         for name, index in layout.arrays.items()
     }
     members = [index for indices in layout.packs.values() for index in indices]
-    members += list(layout.item.values())
     values = [array_data(leaves[i], i in layout.keys) for i in members]
     host = iter(_to_host(values, start=not layout.on_host))
     for pack, indices in layout.packs.items():
         # The copy out of the device buffers (on the CPU, np.asarray is a view of them).
-        buffers[pack] = (DATA, np.concatenate([next(host).reshape(-1) for _ in indices]))
-    for chunk in layout.item:
-        buffers[chunk] = (chunk, np.array(next(host), copy=True, order="C").reshape(-1))
-    return entries, buffers
+        buffers[pack] = np.concatenate([next(host).reshape(-1) for _ in indices])
+    item = []
+    for index, _ in layout.item:
+        record = layout.records[index]
+        size = int(np.prod(record.data_shape, dtype=np.int64))
+        flat = buffers[record.buffer][record.offset : record.offset + size]
+        item.append(flat.reshape(record.data_shape))
+    return entries, buffers, item
 
 
 def _to_host(arrays: list[Any], start: bool = True) -> list[np.ndarray]:

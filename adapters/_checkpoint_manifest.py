@@ -12,10 +12,9 @@ and before anything reaches a model. The rules:
 - a packed leaf names a buffer the manifest lists, starts at a non-negative element offset,
   and its elements (``data_shape``: the shape, plus the key data's trailing axis for keys)
   lie inside that buffer; the buffer's dtype is the leaf's (a key's data is uint32);
-- each buffer: a file that is ``arrays.bin`` or a plain relative path inside the step's
-  ``state/`` item (letters, digits, ``_``, ``-`` and ``.``; no ``..``, no absolute path), a
-  non-negative byte offset and element count, a dtype from :data:`DTYPES`, and (version 4)
-  a crc32 of its bytes, checked when it is read.
+- each buffer: a non-negative byte offset and element count whose bytes lie inside
+  ``arrays.bin`` (the only file buffers are read from), a dtype from :data:`DTYPES`, and
+  (version 4) a crc32 of its bytes, checked when it is read.
 
 Every refusal is a :class:`CorruptCheckpointError` (a ValueError) naming the checkpoint
 directory, the step, the leaf path or buffer, and what is wrong.
@@ -31,14 +30,13 @@ import json
 import pathlib
 import re
 import zlib
-from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
 
 FORMAT = "nnxscan.checkpoint"
 # 2: small arrays packed into one buffer per dtype; 3: own files storage; 4: crc32s of the
-# manifest and of every buffer, buffers in named files (the Flax/orbax "state" item).
+# manifest and of every buffer (and the model state as an orbax item, beside).
 VERSION = 4
 PYTHON_KINDS = {"bool": bool, "int": int, "float": float, "str": str}
 ARRAY_KINDS = ("array", "key")
@@ -64,9 +62,6 @@ def _known_dtypes() -> frozenset[str]:
 #: The dtypes a checkpoint may hold (and a reader may allocate).
 DTYPES = _known_dtypes()
 
-# A buffer's file: arrays.bin, or a chunk of the "state" item (orbax's zarr layout:
-# <item>/<param name>/<chunk key>).
-_ITEM_FILE = re.compile(r"state/[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*/(\.zarray|0(\.0)*)")
 DATA = "arrays.bin"
 
 
@@ -194,7 +189,7 @@ def _elements(shape: tuple[int, ...]) -> int:
 def validate(
     raw: Any,
     where: pathlib.Path,
-    file_size: Callable[[str], int | None] | None = None,
+    data_size: int | bool | None = False,
     *,
     checked: bool = True,
 ) -> tuple[list[Leaf], dict[str, dict[str, Any]]]:
@@ -203,8 +198,8 @@ def validate(
     Args:
       raw: the parsed manifest.
       where: the step's directory (named in errors).
-      file_size: a buffer file's size in bytes (None if missing), for nnxscan's own
-        files storage: every buffer must lie inside its file. None for orbax's storage,
+      data_size: the size in bytes of ``arrays.bin`` (None if missing), for nnxscan's
+        own files storage: every buffer must lie inside it. False for orbax's storage,
         whose packed buffers are orbax arrays (their sizes are checked on read).
       checked: the manifest carried a matching crc32 (version 4 requires one).
 
@@ -228,12 +223,13 @@ def validate(
     if not isinstance(leaves, list):
         raise refuse("manifest", "it has no list of leaves")
     declared = raw.get("buffers")
-    if declared is None and file_size is None and version < 4:
+    own_files = data_size is not False
+    if declared is None and not own_files and version < 4:
         declared = _legacy_orbax_buffers(leaves)
-    buffers = _validate_buffers(declared or {}, version, refuse, file_size)
+    buffers = _validate_buffers(declared or {}, version, refuse, data_size)
     records, seen = [], set()
     for index, entry in enumerate(leaves):
-        record = _validate_leaf(entry, index, buffers, refuse, packed_only=file_size is not None)
+        record = _validate_leaf(entry, index, buffers, refuse, packed_only=own_files)
         if record.path in seen:
             raise refuse(f"leaf {record.path}", "it is listed twice")
         seen.add(record.path)
@@ -259,7 +255,7 @@ def _legacy_orbax_buffers(leaves: list) -> dict[str, dict[str, Any]]:
 
 
 def _validate_buffers(
-    buffers: Any, version: int, refuse: _Refusal, file_size: Callable | None
+    buffers: Any, version: int, refuse: _Refusal, data_size: int | bool | None
 ) -> dict[str, dict[str, Any]]:
     if not isinstance(buffers, dict):
         raise refuse("manifest", "its buffers are not a mapping")
@@ -274,26 +270,25 @@ def _validate_buffers(
         if not _count(size):
             raise refuse(what, f"element count {size!r} is not a non-negative int")
         record = {"dtype": dtype, "size": size}
-        if file_size is not None:  # nnxscan's own files: a byte range of a file
-            file, offset = entry.get("file", DATA), entry.get("offset")
-            if not isinstance(file, str) or not (file == DATA or _ITEM_FILE.fullmatch(file)):
-                raise refuse(what, f"file {file!r} is not a file of the checkpoint's own")
+        if data_size is not False:  # nnxscan's own files: a byte range of arrays.bin
+            if "file" in entry and entry["file"] != DATA:
+                raise refuse(what, f"file {entry['file']!r} is not the checkpoint's {DATA}")
+            offset = entry.get("offset")
             if not _count(offset):
                 raise refuse(what, f"byte offset {offset!r} is not a non-negative int")
             nbytes = size * jnp.dtype(dtype).itemsize
-            have = file_size(file)
-            if have is None:
-                raise refuse(what, f"its file {file} is missing")
-            if offset + nbytes > have:
+            if data_size is None:
+                raise refuse(what, f"its file {DATA} is missing")
+            if offset + nbytes > data_size:
                 raise refuse(
                     what,
-                    f"it needs bytes [{offset}, {offset + nbytes}) of {file}, which holds "
-                    f"{have} bytes (truncated?)",
+                    f"it needs bytes [{offset}, {offset + nbytes}) of {DATA}, which holds "
+                    f"{data_size} bytes (truncated?)",
                 )
             crc = entry.get("crc32")
             if version >= 4 and not (isinstance(crc, str) and re.fullmatch(r"[0-9a-f]{8}", crc)):
                 raise refuse(what, f"crc32 {crc!r} is not 8 hex digits")
-            record.update(file=file, offset=offset, crc32=crc, nbytes=nbytes)
+            record.update(offset=offset, crc32=crc, nbytes=nbytes)
         out[name] = record
     return out
 

@@ -194,7 +194,7 @@ def _read_files(where: pathlib.Path, template: Template) -> tuple:
             f"cannot be read: {error}. Restore another checkpoint (resume=True and "
             f"restore() without a step skip a damaged one)."
         ) from None
-    records, buffers = _manifest.validate(raw, where, _files.file_sizes(where), checked=checked)
+    records, buffers = _manifest.validate(raw, where, _files.data_size(where), checked=checked)
     matched = _matched(records, template, where)
     names = {record.buffer for record, _ in matched if record.buffer}
     try:

@@ -2,22 +2,24 @@
 
 Flax's checkpointing guide loads a model for inference with
 ``ocp.StandardCheckpointer().restore(path, abstract_state)``. For that to read an nnxscan
-checkpoint, nnxscan's own files storage writes the tree's ``state`` entry as
-``<step>/state/`` in the layout orbax's ``StandardCheckpointHandler`` writes with
-``use_ocdbt=False`` and zarr v2 (orbax reads every layout it ever wrote):
+checkpoint, nnxscan's own files storage also writes the tree's ``state`` entry as
+``<step>/state/``, in the layout orbax's ``StandardCheckpointer`` writes by default (an
+OCDBT key-value store of zarr v2 arrays; orbax reads every layout it ever wrote):
 
     <step>/state/
       _METADATA                      the tree: each leaf's key path and shape
       _sharding                      each array's device
       array_metadatas/process_0      shapes, and the PRNG implementation of key arrays
-      <param name>/.zarray           zarr v2 metadata: shape, dtype, one chunk, no compressor
-      <param name>/0[.0...]          the chunk: the array's raw bytes, C order
+      manifest.ocdbt, d/<hash>       the OCDBT store (tensorstore, which flax installs)
+                                     holding, per array, ``<param name>/.zarray`` (shape,
+                                     dtype, one chunk, no compressor) and its chunk
+                                     ``<param name>/0[.0...]``: the raw bytes, C order
 
-Writing it ourselves rather than through orbax costs a few ms of the background writer
-instead of orbax's tens of ms per save (its per-array machinery), and the chunks are the
-only copy of the model state in the checkpoint: nnxscan's manifest names them as buffers,
-with their crc32s, as it names the packed buffers of ``arrays.bin``. What orbax writes for
-the same tree is the reference (tests/test_checkpoint_flax.py compares the files).
+Written through tensorstore's OCDBT driver in one transaction: a handful of files however
+many arrays (deleting an old checkpoint stays cheap), a few ms of the background writer's
+CPU where orbax's own save costs tens of ms (its per-array machinery). nnxscan itself reads
+the model state from ``arrays.bin``, checked by its crc32; this item is for Flax's code.
+What orbax writes for the same tree is the reference (tests/test_checkpoint_trust.py).
 
 Only a tree orbax would write this way gets an item: every leaf a jax/numpy array or PRNG
 key of a dtype zarr stores, with no zero-sized axis, under a key path of plain names
@@ -28,9 +30,11 @@ from __future__ import annotations
 
 import base64
 import json
+import pathlib
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 ITEM = "state"
 
@@ -59,8 +63,8 @@ class ItemLeaf(NamedTuple):
 
     @property
     def chunk(self) -> str:
-        """The chunk file, relative to the step directory."""
-        return f"{ITEM}/{self.name}/{'.'.join(['0'] * max(len(self.shape), 1))}"
+        """The chunk's key in the item's store."""
+        return f"{self.name}/{'.'.join(['0'] * max(len(self.shape), 1))}"
 
 
 def item_keys(path: tuple) -> tuple[str, ...] | None:
@@ -87,7 +91,8 @@ def storable(shape: tuple[int, ...], dtype: str) -> bool:
 
 
 def item_files(leaves: list[ItemLeaf], device: str) -> dict[str, bytes]:
-    """The item's files other than the chunks, relative to the step directory."""
+    """The item's metadata: its files (paths relative to the item, ``_METADATA``...) and
+    its store's ``.zarray`` keys (``<param name>/.zarray``)."""
     tree, sharding, arrays, files = {}, {}, [], {}
     placed = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": device})
     for leaf in leaves:
@@ -116,18 +121,47 @@ def item_files(leaves: list[ItemLeaf], device: str) -> dict[str, bytes]:
             "dtype": _ZARR_DTYPES[leaf.dtype], "fill_value": None, "filters": None,
             "order": "C", "shape": list(leaf.shape), "zarr_format": 2,
         }  # fmt: skip
-        files[f"{ITEM}/{name}/.zarray"] = json.dumps(zarray).encode()
+        files[f"{name}/.zarray"] = json.dumps(zarray).encode()
     metadata = {
         "tree_metadata": tree,
-        "use_ocdbt": False,
+        "use_ocdbt": True,
         "use_zarr3": False,
         "store_array_data_equal_to_fill_value": True,
         "custom_metadata": None,
     }
-    files[f"{ITEM}/_METADATA"] = json.dumps(metadata).encode()
-    files[f"{ITEM}/_sharding"] = json.dumps(sharding).encode()
-    files[f"{ITEM}/array_metadatas/process_0"] = json.dumps({"array_metadatas": arrays}).encode()
+    files["_METADATA"] = json.dumps(metadata).encode()
+    files["_sharding"] = json.dumps(sharding).encode()
+    files["array_metadatas/process_0"] = json.dumps({"array_metadatas": arrays}).encode()
     return files
+
+
+#: The item's own files (the rest of ``item_files`` are keys of its store).
+FILES = ("_METADATA", "_sharding", "array_metadatas/process_0")
+
+
+def write_item(
+    path: pathlib.Path, leaves: list[ItemLeaf], arrays: list[Any], files: dict[str, bytes]
+) -> list[pathlib.Path]:
+    """Writes the item into the (new) folder ``path``: the store's keys in one tensorstore
+    transaction (its file driver syncs what it writes), then the metadata files; returns
+    those files, for the caller to fsync with its own."""
+    import tensorstore  # flax installs it; imported here, where it is first needed
+
+    spec = {"driver": "ocdbt", "base": f"file://{path}/", "config": {"compression": None}}
+    store = tensorstore.KvStore.open(spec).result()
+    transaction = tensorstore.Transaction()
+    keys = store.with_transaction(transaction)
+    for leaf, array in zip(leaves, arrays, strict=True):
+        keys[f"{leaf.name}/.zarray"] = files[f"{leaf.name}/.zarray"]
+        keys[leaf.chunk] = np.ascontiguousarray(array).tobytes()
+    transaction.commit_async().result()
+    written = []
+    for name in FILES:
+        target = path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(files[name])
+        written.append(target)
+    return written
 
 
 def device_name(array: Any) -> str:

@@ -31,9 +31,9 @@ checkpoint by its step, so one listing, one ``max_to_keep`` and one reader serve
       <step>/                           nnxscan's own files (see _checkpoint_files.py)
         manifest.json                   the manifest (below), its own crc32 first, plus
                                         each buffer's file, offset, dtype, size and crc32
-        arrays.bin                      the packed buffers, raw (all but the model state)
-        state/                          the model state: an orbax item (zarr chunks, one
-                                        per array) that Flax's StandardCheckpointer reads
+        arrays.bin                      the packed buffers, raw
+        state/                          the model state again, as an orbax item (OCDBT,
+                                        zarr) that Flax's StandardCheckpointer reads
       <step>/                           or orbax's
         _CHECKPOINT_METADATA            orbax: when it was written
         manifest/metadata               the manifest
@@ -54,13 +54,13 @@ checkpoint by its step, so one listing, one ``max_to_keep`` and one reader serve
 The manifest (JSON): format name and version, and per leaf in flattening order its path
 (jax keystr, e.g. "['state']['l1']['kernel']"), kind ("array", "key", or a Python type),
 shape, dtype, key implementation, and either the buffer and element offset holding its
-elements (pack_float32, ...: the other arrays this process holds whole, joined into one
-flat buffer per dtype; ``state/<name>/0.0``: a model array's own chunk), its orbax array
-name, or the Python value itself. The reader trusts none of it: the manifest is validated
-whole (``_checkpoint_manifest.py``) before any buffer is read, every buffer is checked
-against its crc32 as it is read, and a damaged checkpoint is a
-:class:`CorruptCheckpointError` naming the directory, the step, the leaf or file and what
-is wrong; :func:`newest_good` (``restore_checkpoint(..., fallback=True)``) skips those.
+elements (pack_float32, ...: the arrays this process holds whole, joined into one flat
+buffer per dtype), its orbax array name, or the Python value itself. The reader trusts
+none of it: the manifest is validated whole (``_checkpoint_manifest.py``) before any
+buffer is read, every buffer is checked against its crc32 as it is read, and a damaged
+checkpoint is a :class:`CorruptCheckpointError` naming the directory, the step, the leaf
+or file and what is wrong; :func:`newest_good` (``restore_checkpoint(...,
+fallback=True)``) skips those.
 
 Atomicity: a checkpoint is written under a temporary name and renamed to ``<step>`` only
 after every file is written and flushed (our files are fsync'ed, the rename too); on a
@@ -295,7 +295,7 @@ class CheckpointWriter:
         # Every leaf is checked before anything touches the disk. This copies the arrays to
         # the host: what is written is what the tree held now, whatever happens to it next.
         layout, leaves = _layout.layout_of(tree, with_item=self.storage == "auto")
-        entries, buffers = _layout.fill(layout, leaves)
+        entries, buffers, item_arrays = _layout.fill(layout, leaves)
         manifest = {"format": _manifest.FORMAT, "version": _manifest.VERSION, "leaves": entries}
         own_files = self.storage == "auto" and layout.held_whole
         self.lock()
@@ -325,16 +325,19 @@ class CheckpointWriter:
             )
         log = self._take_log()  # before this checkpoint, in the same write
         if own_files:
-            self._write_files(step, manifest, buffers, layout.item_files, log)
+            item = None
+            if layout.item:
+                item = ([leaf for _, leaf in layout.item], item_arrays, layout.item_files)
+            self._write_files(step, manifest, buffers, item, log)
         else:
             if log:  # orbax writes in its own threads: the log is on disk first
                 _files.append_log(self.path, log)
-            self._write_orbax(manager, step, manifest, buffers, tree.get("state"))
+            self._write_orbax(manager, step, manifest, buffers, layout.packs, tree.get("state"))
         self._steps = [*steps, step][-self.max_to_keep :]  # what max_to_keep will leave
         return self.path / str(step)
 
     def _write_files(
-        self, step: int, manifest: dict[str, Any], buffers: dict, item: dict, log: bytes
+        self, step: int, manifest: dict[str, Any], buffers: dict, item: Any, log: bytes
     ) -> None:
         def write() -> None:
             if log:
@@ -355,11 +358,17 @@ class CheckpointWriter:
         self._in_flight = self._thread.submit(write)
 
     def _write_orbax(
-        self, manager: Any, step: int, manifest: dict, buffers: dict, state: Any
+        self,
+        manager: Any,
+        step: int,
+        manifest: dict,
+        buffers: dict,
+        layout_packs: dict,
+        state: Any,
     ) -> None:
         ocp = _read.orbax()
-        arrays = {name: array for name, (_, array) in buffers.items()}
-        packs = {name: array for name, (file, array) in buffers.items() if file is not None}
+        arrays = buffers
+        packs = {name: buffers[name] for name in layout_packs}
         manifest = {
             **manifest,
             "buffers": {n: {"dtype": a.dtype.name, "size": a.size} for n, a in packs.items()},

@@ -22,6 +22,7 @@ from nnxscan.pure.checks import (
     abstract_batch,
     check_batch_size,
     check_leading_size,
+    check_no_captured_nnx,
 )
 from nnxscan.shell._engine.calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine.engine import Engine
@@ -34,6 +35,7 @@ from nnxscan.shell._module_check import check_module
 from nnxscan.shell._user_steps import (
     check_pure_step,
     check_stateful_step,
+    loss_arguments,
     refuse_loss_options,
 )
 
@@ -136,6 +138,7 @@ def scan_train(
         )
     if train_step is None:
         _check_builtin(optimizer, loss_fn, extras, opt_state)
+        check_no_captured_nnx(loss_fn, "loss_fn", arguments=loss_arguments(loss_fn, model, rngs))
     num = check_leading_size(batches, "batches")
     if batch_size is None:
         _check_steps_axis(batches)
@@ -271,7 +274,7 @@ def _user_step(
             "opt_state= goes with a pure Step; a stateful train_step keeps every state in "
             "its objects (the nnx.Optimizer's own), updated in place."
         )
-    check_stateful_step(train_step, optimizer, extras, "scan_train")
+    check_stateful_step(train_step, model, optimizer, extras, "scan_train")
     owner = ModelOwner.of_step(model, optimizer=optimizer, extras=extras)
     return owner, _outputs_program(train_step), _stateful_outputs
 

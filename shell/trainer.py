@@ -35,6 +35,7 @@ from nnxscan.shell._engine.programs import (
 from nnxscan.shell._user_steps import (
     check_pure_step,
     check_stateful_step,
+    loss_arguments,
     refuse_loss_options,
 )
 from nnxscan.shell.history import History
@@ -71,7 +72,7 @@ def _user_step(
     if isinstance(train_step, Step):
         check_pure_step(train_step, optimizer, extras, "Trainer(model, train_step=step)")
         return ModelOwner.of_step(model, train_step), step_program(train_step, on_nonfinite)
-    check_stateful_step(train_step, optimizer, extras, "Trainer")
+    check_stateful_step(train_step, model, optimizer, extras, "Trainer")
     owner = ModelOwner.of_step(model, optimizer=optimizer, extras=extras)
     return owner, nnx_step_program(train_step, on_nonfinite)
 
@@ -209,7 +210,10 @@ class Trainer:
                                 "metrics= to a Trainer built from a loss.")  # fmt: skip
             if not callable(loss_fn):
                 raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-            check_no_captured_nnx(loss_fn, "loss_fn")  # first: nothing may compile before it
+            # First: nothing may compile before it.
+            check_no_captured_nnx(
+                loss_fn, "loss_fn", arguments=loss_arguments(loss_fn, model, rngs)
+            )
             if (metrics is None) != (update_metrics is None):
                 raise ValueError(
                     "metrics and update_metrics go together: metrics=nnx.MultiMetric(...) "

@@ -97,8 +97,12 @@ def leaf(record: dict, path: str) -> dict:
     return next(entry for entry in record["leaves"] if entry["path"] == path)
 
 
-def kernel_chunk(step_dir: pathlib.Path) -> pathlib.Path:
-    return step_dir / leaf(manifest_of(step_dir), KERNEL)["buffer"]
+def flip_kernel_bit(step_dir: pathlib.Path) -> None:
+    """A low mantissa bit of the kernel's second float, in arrays.bin."""
+    record = manifest_of(step_dir)
+    kernel = leaf(record, KERNEL)
+    byte = record["buffers"][kernel["buffer"]]["offset"] + 4 * (kernel["offset"] + 1)
+    flip_bit(step_dir / "arrays.bin", byte, 1)
 
 
 def assert_untouched(trainer: Trainer, before: list) -> None:
@@ -121,14 +125,13 @@ def test_an_intact_checkpoint_restores_the_arrays_training_held(run, tmp_path):
 @pytest.mark.parametrize(
     "damage",
     ["weight_mantissa_bit", "every_7th_byte_of_arrays_bin", "truncated_arrays_bin",
-     "truncated_chunk", "manifest_bit", "truncated_manifest", "deleted_manifest",
-     "emptied_step_dir", "deleted_chunk"],
+     "manifest_bit", "truncated_manifest", "deleted_manifest", "emptied_step_dir",
+     "deleted_arrays_bin"],
 )  # fmt: skip
 def test_damage_is_refused_naming_the_checkpoint_and_changes_nothing(copy, damage):
     step = copy / "12"
-    chunk = kernel_chunk(step)
     if damage == "weight_mantissa_bit":
-        flip_bit(chunk, 5, 1)  # a low mantissa bit of the kernel's second float
+        flip_kernel_bit(step)
     elif damage == "every_7th_byte_of_arrays_bin":
         data = bytearray((step / "arrays.bin").read_bytes())
         for i in range(0, len(data), 7):
@@ -136,8 +139,6 @@ def test_damage_is_refused_naming_the_checkpoint_and_changes_nothing(copy, damag
         (step / "arrays.bin").write_bytes(bytes(data))
     elif damage == "truncated_arrays_bin":
         (step / "arrays.bin").write_bytes((step / "arrays.bin").read_bytes()[:40])
-    elif damage == "truncated_chunk":
-        chunk.write_bytes(chunk.read_bytes()[:-4])
     elif damage == "manifest_bit":
         flip_bit(step / "manifest.json", 300, 1)
     elif damage == "truncated_manifest":
@@ -147,8 +148,8 @@ def test_damage_is_refused_naming_the_checkpoint_and_changes_nothing(copy, damag
     elif damage == "emptied_step_dir":
         shutil.rmtree(step)
         step.mkdir()
-    elif damage == "deleted_chunk":
-        chunk.unlink()
+    elif damage == "deleted_arrays_bin":
+        (step / "arrays.bin").unlink()
     trainer = new_trainer(seed=7)
     before = state_arrays(trainer.model)
     with pytest.raises(CorruptCheckpointError, match=rf"{copy} step 12"):
@@ -162,8 +163,8 @@ def test_every_buffer_and_the_manifest_carry_a_crc32_of_their_bytes(run):
     step = run[0] / "12"
     record = manifest_of(step)
     assert record["version"] == 4 and record["buffers"]
+    data = (step / "arrays.bin").read_bytes()
     for entry in record["buffers"].values():
-        data = (step / entry["file"]).read_bytes()
         nbytes = entry["size"] * np.dtype(jax.numpy.dtype(entry["dtype"])).itemsize
         piece = data[entry["offset"] : entry["offset"] + nbytes]
         assert f"{zlib.crc32(piece):08x}" == entry["crc32"]
@@ -177,11 +178,10 @@ def _set_leaf(path: str, **fields):
 
 
 def _set_buffer(**fields):
-    """Edits the first buffer of arrays.bin (Adam's step count)."""
+    """Edits the first buffer of arrays.bin."""
 
     def edit(record):
-        buffers = record["buffers"].values()
-        next(b for b in buffers if b["file"] == "arrays.bin").update(fields)
+        next(iter(record["buffers"].values())).update(fields)
 
     return edit
 
@@ -200,8 +200,8 @@ CRAFTED = {
     "huge_buffer": (_set_buffer(size=10**12), "which holds"),
     "object_dtype_leaf": (_set_leaf(KERNEL, dtype="object"), "dtype 'object'"),
     "object_dtype_buffer": (_set_buffer(dtype="object"), "dtype 'object'"),
-    "buffer_file_outside": (_set_buffer(file="../../x"), "not a file of the checkpoint"),
-    "buffer_file_absolute": (_set_buffer(file="/etc/passwd"), "not a file of the checkpoint"),
+    "buffer_file_outside": (_set_buffer(file="../../x"), "not the checkpoint's arrays.bin"),
+    "buffer_file_absolute": (_set_buffer(file="/etc/passwd"), "not the checkpoint's arrays"),
     "leaf_names_a_missing_buffer": (_set_leaf(KERNEL, buffer="../../x"), "not among"),
     "unknown_version": (lambda r: r.update(version=99), "newer than this nnxscan"),
     "other_format": (lambda r: r.update(format="pickle"), "not written by nnxscan"),
@@ -250,7 +250,7 @@ def test_a_checkpoint_without_checksums_from_an_older_nnxscan_still_restores(cop
 
 
 def test_restore_without_a_step_skips_a_damaged_newest_one_and_warns(copy, run):
-    flip_bit(kernel_chunk(copy / "12"), 5, 1)
+    flip_kernel_bit(copy / "12")
     trainer = new_trainer(seed=7)
     with pytest.warns(UserWarning, match=r"skipped checkpoint 12 .* restored 8.*crc32"):
         assert trainer.restore(copy) == 2
@@ -260,7 +260,7 @@ def test_restore_without_a_step_skips_a_damaged_newest_one_and_warns(copy, run):
 
 
 def test_resume_skips_a_damaged_newest_checkpoint_and_ends_as_the_uninterrupted_run(copy, run):
-    flip_bit(kernel_chunk(copy / "12"), 5, 1)
+    flip_kernel_bit(copy / "12")
     trainer = new_trainer(seed=7)
     with pytest.warns(UserWarning, match="skipped checkpoint 12"):
         history = trainer.fit(DATA, epochs=3, batch_size=BATCH, checkpoint_dir=copy,
@@ -287,7 +287,7 @@ def test_resume_from_a_chosen_step_moves_newer_checkpoints_aside(copy, run):
 
 def test_when_every_checkpoint_is_damaged_nothing_changes(copy):
     for step in (4, 8, 12):
-        flip_bit(kernel_chunk(copy / str(step)), 5, 1)
+        flip_kernel_bit(copy / str(step))
     trainer = new_trainer(seed=7)
     before = state_arrays(trainer.model)
     with pytest.raises(CorruptCheckpointError, match=r"every checkpoint .* \[4, 8, 12\]"):
@@ -469,9 +469,11 @@ def test_load_model_restores_the_model_alone_into_an_abstract_one(run):
 
 
 def test_the_item_is_what_orbax_itself_writes_for_the_same_state(tmp_path):
-    """Our hand-written orbax item against orbax's own StandardCheckpointer files (non-OCDBT
-    zarr, the layout we write): the same metadata, and orbax restores both alike."""
+    """Our own orbax item against orbax's own StandardCheckpointer (its default layout: an
+    OCDBT store of zarr v2 arrays): the same metadata files, the same keys in the store,
+    the same zarr metadata but the compressor; and orbax restores both alike."""
     import orbax.checkpoint as ocp
+    import tensorstore
 
     class Many(nnx.Module):  # int keys (a list), a bfloat16 Param, keys, batch statistics
         def __init__(self, rngs):
@@ -484,14 +486,21 @@ def test_the_item_is_what_orbax_itself_writes_for_the_same_state(tmp_path):
     state = nnx.state(Many(nnx.Rngs(0)))
     ours = save_checkpoint(tmp_path / "ours", 0, {"state": state}) / "state"
     theirs = tmp_path / "theirs"
-    handler = ocp.StandardCheckpointHandler(use_ocdbt=False)
-    ocp.Checkpointer(handler).save(theirs, args=ocp.args.StandardSave(state))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(theirs, state)
+    checkpointer.wait_until_finished()
     for name in ("_METADATA", "_sharding", "array_metadatas/process_0"):
         assert json.loads((ours / name).read_text()) == json.loads((theirs / name).read_text())
-    for zarray in theirs.glob("*/.zarray"):
-        theirs_meta = json.loads(zarray.read_text())
-        ours_meta = json.loads((ours / zarray.parent.name / ".zarray").read_text())
-        assert ours_meta == {**theirs_meta, "compressor": None}, zarray.parent.name
+
+    def store(item):
+        spec = {"driver": "ocdbt", "base": f"file://{item}/"}
+        kv = tensorstore.KvStore.open(spec).result()
+        return {key.decode(): kv[key] for key in kv.list().result()}
+
+    ours_kv, theirs_kv = store(ours), store(theirs)
+    assert sorted(ours_kv) == sorted(theirs_kv)
+    for key in (k for k in theirs_kv if k.endswith(".zarray")):
+        assert json.loads(ours_kv[key]) == {**json.loads(theirs_kv[key]), "compressor": None}
     abstract = nnx.split(nnx.eval_shape(lambda: Many(nnx.Rngs(1))))[1]
     restored = [ocp.StandardCheckpointer().restore(d, abstract) for d in (ours, theirs)]
     for a, b, want in zip(*map(state_arrays, restored), state_arrays(state), strict=True):

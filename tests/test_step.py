@@ -86,8 +86,10 @@ def test_make_train_step_is_a_step_value():
         )
 
     called, updated, scanned = both(state, opt_state, batch)
+    # Calling the step runs its update: one computation, traced twice into one program.
     assert_trees_close(called, updated, exact=True)
-    assert_trees_close(scanned[:2], updated[:2], exact=True)
+    # Scanned, the step sits in other code (a slice of the stacked batch): to rounding.
+    assert_trees_close(scanned[:2], updated[:2])
     assert make_train_step(xent, tx, has_aux=True).has_aux is True
 
 

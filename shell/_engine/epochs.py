@@ -292,7 +292,9 @@ class StreamEpochs:
         self.put_indices = put_indices
         self._pending = [first_epoch]
         # One checker for the whole fit: the step was traced on the first batch.
-        self.checker = BatchChecker(batch_size, members=members if member_batches else None)
+        self.checker = BatchChecker(
+            batch_size, members=members if member_batches else None, hint=source.hint
+        )
         self._placed: dict[int, Any] = {}
         self.options = dict(
             prefetch=prefetch, chunk_size=chunk_size, keep_tail=not drop_remainder, put=put,

@@ -15,6 +15,7 @@ waits in the device queue, so the device never idles for the host.
 from __future__ import annotations
 
 import collections.abc
+import inspect
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -71,11 +72,36 @@ def is_stream(data: Any) -> bool:
     return isinstance(data, Iterable)
 
 
+def stream_hint(data: Any) -> str:
+    """What a message about a bad batch adds for the kind of stream the batch came from:
+    a list of arrays may have been meant as a data set; a generator's batches are its own."""
+    if isinstance(data, list):
+        return (
+            "(A list is read as a list of batches: pass a tuple (x, y) for a data set of arrays.)"
+        )
+    if inspect.isgenerator(data):
+        source = "the generator"
+    elif callable(data):
+        name = getattr(data, "__name__", type(data).__name__)
+        source = f"the iterator your data callable {name} returns"
+    elif isinstance(data, Iterator):
+        source = f"the iterator ({type(data).__name__})"
+    else:
+        source = f"the {type(data).__name__}"
+    return (
+        f"(Every batch {source} yields is one step, trained as it comes: make it yield the "
+        f"same structure, shapes and dtypes each time, or pass the whole data set as "
+        f"arrays, e.g. a tuple (x, y), and let fit cut the batches.)"
+    )
+
+
 class EpochSource:
     """Gives one fresh iterator per epoch from a callable, a re-iterable or an iterator."""
 
     def __init__(self, data: Any, epochs: int):
         self._data = data
+        #: Ends the messages about a bad batch (see :func:`stream_hint`).
+        self.hint = stream_hint(data)
         single_use = isinstance(data, Iterator)
         if single_use and epochs > 1:
             raise ValueError(
@@ -118,9 +144,10 @@ class BatchChecker:
     size is then the second dimension.
     """
 
-    def __init__(self, batch_size: int | None, members: int | None = None):
+    def __init__(self, batch_size: int | None, members: int | None = None, hint: str = ""):
         self.batch_size = batch_size
         self.members = members
+        self.hint = hint
         self.leaves: dict[str, tuple[tuple, str]] | None = None
         self.treedef = None
 
@@ -161,8 +188,7 @@ class BatchChecker:
             raise ValueError(
                 f"{where} has another structure than batch 0: "
                 f"{ {p: shape for p, (shape, _) in leaves.items()} } vs "
-                f"{ {p: shape for p, (shape, _) in self.leaves.items()} }. (A list is read "
-                f"as a list of batches: pass a tuple (x, y) for a data set of arrays.)"
+                f"{ {p: shape for p, (shape, _) in self.leaves.items()} }. {self.hint}".rstrip()
             )
         for path, (shape, dtype) in leaves.items():
             want_shape, want_dtype = self.leaves[path]
@@ -175,8 +201,8 @@ class BatchChecker:
                 raise ValueError(
                     f"{where}, leaf {path}: shape {shape} {dtype} differs from batch 0's "
                     f"{want_shape} {want_dtype}. Every batch must have the same shapes and "
-                    f"dtypes (only the final batch of an epoch may be shorter). (A list is "
-                    f"read as a list of batches: pass a tuple (x, y) for a data set.)"
+                    f"dtypes (only the final batch of an epoch may be shorter). "
+                    f"{self.hint}".rstrip()
                 )
         return size
 
