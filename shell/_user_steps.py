@@ -106,3 +106,26 @@ def loss_arguments(loss_fn: Callable, model: Any, rngs: Any) -> dict[str, Any]:
     names its signature gives them."""
     names = parameter_names(loss_fn, ["model", "batch"] + (["rngs"] if rngs is not None else []))
     return {names[0]: model} | ({names[2]: rngs} if rngs is not None else {})
+
+
+def user_step_owner(
+    model: Any,
+    optimizer: Any,
+    train_step: Any,
+    extras: tuple,
+    *,
+    pure_call: str,
+    stateful_front: str,
+    init: Callable | None = None,
+) -> tuple[Any, bool]:
+    """The owner of a user's step (``Trainer``'s and ``scan_train``'s one way of taking
+    it), after its checks; and whether the step is a pure ``Step`` (else a stateful NNX
+    function). ``init`` replaces a pure step's ``init`` (``scan_train(opt_state=...)``)."""
+    from nnxscan.shell._engine.owner import ModelOwner
+
+    if isinstance(train_step, Step):
+        check_pure_step(train_step, optimizer, extras, pure_call)
+        step = train_step if init is None else train_step._replace(init=init)
+        return ModelOwner.of_step(model, step), True
+    check_stateful_step(train_step, model, optimizer, extras, stateful_front)
+    return ModelOwner.of_step(model, optimizer=optimizer, extras=extras), False
