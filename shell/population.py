@@ -395,7 +395,7 @@ class Population(FrontDoor):
         self,
         data: Any,
         *,
-        epochs: int,
+        epochs: int | None = None,
         shared_order: bool = False,
         member_batches: bool = False,
         **options: Unpack[FitArguments],

@@ -310,7 +310,7 @@ class Trainer(FrontDoor):
         self,
         data: Any,
         *,
-        epochs: int,
+        epochs: int | None = None,
         seed: int | None = None,
         **options: Unpack[FitArguments],
     ) -> History:
@@ -336,7 +336,8 @@ class Trainer(FrontDoor):
 
         Args:
           data: the data set or the stream, as above.
-          epochs: number of epochs to train (0 trains nothing).
+          epochs: number of epochs to train (0 trains nothing); may be left out with
+            ``max_steps`` (the steps then decide).
           seed: the shuffle seed of a data set; ``None`` keeps the trainer's seed (0, or
             the one a restored checkpoint recorded, so a resumed run shuffles as the
             original did).

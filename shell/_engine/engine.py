@@ -179,10 +179,20 @@ class Engine:
     def _fit(self, data: Any, options: FitOptions) -> History:
         epochs, run = options.epochs, {}
         members = self.owner.num_members
+        if epochs is None and data is not None and is_stream(data):
+            raise ValueError(
+                "a stream's epochs have no length known before it is read: pass epochs= "
+                "with max_steps= (fit ends at whichever comes first)."
+            )
+        stop_at = None if options.max_steps is None else self.owner.step + options.max_steps
         if options.resume is not False:  # the last change to the objects before training
             epochs, run = self._resume(options, data)
-            if epochs == 0:
-                return run["history"]
+            if options.max_steps is not None:  # the whole run's, as epochs counts
+                stop_at = options.max_steps
+            if epochs == 0 or (stop_at is not None and self.owner.step >= stop_at):
+                return _finished(run)
+        if stop_at is not None and stop_at <= self.owner.step:
+            return History(losses=empty_losses(members))
         if data is None:
             epoch_calls, execution = self._steps(options)
         elif is_stream(data):
@@ -191,6 +201,11 @@ class Engine:
                 return History(losses=empty_losses(members))
         else:
             epoch_calls, execution = self._arrays(data, options)
+        if stop_at is not None:  # the epochs the step budget reaches into
+            budget = stop_at - self.owner.step + self.owner.epoch_step
+            reached = -(-budget // epoch_calls.steps_per_epoch)
+            epochs = reached if epochs is None else min(epochs, reached)
+            run["stop_at"] = stop_at
         self.owner.begin_run(options.run_keys)  # every input is known good now
         loop = FitLoop(
             program=self.program, execution=execution, owner=self.owner,
@@ -297,7 +312,7 @@ class Engine:
             options.checkpoints.run_log.resumed(history, partial, where)
         if isinstance(data, GrainEpochs):
             data.epoch = self.owner.epoch  # grain draws each epoch's order from its index
-        left = max(options.epochs - self.owner.epoch, 0)
+        left = None if options.epochs is None else max(options.epochs - self.owner.epoch, 0)
         return left, {"history": history, "partial": partial, "partial_aux": partial_aux}
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -389,3 +404,12 @@ def _one_model(x: Any, sharding: Any, stacked: bool, *, member: bool = True) -> 
     return jax.ShapeDtypeStruct(
         shape, dtype, sharding=NamedSharding(sharding.mesh, P(*spec)), weak_type=weak
     )
+
+
+def _finished(run: dict[str, Any]) -> History:
+    """The History of a resumed run with nothing left to train; a run that ``max_steps``
+    ended inside an epoch keeps that epoch's losses (its logs were never written)."""
+    history, partial = run["history"], run.get("partial")
+    if partial is not None and len(partial):
+        history.losses = np.concatenate([history.losses, partial])
+    return history
