@@ -87,12 +87,16 @@ def optimizer_state_writer(optimizer: nnx.Optimizer) -> Callable[[Any, Any], nnx
       >>> build = optimizer_state_writer(optimizer)
       >>> nnx.update(optimizer, build(opt_state, jnp.uint32(10)))
     """
-    flat, treedef = jax.tree.flatten(nnx.state(optimizer), is_leaf=_is_variable)
     position = {
         id(var): i
         for i, var in enumerate(jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable))
     }
     step_id = id(optimizer.step)
+    # Only the optimizer's own Variables: an nnx.ModelAndOptimizer (or any subclass that
+    # keeps the model, or more) holds the model's Variables too, which the shell writes
+    # through the model, and which an update built from the optax state must not touch.
+    own = nnx.state(optimizer, lambda _, var: id(var) == step_id or id(var) in position)
+    flat, treedef = jax.tree.flatten(own, is_leaf=_is_variable)
     # For each Variable of the optimizer's state: the index of its new optax leaf, or -1
     # for the step counter.
     sources = [-1 if id(var) == step_id else position[id(var)] for var in flat]
