@@ -40,7 +40,9 @@ def check_pure_step(step: Step, optimizer: Any, extras: tuple, call: str) -> Non
     check_no_captured_nnx(step.update, "train_step.update")
 
 
-def check_stateful_step(fn: Any, optimizer: Any, extras: tuple, front: str) -> None:
+def check_stateful_step(
+    fn: Any, model: nnx.Module, optimizer: Any, extras: tuple, front: str
+) -> None:
     """A stateful ``fn(model, [optimizer], *extras, batch)``: callable so, with an
     ``nnx.Optimizer`` (if any) and NNX objects as extras, capturing none."""
     if not callable(fn):
@@ -53,6 +55,19 @@ def check_stateful_step(fn: Any, optimizer: Any, extras: tuple, front: str) -> N
             f"with a stateful train_step, the second argument is the nnx.Optimizer it "
             f"receives, got {type(optimizer).__name__}. Build one: "
             f"nnx.Optimizer(model, tx, wrt=nnx.Param)."
+        )
+    if (
+        optimizer is not None
+        and getattr(optimizer, "model", None) is model
+        and not nnx.set_graph_mode.current_value()
+    ):
+        raise TypeError(
+            f"in Flax's tree mode (nnx.set_graph_mode(False), NNX_GRAPH_MODE=false) objects "
+            f"cannot share Variables, and this {type(optimizer).__name__} holds the model "
+            f"that {front} also passes to your step. Pass an optimizer that does not hold "
+            f"it: nnx.Optimizer(model, tx, wrt=nnx.Param), whose update(model, grads) your "
+            f"step calls; or run in graph mode (with nnx.set_graph_mode(True): ...). A "
+            f"step built from a loss takes either optimizer."
         )
     for i, extra in enumerate(extras):
         if not isinstance(extra, nnx.Pytree | nnx.Variable):

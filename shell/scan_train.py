@@ -271,7 +271,7 @@ def _user_step(
             "opt_state= goes with a pure Step; a stateful train_step keeps every state in "
             "its objects (the nnx.Optimizer's own), updated in place."
         )
-    check_stateful_step(train_step, optimizer, extras, "scan_train")
+    check_stateful_step(train_step, model, optimizer, extras, "scan_train")
     owner = ModelOwner.of_step(model, optimizer=optimizer, extras=extras)
     return owner, _outputs_program(train_step), _stateful_outputs
 

@@ -71,7 +71,7 @@ def _user_step(
     if isinstance(train_step, Step):
         check_pure_step(train_step, optimizer, extras, "Trainer(model, train_step=step)")
         return ModelOwner.of_step(model, train_step), step_program(train_step, on_nonfinite)
-    check_stateful_step(train_step, optimizer, extras, "Trainer")
+    check_stateful_step(train_step, model, optimizer, extras, "Trainer")
     owner = ModelOwner.of_step(model, optimizer=optimizer, extras=extras)
     return owner, nnx_step_program(train_step, on_nonfinite)
 

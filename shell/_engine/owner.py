@@ -152,13 +152,13 @@ class ModelOwner:
             self.optimizer = self._synced = tx_or_optimizer
             self.wrt = tx_or_optimizer.wrt
             self.tx = check_transform(tx_or_optimizer.tx)
-            params, _ = split_wrt(nnx.state(self.node), self.wrt)
+            params, _ = split_wrt(plain(nnx.state(self.node)), self.wrt)
             optax_state_from_optimizer(self.optimizer, params)  # validates, raises early
             self._opt_state = None
         else:
             self.tx = check_transform(tx_or_optimizer)
             self.wrt = wrt
-            self._opt_state = init_opt_state(self.tx, nnx.state(self.node), wrt)
+            self._opt_state = init_opt_state(self.tx, plain(nnx.state(self.node)), wrt)
         self._counters()
 
     @classmethod
@@ -189,7 +189,7 @@ class ModelOwner:
         if step is None:
             owner._opt_state = ()
         else:
-            owner._opt_state = step.init(*nnx.split(owner.node))
+            owner._opt_state = step.init(*split_plain(owner.node))
         owner._counters()
         return owner
 
@@ -206,6 +206,7 @@ class ModelOwner:
         # reads_held: whether reads are held, and the read they all return.
         self._holding = False
         self._held: tuple[nnx.GraphDef, nnx.State, Any] | None = None
+        self._copied = False
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -222,7 +223,7 @@ class ModelOwner:
     @property
     def opt_state(self) -> Any:
         """The optax state, in the structure ``tx.init(params)`` gives."""
-        return self._opt_state_of(nnx.state(self.node))
+        return self._opt_state_of(plain(nnx.state(self.node)))
 
     def _opt_state_of(self, state: nnx.State) -> Any:
         """The optax state, given the node's state as just read (one graph walk, not two)."""
@@ -235,7 +236,12 @@ class ModelOwner:
         """``(graphdef, state, opt_state)`` of the user's objects (their own buffers)."""
         if self._held is not None:
             return self._held
-        graphdef, state = nnx.split(self.node)
+        graphdef, own = nnx.split(self.node)
+        if plain(own) is own:
+            state = own
+        else:  # a plain copy of hijax Variables: writes must reach the user's own
+            graphdef, state = nnx.split(nnx.with_vars(self.node, hijax=False))
+        self._copied = state is not own
         read = (graphdef, state, self._opt_state_of(state))
         if self._holding:
             self._held = read
@@ -262,7 +268,7 @@ class ModelOwner:
 
     def read_state(self) -> nnx.State:
         """The module state of the user's objects (model, and rngs/metrics when given)."""
-        return nnx.split(self.node)[1]
+        return split_plain(self.node)[1]
 
     def reset_metrics(self) -> None:
         """Starts the training metrics afresh (at the start of a fit)."""
@@ -290,7 +296,7 @@ class ModelOwner:
         (hijax Variables, array refs), go through ``nnx.update``.
         """
         _, state, opt_state = self.read()
-        variables = _swappable(state, self._synced)
+        variables = None if self._copied else _swappable(state, self._synced)
         # The carry's treedef, compared once per run of calls (LiveState keeps one object).
         expected, matched = jax.tree.structure((state, opt_state)), [None]
         model_leaves = len(jax.tree.leaves(state))
@@ -369,7 +375,7 @@ class ModelOwner:
         if carry is not None and not self.loaded_since_checkpoint:
             state, opt_state = carry
         else:
-            state = nnx.state(self.node)
+            state = plain(nnx.state(self.node))
             opt_state = self._opt_state_of(state)
         return {"state": state, "opt_state": opt_state, "meta": meta}
 
@@ -403,6 +409,27 @@ class ModelOwner:
         self.epoch, self.seed = meta["epoch"], meta["seed"]
         self.epoch_step, self.restored_run = meta["epoch_step"], meta["run"]
         self.loaded_since_checkpoint = False
+
+
+def plain(state: nnx.State) -> nnx.State:
+    """``state`` with hijax Variables (``nnx.var_defaults(hijax=True)``) as plain ones, whose
+    leaves are arrays: what compiled calls, optax and checkpoints take. Writing back
+    (``nnx.update``) puts the values into the user's hijax Variables."""
+    variables = jax.tree.leaves(state, is_leaf=_is_variable)
+    if not any(getattr(v, "hijax", False) for v in variables):
+        return state
+    return nnx.with_vars(state, hijax=False)
+
+
+def split_plain(node: Any) -> tuple[nnx.GraphDef, nnx.State]:
+    """``nnx.split(node)``, hijax Variables split as plain ones: the graphdef then merges
+    plain Variables inside compiled calls too (a step sees the objects as they would be
+    without hijax; Flax's own transforms can't yet differentiate hijax Variables that a
+    forward pass mutates)."""
+    graphdef, state = nnx.split(node)
+    if plain(state) is state:
+        return graphdef, state
+    return nnx.split(nnx.with_vars(node, hijax=False))
 
 
 def _swappable(state: nnx.State, optimizer: nnx.Optimizer | None) -> list | None:
