@@ -115,7 +115,8 @@ def make_train_step(
     names, or all four when it takes ``**extra_args``, as optax's own loops pass them.
     ``value_fn`` and ``grad_fn`` see the other variables (batch statistics, RNG counts) as
     they were before the step, and change none of them. A transform whose ``update`` needs
-    any other argument raises a TypeError naming it here, before anything is traced.
+    any other argument raises a TypeError naming it here, before anything is traced (one
+    needed inside an ``optax.chain``, whose ``update`` takes ``**extra_args``, while tracing).
 
     Returns:
       A :class:`Step`: ``step.init(graphdef, state)`` is :func:`init_opt_state`, and

@@ -112,7 +112,7 @@ def _model_and_optimizer_step(model, optimizer, batch):
     return loss
 
 
-@pytest.mark.parametrize("front", ["scan_train", "Trainer"])
+@pytest.mark.parametrize("front", ["scan_train", pytest.param("Trainer", marks=pytest.mark.slow)])
 def test_a_stateful_step_with_a_model_and_optimizer(front, data):
     runs = []
     for kind, fn in zip(BOTH, (_flax_step, _model_and_optimizer_step), strict=True):

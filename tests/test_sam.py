@@ -64,7 +64,9 @@ def per_step_notebook(ns, name):
     return np.array(ns[f"{name}_vals"]), np.array(ns[f"{name}_params"])
 
 
-@pytest.mark.parametrize("name", ["sam", "sam_mom", "sam_adam"])
+@pytest.mark.parametrize(
+    "name", ["sam", pytest.param("sam_mom", marks=pytest.mark.slow), "sam_adam"]
+)
 def test_make_train_step_scan_steps_equal_the_notebook_loop(notebook, name):
     opt = notebook[f"{name}_opt"]
     step = make_train_step(notebook["loss_fn"], opt)
@@ -136,7 +138,7 @@ def _notebook_loop_with_batches(opt, params, batches, grad_fn_batches=None):
     return params, state, np.array(values)
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("accumulate", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("opaque", [False, True])
 def test_grad_fn_is_the_gradient_of_each_batch(opaque, accumulate):
     shifts = np.random.default_rng(0).normal(scale=0.3, size=(32, 2)).astype(np.float32)

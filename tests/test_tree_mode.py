@@ -182,13 +182,20 @@ def assert_same_bits(a: list, b: list) -> None:
 # -- the fast lane: scan_train with the built-in step and a user's step -----------------------
 
 
-@pytest.mark.parametrize("name", OTHERS)
-@pytest.mark.parametrize("path", ["builtin", "user_step"])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [("builtin", name) for name in OTHERS]
+    + [("user_step", "tree")]
+    + [pytest.param("user_step", name, marks=SLOW) for name in ("graph_hijax", "tree_hijax")],
+)
 def test_scan_train_gives_graph_modes_bits(path, name):
     assert_same_bits(run(path, name), run(path, "graph"))
 
 
-@pytest.mark.parametrize("name", ["graph", "tree"])
+@pytest.mark.parametrize("name", [pytest.param("graph", marks=SLOW), "tree"])
 def test_the_user_step_equals_flaxs_own_loop_of_it(name):
     with variant(name):
         model = BNDropout(rngs=nnx.Rngs(0))

@@ -19,7 +19,7 @@ from nnxscan.pure.checks import check_batch_size, check_count, check_leading_siz
 from nnxscan.pure.companions import node_of
 from nnxscan.shell._engine import programs as _programs
 from nnxscan.shell._engine.fit import Evaluation
-from nnxscan.shell._engine.owner import metric_logs, split_plain
+from nnxscan.shell._engine.owner import metric_logs
 from nnxscan.shell._engine.placement import Placement, to_host
 from nnxscan.shell._engine.trace_notes import noting_batch
 
@@ -107,7 +107,7 @@ def _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode):
         if members is not None:
             return owner.evaluation_node(metric_fn is not None)
         node = owner.model if metric_fn is not None else node_of(owner.model, rngs, metrics)
-        return split_plain(node)
+        return owner.split(node)
 
     # What an error while tracing names (with the batch's leaves): the user's functions.
     traced = metric_fn or {"loss_fn": loss_fn, "update_metrics": update_metrics}
