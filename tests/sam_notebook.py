@@ -3,24 +3,110 @@
 the optimizers and run the training loop, copied verbatim.
 
 Left out: the plotting (``import matplotlib.pyplot as plt`` in cell 1, the loss surface after
-``def loss`` in cell 11, the figure cells). The one change at run time: the loop's
-``T = 8000`` (``T = 4000`` in opaque mode) becomes the ``steps`` asked for.
+``def loss`` in cell 11, the figure cells). The opaque part repeats four cells of the
+transparent part (28, 30 and 31 are 12, 14 and 15; 32 is 16 with ``T = 4000``): each is
+written once. The one change at run time: the loop's ``T`` becomes the ``steps`` asked for.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-TRANSPARENT = [
-    # cell 1
-    """\
+# cell 1
+IMPORTS = """\
 from typing import NamedTuple
 
 import jax
 import jax.numpy as np
 import optax
 from optax import contrib
-""",
+"""
+
+# cell 11, less the plot
+LOSS = """\
+# An example 2D loss function. It has two minima at (0,0) and (2,0).
+# Both points attain almost zero loss value, but the first one is much sharper.
+
+def loss(params):
+  x, y = params
+  return -np.exp(-(x - 2)**2 - y**2) - 1.0*np.exp(-((x)**2 + (y)**2*100))
+"""
+
+# cells 12 and 28
+STORES = """\
+params = np.array([-0.4, -0.4])
+
+class Store(NamedTuple):
+  params: jax.typing.ArrayLike
+  state: optax.OptState
+  step: int = 0
+
+sam_store = Store(params=params, state=sam_opt.init(params))
+sgd_store = Store(params=params, state=sgd_opt.init(params))
+sam_mom_store = Store(params=params, state=sam_mom_opt.init(params))
+mom_store = Store(params=params, state=mom_opt.init(params))
+sam_adam_store = Store(params=params, state=sam_adam_opt.init(params))
+adam_store = Store(params=params, state=adam_opt.init(params))
+"""
+
+# cells 14 and 30
+STEP_FUNCTIONS = """\
+sam_step = make_step(sam_opt)
+sgd_step = make_step(sgd_opt)
+
+sam_mom_step = make_step(sam_mom_opt)
+mom_step = make_step(mom_opt)
+
+sam_adam_step = make_step(sam_adam_opt)
+adam_step = make_step(adam_opt)
+"""
+
+# cells 15 and 31
+LISTS = """\
+sam_vals = []
+sam_params = []
+sgd_vals = []
+sgd_params = []
+
+sam_mom_vals = []
+sam_mom_params = []
+mom_vals = []
+mom_params = []
+
+sam_adam_vals = []
+sam_adam_params = []
+adam_vals = []
+adam_params = []
+"""
+
+# cell 16; cell 32 with T = 4000
+LOOP = """\
+T = 8000
+for i in range(T):
+  sam_store, sam_val = sam_step(sam_store)
+  sgd_store, sgd_val = sgd_step(sgd_store)
+  sam_mom_store, sam_mom_val = sam_mom_step(sam_mom_store)
+  mom_store, mom_val = mom_step(mom_store)
+  sam_adam_store, sam_adam_val = sam_adam_step(sam_adam_store)
+  adam_store, adam_val = adam_step(adam_store)
+
+  sam_vals.append(sam_val)
+  sgd_vals.append(sgd_val)
+  sam_mom_vals.append(sam_mom_val)
+  mom_vals.append(mom_val)
+  sam_adam_vals.append(sam_adam_val)
+  adam_vals.append(adam_val)
+
+  sam_params.append(sam_store.params)
+  sgd_params.append(sgd_store.params)
+  sam_mom_params.append(sam_mom_store.params)
+  mom_params.append(mom_store.params)
+  sam_adam_params.append(sam_adam_store.params)
+  adam_params.append(adam_store.params)
+"""
+
+TRANSPARENT = [
+    IMPORTS,
     # cell 5
     """\
 lr = 0.01
@@ -53,31 +139,8 @@ def sam_adam(lr=1e-3, b1=0.9, b2=0.999, rho=0.03, sync_period=5):
 sam_adam_opt = sam_adam(lr)
 adam_opt = optax.adam(lr)
 ''',
-    # cell 11
-    """\
-# An example 2D loss function. It has two minima at (0,0) and (2,0).
-# Both points attain almost zero loss value, but the first one is much sharper.
-
-def loss(params):
-  x, y = params
-  return -np.exp(-(x - 2)**2 - y**2) - 1.0*np.exp(-((x)**2 + (y)**2*100))
-""",
-    # cell 12
-    """\
-params = np.array([-0.4, -0.4])
-
-class Store(NamedTuple):
-  params: jax.typing.ArrayLike
-  state: optax.OptState
-  step: int = 0
-
-sam_store = Store(params=params, state=sam_opt.init(params))
-sgd_store = Store(params=params, state=sgd_opt.init(params))
-sam_mom_store = Store(params=params, state=sam_mom_opt.init(params))
-mom_store = Store(params=params, state=mom_opt.init(params))
-sam_adam_store = Store(params=params, state=sam_adam_opt.init(params))
-adam_store = Store(params=params, state=adam_opt.init(params))
-""",
+    LOSS,
+    STORES,
     # cell 13
     """\
 def make_step(opt):
@@ -92,79 +155,14 @@ def make_step(opt):
         step=store.step+1), value
   return step
 """,
-    # cell 14
-    """\
-sam_step = make_step(sam_opt)
-sgd_step = make_step(sgd_opt)
-
-sam_mom_step = make_step(sam_mom_opt)
-mom_step = make_step(mom_opt)
-
-sam_adam_step = make_step(sam_adam_opt)
-adam_step = make_step(adam_opt)
-""",
-    # cell 15
-    """\
-sam_vals = []
-sam_params = []
-sgd_vals = []
-sgd_params = []
-
-sam_mom_vals = []
-sam_mom_params = []
-mom_vals = []
-mom_params = []
-
-sam_adam_vals = []
-sam_adam_params = []
-adam_vals = []
-adam_params = []
-""",
-    # cell 16
-    """\
-T = 8000
-for i in range(T):
-  sam_store, sam_val = sam_step(sam_store)
-  sgd_store, sgd_val = sgd_step(sgd_store)
-  sam_mom_store, sam_mom_val = sam_mom_step(sam_mom_store)
-  mom_store, mom_val = mom_step(mom_store)
-  sam_adam_store, sam_adam_val = sam_adam_step(sam_adam_store)
-  adam_store, adam_val = adam_step(adam_store)
-
-  sam_vals.append(sam_val)
-  sgd_vals.append(sgd_val)
-  sam_mom_vals.append(sam_mom_val)
-  mom_vals.append(mom_val)
-  sam_adam_vals.append(sam_adam_val)
-  adam_vals.append(adam_val)
-
-  sam_params.append(sam_store.params)
-  sgd_params.append(sgd_store.params)
-  sam_mom_params.append(sam_mom_store.params)
-  mom_params.append(mom_store.params)
-  sam_adam_params.append(sam_adam_store.params)
-  adam_params.append(adam_store.params)
-""",
+    STEP_FUNCTIONS,
+    LISTS,
+    LOOP,
 ]
+
 OPAQUE = [
-    # cell 1
-    """\
-from typing import NamedTuple
-
-import jax
-import jax.numpy as np
-import optax
-from optax import contrib
-""",
-    # cell 11
-    """\
-# An example 2D loss function. It has two minima at (0,0) and (2,0).
-# Both points attain almost zero loss value, but the first one is much sharper.
-
-def loss(params):
-  x, y = params
-  return -np.exp(-(x - 2)**2 - y**2) - 1.0*np.exp(-((x)**2 + (y)**2*100))
-""",
+    IMPORTS,
+    LOSS,
     # cell 23
     """\
 lr = 0.01
@@ -197,22 +195,7 @@ def sam_adam(lr=1e-3, b1=0.9, b2=0.999, rho=0.03, sync_period=5):
 sam_adam_opt = sam_adam(lr)
 adam_opt = optax.adam(lr)
 ''',
-    # cell 28
-    """\
-params = np.array([-0.4, -0.4])
-
-class Store(NamedTuple):
-  params: jax.typing.ArrayLike
-  state: optax.OptState
-  step: int = 0
-
-sam_store = Store(params=params, state=sam_opt.init(params))
-sgd_store = Store(params=params, state=sgd_opt.init(params))
-sam_mom_store = Store(params=params, state=sam_mom_opt.init(params))
-mom_store = Store(params=params, state=mom_opt.init(params))
-sam_adam_store = Store(params=params, state=sam_adam_opt.init(params))
-adam_store = Store(params=params, state=adam_opt.init(params))
-""",
+    STORES,
     # cell 29
     """\
 def make_step(opt):
@@ -232,62 +215,10 @@ def make_step(opt):
         step=store.step+1), value
   return step
 """,
-    # cell 30
-    """\
-sam_step = make_step(sam_opt)
-sgd_step = make_step(sgd_opt)
-
-sam_mom_step = make_step(sam_mom_opt)
-mom_step = make_step(mom_opt)
-
-sam_adam_step = make_step(sam_adam_opt)
-adam_step = make_step(adam_opt)
-""",
-    # cell 31
-    """\
-sam_vals = []
-sam_params = []
-sgd_vals = []
-sgd_params = []
-
-sam_mom_vals = []
-sam_mom_params = []
-mom_vals = []
-mom_params = []
-
-sam_adam_vals = []
-sam_adam_params = []
-adam_vals = []
-adam_params = []
-""",
-    # cell 32
-    """\
-T = 4000
-for i in range(T):
-  sam_store, sam_val = sam_step(sam_store)
-  sgd_store, sgd_val = sgd_step(sgd_store)
-  sam_mom_store, sam_mom_val = sam_mom_step(sam_mom_store)
-  mom_store, mom_val = mom_step(mom_store)
-  sam_adam_store, sam_adam_val = sam_adam_step(sam_adam_store)
-  adam_store, adam_val = adam_step(adam_store)
-
-  sam_vals.append(sam_val)
-  sgd_vals.append(sgd_val)
-  sam_mom_vals.append(sam_mom_val)
-  mom_vals.append(mom_val)
-  sam_adam_vals.append(sam_adam_val)
-  adam_vals.append(adam_val)
-
-  sam_params.append(sam_store.params)
-  sgd_params.append(sgd_store.params)
-  sam_mom_params.append(sam_mom_store.params)
-  mom_params.append(mom_store.params)
-  sam_adam_params.append(sam_adam_store.params)
-  adam_params.append(adam_store.params)
-""",
+    STEP_FUNCTIONS,
+    LISTS,
+    LOOP,
 ]
-
-_LOOP_LENGTH = {"transparent": "T = 8000", "opaque": "T = 4000"}
 
 
 def run(mode: str, steps: int) -> dict[str, Any]:
@@ -297,6 +228,6 @@ def run(mode: str, steps: int) -> dict[str, Any]:
     cells = TRANSPARENT if mode == "transparent" else OPAQUE
     namespace: dict[str, Any] = {}
     for source in cells:
-        source = source.replace(_LOOP_LENGTH[mode], f"T = {steps}")
+        source = source.replace("T = 8000", f"T = {steps}")
         exec(compile(source, f"sam.ipynb ({mode})", "exec"), namespace)
     return namespace

@@ -59,18 +59,25 @@ def arrays(node) -> list[np.ndarray]:
     return state_arrays(nnx.with_vars(state, hijax=False))
 
 
-def tree_step(model, optimizer, batch):
+def make_tree_step(loss_fn):
     """A stateful step written for tree mode, as FLIP 5310 ports ``nnx.grad``: differentiate
     the Param part only (the RNG counts are integers); the forward pass's batch statistics
     and RNG counts flow back through the Variables."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss_fn(params, rest):
-        return xent(nnx.merge(graphdef, params, rest), batch)
+    def tree_step(model, optimizer, batch):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    loss, grads = nnx.value_and_grad(loss_fn)(params, rest)
-    optimizer.update(model, grads)
-    return loss
+        def loss_of(params, rest):
+            return loss_fn(nnx.merge(graphdef, params, rest), batch)
+
+        loss, grads = nnx.value_and_grad(loss_of)(params, rest)
+        optimizer.update(model, grads)
+        return loss
+
+    return tree_step
+
+
+tree_step = make_tree_step(xent)
 
 
 def _pure_update(graphdef, state, opt_state, batch):

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 from gspmd_models import DEPTH, DotReluDot, mse
 from jax.sharding import AxisType
+from test_tree_mode import make_tree_step
 
 from nnxscan.shell import Trainer, scan_train
 
@@ -45,16 +46,7 @@ class Model(nnx.Module):
         return self.second(self.first(x))
 
 
-def tree_step(model, optimizer, batch):
-    """test_tree_mode's step for tree mode, on the guide's loss."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss_fn(params, rest):
-        return mse(nnx.merge(graphdef, params, rest), batch)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(params, rest)
-    optimizer.update(model, grads)
-    return loss
+tree_step = make_tree_step(mse)
 
 
 def specs(node) -> dict[str, str]:
