@@ -1,11 +1,12 @@
 """optax's SAM (``optax.contrib.sam``), transparent and opaque, through the built-in step.
 
-The reference is optax's own SAM notebook, its cells run unchanged (``sam_notebook.py``) on
-fewer steps: its per-step loop of jitted steps, and the same notebook step under one
-``lax.scan`` (what nnxscan's paths are: a scan of steps). The notebook's problem is two
-scalars and elementwise arithmetic, so the scanned paths equal the scanned notebook loop
-bitwise; against the per-step loop (another program: XLA may fuse and order a step's floats
-otherwise inside a loop body) the comparison is to rounding.
+The reference is optax's own SAM notebook's experiment (``sam_notebook.py``: its settings
+and its plain optax loop, written from its description) on fewer steps: its per-step loop
+of jitted steps, and the same step under one ``lax.scan`` (what nnxscan's paths are: a scan
+of steps). The notebook's problem is two scalars and elementwise arithmetic, so the scanned
+paths equal the scanned notebook loop bitwise; against the per-step loop (another program:
+XLA may fuse and order a step's floats otherwise inside a loop body) the comparison is to
+rounding.
 """
 
 from __future__ import annotations
