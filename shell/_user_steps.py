@@ -55,6 +55,19 @@ def check_stateful_step(fn: Any, model: Any, optimizer: Any, extras: tuple, fron
             f"receives, got {type(optimizer).__name__}. Build one: "
             f"nnx.Optimizer(model, tx, wrt=nnx.Param)."
         )
+    if (
+        optimizer is not None
+        and getattr(optimizer, "model", None) is model
+        and not nnx.set_graph_mode.current_value()
+    ):
+        raise TypeError(
+            f"in Flax's tree mode (nnx.set_graph_mode(False), NNX_GRAPH_MODE=false) objects "
+            f"cannot share Variables, and this {type(optimizer).__name__} holds the model "
+            f"that {front} also passes to your step. Pass an optimizer that does not hold "
+            f"it: nnx.Optimizer(model, tx, wrt=nnx.Param), whose update(model, grads) your "
+            f"step calls; or run in graph mode (with nnx.set_graph_mode(True): ...). A "
+            f"step built from a loss takes either optimizer."
+        )
     for i, extra in enumerate(extras):
         if not isinstance(extra, nnx.Pytree | nnx.Variable):
             raise TypeError(

@@ -161,21 +161,6 @@ def test_reduce_on_plateau_gets_the_loss_as_a_loop_passing_value_does():
     assert scale == float(ref_state[1].scale) and scale < 1.0  # the plateau was reached
 
 
-def test_a_transform_needing_another_argument_is_named():
-    def init(params):
-        return optax.EmptyState()
-
-    def update(updates, state, params=None, *, weather, **extra_args):
-        return updates, state
-
-    tx = optax.GradientTransformationExtraArgs(init, update)
-    step = make_train_step(mse, tx)
-    graphdef, state = nnx.split(Linear(nnx.Rngs(0)))
-    batch = jax.tree.map(lambda v: v[:8], _regression())
-    with pytest.raises(TypeError, match=r"value=.*grad=.*value_fn=.*weather.*your own Step"):
-        jax.jit(step.update, static_argnums=0)(graphdef, state, step.init(graphdef, state), batch)
-
-
 def test_a_frozen_member_stays_put_when_its_step_updates_the_merged_module_in_place(data):
     """``nnx.merge`` shares the given state's Variables; a step that ``nnx.update``s the
     merged module writes into them. A frozen member must still keep its old state."""

@@ -25,7 +25,7 @@ from jax.typing import DTypeLike
 from nnxscan.pure.hyper.call import call_with_state
 from nnxscan.pure.hyper.chunked import ChunkedHeads
 from nnxscan.pure.hyper.heads import HyperHeads
-from nnxscan.pure.hyper.spec import ParamSpec, spec_from_split
+from nnxscan.pure.hyper.spec import ParamSpec, _plain_variables, spec_from_split
 
 __all__ = ["GeneratedSlot", "Hypernetwork"]
 
@@ -112,6 +112,7 @@ class Hypernetwork(nnx.Module):
         if not callable(trunk):
             raise TypeError(f"trunk must be callable (an NNX module), got {type(trunk).__name__}.")
         _check_chunk_options(chunk_size, chunk_embedding_features, chunk_hidden_features)
+        target = _plain_variables(target)  # the forward pass merges it inside jax.grad
         spec = ParamSpec.from_module(target, wrt=wrt)  # copies the non-generated state
         graphdef, own = nnx.split(target, wrt, ...)[:2]
         slots = jax.tree.map(

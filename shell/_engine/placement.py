@@ -160,12 +160,18 @@ class Placement:
         self.mesh, self.data_axes, self.member_axis = mesh, tuple(axes), member
 
     def context(self) -> contextlib.AbstractContextManager:
-        """``jax.set_mesh(mesh)`` around a call given ``mesh=`` outside one: model code
-        written for Flax's guide (a bare ``PartitionSpec`` in ``with_sharding_constraint``,
-        ``out_sharding=``) needs the mesh in context when it is traced."""
-        if self.mesh is None or context_mesh() is not None:
-            return contextlib.nullcontext()
-        return jax.set_mesh(self.mesh)
+        """What a call is traced in: ``jax.set_mesh(mesh)`` around a call given ``mesh=``
+        outside one (model code written for Flax's guide, a bare ``PartitionSpec`` in
+        ``with_sharding_constraint`` or ``out_sharding=``, needs the mesh in context), and
+        plain Variables by default: compiled calls run hijax models on plain Variables, and
+        a Variable a forward pass creates (a Hypernetwork's generated weights) must be plain
+        too, since Flax can't differentiate hijax Variables created under ``jax.grad``."""
+        stack = contextlib.ExitStack()
+        if nnx.var_defaults().hijax:
+            stack.enter_context(nnx.var_defaults(hijax=False))
+        if self.mesh is not None and context_mesh() is None:
+            stack.enter_context(jax.set_mesh(self.mesh))
+        return stack
 
     @property
     def data_parallel(self) -> int:
