@@ -59,6 +59,11 @@ class FrontDoor:
     _owner: Any
 
     @property
+    def num_members(self) -> int | None:
+        """How many members train (a Trainer: None): callbacks and writers read this."""
+        return self._owner.layout.num_members
+
+    @property
     def step(self) -> int:
         """Steps trained so far (an ``nnx.Optimizer``'s ``step`` when a Trainer has one)."""
         return self._owner.step

@@ -9,9 +9,9 @@ model alone with ``seed=seeds[i]`` and that member's hyperparameters.
 
 The population owns its stacked state (no user object is written to): ``member(i)`` hands
 out a fresh, live ``nnx.Module`` holding member ``i``. Training runs on the one fit engine
-``Trainer`` uses (``_engine``), with a stacked owner (``_members.StackedOwner``) and the
-runner vmapped over the members: plans, fused epochs, streams, checkpoints, preemption,
-evaluation and progress are the Trainer's own.
+``Trainer`` uses (``_engine``), with a stacked owner (``members.StackedOwner``) whose
+layout (``layout.Members``) vmaps the runner over the members: plans, fused epochs,
+streams, checkpoints, preemption, evaluation and progress are the Trainer's own.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Unpack
 
-import jax
 import numpy as np
 import optax
 from flax import nnx
@@ -28,19 +27,19 @@ from jax.sharding import Mesh
 
 from nnxscan.pure import Step, init_opt_state
 from nnxscan.pure.checks import (
-    abstract_batch,
     check_count,
     check_transform,
 )
 from nnxscan.shell._config import Config
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.evaluation import evaluate
+from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.members import build_members
 from nnxscan.shell._engine.options import FitArguments
 from nnxscan.shell._engine.owner import check_companions
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan, resolve_plan
-from nnxscan.shell._engine.programs import MemberLayout, step_program, train_program
+from nnxscan.shell._engine.programs import step_program, train_program
 from nnxscan.shell._front_door import FrontDoor, check_loss_options, check_policy
 from nnxscan.shell._population_checks import (
     check_hyperparam_names,
@@ -190,7 +189,7 @@ class Population(FrontDoor):
         explicit_plan = resolve_plan(execution)
         placement = Placement(
             mesh, data_axis, fsdp_min_size, member_axis, rules=shardings, tx=tx, wrt=wrt,
-            members=len(seeds),
+            layout=Members(len(seeds)),
         )  # fmt: skip
         if train_step is not None:
             init_opt = train_step.init
@@ -219,7 +218,7 @@ class Population(FrontDoor):
             )
         self._engine = Engine(
             program=program, owner=self._owner, placement=placement,
-            explicit_plan=explicit_plan, members=MemberLayout(), subject=self,
+            explicit_plan=explicit_plan, subject=self,
             loss_fn=loss_fn, has_aux=program.has_aux, update_metrics=update_metrics,
             rngs=rngs,
         )  # fmt: skip
@@ -232,11 +231,6 @@ class Population(FrontDoor):
 
     def __len__(self) -> int:
         return self.num_members
-
-    @property
-    def num_members(self) -> int:
-        """How many members train: callbacks and writers read this (a Trainer: None)."""
-        return self._owner.num_members
 
     seeds = Config("Each member's seed (its initialization and its shuffle).")
     model_fn = Config("``model_fn(rngs) -> nnx.Module``, which built every member.")
@@ -384,10 +378,7 @@ class Population(FrontDoor):
           >>> pop.plan_for({"x": x, "y": y}, 32)
           Plan(kind='scan', steps_per_call=None)
         """
-        one = (lambda x: x[0]) if member_batches else (lambda x: x)
-        batch = abstract_batch(jax.tree.map(one, data), leading=batch_size)
-        with self._engine.bind().context():
-            return self._engine.execution(batch).plan
+        return self._engine.plan_for(data, batch_size, member_batches)
 
     # -- training -------------------------------------------------------------------------
 

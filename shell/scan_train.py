@@ -155,7 +155,7 @@ def scan_train(
     placement = Placement(mesh, data_axis, rules=shardings, tx=owner.tx, wrt=owner.wrt)
     engine = Engine(
         program=program, owner=owner, placement=placement, explicit_plan=explicit,
-        members=None, subject=None, loss_fn=loss_fn, has_aux=program.has_aux,
+        subject=None, loss_fn=loss_fn, has_aux=program.has_aux,
     )  # fmt: skip
     placement = engine.bind()
     # One walk of the objects serves set-up's reads (released before the first call).
@@ -177,21 +177,21 @@ def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> Any:
     if batch_size is None:
         placement.check_batch_size(jax.tree.leaves(batches)[0].shape[1])
         batches = placement.put_chunk(batches, device)  # each step's batch split over data
-        execution = engine.execution(abstract_batch(batches, drop_leading=True))
+        execution = engine.execution(abstract_batch(batches, drop_leading=True), owner.layout)
         indices = placement.put_data(np.arange(num, dtype=np.int32), device=device)
         calls = plan_calls(execution.plan, batches, indices, num)
     else:
         placement.check_batch_size(batch_size)
         batches = placement.put_data(batches, state)
-        execution = engine.execution(abstract_batch(batches, leading=batch_size))
+        execution = engine.execution(abstract_batch(batches, leading=batch_size), owner.layout)
         # The same cut as an unshuffled epoch of Trainer.fit.
         epoch_calls = ArrayEpochs(
             execution.plan, batches, functools.partial(placement.put_data, device=device),
-            num_examples=num, batch_size=batch_size, seeds=0, shuffle=False,
+            num_examples=num, batch_size=batch_size, seeds=(0,), shuffle=False,
             keep_tail=not drop_remainder and num % batch_size > 0,
         )  # fmt: skip
         calls = epoch_calls(0, EpochStats())
-    live = LiveState(state, opt_state, owner.writer(), placement, engine.make_runner())
+    live = LiveState(state, opt_state, owner.writer(), placement, engine.make_runner(owner.layout))
     owner.release_reads()
     # No local keeps the owner's arrays: the first call counts who else references them.
     del state, opt_state

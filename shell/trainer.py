@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from nnxscan.pure import Step
-from nnxscan.pure.checks import abstract_batch, check_count
+from nnxscan.pure.checks import check_count
 from nnxscan.shell._config import Config
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.evaluation import evaluate
@@ -222,15 +222,12 @@ class Trainer(FrontDoor):
         )
         self._engine = Engine(
             program=program, owner=self._owner, placement=placement,
-            explicit_plan=resolve_plan(execution), members=None, subject=self,
+            explicit_plan=resolve_plan(execution), subject=self,
             loss_fn=self.loss_fn, has_aux=self.has_aux, update_metrics=self.update_metrics,
             rngs=self._owner.rngs if self.loss_fn is not None else None,
         )  # fmt: skip
 
     # -- configuration (read-only: the compiled program is built from it) -----------------
-
-    #: A Trainer trains one model (a ``Population``: N). Callbacks and writers read this.
-    num_members = None
 
     loss_fn = Config("The loss the compiled step was built from.")
     has_aux = Config("Whether ``loss_fn`` returns ``(loss, aux)``.")
@@ -301,8 +298,7 @@ class Trainer(FrontDoor):
           >>> trainer.plan_for({"x": x, "y": y}, 32)
           Plan(kind='scan', steps_per_call=None)
         """
-        with self._engine.bind().context():
-            return self._engine.execution(abstract_batch(data, leading=batch_size)).plan
+        return self._engine.plan_for(data, batch_size)
 
     # -- training -------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from nnxscan.shell import Trainer
 from nnxscan.shell._edges.progress import RunProgress
+from nnxscan.shell._engine.layout import Members
 from nnxscan.shell.cli import main
 
 from conftest import MLP, xent
@@ -184,7 +185,7 @@ def test_the_terminal_line_shows_each_calls_mean_of_the_steps_scalar_logs():
 def test_the_epoch_line_off_a_terminal_shows_the_epochs_scalar_logs():
     out = io.StringIO()
     console = Console(width=80, force_terminal=False, file=out)
-    with RunProgress(2, 1, True, has_aux=True, console=console, members=2) as bar:
+    with RunProgress(2, 1, True, has_aux=True, console=console, layout=Members(2)) as bar:
         bar.set_last_epoch(0)
         aux = {"episode_return": jnp.zeros((3, 2)), "per_env": jnp.zeros((3, 2, 4))}
         bar.call_done(0, 3, (jnp.zeros((3, 2)), aux))

@@ -111,11 +111,10 @@ def resume(
     History is read before the first object is written: a log that does not hold it
     raises and changes nothing."""
     template = _template(owner, placement)
-    members = owner.num_members
 
     def read(at: int) -> tuple[dict[str, Any], Any]:
         tree = _read(owner, directory, template, at)
-        return tree, RunLog.read(directory, tree["meta"]["run"], members)
+        return tree, RunLog.read(directory, tree["meta"]["run"], owner.layout.shape)
 
     adapter = _adapter()
     if step is None:
@@ -280,15 +279,15 @@ class RunLog:
 
     @staticmethod
     def read(
-        directory: str | os.PathLike[str], text: str, members: int | None = None
+        directory: str | os.PathLike[str], text: str, shape: tuple[int, ...] = ()
     ) -> tuple[History, np.ndarray, dict[str, Any], dict[str, np.ndarray] | None]:
         """``(History, partial losses, where, partial aux)`` of the run a checkpoint's meta
-        ``text`` names ("" gives an empty History): losses of shape ``(steps,)``, or
-        ``(steps, N)`` for ``members``; logs that were arrays are numpy arrays again; the
-        partial aux: the unfinished epoch's scalar aux logs per step, in their dtypes
-        (None when the log did not keep them). Only reads: a log missing or not holding
+        ``text`` names ("" gives an empty History): losses of shape ``(steps, *shape)``
+        (``shape``: the layout's, ``(N,)`` for N members); logs that were arrays are numpy
+        arrays again; the partial aux: the unfinished epoch's scalar aux logs per step, in
+        their dtypes (None when the log did not keep them). Only reads: a log missing or not holding
         what the checkpoint recorded raises ValueError."""
-        shape = (-1,) if members is None else (-1, members)
+        shape = (-1, *shape)
         if not text:
             empty = np.zeros((0,), np.float32).reshape(shape)
             return History(empty), empty, {}, {}

@@ -1,8 +1,9 @@
 """An epoch's logs from its outputs on the host: one reducer for one model and for members.
 
-A model's per-step losses have shape ``(steps,)``; a population's ``(steps, N)``. Every
-statistic reduces over the steps axis only, so the same code gives a float for one model
-and an ``(N,)`` array for N members; ``members`` says which, never the shapes.
+Per-step losses have shape ``(steps, *layout.shape)``: ``(steps,)`` for one model,
+``(steps, N)`` for a population. Every statistic reduces over the steps axis only, and the
+run's layout (``_engine.layout``) says how a reduced value is logged: a float for one
+model, an ``(N,)`` array for N members. The layout says which, never the shapes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 import numpy as np
 import optax
 
+from nnxscan.shell._engine.layout import Layout
 from nnxscan.shell._engine.placement import to_host
 
 RESERVED_LOGS = frozenset(
@@ -32,11 +34,6 @@ RESERVED_LOGS = frozenset(
 )
 
 
-def _value(x: np.ndarray, members: int | None) -> Any:
-    """A reduced statistic: a float for one model, a float32 ``(N,)`` array for members."""
-    return float(x) if members is None else np.asarray(x, np.float32)
-
-
 def _mean(values: np.ndarray, skipping: bool) -> np.ndarray:
     """The mean over steps; with ``skipping``, skipped (NaN) steps left out, and NaN where
     every step was skipped (without numpy's empty-slice warning)."""
@@ -51,11 +48,11 @@ def _mean(values: np.ndarray, skipping: bool) -> np.ndarray:
         return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan).astype(values.dtype)
 
 
-def scalar_aux(aux: Any, members: int | None) -> dict[str, Any]:
-    """The aux leaves that are a scalar per step (per member): ``(steps,)`` or ``(steps,
-    N)``, keyed by their log name (their path; a name that would shadow one of fit's own
-    logs gets ``aux/``). Reads only shapes: the leaves stay where they are."""
-    per_step = 1 if members is None else 2
+def scalar_aux(aux: Any, layout: Layout) -> dict[str, Any]:
+    """The aux leaves that are a scalar per step (per member): ``(steps, *layout.shape)``,
+    keyed by their log name (their path; a name that would shadow one of fit's own logs
+    gets ``aux/``). Reads only shapes: the leaves stay where they are."""
+    per_step = 1 + len(layout.shape)
     leaves = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
         if np.ndim(leaf) == per_step:
@@ -64,12 +61,12 @@ def scalar_aux(aux: Any, members: int | None) -> dict[str, Any]:
     return leaves
 
 
-def aux_means(aux: Any, members: int | None, skipping: bool = False) -> dict[str, Any]:
+def aux_means(aux: Any, layout: Layout, skipping: bool = False) -> dict[str, Any]:
     """Means over steps of every aux leaf that is a scalar per step (per member), keyed as
     :func:`scalar_aux` names them."""
     return {
-        key: _value(_mean(np.asarray(leaf), skipping), members)
-        for key, leaf in scalar_aux(aux, members).items()
+        key: layout.value(_mean(np.asarray(leaf), skipping))
+        for key, leaf in scalar_aux(aux, layout).items()
     }
 
 
@@ -79,12 +76,12 @@ def epoch_logs(
     wall_time: float,
     *,
     has_aux: bool,
-    members: int | None,
+    layout: Layout,
     skipping: bool = False,
     dropped: int = 0,
     compile_time: float = 0.0,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """The epoch's logs and its per-step losses (``(steps,)`` or ``(steps, N)``).
+    """The epoch's logs and its per-step losses (``(steps, *layout.shape)``).
 
     ``wall_time`` is the epoch's seconds from its first call to its outputs on the host;
     ``compile_time`` the part of it spent compiling (the first epoch's calls);
@@ -93,12 +90,11 @@ def epoch_logs(
     losses, aux = stacked if has_aux else (stacked, None)
     losses = np.asarray(losses, np.float32)
     logs: dict[str, Any] = {"epoch": epoch}
-    logs["loss"] = _value(_mean(losses, skipping), members)
+    logs["loss"] = layout.value(_mean(losses, skipping))
     if skipping:
-        skipped = np.sum(~np.isfinite(losses), axis=0)
-        logs["skipped_steps"] = int(skipped) if members is None else skipped.astype(np.int64)
+        logs["skipped_steps"] = layout.count(np.sum(~np.isfinite(losses), axis=0))
     if aux is not None:
-        logs.update(aux_means(aux, members, skipping))
+        logs.update(aux_means(aux, layout, skipping))
     steps = int(losses.shape[0])
     running = max(wall_time - compile_time, 1e-9)
     logs.update(
@@ -117,7 +113,7 @@ def epoch_logs(
 _OPTAX_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 
-def learning_rate(opt_state: Any, members: int | None) -> Any:
+def learning_rate(opt_state: Any, layout: Layout) -> Any:
     """The current learning rate (an ``(N,)`` array for members), when ``tx`` came from
     ``optax.inject_hyperparams``; else None. The first injected state holding one is used
     (e.g. inside an ``optax.chain``); one host read."""
@@ -127,7 +123,7 @@ def learning_rate(opt_state: Any, members: int | None) -> Any:
 
     for node in jax.tree.leaves(opt_state, is_leaf=injected):
         if injected(node) and "learning_rate" in node.hyperparams:
-            return _value(to_host(node.hyperparams["learning_rate"]), members)
+            return layout.value(to_host(node.hyperparams["learning_rate"]))
     return None
 
 
@@ -151,8 +147,8 @@ def prepend_losses(
     partial: np.ndarray,
     stacked: Any,
     has_aux: bool,
-    partial_aux: dict[str, np.ndarray] | None = None,
-    members: int | None = None,
+    partial_aux: dict[str, np.ndarray] | None,
+    layout: Layout,
 ) -> Any:
     """The resumed epoch's outputs with those of the steps trained before the interruption
     first: their losses, and (``partial_aux``, from :func:`partial_scalar_aux`) their
@@ -163,7 +159,7 @@ def prepend_losses(
     losses, aux = stacked
     losses = np.concatenate([partial, np.asarray(losses, np.float32)])
     if partial_aux is not None:
-        aux = scalar_aux(aux, members)
+        aux = scalar_aux(aux, layout)
         aux = {
             key: np.concatenate([np.asarray(x) for x in (partial_aux.get(key), aux.get(key))
                                  if x is not None])
@@ -173,14 +169,14 @@ def prepend_losses(
 
 
 def partial_scalar_aux(
-    before: dict[str, np.ndarray] | None, outs: list[Any], has_aux: bool, members: int | None
+    before: dict[str, np.ndarray] | None, outs: list[Any], has_aux: bool, layout: Layout
 ) -> dict[str, np.ndarray] | None:
     """The unfinished epoch's scalar aux logs per step (:func:`scalar_aux`, on the host):
     ``before`` (those of its steps trained before a resume; None: unknown) followed by
     those of ``outs``, its calls since. None when unknown or when the step reports no aux."""
     if not has_aux or before is None:
         return None
-    new = [scalar_aux(out[1], members) for out in to_host(outs)]
+    new = [scalar_aux(out[1], layout) for out in to_host(outs)]
     keys = new[0] if new else before
     return {
         key: np.concatenate([np.asarray(x) for x in ([before[key]] if key in before else [])
@@ -189,6 +185,6 @@ def partial_scalar_aux(
     }  # fmt: skip
 
 
-def empty_losses(members: int | None) -> np.ndarray:
-    """No steps' losses yet: ``(0,)`` or ``(0, N)``."""
-    return np.zeros((0,) if members is None else (0, members), np.float32)
+def empty_losses(layout: Layout) -> np.ndarray:
+    """No steps' losses yet: ``(0, *layout.shape)``."""
+    return np.zeros((0, *layout.shape), np.float32)

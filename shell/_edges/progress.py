@@ -33,6 +33,7 @@ from rich.table import Column
 
 from nnxscan.shell._edges.logs import scalar_aux
 from nnxscan.shell._edges.warn import warn
+from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._engine.placement import to_host
 
 LINE_EVERY_S = 10.0
@@ -49,13 +50,13 @@ def _median(values: Any) -> float | None:
 
 
 def _ready_outputs(
-    out: Any, has_aux: bool, members: int | None
+    out: Any, has_aux: bool, layout: Layout
 ) -> tuple[float | None, dict[str, np.ndarray]] | None:
     """A call's newest finite loss (members: their median) and the mean over its steps of
     each scalar aux log (members: one per member), if the call's outputs are on the host
     already; else None."""
     losses = out[0] if has_aux else out
-    leaves = scalar_aux(out[1], members) if has_aux else {}
+    leaves = scalar_aux(out[1], layout) if has_aux else {}
     if not losses.is_ready() or not all(x.is_ready() for x in leaves.values()):
         return None
     losses, leaves = to_host((losses, leaves))
@@ -134,9 +135,9 @@ class RunProgress:
     """``with RunProgress(epochs, calls_per_epoch, enabled) as bar: bar.call_done(...)``.
 
     ``calls_per_epoch=None`` (a stream of unknown length) shows a running count, no ETA.
-    ``members=N``: the losses are a population's; the line shows their median and range
-    (and each scalar log's median). ``log_names``: the scalar logs to show, in order
-    (None: every one the step reports).
+    ``layout``: one model's, or a population's (``Members``): the line then shows the
+    members' median and range (and each scalar log's median). ``log_names``: the scalar
+    logs to show, in order (None: every one the step reports).
     """
 
     def __init__(
@@ -147,14 +148,14 @@ class RunProgress:
         *,
         has_aux: bool = False,
         console: Console | None = None,
-        members: int | None = None,
+        layout: Layout = ONE_MODEL,
         log_names: Sequence[str] | None = None,
     ):
         # No console when nothing is shown: building rich's costs ~0.1 ms a fit.
         self._console = console or (Console() if enabled else None)
         self._enabled = enabled
         self._has_aux = has_aux
-        self._members = members
+        self._layout = layout
         self._progress = None
         self._loss: float | None = None
         # The step's scalar logs (their names, known from the first call's output shapes)
@@ -221,7 +222,7 @@ class RunProgress:
             self._log_keys = self._shown_logs(out)
         if self._progress is None:
             return
-        ready = _ready_outputs(out, self._has_aux, self._members)
+        ready = _ready_outputs(out, self._has_aux, self._layout)
         if ready is not None:
             loss, means = ready
             self._logs = {key: means[key] for key in self._log_keys}
@@ -233,7 +234,7 @@ class RunProgress:
 
     def _shown_logs(self, out: Any) -> list[str]:
         """The scalar logs to show (``log_names``, or all the step reports), once."""
-        reported = list(scalar_aux(out[1], self._members)) if self._has_aux else []
+        reported = list(scalar_aux(out[1], self._layout)) if self._has_aux else []
         if self._log_names is None:
             return reported
         missing = [name for name in self._log_names if name not in reported]

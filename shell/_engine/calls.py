@@ -243,11 +243,6 @@ class NonFiniteStop(Exception):
         self.outs = outs
 
 
-def first_nonfinite(losses: Any) -> int:
-    """How many steps of a halted call trained: those before its first NaN loss."""
-    return int(np.argmax(np.isnan(np.asarray(losses))))
-
-
 class Call(NamedTuple):
     """One compiled call: train ``length`` steps on ``data`` gathered by
     ``indices[..., start:start+length, ...]`` (steps along the runner's steps axis). When
@@ -294,9 +289,8 @@ def run_calls(
     per-step plan without ``write_every_call``); when ``should_stop()`` then says so, the
     remaining calls are skipped. ``active()`` gives the members' freezing mask for the next
     call (None: all train). Under ``on_nonfinite="stop"``, ``on_halt(halted, losses,
-    length)`` says how many steps of a halted call count (one model: those before its first
-    non-finite loss, then :class:`NonFiniteStop` is raised; members: all, the halted ones
-    frozen by the policy).
+    length)`` (the layout's policy, ``Layout.halted_steps``) says how many steps of a halted
+    call count; fewer than the call's raise :class:`NonFiniteStop`.
     The owner holds the final state when this returns, and the last completed state when
     it raises (whether the call, the data source or an interrupt raised).
     """
@@ -305,7 +299,6 @@ def run_calls(
     # more than the step) unless something looks at the objects after every call.
     write_each_call = plan.kind != "step" or write_every_call
     run = live.runner(donate)
-    on_halt = on_halt or (lambda halted, losses, length: first_nonfinite(losses))
     outs = []
     try:
         for data, indices, start, length, sink, unroll, rows in calls:

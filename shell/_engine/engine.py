@@ -1,14 +1,12 @@
 """The one fit engine behind ``Trainer`` and ``Population``.
 
-A front-end checks its own arguments, then hands the engine what differs between them,
-declared rather than duplicated:
+A front-end checks its own arguments, then hands the engine an owner
+(:class:`~nnxscan.shell._engine.owner.ModelOwner`, or the members'
+:class:`~nnxscan.shell._engine.members.StackedOwner`); what differs between one model and
+members is the owner's layout (``_engine.layout``), which the engine refines with the
+fit's data and consults, never asking which it has.
 
-- an owner (:class:`~nnxscan.shell._engine.owner.ModelOwner`, or the members'
-  :class:`~nnxscan.shell._engine.members.StackedOwner`),
-- a member layout for the runner (``None``: one model; else the members vmapped),
-- the shuffle seeds of the run (one seed, or one per member).
-
-Everything else is written once, here and in ``_fit``: the fit-time checks, the plan, the
+Everything else is written once, here and in ``fit``: the fit-time checks, the plan, the
 epoch source (arrays or streams), evaluation during fit, checkpoints, resume, and the
 call to the one :class:`~nnxscan.shell._engine.fit.FitLoop`.
 """
@@ -27,12 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscan.adapters.data import GrainEpochs
-from nnxscan.pure.checks import (
-    abstract_batch,
-    check_batch_size,
-    check_count,
-    check_leading_size,
-)
+from nnxscan.pure.checks import abstract_batch, check_batch_size, check_count
 from nnxscan.shell._edges import checkpointing as _checkpointing
 from nnxscan.shell._edges.logs import empty_losses
 from nnxscan.shell._engine import evaluation as _evaluation
@@ -47,14 +40,12 @@ from nnxscan.shell._engine.epochs import (
     with_steps_per_call,
 )
 from nnxscan.shell._engine.fit import CallbackList, Checkpoints, FitLoop
+from nnxscan.shell._engine.layout import DataKind, Layout
 from nnxscan.shell._engine.options import FitOptions
 from nnxscan.shell._engine.owner import Owner
 from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.plans import Plan
-from nnxscan.shell._engine.programs import (
-    MemberLayout,
-    TrainProgram,
-)
+from nnxscan.shell._engine.programs import TrainProgram
 from nnxscan.shell._engine.streaming import EpochSource, default_chunk_size, is_stream
 from nnxscan.shell.history import History
 
@@ -67,7 +58,6 @@ class Engine:
       owner: who holds the state (one model, or members stacked).
       placement: one device, or a mesh.
       explicit_plan: the plan the user asked for, or None for ``"auto"``.
-      members: the member layout of a population's runner; None for one model.
       subject: the object callbacks receive (the Trainer or the Population).
       loss_fn, has_aux, update_metrics, rngs: what NNX metrics are fed with when an
         evaluation uses them (the front-end's own).
@@ -80,7 +70,6 @@ class Engine:
         owner: Owner,
         placement: Placement,
         explicit_plan: Plan | None,
-        members: MemberLayout | None,
         subject: Any,
         loss_fn: Callable,
         has_aux: bool,
@@ -89,28 +78,35 @@ class Engine:
     ):
         self.program, self.owner = program, owner
         # As configured; ``placement`` is it bound to the mesh of the call in progress.
-        self.layout = self.placement = placement
-        self.explicit_plan, self.members, self.subject = explicit_plan, members, subject
+        self.configured = self.placement = placement
+        self.explicit_plan, self.subject = explicit_plan, subject
         self.feed = dict(loss_fn=loss_fn, has_aux=has_aux, rngs=rngs)
         self.update_metrics = update_metrics
         self.orders = EpochOrders()  # the next epochs' orders, drawn while the device works
 
     def bind(self) -> Placement:
         """Resolves the mesh of this call (``mesh=``, else ``jax.set_mesh``'s)."""
-        self.placement = self.layout.bound()
+        self.placement = self.configured.bound()
         return self.placement
 
     # -- the plan ---------------------------------------------------------------------------
 
-    def execution(self, batch: Any, *, member_batches: bool = False) -> Execution:
-        """Traces ONE model's step on ``batch``'s shapes (no compile): the plan and whether
-        the carry may be donated. Bad data raises here, before anything compiles.
+    def run_layout(self, data: Any, member_batches: bool = False) -> Layout:
+        """The owner's layout for a fit of ``data`` on this call's mesh."""
+        kind: DataKind = "none" if data is None else "stream" if is_stream(data) else "arrays"
+        return self.owner.layout.for_run(kind, member_batches, self.placement.member_axis)
+
+    def execution(self, batch: Any, layout: Layout) -> Execution:
+        """Traces ONE model's step on the shapes of ``batch`` (one step's, as ``layout``
+        lays it out) with no compile: the plan and whether the carry may be donated. Bad
+        data raises here, before anything compiles.
 
         On a mesh the shapes carry the shardings the compiled calls give them (on an
         Explicit mesh they are part of the types the model's code sees)."""
         placement = self.placement
         graphdef, state, opt_state = self.owner.read()
-        stacked = self.members is not None
+        members = len(layout.shape)  # the carry's leading members axes
+        lead = len(layout.data_lead)  # and the batch's
 
         def abstract_carry() -> tuple[Any, Any]:
             # Built only when the step is traced (the traits are cached per graphdef and
@@ -119,36 +115,31 @@ class Engine:
             leaves, treedef = jax.tree.flatten((state, opt_state))
             if shardings is None:
                 shardings = [None] * len(leaves)
-            abstract = [_one_model(x, s, stacked) for x, s in zip(leaves, shardings, strict=True)]
+            abstract = [
+                _one_model(x, s, members, members) for x, s in zip(leaves, shardings, strict=True)
+            ]
             return jax.tree.unflatten(treedef, abstract)
 
-        drop = member_batches and stacked
         sharding = placement.batch_sharding
-        batch = jax.tree.map(lambda x: _one_model(x, sharding, drop, member=False), batch)
+        batch = jax.tree.map(lambda x: _one_model(x, sharding, lead, 0), batch)
         return prepare_execution(self.program, self.explicit_plan, graphdef, abstract_carry, batch)
 
-    def make_runner(self, data: Any = None, member_batches: bool = False) -> Callable[..., Any]:
-        """``make(carry_def, carry_shardings, donate)``: the compiled runner of this fit
-        (``data``: the fit's data, which decides how a population's batches are laid out)."""
+    def plan_for(self, data: Any, batch_size: int, member_batches: bool = False) -> Plan:
+        """The plan ``fit`` uses for this data set and batch size (traces, no compile)."""
+        with self.bind().context():
+            layout = self.run_layout(data, member_batches)
+            return self.execution(layout.batch_shapes(data, batch_size), layout).plan
+
+    def make_runner(self, layout: Layout) -> Callable[..., Any]:
+        """``make(carry_def, carry_shardings, donate)``: the compiled runner of a fit laid
+        out as ``layout`` (:meth:`run_layout`)."""
         graphdef = self.owner.read()[0]
-        members, batch_sharding = self.members, self.placement.batch_sharding
-        if members is not None:  # over the member axis of this call's mesh, if it has one
-            arrays = data is not None and not is_stream(data)
-            # No data, or a stream shared by the members: one batch for all. A data set:
-            # each member's own batch, gathered by its own order. A stream of member
-            # batches: its chunks are stacked steps first, (steps, N, batch, ...).
-            shared = data is None or (not arrays and not member_batches)
-            members = MemberLayout(
-                self.placement.member_axis, data_per_member=arrays and bool(member_batches),
-                shared_batch=shared,
-            )  # fmt: skip
-            if not shared:
-                batch_sharding = self.placement.member_batch_sharding
+        batch_sharding = self.placement.batch_sharding_of(layout)
 
         def make(carry_def: Any, carry_shardings: Any, donate: bool) -> Any:
             return self.program.runner(
                 graphdef, carry_def, donate=donate, carry_shardings=carry_shardings,
-                batch_sharding=batch_sharding, members=members,
+                batch_sharding=batch_sharding, layout=layout,
             )  # fmt: skip
 
         return make
@@ -178,7 +169,7 @@ class Engine:
 
     def _fit(self, data: Any, options: FitOptions) -> History:
         epochs, run = options.epochs, {}
-        members = self.owner.num_members
+        layout = self.run_layout(data, options.member_batches)
         if epochs is None and data is not None and is_stream(data):
             raise ValueError(
                 "a stream's epochs have no length known before it is read: pass epochs= "
@@ -192,15 +183,15 @@ class Engine:
             if epochs == 0 or (stop_at is not None and self.owner.step >= stop_at):
                 return _finished(run)
         if stop_at is not None and stop_at <= self.owner.step:
-            return History(losses=empty_losses(members))
+            return History(losses=empty_losses(layout))
         if data is None:
-            epoch_calls, execution = self._steps(options)
+            epoch_calls, execution = self._steps(options, layout)
         elif is_stream(data):
-            epoch_calls, execution = self._stream(data, epochs, options)
+            epoch_calls, execution = self._stream(data, epochs, options, layout)
             if epoch_calls is None:
-                return History(losses=empty_losses(members))
+                return History(losses=empty_losses(layout))
         else:
-            epoch_calls, execution = self._arrays(data, options)
+            epoch_calls, execution = self._arrays(data, options, layout)
         if stop_at is not None:  # the epochs the step budget reaches into
             budget = stop_at - self.owner.step + self.owner.epoch_step
             reached = -(-budget // epoch_calls.steps_per_epoch)
@@ -209,45 +200,38 @@ class Engine:
         self.owner.begin_run(options.run_keys)  # every input is known good now
         loop = FitLoop(
             program=self.program, execution=execution, owner=self.owner,
-            placement=self.placement, make_runner=self.make_runner(data, options.member_batches),
+            placement=self.placement, make_runner=self.make_runner(layout),
             callbacks=CallbackList(options.callbacks, self.subject), progress=options.progress,
             progress_logs=options.progress_logs,
             evaluation=options.evaluation, checkpoints=options.checkpoints,
         )  # fmt: skip
         return loop.run(epochs, epoch_calls, **run)
 
-    def _arrays(self, data, options: FitOptions) -> tuple[Epochs, Execution]:
-        member_batches = options.member_batches
+    def _arrays(self, data, options: FitOptions, layout: Layout) -> tuple[Epochs, Execution]:
         if options.batch_size is None:
             raise ValueError("batch_size is required when data is a data set of arrays.")
-        n = self._examples(data, member_batches)
+        n = layout.examples(data)
         batch_size = check_batch_size(options.batch_size, n, drop_remainder=True)
         self.placement.check_batch_size(batch_size)
         if not options.drop_remainder:
             self.placement.check_batch_size(n % batch_size or batch_size)
         state = self.owner.read()[1]
         data = self.placement.put_data(data, state)
-        if member_batches:
-            batch = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((x.shape[0], batch_size, *x.shape[2:]), x.dtype),
-                data,
-            )
-        else:
-            batch = abstract_batch(data, leading=batch_size)
-        execution = self.execution(batch, member_batches=member_batches)
+        execution = self.execution(layout.batch_shapes(data, batch_size), layout)
         plan = with_steps_per_call(execution.plan, options.steps_per_call)
         epoch_calls = ArrayEpochs(
             plan, data, functools.partial(self.placement.put_data, device=device_of(state)),
             num_examples=n, batch_size=batch_size, seeds=self.owner.run_seeds(options.run_keys),
             shuffle=options.shuffle,
             keep_tail=not options.drop_remainder and n % batch_size > 0, orders=self.orders,
+            layout=layout,
         )  # fmt: skip
         return epoch_calls, execution._replace(plan=plan)
 
-    def _steps(self, options: FitOptions) -> tuple[Epochs, Execution]:
+    def _steps(self, options: FitOptions, layout: Layout) -> tuple[Epochs, Execution]:
         """Epochs of ``steps_per_epoch`` steps of a step that takes no batch (``None``)."""
         state = self.owner.read()[1]
-        execution = self.execution(None)
+        execution = self.execution(None, layout)
         plan = with_steps_per_call(execution.plan, options.steps_per_call)
         epoch_calls = StepEpochs(
             plan, options.steps_per_epoch,
@@ -255,44 +239,24 @@ class Engine:
         )  # fmt: skip
         return epoch_calls, execution._replace(plan=plan)
 
-    def _examples(self, data: Any, member_batches: bool) -> int:
-        if not member_batches:
-            return check_leading_size(data, "data")
-        size = self.owner.num_members
-        if check_leading_size(data, "data") != size:
-            raise ValueError(
-                f"with member_batches=True every data leaf needs a leading members axis of "
-                f"{size}: (members, examples, ...)."
-            )
-        return check_leading_size(jax.tree.map(lambda x: x[0], data), "data[member]")
-
-    def _stream(self, data, epochs: int, options: FitOptions):
+    def _stream(self, data, epochs: int, options: FitOptions, layout: Layout):
         source = EpochSource(data, epochs)
         if epochs == 0:
             return None, None
         state = self.owner.read()[1]
         first, first_epoch = peek_stream(source)
-        member_batches = options.member_batches
-        members = self.owner.num_members if member_batches else None
-        one = jax.tree.map(lambda x: x[0], first) if member_batches else first
-        if members is not None and check_leading_size(first, "batch 0") != members:
-            raise ValueError(
-                f"with member_batches=True every batch needs a leading members axis of "
-                f"{members}: (members, batch, ...)."
-            )
+        one = layout.first_batch(first)
         # Each process streams its own share of every batch: check the local size.
         self.placement.check_batch_size(jax.tree.leaves(one)[0].shape[0], local=True)
-        execution = self.execution(abstract_batch(first), member_batches=member_batches)
+        execution = self.execution(abstract_batch(first), layout)
         batch_size = options.batch_size
         epoch_calls = StreamEpochs(
             source, first_epoch, execution.plan,
             chunk_size=options.steps_per_call or default_chunk_size(first),
-            put=functools.partial(
-                self.placement.put_chunk, device=device_of(state), member_batches=member_batches
-            ),
+            put=functools.partial(self.placement.put_chunk, device=device_of(state), layout=layout),
             batch_size=batch_size, drop_remainder=options.drop_remainder,
             tail_divisor=self.placement.local_data_parallel(), prefetch=options.prefetch,
-            members=self.owner.num_members, member_batches=member_batches,
+            batch_lead=layout.data_lead,
             put_indices=functools.partial(self.placement.put_data, device=device_of(state)),
         )  # fmt: skip
         return epoch_calls, execution
@@ -300,8 +264,8 @@ class Engine:
     def _resume(self, options: FitOptions, data: Any):
         """Restores the newest good checkpoint (or the one ``resume`` names), if any;
         returns the epochs left and the run."""
-        members = self.owner.num_members
-        history, partial, partial_aux = History(losses=empty_losses(members)), None, None
+        empty = History(losses=empty_losses(self.owner.layout))
+        history, partial, partial_aux = empty, None, None
         directory = options.checkpoint_dir
         step = None if options.resume is True else options.resume
         if step is not None or _checkpointing.latest_step(directory) is not None:
@@ -387,20 +351,17 @@ class Engine:
         )
 
 
-def _one_model(x: Any, sharding: Any, stacked: bool, *, member: bool = True) -> Any:
+def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:
     """The shape (and, on a mesh, sharding) of ONE model's leaf: a population's leaves lose
-    their leading members axis (and its entry in the sharding). A weakly typed leaf stays
-    weak: the compiled call sees it so, and a probe traced with another type would miss
-    jit's trace cache and trace the whole step a second time."""
-    shape = tuple(np.shape(x))[1:] if stacked else tuple(np.shape(x))
+    their ``axes`` leading members axes (and ``spec_axes`` entries of the sharding). A
+    weakly typed leaf stays weak: the compiled call sees it so, and a probe traced with
+    another type would miss jit's trace cache and trace the whole step a second time."""
+    shape = tuple(np.shape(x))[axes:]
     dtype = jax.numpy.result_type(x) if not hasattr(x, "dtype") else x.dtype
     weak = bool(getattr(x, "weak_type", False))
     if sharding is None:
         return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
-    spec = tuple(sharding.spec)
-    if stacked and member:
-        spec = spec[1:]
-    spec = spec[: len(shape)]
+    spec = tuple(sharding.spec)[spec_axes:][: len(shape)]
     return jax.ShapeDtypeStruct(
         shape, dtype, sharding=NamedSharding(sharding.mesh, P(*spec)), weak_type=weak
     )

@@ -21,6 +21,7 @@ from nnxscan.adapters.data import to_numpy
 from nnxscan.pure import epoch_order
 from nnxscan.pure.batching import cut_batches
 from nnxscan.shell._engine.calls import Call, plan_calls
+from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._engine.streaming import BatchChecker, ChunkStream, EpochSource
 
@@ -122,11 +123,12 @@ class EpochOrders:
 class ArrayEpochs:
     """The calls of one or more epochs over a device-resident data set.
 
-    ``seeds`` is the shuffle seed of one model (an int: indices ``(steps, batch)``) or one
-    seed per member (a tuple: indices ``(steps, N, batch)``, member ``i`` in the order
-    ``epoch_order(seeds[i], epoch, n)``). ``count=k`` FUSES ``k`` consecutive epochs: their
-    orders are joined along the steps axis, so the scan plan trains them in one compiled
-    call (the same steps in the same order: bitwise what ``k`` separate epochs train).
+    ``seeds`` holds one shuffle seed per model of the ``layout``: one model's (indices
+    ``(steps, batch)``), or one per member (indices ``(steps, N, batch)``, member ``i`` in
+    the order ``epoch_order(seeds[i], epoch, n)``). ``count=k`` FUSES ``k`` consecutive
+    epochs: their orders are joined along the steps axis, so the scan plan trains them in
+    one compiled call (the same steps in the same order: bitwise what ``k`` separate epochs
+    train).
     Fusing needs every epoch to have the same batch shape: not with a kept short batch.
 
     ``put`` places the index arrays next to the data (replicated on a mesh). ``orders``
@@ -142,12 +144,13 @@ class ArrayEpochs:
         *,
         num_examples: int,
         batch_size: int,
-        seeds: int | tuple[int, ...],
+        seeds: tuple[int, ...],
         shuffle: bool,
         keep_tail: bool,
         orders: EpochOrders | None = None,
+        layout: Layout = ONE_MODEL,
     ):
-        self.plan, self.data, self.put = plan, data, put
+        self.plan, self.data, self.put, self.layout = plan, data, put, layout
         self.orders = EpochOrders() if orders is None else orders
         self.num_examples, self.batch_size = num_examples, batch_size
         self.seeds, self.shuffle, self.keep_tail = seeds, shuffle, keep_tail
@@ -162,17 +165,14 @@ class ArrayEpochs:
         def order(seed: int) -> np.ndarray:
             return self.orders.get(seed, epoch, self.num_examples, self.shuffle)
 
-        if isinstance(self.seeds, int):
-            return order(self.seeds)
         unique = {seed: order(seed) for seed in dict.fromkeys(self.seeds)}  # shared_order
-        return np.stack([unique[seed] for seed in self.seeds])
+        return self.layout.orders([unique[seed] for seed in self.seeds])
 
     def __call__(
         self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
     ) -> Iterator[Call]:
         if count > 1 and not self.fusable:
             raise ValueError("epochs with a kept short batch cannot be fused")
-        one_model = isinstance(self.seeds, int)
         fulls, tail = [], None
         for e in range(epoch, epoch + count):
             # The core's cut of the same order make_epoch uses: a loop of make_epoch calls
@@ -180,9 +180,9 @@ class ArrayEpochs:
             full, tail = cut_batches(
                 self._order(e), self.batch_size, drop_remainder=not self.keep_tail
             )
-            if not one_model:  # (N, steps, batch) -> (steps, N, batch), as make_epoch does
-                full = np.swapaxes(full, 0, 1)
-                tail = None if tail is None else np.swapaxes(tail, 0, 1)
+            # Steps first, as make_epoch scans them: (N, steps, batch) -> (steps, N, batch).
+            full = self.layout.steps_first(full)
+            tail = None if tail is None else self.layout.steps_first(tail)
             fulls.append(full)
         full = fulls[0] if count == 1 else np.concatenate(fulls)
         num_full = full.shape[0]
@@ -192,11 +192,9 @@ class ArrayEpochs:
             tail = None
         full = full[min(skip, num_full) :]
         rows = None
-        if not self.shuffle and one_model:
-            # The stored order: each step slices its batch by number, nothing is gathered
-            # (batch k of an unshuffled epoch is rows k*B .. k*B+B-1: its first index / B).
-            # One model only: vmapped over members, the slice would be a gather per step.
-            full, rows = full[..., 0] // self.batch_size, self.batch_size
+        if not self.shuffle:
+            # The stored order: each step may slice its batch by number, gathering nothing.
+            full, rows = self.layout.batch_numbers(full, self.batch_size)
         full, tail = self.put((full, tail))
         stats.expected_steps = count * self.steps_per_epoch - skip
         if full.shape[0]:
@@ -207,8 +205,7 @@ class ArrayEpochs:
             yield Call(self.data, tail, 0, 1, unroll=True)
         # Reached when the caller asks for a call after the last one was dispatched: the
         # device is busy with it, the host is not.
-        seeds = (self.seeds,) if isinstance(self.seeds, int) else self.seeds
-        self.orders.draw_ahead(seeds, epoch + count, self.num_examples, self.shuffle)
+        self.orders.draw_ahead(self.seeds, epoch + count, self.num_examples, self.shuffle)
 
 
 class StepEpochs:
@@ -260,9 +257,9 @@ class StreamEpochs:
     """An epoch's calls over a stream: chunks of ``chunk_size`` batches, each trained in
     the plan's calls (one scan for ``"scan"``; calls of 4 unrolled steps for ``"unrolled"``).
 
-    For members, ``members=N``: every member trains on the same batch (``member_batches``
-    False), or each batch has a leading members axis ``(N, batch, ...)`` and member ``i``
-    trains on ``batch[i]`` (``member_batches`` True; chunks are then ``(K, N, batch, ...)``).
+    ``batch_lead`` is the layout's ``data_lead``: for members with their own batches,
+    ``(N,)``: each batch has a leading members axis ``(N, batch, ...)``, member ``i`` trains
+    on ``batch[i]`` and chunks are ``(K, N, batch, ...)``; else ``()``.
 
     After dispatching chunk ``i``'s calls it waits for chunk ``i - 1``'s to finish before
     asking for chunk ``i + 1``: one call runs, the next waits in the device queue, and the
@@ -284,17 +281,14 @@ class StreamEpochs:
         drop_remainder: bool,
         prefetch: bool,
         tail_divisor: int = 1,
-        members: int | None = None,
-        member_batches: bool = False,
+        batch_lead: tuple[int, ...] = (),
         put_indices: Callable[[Any], Any] = lambda x: x,
     ):
         self.source, self.plan = source, plan
         self.put_indices = put_indices
         self._pending = [first_epoch]
         # One checker for the whole fit: the step was traced on the first batch.
-        self.checker = BatchChecker(
-            batch_size, members=members if member_batches else None, hint=source.hint
-        )
+        self.checker = BatchChecker(batch_size, lead=batch_lead, hint=source.hint)
         self._placed: dict[int, Any] = {}
         self.options = dict(
             prefetch=prefetch, chunk_size=chunk_size, keep_tail=not drop_remainder, put=put,

@@ -1,9 +1,10 @@
 """Evaluation for a Trainer and a Population alike: ``metric_fn`` or NNX metrics over every
-example, on the mesh of the call, vmapped over members for a population.
+example, on the mesh of the call, as the owner's layout runs it (vmapped over members for a
+population).
 
-The engine (``_engine.Engine``) hands itself in: its owner (what to evaluate), the
-front-end's loss and metrics update (what NNX metrics are fed with) and ``bind()`` (the
-mesh of this call).
+The engine (``engine.Engine``) hands itself in: its owner (what to evaluate, and its
+layout), the front-end's loss and metrics update (what NNX metrics are fed with) and
+``bind()`` (the mesh of this call).
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from nnxscan.pure.checks import check_batch_size, check_count, check_leading_size
-from nnxscan.pure.companions import node_of
 from nnxscan.shell._engine import programs as _programs
 from nnxscan.shell._engine.fit import Evaluation
 from nnxscan.shell._engine.owner import metric_logs
@@ -88,7 +87,7 @@ def evaluator(
 
 
 def _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode):
-    owner, members = engine.owner, engine.owner.num_members
+    owner, layout = engine.owner, engine.owner.layout
     loss_fn, has_aux, rngs = engine.feed["loss_fn"], engine.feed["has_aux"], engine.feed["rngs"]
 
     def program(batch_sharding: Any) -> Callable:
@@ -101,13 +100,7 @@ def _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode):
                 with_rngs=rngs is not None, eval_mode=eval_mode,
                 batch_sharding=batch_sharding,
             )  # fmt: skip
-        return run if members is None else _programs.member_evaluator(run)
-
-    def read() -> tuple[Any, Any]:
-        if members is not None:
-            return owner.evaluation_node(metric_fn is not None)
-        node = owner.model if metric_fn is not None else node_of(owner.model, rngs, metrics)
-        return owner.split(node)
+        return layout.evaluator(run)
 
     # What an error while tracing names (with the batch's leaves): the user's functions.
     traced = metric_fn or {"loss_fn": loss_fn, "update_metrics": update_metrics}
@@ -118,7 +111,7 @@ def _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode):
             return logs(placement, data)
 
     def logs(placement: Placement, data: Any) -> dict[str, Any]:
-        graphdef, state = read()
+        graphdef, state = owner.evaluation_node(metric_fn is not None, rngs, metrics)
         leaves, treedef = jax.tree.flatten(state)
         placed = placement.put_carry(leaves, placement.state_shardings(state))
         state = jax.tree.unflatten(treedef, placed)
@@ -128,16 +121,9 @@ def _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode):
             values = to_host(evaluate(graphdef, state, data))
         if metric_fn is None:
             return metric_logs(values, metrics)
-        return {k: _host_value(v, members) for k, v in values.items()}
+        return {k: layout.metric(v) for k, v in values.items()}
 
     return run
-
-
-def _host_value(value: Any, members: int | None) -> Any:
-    """A metric on the host: a float for one model's scalar, else a float32 array."""
-    if members is None and np.ndim(value) == 0:
-        return float(value)
-    return np.asarray(value, np.float32)
 
 
 def evaluate(

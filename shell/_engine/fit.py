@@ -197,9 +197,9 @@ class FitLoop:
         self.owner, self.placement, self.make_runner = owner, placement, make_runner
         self.callbacks, self.evaluation = callbacks, evaluation
         self.checkpoints = checkpoints
-        self.members = owner.num_members
+        self.layout = owner.layout
         self._signals: list[int] = []
-        self._partial = empty_losses(self.members)
+        self._partial = empty_losses(self.layout)
         # The unfinished epoch's scalar aux logs per step trained before a resume (None:
         # unknown, a run log written without them).
         self._partial_aux: dict[str, np.ndarray] | None = {}
@@ -213,8 +213,11 @@ class FitLoop:
         self._nonfinite: Any = 0
         self._steps_logged = 0
         self._first_nonfinite: tuple[int, int] | None = None
-        self._mask: tuple[bytes, Any] | None = None
         self._device: Any = None
+        # The members' freezing mask of the next call, placed next to the carry.
+        self._active_mask = self.layout.active_masks(
+            owner, lambda mask: self.placement.put_data(mask, device=self._device)
+        )
         self._stop_at: int | None = None  # max_steps: the global step fit ends at
 
     @property
@@ -242,7 +245,7 @@ class FitLoop:
         """
         self._stop_at = stop_at
         owner = self.owner
-        history = History(losses=empty_losses(self.members)) if history is None else history
+        history = History(losses=empty_losses(self.layout)) if history is None else history
         if epochs == 0:
             return history
         # An epoch's train_<metric> logs cover exactly that epoch's steps: start afresh.
@@ -252,7 +255,7 @@ class FitLoop:
         live = LiveState(*owner.read()[1:], owner.writer(), self.placement, self.make_runner)
         owner.release_reads()  # from here on callbacks may change the objects
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
-        injected = learning_rate(live.carry()[1], self.members) is not None
+        injected = learning_rate(live.carry()[1], self.layout) is not None
         groups = self._fused_groups(owner.epoch, epochs, epoch_calls, injected)
         last_epoch = owner.epoch + epochs
         if partial is not None:
@@ -261,13 +264,13 @@ class FitLoop:
         counts = [epoch_calls.calls(count) for count in groups]
         total = None if None in counts else sum(counts)
         bar = RunProgress(1, total, self.progress, has_aux=self.program.has_aux,
-                          members=self.members, log_names=self.progress_logs)  # fmt: skip
+                          layout=self.layout, log_names=self.progress_logs)  # fmt: skip
         bar.set_last_epoch(owner.epoch + epochs - 1)
         try:
             with caught_signals(self.checkpoints is not None) as self._signals, bar:
                 self.callbacks("on_train_begin")
                 for count in groups:
-                    if self._stop_requested or not self._anyone_trains():
+                    if self._stop_requested or not self.layout.trains(owner):
                         break
                     if not self._epochs(history, live, epoch_calls, count, bar, injected):
                         break
@@ -289,37 +292,19 @@ class FitLoop:
                 # and the History's events. A run that trained all its epochs ends saved
                 # whatever checkpoint_every is, so its rerun trains nothing (no-op when
                 # the last epoch was saved already).
-                self.checkpoints.save(history, empty_losses(self.members))
+                self.checkpoints.save(history, empty_losses(self.layout))
             self.checkpoints.close()  # every checkpoint is on disk when fit returns
         self._warn_nonfinite()
         return history
 
-    def _anyone_trains(self) -> bool:
-        active = self.owner.active
-        return active is None or bool(active.any())
-
-    def _active_mask(self) -> Any:
-        """The members' freezing mask for the next call, placed (None for one model)."""
-        active = self.owner.active
-        if active is None:
-            return None
-        key = active.tobytes()
-        if self._mask is None or self._mask[0] != key:
-            self._mask = (key, self.placement.put_data(active.copy(), device=self._device))
-        return self._mask[1]
-
     def _on_halt(self, live: LiveState) -> Callable[[Any, Any, int], int]:
-        """``on_nonfinite="stop"``: one model stops before its first non-finite step;
-        members that halted are frozen and the call's steps all count."""
-        if self.members is None:
-            return lambda halted, losses, length: int(np.argmax(np.isnan(np.asarray(losses))))
+        """``on_nonfinite="stop"``: the layout's policy for a call that halted."""
 
-        def freeze(halted: Any, losses: Any, length: int) -> int:
+        def on_halt(halted: Any, losses: Any, length: int) -> int:
             first = self.owner.step + live.unwritten_steps
-            self.owner.freeze_halted(halted, np.asarray(losses), first)
-            return length
+            return self.layout.halted_steps(self.owner, halted, losses, length, first)
 
-        return freeze
+        return on_halt
 
     def _fused_groups(self, first: int, epochs: int, epoch_calls: Epochs, injected: bool) -> list:
         """How many epochs each compiled stretch trains: 1, or several fused into one call
@@ -417,19 +402,19 @@ class FitLoop:
         if outs:
             stacked, wall_time = host_outputs(outs, start)
         else:  # a resumed stream epoch whose every batch was trained before the interruption
-            empty = empty_losses(self.members)
+            empty = empty_losses(self.layout)
             stacked, wall_time = ((empty, None) if self.program.has_aux else empty), 0.0
         if skip:  # the resumed epoch's first steps were trained before the interruption
             stacked = prepend_losses(self._partial, stacked, self.program.has_aux,
-                                     self._partial_aux, self.members)  # fmt: skip
-        self._partial, self._partial_aux = empty_losses(self.members), {}
+                                     self._partial_aux, self.layout)  # fmt: skip
+        self._partial, self._partial_aux = empty_losses(self.layout), {}
         pieces = [stacked] if count == 1 else split_steps(stacked, count)
         compile_time = (live.compile_s - compiled_before) / count
         for i, piece in enumerate(pieces):
             timing = (wall_time / count, compile_time)
             self._log_epoch(history, epoch + i, piece, timing, stats, complete, live,
                             injected, bar)  # fmt: skip
-        return not self._stop_requested and self._anyone_trains()
+        return not self._stop_requested and self.layout.trains(owner)
 
     def _log_finished(
         self, history: History, epoch: int, finished: int, per_epoch: int, outs: list, start
@@ -448,7 +433,7 @@ class FitLoop:
         skipping = self.program.skips_nonfinite if skipping is None else skipping
         wall_time, compile_time = timing if isinstance(timing, tuple) else (timing, 0.0)
         logs, losses = epoch_logs(
-            epoch, stacked, wall_time, has_aux=self.program.has_aux, members=self.members,
+            epoch, stacked, wall_time, has_aux=self.program.has_aux, layout=self.layout,
             skipping=skipping, dropped=stats.dropped, compile_time=compile_time,
         )  # fmt: skip
         if not self.program.has_loss:  # a stateful train_step that returns no loss
@@ -471,12 +456,7 @@ class FitLoop:
         """One warning after a fit whose losses were not all finite under "ignore"."""
         if self._first_nonfinite is None:
             return
-        counts, steps = np.asarray(self._nonfinite), self._steps_logged
-        if self.members is None:
-            what = f"{int(counts)} of the {steps} training steps"
-        else:
-            per = ", ".join(f"member {m}: {int(n)}" for m, n in enumerate(counts) if n)
-            what = f"some of the {steps} training steps ({per})"
+        what = self.layout.nonfinite_steps(np.asarray(self._nonfinite), self._steps_logged)
         epoch, step = self._first_nonfinite
         warn(
             f"nnxscan: {what} of this fit had a non-finite loss (NaN or inf; the first at "
@@ -490,7 +470,7 @@ class FitLoop:
     def _losses_so_far(self, outs: list) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
         """The unfinished epoch's losses and scalar aux logs per step: before a resume, and
         from ``outs`` since."""
-        aux = partial_scalar_aux(self._partial_aux, outs, self.program.has_aux, self.members)
+        aux = partial_scalar_aux(self._partial_aux, outs, self.program.has_aux, self.layout)
         if not outs:
             return self._partial, aux
         stacked, _ = host_outputs(outs, time.perf_counter())
@@ -513,14 +493,14 @@ class FitLoop:
     def _preempted(self, history: History, outs: list, complete: bool) -> None:
         """A SIGTERM or SIGINT arrived: the current call finished; save, then raise."""
         if complete:
-            partial, aux = empty_losses(self.members), {}
+            partial, aux = empty_losses(self.layout), {}
         else:
             partial, aux = self._losses_so_far(outs)
         if complete and outs:
             # The epoch ended with the call: log it first, so the History holds it.
             stacked, wall_time = host_outputs(outs, time.perf_counter())
             stacked = prepend_losses(self._partial, stacked, self.program.has_aux,
-                                     self._partial_aux, self.members)  # fmt: skip
+                                     self._partial_aux, self.layout)  # fmt: skip
             logs, losses = self._logs(self.owner.epoch - 1, stacked, wall_time, EpochStats())
             history._append(losses, logs)
         self.checkpoints.save(history, partial, None, aux)
@@ -544,9 +524,8 @@ class FitLoop:
             live.reload_state(owner.read_state())
         if injected:
             # From the carry: reading an nnx.Optimizer's optax state traces tx.init.
-            logs["learning_rate"] = learning_rate(live.carry()[1], self.members)
-        if owner.active is not None:
-            logs["active"] = owner.active.copy()
+            logs["learning_rate"] = learning_rate(live.carry()[1], self.layout)
+        logs.update(self.layout.active_logs(owner))
         if not complete:
             logs["stopped"] = True
         elif self.evaluation is not None and (epoch + 1) % self.evaluation.every == 0:
@@ -561,7 +540,7 @@ class FitLoop:
                 checkpoints.run_log.check(epoch, logs)
             due = self._save_at_epoch_end
             if checkpoints is not None and (due or (epoch + 1) % checkpoints.every_epochs == 0):
-                checkpoints.save(history, empty_losses(self.members), written_carry(live))
+                checkpoints.save(history, empty_losses(self.layout), written_carry(live))
             self._save_at_epoch_end = False
 
     def _nonfinite_error(self, history, epoch, first_step, stop, start, stats) -> Exception:

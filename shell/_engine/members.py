@@ -26,7 +26,7 @@ from nnxscan.pure import (
     with_hyperparams,
 )
 from nnxscan.pure.companions import node_of, unpack
-from nnxscan.shell._edges.warn import warn
+from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.owner import Writer, check_meta_ints, metric_logs, split_plain
 from nnxscan.shell._engine.programs import member_metrics
 from nnxscan.shell._population_checks import call_model_fn
@@ -61,6 +61,7 @@ class StackedOwner:
         self.seeds, self.hyperparams = seeds, hyperparams
         self.with_rngs, self.metrics = with_rngs, metrics
         self.num_members = len(seeds)
+        self.layout = Members(self.num_members)
         self._carry = (state, opt_state)
         self.epoch = 0
         self.step = 0
@@ -98,9 +99,12 @@ class StackedOwner:
         """The members' stacked MODEL state (their Rngs and metrics left out), a copy."""
         return jax.tree.map(lambda x: x.copy(), self._parts_state(self._carry[0], "model"))
 
-    def evaluation_node(self, model_only: bool) -> tuple[nnx.GraphDef, Any]:
+    def evaluation_node(
+        self, model_only: bool, rngs: Any = None, metrics: Any = None
+    ) -> tuple[nnx.GraphDef, Any]:
         """``(graphdef, stacked state)`` an evaluation merges: the models alone (for a
-        ``metric_fn``), or the whole nodes (NNX metrics fed by the loss)."""
+        ``metric_fn``), or the whole nodes (NNX metrics fed by the loss: the members' own
+        Rngs and metrics, which ``rngs`` and ``metrics`` are templates of)."""
         if model_only:
             return self.model_graphdef, self._parts_state(self._carry[0], "model")
         return self.graphdef, self._carry[0]
@@ -166,20 +170,6 @@ class StackedOwner:
         new = [x.copy() for x in jax.tree.leaves(state)] + leaves[self._model_leaves :]
         self._carry = (jax.tree.unflatten(treedef, new), self._carry[1])
         self.loaded_since_checkpoint = True
-
-    def freeze_halted(self, halted: np.ndarray, losses: np.ndarray, first_step: int) -> None:
-        """``on_nonfinite="stop"``: each member that halted in a call (``halted``, ``(N,)``)
-        is frozen, with a warning naming its first non-finite step; the others go on."""
-        halted = np.asarray(halted, bool) & self.active
-        for index in np.flatnonzero(halted):
-            step = first_step + int(np.argmax(np.isnan(losses[:, index])))
-            warn(
-                f"member {index}: non-finite loss at global step {step} (epoch "
-                f"{self.epoch}); on_nonfinite='stop' froze it at the state before that "
-                f"step. The other members go on.",
-                RuntimeWarning,
-            )
-        self.active = self.active & ~halted
 
     # -- the run ----------------------------------------------------------------------------
 

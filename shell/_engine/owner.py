@@ -1,7 +1,9 @@
 """Owners: the one place a fit reads ``(graphdef, state, opt_state)`` from and writes to.
 
-The fit engine (``_fit.FitLoop``, ``_engine``) talks to an owner through the :class:`Owner`
-protocol and never asks which kind it has. Two kinds exist:
+The fit engine (``fit.FitLoop``, ``engine.Engine``) talks to an owner through the
+:class:`Owner` protocol and never asks which kind it has; what differs between one model
+and members in the engine is the owner's :attr:`~Owner.layout`
+(``nnxscan.shell._engine.layout``). Two kinds exist:
 
 - :class:`ModelOwner` (here) holds the user's ``nnx.Module`` and ``nnx.Optimizer``: it is
   the only code in nnxscan that calls ``nnx.update`` on them. There is ONE step counter:
@@ -32,6 +34,7 @@ from nnxscan.adapters.nnx_optimizer import (
 from nnxscan.pure import Step, init_opt_state, split_wrt
 from nnxscan.pure.checks import check_transform
 from nnxscan.pure.companions import node_of
+from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._module_check import check_module
 
 # ``write(leaves, treedef, steps)``: the carry ``(state, opt_state)`` as ``jax.tree.flatten``
@@ -43,8 +46,9 @@ class Owner(Protocol):
     """What the fit engine needs from whoever holds the trained objects.
 
     Attributes:
-      num_members: ``None`` for one model, ``N`` for N members stacked (what callbacks and
-        writers are told through ``subject.num_members``).
+      layout: one model (:class:`~nnxscan.shell._engine.layout.OneModel`) or N members
+        stacked (:class:`~nnxscan.shell._engine.layout.Members`): everything the engine
+        does differently for them.
       metrics: the NNX training metrics (a template for members), or None.
       epoch: the global index of the next epoch; ``epoch_step``: steps of that epoch trained
         when a run stopped inside it (0 at boundaries).
@@ -54,7 +58,7 @@ class Owner(Protocol):
         last checkpoint, so one at the current step is stale.
     """
 
-    num_members: int | None
+    layout: Layout
     metrics: nnx.Metric | None
     epoch: int
     epoch_step: int
@@ -63,8 +67,6 @@ class Owner(Protocol):
 
     @property
     def step(self) -> int: ...
-    @property
-    def active(self) -> np.ndarray | None: ...
     def read(self) -> tuple[nnx.GraphDef, nnx.State, Any]: ...
     def read_state(self) -> nnx.State: ...
     def reads_held(self) -> contextlib.AbstractContextManager: ...
@@ -75,7 +77,10 @@ class Owner(Protocol):
     def load(self, state: nnx.State, where: Any = None) -> None: ...
     def checkpoint_tree(self, run: str = "", carry: tuple | None = None) -> dict[str, Any]: ...
     def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None: ...
-    def run_seeds(self, run_keys: dict[str, Any]) -> int | tuple[int, ...]: ...
+    def run_seeds(self, run_keys: dict[str, Any]) -> tuple[int, ...]: ...
+    def evaluation_node(
+        self, model_only: bool, rngs: Any = None, metrics: Any = None
+    ) -> tuple[nnx.GraphDef, Any]: ...
     def begin_run(self, run_keys: dict[str, Any]) -> None: ...
 
 
@@ -129,8 +134,7 @@ class ModelOwner:
         written back with it.
     """
 
-    num_members = None
-    active = None  # one model never freezes
+    layout = ONE_MODEL
 
     def __init__(
         self,
@@ -292,6 +296,13 @@ class ModelOwner:
         """The module state of the user's objects (model, and rngs/metrics when given)."""
         return self.split()[1]
 
+    def evaluation_node(
+        self, model_only: bool, rngs: Any = None, metrics: Any = None
+    ) -> tuple[nnx.GraphDef, nnx.State]:
+        """``(graphdef, state)`` an evaluation merges: the model alone (for a
+        ``metric_fn``), or it with call-time ``rngs`` and the NNX ``metrics`` to feed."""
+        return self.split(self.model if model_only else node_of(self.model, rngs, metrics))
+
     def reset_metrics(self) -> None:
         """Starts the training metrics afresh (at the start of a fit)."""
         for metrics in self._metric_objects:
@@ -373,13 +384,14 @@ class ModelOwner:
 
     # -- the run ----------------------------------------------------------------------------
 
-    def run_seeds(self, run_keys: dict[str, Any]) -> int:
-        """The shuffle seed of a fit: the one given, else the last run's (0 at first)."""
+    def run_seeds(self, run_keys: dict[str, Any]) -> tuple[int]:
+        """The shuffle seed of a fit (one per model: one): the one given, else the last
+        run's (0 at first)."""
         seed = run_keys.get("seed")
-        return self.seed if seed is None else seed
+        return (self.seed if seed is None else seed,)
 
     def begin_run(self, run_keys: dict[str, Any]) -> None:
-        self.seed = self.run_seeds(run_keys)
+        (self.seed,) = self.run_seeds(run_keys)
 
     def checkpoint_tree(self, run: str = "", carry: tuple | None = None) -> dict[str, Any]:
         """What a checkpoint holds: module state, optax state, the counters, and ``run``

@@ -40,6 +40,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._engine.specs import (
     annotated_spec,
     check_rules,
@@ -83,7 +84,7 @@ class Placement:
         rules: Any = None,
         tx: optax.GradientTransformation | None = None,
         wrt: Any = nnx.Param,
-        members: int | None = None,
+        layout: Layout = ONE_MODEL,
     ):
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
@@ -95,8 +96,8 @@ class Placement:
         self._mesh, self._data_axis = mesh, data_axis
         self.fsdp_min_size, self._member_axis = fsdp_min_size, member_axis
         self.rules = check_rules(rules)
-        self.tx, self.wrt, self.members = tx, wrt, members
-        self.stacked = members is not None
+        # One model's leaves, or members' with a leading members axis.
+        self.tx, self.wrt, self.layout = tx, wrt, layout
         self.mesh: Mesh | None = None
         self.data_axes: tuple[str, ...] = ()
         self.member_axis: str | None = None
@@ -122,14 +123,14 @@ class Placement:
                 raise ValueError(
                     f"{what} shards over a mesh: pass mesh=, or call inside jax.set_mesh(mesh)."
                 )
-            unbound = Placement(tx=self.tx, wrt=self.wrt, members=self.members)
+            unbound = Placement(tx=self.tx, wrt=self.wrt, layout=self.layout)
             unbound.rules = self.rules
             return unbound
         if mesh is self.mesh:
             return self
         bound = Placement(
             None, self._data_axis, self.fsdp_min_size, self._member_axis,
-            tx=self.tx, wrt=self.wrt, members=self.members,
+            tx=self.tx, wrt=self.wrt, layout=self.layout,
         )  # fmt: skip
         bound.rules = self.rules
         bound._bind(mesh)
@@ -145,17 +146,11 @@ class Placement:
         for axis in axes:
             if axis not in names:
                 raise ValueError(f"data_axis {axis!r} is not an axis of the mesh {names}.")
-        member = self._member_axis if self._member_axis in names else None
+        member = self.layout.members_axis(mesh, self._member_axis)
         if member is not None and member in axes:
             raise ValueError(
                 f"member_axis and data_axis are both {member!r}: the members spread over one "
                 f"mesh axis and each member's batches over another."
-            )
-        if member is not None and self.members % mesh.shape[member]:
-            size = mesh.shape[member]
-            raise ValueError(
-                f"{self.members} members do not divide over the {size} devices of mesh axis "
-                f"{member!r}: use a multiple of {size} seeds."
             )
         self.mesh, self.data_axes, self.member_axis = mesh, tuple(axes), member
 
@@ -187,13 +182,13 @@ class Placement:
             return None
         return NamedSharding(self.mesh, PartitionSpec(self._data_entry()))
 
-    @property
-    def member_batch_sharding(self) -> NamedSharding | None:
-        """A population's batch with a leading members axis, ``(N, batch, ...)``: members
-        over the member axis (if any), each member's batch over the data axes."""
+    def batch_sharding_of(self, layout: Layout) -> NamedSharding | None:
+        """A step's batch as ``layout`` runs it: :attr:`batch_sharding`, after the members
+        axis (over the member axis, if any) of a population's batch ``(N, batch, ...)``."""
         if self.mesh is None:
             return None
-        return NamedSharding(self.mesh, PartitionSpec(self.member_axis, self._data_entry()))
+        lead = layout.batch_spec(self.member_axis)
+        return NamedSharding(self.mesh, PartitionSpec(*lead, self._data_entry()))
 
     def _data_entry(self) -> Any:
         if not self.data_axes:
@@ -246,7 +241,7 @@ class Placement:
         return (*state_shardings, *self._opt_shardings(state, opt_state, state_shardings, given))
 
     def _opt_shardings(self, state: Any, opt_state: Any, shardings: list, given: list) -> list:
-        members = (self.member_axis,) if self.stacked else ()
+        members = self.layout.carry_spec(self.member_axis)
         parameter = parameters_of(self.tx, self.wrt, state, opt_state)
         param_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(state)]
         out = []
@@ -286,7 +281,7 @@ class Placement:
         An optax leaf's annotation is ``optimizer_sharding`` (optax states copy their
         parameter's metadata, where Flax's cookbook puts it)."""
         shape = tuple(np.shape(value))
-        skip = 1 if self.stacked else 0
+        skip = len(self.layout.shape)
         sharding = getattr(value, "sharding", None)
         if isinstance(sharding, NamedSharding) and not replicated_on_one(sharding):
             full = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
@@ -298,8 +293,8 @@ class Placement:
         if not annotation:
             return None, None
         spec = annotated_spec(annotation, variable.get_metadata())
-        if self.stacked and len(tuple(spec)) == len(shape):  # annotated after stacking
-            spec = PartitionSpec(*tuple(spec)[1:])
+        if len(tuple(spec)) == len(shape):  # annotated after stacking (if stacked)
+            spec = PartitionSpec(*tuple(spec)[skip:])
         return spec, f"its {key} annotation"
 
     def _variable_spec(
@@ -308,8 +303,8 @@ class Placement:
         """The rule of the module docstring for one variable (checked against the mesh),
         and the spec its array or annotation gave (what its moments would have inherited)."""
         shape = tuple(np.shape(value))
-        members = (self.member_axis,) if self.stacked else ()
-        own = shape[len(members) :] if self.stacked else shape
+        members = self.layout.carry_spec(self.member_axis)
+        own = shape[len(members) :]
         is_key = jax.dtypes.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key)
         given, given_source = self._given(variable, value)
         spec, source = self._rule(path)
@@ -339,7 +334,7 @@ class Placement:
                         f"nnx.logical_axis_rules(...) around the call, or use a mesh with "
                         f"that axis."
                     )
-                if axis == self.member_axis and self.stacked:
+                if axis == self.member_axis:  # None off a population: never an axis
                     raise ValueError(
                         f"variable {path} is sharded over {axis!r} by {source}, but that is "
                         f"the population's member_axis: shard a member over its other axes."
@@ -367,16 +362,14 @@ class Placement:
             return _commit(tree, device if device is not None else device_of(like))
         return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
-    def put_chunk(self, tree: Any, device: Any, *, member_batches: bool = False) -> Any:
+    def put_chunk(self, tree: Any, device: Any, *, layout: Layout = ONE_MODEL) -> Any:
         """A stream chunk ``(steps, batch, ...)``: batch dimension over the data axes; a
-        population's per-member chunk ``(steps, members, batch, ...)``: members over
-        ``member_axis`` too."""
+        population's per-member chunk ``(steps, members, batch, ...)`` (``layout``'s batch
+        has a members axis): members over ``member_axis`` too."""
         if self.mesh is None:
             return jax.device_put(tree, device)
-        spec = (None, self._data_entry())
-        if member_batches:
-            spec = (None, self.member_axis, self._data_entry())
-        sharding = NamedSharding(self.mesh, PartitionSpec(*spec))
+        lead = layout.batch_spec(self.member_axis)
+        sharding = NamedSharding(self.mesh, PartitionSpec(None, *lead, self._data_entry()))
         if jax.process_count() > 1:
             # Each process holds its own share of every batch: assemble the global chunk.
             return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,6 @@ from flax import nnx
 
 from nnxscan.pure import (
     HaltState,
-    MembersState,
     Step,
     canonical_conv_layout,
     halt_after_nonfinite,
@@ -31,12 +30,14 @@ from nnxscan.pure import (
     scan_indexed_steps,
     skip_nonfinite,
     step_outputs,
-    vmap_members,
 )
 from nnxscan.pure.batching import constrain_sharding
 from nnxscan.pure.companions import unpack
 from nnxscan.shell._engine.plans import StepTraits, step_traits
 from nnxscan.shell._engine.trace_notes import noting_batch
+
+if TYPE_CHECKING:
+    from nnxscan.shell._engine.layout import Layout
 
 _MAX_CACHED = 32
 _TRAIN: OrderedDict[Hashable, TrainProgram] = OrderedDict()
@@ -85,19 +86,6 @@ def _lookup(cache: OrderedDict, key: Hashable, build: Callable[[], Any]) -> Any:
     return value
 
 
-class MemberLayout(NamedTuple):
-    """How a population's members run: the step vmapped over their leading axis
-    (:func:`~nnxscan.pure.vmap_members`), sharded over mesh axis ``axis_name`` (or not).
-    Each step's batch is one for all members (``shared_batch``: indices as one model's), or
-    has a leading members axis: indices ``(steps, N, batch)`` into the shared data, or into
-    each member's own data (``data_per_member``: every data leaf ``(N, n, ...)``), or a
-    stream's chunk already ``(steps, N, batch, ...)`` indexed ``(steps,)``."""
-
-    axis_name: str | None = None
-    data_per_member: bool = False
-    shared_batch: bool = False
-
-
 class TrainProgram:
     """The compiled pieces of training for one step (a :class:`~nnxscan.pure.Step`).
 
@@ -142,17 +130,17 @@ class TrainProgram:
         donate: bool = True,
         carry_shardings: tuple | None = None,
         batch_sharding: Any = None,
-        members: MemberLayout | None = None,
+        layout: Layout,
     ) -> Callable:
         """The jitted chunk runner for this graphdef and carry structure:
         ``run(leaves, data, indices, active, start, length=, unroll=, rows=) -> (leaves, outs,
         halted)`` trains the steps ``start:start+length`` of ``indices``.
 
-        One model (``members=None``): ``indices`` is ``(steps, ...)`` and ``active`` is
-        None. Members (a :class:`MemberLayout`): the same step vmapped, ``indices`` is
-        ``(N, steps, ...)``; ``active`` (``(N,)`` bool, or None when every member trains:
-        that program has no per-step select) freezes the members where it is False;
-        ``halted`` is ``(N,)``.
+        The ``layout`` (``_engine.layout``) says what runs: one model (``OneModel``:
+        ``indices`` is ``(steps, ...)``, ``active`` None), or members (``Members``: the same
+        step vmapped, ``indices`` ``(steps, N, ...)`` unless the batch is shared; ``active``,
+        ``(N,)`` bool, freezes the members where it is False). ``halted`` has the layout's
+        shape.
 
         With ``donate`` the carry's buffers are donated to the call (the default: training
         then holds one copy of the state). A step with host callbacks is run without
@@ -169,18 +157,15 @@ class TrainProgram:
         step = Step(_no_init, self.jitted_step(graphdef), self.has_aux)
         if self.halts:
             step = halt_after_nonfinite(step)
-        if members is not None:
-            step = vmap_members(
-                step, shared_batch=members.shared_batch, member_axis=members.axis_name
-            )
+        step = layout.step(step)
 
         def build():
             return chunk_runner(
-                step, graphdef, carry_def, self.halts, members, carry_shardings,
+                step, graphdef, carry_def, self.halts, layout, carry_shardings,
                 batch_sharding, donate,
             )  # fmt: skip
 
-        key = (graphdef, carry_def, donate, carry_shardings, batch_sharding, members)
+        key = (graphdef, carry_def, donate, carry_shardings, batch_sharding, layout)
         return _lookup(self._runners, key, build)
 
     def traits(self, graphdef: Any, carry: Callable[[], tuple[Any, Any]], batch: Any) -> StepTraits:
@@ -220,7 +205,7 @@ def chunk_runner(
     graphdef: Any,
     carry_def: Any,
     halts: bool,
-    members: MemberLayout | None,
+    layout: Layout,
     carry_shardings: tuple | None,
     batch_sharding: Any,
     donate: bool,
@@ -232,26 +217,23 @@ def chunk_runner(
     was placed (``carry_shardings``).
 
     ``step`` is the program's step with its wrappers: ``halt_after_nonfinite`` for
-    ``"stop"``, ``vmap_members`` for members. The owner's ``opt_state`` crosses the call
-    bare; the wrappers' states are built around it here (nothing halted yet, the members'
-    ``active`` mask) and taken off again: ``halted`` is a bool, ``(N,)`` for members."""
+    ``"stop"``, the layout's (``vmap_members`` for members). The owner's ``opt_state``
+    crosses the call bare; the wrappers' states are built around it here (nothing halted
+    yet; the layout's, with the members' ``active`` mask) and taken off again: ``halted``
+    is a bool of the layout's shape, ``(N,)`` for members."""
 
     def run(leaves, data, indices, active, start, *, length, unroll, rows=None):
         state, opt_state = jax.tree.unflatten(carry_def, leaves)
         idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=0)
-        shape = () if members is None else jnp.shape(active)
-        carry = HaltState(opt_state, jnp.zeros(shape, bool)) if halts else opt_state
-        if members is not None:
-            carry = MembersState(carry, active)
-            if members.data_per_member:
-                data, idx = _members_data_as_one(data, idx)
+        carry = HaltState(opt_state, jnp.zeros(layout.shape, bool)) if halts else opt_state
+        carry = layout.enter(carry, active)
+        data, idx = layout.gathered(data, idx)
         state, carry, outs = scan_indexed_steps(
             step, graphdef, state, carry, data, idx, unroll=unroll,
             batch_sharding=batch_sharding, batch_rows=rows,
         )  # fmt: skip
-        if members is not None:
-            carry = carry.inner
-        opt_state, halted = carry if halts else (carry, jnp.zeros(shape, bool))
+        carry = layout.leave(carry)
+        opt_state, halted = carry if halts else (carry, jnp.zeros(layout.shape, bool))
         leaves = jax.tree.leaves((state, opt_state))
         if carry_shardings is not None:
             leaves = [
@@ -263,16 +245,6 @@ def chunk_runner(
     if jax.default_backend() == "cpu":  # loop-body convolutions are slow there (jax#12868)
         run = canonical_conv_layout(run)  # after vmap: a population's convs too
     return jax.jit(run, static_argnames=("length", "unroll", "rows"), donate_argnums=donated)
-
-
-def _members_data_as_one(data: Any, idx: jax.Array) -> tuple[Any, jax.Array]:
-    """Each member's own data ``(N, n, ...)`` as one data set ``(N * n, ...)`` (a reshape,
-    no copy), and the members' indices ``(steps, N, batch)`` shifted into it: member ``i``'s
-    row ``r`` is row ``i * n + r``."""
-    members, n = jax.tree.leaves(data)[0].shape[:2]
-    data = jax.tree.map(lambda x: x.reshape(members * n, *x.shape[2:]), data)
-    offsets = (jnp.arange(members, dtype=idx.dtype) * n).reshape(1, members, 1)
-    return data, idx + offsets
 
 
 def train_program(

@@ -139,29 +139,29 @@ class BatchChecker:
     """Every batch must look like the first of the fit (a short FINAL batch aside).
 
     One checker serves all epochs of a ``fit``: the step was traced on the first batch, so
-    a later epoch with other shapes or dtypes is as wrong as a later batch. With
-    ``members=N`` every batch holds one batch per member, ``(N, batch, ...)``: the batch
-    size is then the second dimension.
+    a later epoch with other shapes or dtypes is as wrong as a later batch. With a ``lead``
+    of ``(N,)`` (members with their own batches) every batch holds one batch per member,
+    ``(N, batch, ...)``: the batch size is then the second dimension.
     """
 
-    def __init__(self, batch_size: int | None, members: int | None = None, hint: str = ""):
+    def __init__(self, batch_size: int | None, lead: tuple[int, ...] = (), hint: str = ""):
         self.batch_size = batch_size
-        self.members = members
+        self.lead = lead
         self.hint = hint
         self.leaves: dict[str, tuple[tuple, str]] | None = None
         self.treedef = None
 
     def _batch_axis(self, where: str, leaves: dict[str, tuple[tuple, str]]) -> int:
-        if self.members is None:
-            return 0
+        axis = len(self.lead)
         for path, (shape, _) in leaves.items():
-            if len(shape) < 2 or shape[0] != self.members:
+            # (A leaf without a batch axis never gets here: to_numpy refuses it.)
+            if len(shape) <= axis or shape[:axis] != self.lead:
                 raise ValueError(
                     f"{where}, leaf {path}: shape {shape}, but with member_batches=True every "
-                    f"leaf needs a leading members axis of {self.members} and a batch axis: "
+                    f"leaf needs a leading members axis of {self.lead[0]} and a batch axis: "
                     f"(members, batch, ...)."
                 )
-        return 1
+        return axis
 
     def leading_size(self, index: int, batch: Any, epoch: int = 0) -> int:
         where = f"batch {index}" + (f" of epoch {epoch}" if epoch else "")
@@ -209,7 +209,7 @@ class BatchChecker:
     @property
     def full_size(self) -> int:
         assert self.leaves is not None
-        return next(iter(self.leaves.values()))[0][0 if self.members is None else 1]
+        return next(iter(self.leaves.values()))[0][len(self.lead)]
 
 
 class _Stopped(Exception):

@@ -1,0 +1,408 @@
+r"""One model or members: everything that differs between them, in one place.
+
+The engine and its edges are written once. Where training one model and training a
+population's members differ, they ask the run's layout, one of two small classes behind
+the :class:`Layout` protocol, and never which of the two they hold. The owner declares its
+own (``owner.layout``); a fit refines it with what its data looks like (:meth:`for_run`).
+
+====================  ===================================  ===================================
+\                     :class:`OneModel`                    :class:`Members`
+====================  ===================================  ===================================
+a value per model     ``shape == ()``: logs hold floats    ``shape == (N,)``: ``(N,)`` arrays
+per-step losses       ``(steps,)``                         ``(steps, N)``
+the runner's step     the step                             ``pure.vmap_members`` of it
+a step's batch        one batch                            one for all, or one per member
+the carry's sharding  each leaf's own                      a members axis first, over
+                                                           ``member_axis``
+data orders           ``(steps, batch)``                   ``(steps, N, batch)``
+non-finite "stop"     stop before the step, raise          freeze the member, warn, go on
+evaluation            the model                            every member, vmapped
+callbacks are told    ``num_members = None``               ``num_members = N``
+====================  ===================================  ===================================
+
+Both are frozen dataclasses: equal layouts are equal keys of the compiled runners' cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nnxscan.pure import MembersState, Step, vmap_members
+from nnxscan.pure.checks import abstract_batch, check_leading_size
+from nnxscan.shell._edges.warn import warn
+from nnxscan.shell._engine.programs import member_evaluator
+
+#: What a fit's data is: a data set of arrays, a stream of batches, or none (a step that
+#: takes no batch).
+DataKind = Literal["arrays", "stream", "none"]
+
+
+class Layout(Protocol):
+    """What the engine asks of one model or of members.
+
+    Attributes:
+      num_members: what callbacks and writers are told (``subject.num_members``): None
+        for one model, N for members.
+      shape: the shape of a value per model: ``()``, or ``(N,)``. A per-step log is
+        ``(steps, *shape)``, an epoch's log ``shape``.
+      data_lead: the leading axes of the fit's data before the examples (or a stream
+        batch's before its batch axis): ``(N,)`` when each member has its own data.
+    """
+
+    num_members: int | None
+    shape: tuple[int, ...]
+    data_lead: tuple[int, ...]
+
+    def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> Layout:
+        """This layout for one fit of ``data`` over a mesh axis (None: off a mesh)."""
+        ...
+
+    # -- logs, on the host ----------------------------------------------------------------
+    def value(self, x: Any) -> Any:
+        """A statistic reduced over steps as the logs hold it: a float, or float32 ``(N,)``."""
+        ...
+
+    def count(self, x: Any) -> Any:
+        """A count reduced over steps: an int, or int64 ``(N,)``."""
+        ...
+
+    def metric(self, x: Any) -> Any:
+        """An evaluation metric on the host."""
+        ...
+
+    def nonfinite_steps(self, counts: Any, steps: int) -> str:
+        """How many of ``steps`` steps had a non-finite loss, in words."""
+        ...
+
+    # -- the members that train -----------------------------------------------------------
+    def trains(self, owner: Any) -> bool:
+        """Whether anything is left to train."""
+        ...
+
+    def active_masks(self, owner: Any, put: Callable[[np.ndarray], Any]) -> Callable[[], Any]:
+        """``mask()``: the freezing mask of the next compiled call, placed by ``put``."""
+        ...
+
+    def active_logs(self, owner: Any) -> dict[str, Any]:
+        """What an epoch's logs say about which members train."""
+        ...
+
+    def halted_steps(self, owner: Any, halted: Any, losses: Any, length: int, first: int) -> int:
+        """``on_nonfinite="stop"``: how many of a halted call's ``length`` steps count
+        (``first``: the global step its first step was)."""
+        ...
+
+    # -- the compiled runner --------------------------------------------------------------
+    def step(self, step: Step) -> Step:
+        """The step the runner scans."""
+        ...
+
+    def enter(self, opt_state: Any, active: Any) -> Any:
+        """The owner's opt_state as the runner's step carries it."""
+        ...
+
+    def leave(self, opt_state: Any) -> Any:
+        """The runner's step state back as the owner holds it."""
+        ...
+
+    def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]:
+        """(Traced) the data and indices the scan gathers each step's batch from."""
+        ...
+
+    def evaluator(self, evaluate: Callable) -> Callable:
+        """``evaluate(graphdef, state, data)`` of one model, over what the owner holds."""
+        ...
+
+    # -- placement ------------------------------------------------------------------------
+    def members_axis(self, mesh: Any, name: str | None) -> str | None:
+        """The mesh axis the members spread over (checked to divide them), or None."""
+        ...
+
+    def carry_spec(self, member_axis: str | None) -> tuple:
+        """The carry leaves' leading ``PartitionSpec`` entries."""
+        ...
+
+    def batch_spec(self, member_axis: str | None) -> tuple:
+        """A step's batch's ``PartitionSpec`` entries before its batch axis."""
+        ...
+
+    # -- data -----------------------------------------------------------------------------
+    def examples(self, data: Any) -> int:
+        """The examples of a data set (of each member's own), checked."""
+        ...
+
+    def batch_shapes(self, data: Any, batch_size: int) -> Any:
+        """The shapes of one step's batch of a data set (``data_lead`` kept)."""
+        ...
+
+    def first_batch(self, batch: Any) -> Any:
+        """A stream's batch as one model trains it (its members axis checked, then off)."""
+        ...
+
+    def orders(self, orders: list[np.ndarray]) -> np.ndarray:
+        """One epoch order per model (one per seed) as the indices hold them."""
+        ...
+
+    def steps_first(self, indices: np.ndarray) -> np.ndarray:
+        """Cut orders ``(*shape, steps, batch)`` as the scan takes them, steps first."""
+        ...
+
+    def batch_numbers(self, indices: np.ndarray, batch_size: int) -> tuple[np.ndarray, Any]:
+        """An unshuffled epoch's indices, and ``rows`` when each step can slice its batch
+        by number rather than gather it (see ``Call``)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class OneModel:
+    """The layout of one model: a value per model is a scalar; the step runs as it is."""
+
+    num_members: ClassVar[None] = None
+    shape: ClassVar[tuple[int, ...]] = ()
+    data_lead: ClassVar[tuple[int, ...]] = ()
+
+    def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> OneModel:
+        return self
+
+    def value(self, x: Any) -> float:
+        return float(x)
+
+    def count(self, x: Any) -> int:
+        return int(x)
+
+    def metric(self, x: Any) -> Any:
+        return float(x) if np.ndim(x) == 0 else np.asarray(x, np.float32)
+
+    def nonfinite_steps(self, counts: Any, steps: int) -> str:
+        return f"{int(counts)} of the {steps} training steps"
+
+    def trains(self, owner: Any) -> bool:
+        return True  # one model never freezes: it stops
+
+    def active_masks(self, owner: Any, put: Callable[[np.ndarray], Any]) -> Callable[[], Any]:
+        return lambda: None
+
+    def active_logs(self, owner: Any) -> dict[str, Any]:
+        return {}
+
+    def halted_steps(self, owner: Any, halted: Any, losses: Any, length: int, first: int) -> int:
+        # The steps before the first non-finite one count; fit then raises.
+        return int(np.argmax(np.isnan(np.asarray(losses))))
+
+    def step(self, step: Step) -> Step:
+        return step
+
+    def enter(self, opt_state: Any, active: Any) -> Any:
+        return opt_state
+
+    def leave(self, opt_state: Any) -> Any:
+        return opt_state
+
+    def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]:
+        return data, indices
+
+    def evaluator(self, evaluate: Callable) -> Callable:
+        return evaluate
+
+    def members_axis(self, mesh: Any, name: str | None) -> None:
+        return None
+
+    def carry_spec(self, member_axis: str | None) -> tuple:
+        return ()
+
+    def batch_spec(self, member_axis: str | None) -> tuple:
+        return ()
+
+    def examples(self, data: Any) -> int:
+        return check_leading_size(data, "data")
+
+    def batch_shapes(self, data: Any, batch_size: int) -> Any:
+        return abstract_batch(data, leading=batch_size)
+
+    def first_batch(self, batch: Any) -> Any:
+        return batch
+
+    def orders(self, orders: list[np.ndarray]) -> np.ndarray:
+        (order,) = orders
+        return order
+
+    def steps_first(self, indices: np.ndarray) -> np.ndarray:
+        return indices
+
+    def batch_numbers(self, indices: np.ndarray, batch_size: int) -> tuple[np.ndarray, Any]:
+        # Batch k of the stored order is rows k*B .. k*B+B-1: its first index / B.
+        return indices[..., 0] // batch_size, batch_size
+
+
+#: The layout of every one-model owner (layouts are values: any ``OneModel()`` equals it).
+ONE_MODEL = OneModel()
+
+
+#: How each step's batch reaches N members: ``"shared"``, one batch for all (no data, or a
+#: stream shared by the members); ``"gathered"``, each member's own batch gathered by its
+#: own order from the shared data set; ``"own data"``, each member's own data set, every
+#: leaf ``(N, n, ...)``; ``"own batches"``, a stream whose every batch is ``(N, batch, ...)``.
+MemberBatches = Literal["shared", "gathered", "own data", "own batches"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Members:
+    """The layout of ``num_members`` members stacked on a leading axis and trained by
+    :func:`~nnxscan.pure.vmap_members` of the step of one, sharded over ``member_axis``
+    (or not); ``batches`` says how each step's batch reaches them (:data:`MemberBatches`)."""
+
+    num_members: int
+    member_axis: str | None = None
+    batches: MemberBatches = "shared"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_members,)
+
+    @property
+    def data_lead(self) -> tuple[int, ...]:
+        return self.shape if self.batches in ("own data", "own batches") else ()
+
+    @property
+    def _shared_batch(self) -> bool:
+        return self.batches == "shared"
+
+    def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> Members:
+        batches: MemberBatches = "shared"
+        if data == "arrays":
+            batches = "own data" if member_batches else "gathered"
+        elif data == "stream" and member_batches:
+            batches = "own batches"
+        return dataclasses.replace(self, member_axis=member_axis, batches=batches)
+
+    def value(self, x: Any) -> np.ndarray:
+        return np.asarray(x, np.float32)
+
+    def count(self, x: Any) -> np.ndarray:
+        return np.asarray(x).astype(np.int64)
+
+    def metric(self, x: Any) -> np.ndarray:
+        return np.asarray(x, np.float32)
+
+    def nonfinite_steps(self, counts: Any, steps: int) -> str:
+        per = ", ".join(f"member {m}: {int(n)}" for m, n in enumerate(counts) if n)
+        return f"some of the {steps} training steps ({per})"
+
+    def trains(self, owner: Any) -> bool:
+        return bool(owner.active.any())
+
+    def active_masks(self, owner: Any, put: Callable[[np.ndarray], Any]) -> Callable[[], Any]:
+        placed: list = [None, None]  # the mask's bytes, and it placed
+
+        def mask() -> Any:
+            key = owner.active.tobytes()
+            if placed[0] != key:
+                placed[:] = [key, put(owner.active.copy())]
+            return placed[1]
+
+        return mask
+
+    def active_logs(self, owner: Any) -> dict[str, Any]:
+        return {"active": owner.active.copy()}
+
+    def halted_steps(self, owner: Any, halted: Any, losses: Any, length: int, first: int) -> int:
+        # Each member that halted in the call is frozen at the state before its first
+        # non-finite step, with a warning naming that step; the others go on, and the
+        # call's steps all count.
+        halted = np.asarray(halted, bool) & owner.active
+        losses = np.asarray(losses)
+        for index in np.flatnonzero(halted):
+            step = first + int(np.argmax(np.isnan(losses[:, index])))
+            warn(
+                f"member {index}: non-finite loss at global step {step} (epoch "
+                f"{owner.epoch}); on_nonfinite='stop' froze it at the state before that "
+                f"step. The other members go on.",
+                RuntimeWarning,
+            )
+        owner.active = owner.active & ~halted
+        return length
+
+    def step(self, step: Step) -> Step:
+        return vmap_members(step, shared_batch=self._shared_batch, member_axis=self.member_axis)
+
+    def enter(self, opt_state: Any, active: Any) -> MembersState:
+        return MembersState(opt_state, active)
+
+    def leave(self, opt_state: MembersState) -> Any:
+        return opt_state.inner
+
+    def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]:
+        if self.batches != "own data":
+            return data, indices
+        # Each member's own data (N, n, ...) as one data set (N * n, ...) (a reshape, no
+        # copy), and the members' indices (steps, N, batch) shifted into it: member i's
+        # row r is row i * n + r.
+        members, n = jax.tree.leaves(data)[0].shape[:2]
+        data = jax.tree.map(lambda x: x.reshape(members * n, *x.shape[2:]), data)
+        offsets = (jnp.arange(members, dtype=indices.dtype) * n).reshape(1, members, 1)
+        return data, indices + offsets
+
+    def evaluator(self, evaluate: Callable) -> Callable:
+        return member_evaluator(evaluate)
+
+    def members_axis(self, mesh: Any, name: str | None) -> str | None:
+        if name not in mesh.axis_names:
+            return None
+        size = mesh.shape[name]
+        if self.num_members % size:
+            raise ValueError(
+                f"{self.num_members} members do not divide over the {size} devices of mesh "
+                f"axis {name!r}: use a multiple of {size} seeds."
+            )
+        return name
+
+    def carry_spec(self, member_axis: str | None) -> tuple:
+        return (member_axis,)
+
+    def batch_spec(self, member_axis: str | None) -> tuple:
+        return () if self._shared_batch else (member_axis,)
+
+    def examples(self, data: Any) -> int:
+        if not self.data_lead:
+            return check_leading_size(data, "data")
+        if check_leading_size(data, "data") != self.num_members:
+            raise ValueError(
+                f"with member_batches=True every data leaf needs a leading members axis of "
+                f"{self.num_members}: (members, examples, ...)."
+            )
+        return check_leading_size(jax.tree.map(lambda x: x[0], data), "data[member]")
+
+    def batch_shapes(self, data: Any, batch_size: int) -> Any:
+        if not self.data_lead:
+            return abstract_batch(data, leading=batch_size)
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0], batch_size, *x.shape[2:]), x.dtype),
+            abstract_batch(data),
+        )
+
+    def first_batch(self, batch: Any) -> Any:
+        if not self.data_lead:
+            return batch
+        if check_leading_size(batch, "batch 0") != self.num_members:
+            raise ValueError(
+                f"with member_batches=True every batch needs a leading members axis of "
+                f"{self.num_members}: (members, batch, ...)."
+            )
+        return jax.tree.map(lambda x: x[0], batch)
+
+    def orders(self, orders: list[np.ndarray]) -> np.ndarray:
+        return np.stack(orders)
+
+    def steps_first(self, indices: np.ndarray) -> np.ndarray:
+        return np.swapaxes(indices, 0, 1)  # (N, steps, batch) -> (steps, N, batch)
+
+    def batch_numbers(self, indices: np.ndarray, batch_size: int) -> tuple[np.ndarray, Any]:
+        # Vmapped over members, slicing a batch by number would be a gather per step:
+        # the members gather their (stored-order) batches as a shuffled epoch does.
+        return indices, None
