@@ -243,8 +243,8 @@ _TEXT_SKIP = frozenset({"epoch", "steps", "steps_per_sec", "wall_time"})
 def _format_value(value: Any, members: int | None = None) -> str:
     if len(getattr(value, "shape", ())) >= 1:
         values = np.asarray(value)
-        if members is not None and values.ndim == 1 and len(values) > 8:
-            # Many members: their spread, not a wall of numbers.
+        if values.shape == (members,) and values.size > 8:
+            # One value per member, of many members: their spread, not a wall of numbers.
             low, mid, high = (_format_value(v) for v in np.nanpercentile(values, [0, 50, 100]))
             return f"min {low} median {mid} max {high}"
         flat = values.reshape(-1)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -27,7 +27,7 @@ from flax import nnx
 
 from nnxscan.adapters.distributed import is_primary
 from nnxscan.pure import select_members
-from nnxscan.shell._edges.stop_events import record_early_stopping
+from nnxscan.shell._edges.stop_events import record_members, record_one_model
 from nnxscan.shell._edges.warn import warn
 
 __all__ = ["EarlyStopping", "LambdaCallback"]
@@ -195,10 +195,17 @@ class EarlyStopping:
             self._check(logs)
         if value is None or epoch < self.start_from_epoch:
             return
-        members = getattr(trainer, "num_members", None)  # declared, never read off shapes
-        if members is not None:  # a Population's logs: one value per member
-            self._members_epoch_end(trainer, epoch, _per_member(self.monitor, value, members))
-            return
+        self._watching(trainer).epoch_end(trainer, epoch, value)
+
+    def _watching(self, trainer: Any) -> _Watch:
+        """What this callback watches: one model (it stops ``fit`` and restores the model)
+        or each member of a population (it freezes and restores members one by one), as
+        the object training runs declares (``num_members``), never read off shapes."""
+        if getattr(trainer, "num_members", None) is None:
+            return _Watch(self._model_epoch_end, self._model_train_end, record_one_model)
+        return _Watch(self._members_epoch_end, self._members_train_end, record_members)
+
+    def _model_epoch_end(self, trainer: Any, epoch: int, value: Any) -> None:
         if np.ndim(value) != 0:
             raise ValueError(
                 f"EarlyStopping(monitor={self.monitor!r}) watches one number per epoch, but "
@@ -245,9 +252,10 @@ class EarlyStopping:
         exhausted = alive & ~improved & (wait >= self.patience) & (epoch > 0)
         return improved, exhausted, wait
 
-    def _members_epoch_end(self, population: Any, epoch: int, values: np.ndarray) -> None:
+    def _members_epoch_end(self, population: Any, epoch: int, value: Any) -> None:
         """The same rule for each member of a population on its own: a member whose
         patience runs out is frozen (``population.freeze``); fit ends when none trains."""
+        values = _per_member(self.monitor, value, population.num_members)
         if not isinstance(self.wait, np.ndarray):  # the first monitored epoch of this fit
             size = values.shape[0]
             self.best = np.full(size, np.nan)
@@ -273,6 +281,8 @@ class EarlyStopping:
             population.stop_training = True
 
     def _members_train_end(self, population: Any) -> None:
+        if not isinstance(self.wait, np.ndarray):  # no epoch of this fit was monitored
+            return
         say = self.verbose and is_primary()
         stopped = np.flatnonzero(self.stopped_epoch >= 0)
         if say and stopped.size:
@@ -309,17 +319,17 @@ class EarlyStopping:
             )
 
     def on_train_end(self, trainer: Any, history: Any) -> None:
-        record_early_stopping(self, trainer, history)  # history.events, before restoring
+        watching = self._watching(trainer)
+        watching.record(self, trainer, history)  # history.events, before restoring
         if self._epochs and not self._checked:
             warn(
                 f"EarlyStopping(monitor={self.monitor!r}): no epoch of this fit logged any "
                 f"eval_* key (fit needs eval_data and metric_fn, and at least eval_every "
                 f"epochs), so it neither stopped nor restored anything."
             )
-        if getattr(trainer, "num_members", None) is not None:
-            if isinstance(self.wait, np.ndarray):  # some epoch was monitored
-                self._members_train_end(trainer)
-            return
+        watching.train_end(trainer)
+
+    def _model_train_end(self, trainer: Any) -> None:
         say = self.verbose and is_primary()
         if say and self.stopped_epoch is not None:
             print(f"EarlyStopping: stopped at epoch {self.stopped_epoch}: {self._why()}")
@@ -341,6 +351,14 @@ class EarlyStopping:
         if self.baseline is not None and not self._is_improvement(self.best, self.baseline):
             return f"{name} did not beat the baseline {self.baseline:.6g} in {epochs} ({best})"
         return f"{name} did not improve for {epochs} ({best})"
+
+
+class _Watch(NamedTuple):
+    """EarlyStopping's hooks for what it watches (one model, or members)."""
+
+    epoch_end: Callable[[Any, int, Any], None]
+    train_end: Callable[[Any], None]
+    record: Callable[[Any, Any, Any], None]  # its events in the History
 
 
 def _per_member(monitor: str, value: Any, members: int) -> np.ndarray:

@@ -405,3 +405,131 @@ def test_public_modules_hold_no_unlisted_internals(name):
         if name.startswith("nnxscan.pure"):
             private = any(p.startswith("_") for p in origin.split(".")[2:])
             assert not private, f"{name}.{attr} re-exposes the internal {origin}.{attr}"
+
+
+# -- one model or members: one seam ---------------------------------------------------------
+
+#: Where the shell tells one model from members (docs/architecture.md, "The layout seam").
+LAYOUT_SEAM = {"shell/_engine/layout.py"}
+#: A layout compared with None: the names the engine used for it before the seam.
+_LAYOUT_OR_NONE = {"members", "num_members", "stacked", "member_layout"}
+#: A layout tested for truth.
+_LAYOUT_FLAGS = {"stacked", "member_batches", "one_model", "data_per_member", "shared_batch"}
+#: Types whose isinstance test asks which layout it is.
+_LAYOUT_TYPES = {"OneModel", "Members", "ModelOwner", "StackedOwner", "MembersState"}
+#: Sites the patterns match that ask no such question (a reason each).
+_NOT_LAYOUT = {
+    # "every member, or these": an argument default, not one model or members.
+    ("shell/population.py", "members is None"),
+}
+
+
+def _asks_the_layout(test: ast.expr) -> bool:
+    """Whether a condition asks "one model or members": a layout's name compared with None
+    or tested for truth, ``getattr(x, "num_members", ...)``, ``isinstance(seeds, int)``,
+    an ``isinstance`` against an owner or layout type, or ``x.active is None``."""
+
+    def name(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Name):
+            return node.id
+        return node.attr if isinstance(node, ast.Attribute) else None
+
+    def tested(node: ast.expr) -> list[ast.expr]:  # the operands whose truth decides
+        if isinstance(node, ast.BoolOp):
+            return [x for value in node.values for x in tested(value)]
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return tested(node.operand)
+        return [node]
+
+    for node in tested(test):
+        if name(node) in _LAYOUT_FLAGS:
+            return True
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            with_none = any(isinstance(x, ast.Constant) and x.value is None for x in operands)
+            names = {name(x) for x in operands}
+            if with_none and (
+                names & _LAYOUT_OR_NONE
+                or "active" in {x.attr for x in operands if isinstance(x, ast.Attribute)}
+            ):
+                return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            args = node.args
+            if node.func.id == "getattr" and any(
+                isinstance(a, ast.Constant) and a.value == "num_members" for a in args
+            ):
+                return True
+            if node.func.id == "isinstance" and len(args) == 2:
+                kinds = {name(x) for x in ast.walk(args[1])}
+                seeds = (name(args[0]) or "").endswith("seeds") and "int" in kinds
+                if seeds or kinds & _LAYOUT_TYPES:
+                    return True
+    return False
+
+
+def _layout_branches(path: pathlib.Path, relative: str) -> list[str]:
+    """Every branch in ``path`` whose condition asks :func:`_asks_the_layout`."""
+    tree = ast.parse(path.read_text())
+    tests = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If | ast.IfExp | ast.While):
+            tests.append(node.test)
+        elif isinstance(node, ast.comprehension):
+            tests += node.ifs
+    return [
+        f"{relative}:{test.lineno}: {ast.unparse(test)}"
+        for test in tests
+        if _asks_the_layout(test) and (relative, ast.unparse(test)) not in _NOT_LAYOUT
+    ]
+
+
+def test_one_model_or_members_is_asked_in_the_seam_alone():
+    """What differs between one model and members lives in the layout seam
+    (``shell/_engine/layout.py``: ``OneModel`` and ``Members``); the rest of the shell and
+    the adapters consume it without a branch. At most two branches remain, at the far
+    edges that only read what the object training runs declares (``num_members``)."""
+    sites = []
+    for path in _sources("shell") + _sources("adapters"):
+        relative = str(path.relative_to(ROOT))
+        if relative.startswith("shell/demos/") or relative in LAYOUT_SEAM:
+            continue
+        sites += _layout_branches(path, relative)
+    assert len(sites) <= 2, "branches on one model or members outside the seam:\n" + "\n".join(
+        sites
+    )
+
+
+def test_the_layout_branch_counter_sees_each_form(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        textwrap.dedent(
+            """\
+            def f(self, members, stacked, member_batches, seeds, trainer, owner):
+                if members is None: pass
+                x = 1 if self.num_members is not None else 2
+                if stacked: pass
+                if not member_batches and True: pass
+                if isinstance(seeds, int): pass
+                if getattr(trainer, "num_members", None): pass
+                if owner.active is None: pass
+                y = [i for i in seeds if isinstance(owner, StackedOwner)]
+                while isinstance(self.seeds, int): pass
+            """
+        )
+    )
+    assert len(_layout_branches(probe, "probe.py")) == 9
+    clean = tmp_path / "clean.py"
+    clean.write_text(
+        textwrap.dedent(
+            """\
+            def f(layout, member, values, logs):
+                if member is not None and member in values: pass
+                value = layout.value(values) if values is not None else None
+                if values.shape != (layout.num_members,): pass
+                active = logs.get("active")
+                if active is not None: pass
+            """
+        )
+    )
+    assert _layout_branches(clean, "clean.py") == []

@@ -26,38 +26,40 @@ def _step_after(history: Any, epoch: int, last_step: int) -> int:
     return int(last_step) - sum(int(logs.get("steps", 0)) for logs in later)
 
 
-def record_early_stopping(stop: Any, trainer: Any, history: Any) -> None:
-    """Appends ``stop``'s events of this ``fit`` to ``history.events``.
+def record_one_model(stop: Any, trainer: Any, history: Any) -> None:
+    """Appends ``stop``'s events of this ``fit`` on one model to ``history.events``.
 
     Called first in ``EarlyStopping.on_train_end``, before it restores anything: it reads
     the callback's record (``stopped_epoch``, ``best_epoch`` and the kept best state) and
     writes an event only for what happened: a stop, and a restore that changed the model
-    (none when the last epoch trained was the best). ``getattr(trainer, "num_members",
-    None)`` says whether it serves one model or a population's members. A ``history``
-    without ``events`` (a test driving the callback by hand) is left alone.
+    (none when the last epoch trained was the best). A ``history`` without ``events`` (a
+    test driving the callback by hand) is left alone.
     """
     events = getattr(history, "events", None)
     if events is None:
         return
-    members = getattr(trainer, "num_members", None)
+    if stop.stopped_epoch is not None:
+        events.append({"epoch": int(stop.stopped_epoch), "step": int(trainer.step),
+                       "what": STOPPED})  # fmt: skip
+    if stop._best_state is not None and trainer.step != stop._best_step:
+        events.append({"epoch": int(stop.best_epoch), "step": int(stop._best_step),
+                       "what": RESTORED})  # fmt: skip
+
+
+def record_members(stop: Any, population: Any, history: Any) -> None:
+    """:func:`record_one_model` for each member of a population, with ``"member": i``."""
+    events = getattr(history, "events", None)
+    if events is None or not isinstance(stop.wait, np.ndarray):  # no epoch monitored
+        return
     kept_best = stop._best_state is not None  # restore_best, and some epoch improved
-    if members is None:
-        if stop.stopped_epoch is not None:
-            events.append({"epoch": int(stop.stopped_epoch), "step": int(trainer.step),
-                           "what": STOPPED})  # fmt: skip
-        if kept_best and trainer.step != stop._best_step:
-            events.append({"epoch": int(stop.best_epoch), "step": int(stop._best_step),
-                           "what": RESTORED})  # fmt: skip
-        return
-    if not isinstance(stop.wait, np.ndarray):  # no epoch of this fit logged the monitor
-        return
     last = history.epochs[-1]["epoch"] if history.epochs else None
-    for i in range(members):
+    for i in range(population.num_members):
         stopped, best = int(stop.stopped_epoch[i]), int(stop.best_epoch[i])
         if stopped >= 0:
-            events.append({"epoch": stopped, "step": _step_after(history, stopped, trainer.step),
+            events.append({"epoch": stopped,
+                           "step": _step_after(history, stopped, population.step),
                            "what": STOPPED, "member": i})  # fmt: skip
         trained_until = stopped if stopped >= 0 else last
         if kept_best and best >= 0 and best != trained_until:
-            events.append({"epoch": best, "step": _step_after(history, best, trainer.step),
+            events.append({"epoch": best, "step": _step_after(history, best, population.step),
                            "what": RESTORED, "member": i})  # fmt: skip

@@ -26,6 +26,7 @@ Both are frozen dataclasses: equal layouts are equal keys of the compiled runner
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -36,7 +37,6 @@ import numpy as np
 from nnxscan.pure import MembersState, Step, vmap_members
 from nnxscan.pure.checks import abstract_batch, check_leading_size
 from nnxscan.shell._edges.warn import warn
-from nnxscan.shell._engine.programs import member_evaluator
 
 #: What a fit's data is: a data set of arrays, a stream of batches, or none (a step that
 #: takes no batch).
@@ -240,6 +240,18 @@ class OneModel:
         return indices[..., 0] // batch_size, batch_size
 
 
+@functools.lru_cache(maxsize=32)
+def _vmapped_evaluator(evaluate: Callable) -> Callable:
+    """``evaluate(graphdef, state, data)`` vmapped over a population's stacked states (the
+    data shared): every value gains a leading members axis. One per evaluator (itself
+    cached by ``programs``), so a second evaluation compiles nothing."""
+
+    def run(graphdef: Any, states: Any, data: Any) -> Any:
+        return jax.vmap(lambda state: evaluate(graphdef, state, data))(states)
+
+    return jax.jit(run)
+
+
 #: The layout of every one-model owner (layouts are values: any ``OneModel()`` equals it).
 ONE_MODEL = OneModel()
 
@@ -349,7 +361,7 @@ class Members:
         return data, indices + offsets
 
     def evaluator(self, evaluate: Callable) -> Callable:
-        return member_evaluator(evaluate)
+        return _vmapped_evaluator(evaluate)
 
     def members_axis(self, mesh: Any, name: str | None) -> str | None:
         if name not in mesh.axis_names:

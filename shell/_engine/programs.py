@@ -349,19 +349,6 @@ def metrics_evaluator(
     )
 
 
-def member_evaluator(evaluate: Callable) -> Callable:
-    """``evaluate(graphdef, state, data)`` vmapped over a population's stacked states (the
-    data shared): every value gains a leading members axis."""
-
-    def build():
-        def run(graphdef, states, data):
-            return jax.vmap(lambda state: evaluate(graphdef, state, data))(states)
-
-        return jax.jit(run)
-
-    return _lookup(_EVAL, ("members", evaluate), build)
-
-
 def member_metrics(graphdef: Any, with_rngs: bool, what: str) -> Callable:
     """The jitted ``reset`` (stacked state -> stacked state with every member's metrics
     reset) or ``compute`` (-> each member's ``metrics.compute()``) of a population whose
