@@ -49,114 +49,66 @@ class Layout(Protocol):
     Attributes:
       num_members: what callbacks and writers are told (``subject.num_members``): None
         for one model, N for members.
-      shape: the shape of a value per model: ``()``, or ``(N,)``. A per-step log is
+      shape: the shape of a value per model, ``()`` or ``(N,)``: a per-step log is
         ``(steps, *shape)``, an epoch's log ``shape``.
-      data_lead: the leading axes of the fit's data before the examples (or a stream
-        batch's before its batch axis): ``(N,)`` when each member has its own data.
+      data_lead: the fit's data's leading axes before the examples (a stream batch's
+        before its batch axis): ``(N,)`` when each member has its own data, else ``()``.
+
+    Methods (host side unless said):
+      for_run(data, member_batches, member_axis): this layout for one fit of ``data`` (a
+        :data:`DataKind`) over a mesh axis (None: off a mesh).
+      value(x), count(x), metric(x): a statistic reduced over steps, a count, an
+        evaluation metric, as the logs hold them (a float or int, or an ``(N,)`` array).
+      nonfinite_steps(counts, steps): how many steps had a non-finite loss, in words.
+      trains(owner): whether anything is left to train; active_masks(owner, put): a
+        ``mask()`` giving the next compiled call's freezing mask, placed by ``put``;
+        active_logs(owner): what an epoch's logs say about it.
+      halted_steps(owner, halted, losses, length, first): ``on_nonfinite="stop"``: how many
+        of a halted call's ``length`` steps count (``first``: its first global step).
+      step(step), enter(opt_state, active), leave(opt_state), gathered(data, indices):
+        (traced) the step the runner scans, the owner's opt_state as that step carries it
+        and back, and the data and indices each step's batch is gathered from.
+      evaluator(evaluate): ``evaluate(graphdef, state, data)`` over what the owner holds.
+      members_axis(mesh, name): the mesh axis the members spread over (checked), or None;
+        carry_spec(axis), batch_spec(axis): the ``PartitionSpec`` entries before a carry
+        leaf's own axes and before a step's batch axis.
+      examples(data), batch_shapes(data, batch_size), first_batch(batch): a data set's
+        examples (each member's), one step's batch shapes (``data_lead`` kept), a stream's
+        first batch as one model trains it (its members axis checked, then off).
+      orders(orders), steps_first(indices), batch_numbers(indices, batch_size): one epoch
+        order per seed as the indices hold them, cut orders steps first, and an
+        unshuffled epoch's indices with ``rows`` when a step may slice its batch by number.
     """
 
     num_members: int | None
     shape: tuple[int, ...]
     data_lead: tuple[int, ...]
 
-    def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> Layout:
-        """This layout for one fit of ``data`` over a mesh axis (None: off a mesh)."""
-        ...
-
-    # -- logs, on the host ----------------------------------------------------------------
-    def value(self, x: Any) -> Any:
-        """A statistic reduced over steps as the logs hold it: a float, or float32 ``(N,)``."""
-        ...
-
-    def count(self, x: Any) -> Any:
-        """A count reduced over steps: an int, or int64 ``(N,)``."""
-        ...
-
-    def metric(self, x: Any) -> Any:
-        """An evaluation metric on the host."""
-        ...
-
-    def nonfinite_steps(self, counts: Any, steps: int) -> str:
-        """How many of ``steps`` steps had a non-finite loss, in words."""
-        ...
-
-    # -- the members that train -----------------------------------------------------------
-    def trains(self, owner: Any) -> bool:
-        """Whether anything is left to train."""
-        ...
-
-    def active_masks(self, owner: Any, put: Callable[[np.ndarray], Any]) -> Callable[[], Any]:
-        """``mask()``: the freezing mask of the next compiled call, placed by ``put``."""
-        ...
-
-    def active_logs(self, owner: Any) -> dict[str, Any]:
-        """What an epoch's logs say about which members train."""
-        ...
-
-    def halted_steps(self, owner: Any, halted: Any, losses: Any, length: int, first: int) -> int:
-        """``on_nonfinite="stop"``: how many of a halted call's ``length`` steps count
-        (``first``: the global step its first step was)."""
-        ...
-
-    # -- the compiled runner --------------------------------------------------------------
-    def step(self, step: Step) -> Step:
-        """The step the runner scans."""
-        ...
-
-    def enter(self, opt_state: Any, active: Any) -> Any:
-        """The owner's opt_state as the runner's step carries it."""
-        ...
-
-    def leave(self, opt_state: Any) -> Any:
-        """The runner's step state back as the owner holds it."""
-        ...
-
-    def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]:
-        """(Traced) the data and indices the scan gathers each step's batch from."""
-        ...
-
-    def evaluator(self, evaluate: Callable) -> Callable:
-        """``evaluate(graphdef, state, data)`` of one model, over what the owner holds."""
-        ...
-
-    # -- placement ------------------------------------------------------------------------
-    def members_axis(self, mesh: Any, name: str | None) -> str | None:
-        """The mesh axis the members spread over (checked to divide them), or None."""
-        ...
-
-    def carry_spec(self, member_axis: str | None) -> tuple:
-        """The carry leaves' leading ``PartitionSpec`` entries."""
-        ...
-
-    def batch_spec(self, member_axis: str | None) -> tuple:
-        """A step's batch's ``PartitionSpec`` entries before its batch axis."""
-        ...
-
-    # -- data -----------------------------------------------------------------------------
-    def examples(self, data: Any) -> int:
-        """The examples of a data set (of each member's own), checked."""
-        ...
-
-    def batch_shapes(self, data: Any, batch_size: int) -> Any:
-        """The shapes of one step's batch of a data set (``data_lead`` kept)."""
-        ...
-
-    def first_batch(self, batch: Any) -> Any:
-        """A stream's batch as one model trains it (its members axis checked, then off)."""
-        ...
-
-    def orders(self, orders: list[np.ndarray]) -> np.ndarray:
-        """One epoch order per model (one per seed) as the indices hold them."""
-        ...
-
-    def steps_first(self, indices: np.ndarray) -> np.ndarray:
-        """Cut orders ``(*shape, steps, batch)`` as the scan takes them, steps first."""
-        ...
-
-    def batch_numbers(self, indices: np.ndarray, batch_size: int) -> tuple[np.ndarray, Any]:
-        """An unshuffled epoch's indices, and ``rows`` when each step can slice its batch
-        by number rather than gather it (see ``Call``)."""
-        ...
+    def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> Layout: ...
+    def value(self, x: Any) -> Any: ...
+    def count(self, x: Any) -> Any: ...
+    def metric(self, x: Any) -> Any: ...
+    def nonfinite_steps(self, counts: Any, steps: int) -> str: ...
+    def trains(self, owner: Any) -> bool: ...
+    def active_masks(self, owner: Any, put: Callable) -> Callable[[], Any]: ...
+    def active_logs(self, owner: Any) -> dict[str, Any]: ...
+    def halted_steps(
+        self, owner: Any, halted: Any, losses: Any, length: int, first: int
+    ) -> int: ...
+    def step(self, step: Step) -> Step: ...
+    def enter(self, opt_state: Any, active: Any) -> Any: ...
+    def leave(self, opt_state: Any) -> Any: ...
+    def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]: ...
+    def evaluator(self, evaluate: Callable) -> Callable: ...
+    def members_axis(self, mesh: Any, name: str | None) -> str | None: ...
+    def carry_spec(self, member_axis: str | None) -> tuple: ...
+    def batch_spec(self, member_axis: str | None) -> tuple: ...
+    def examples(self, data: Any) -> int: ...
+    def batch_shapes(self, data: Any, batch_size: int) -> Any: ...
+    def first_batch(self, batch: Any) -> Any: ...
+    def orders(self, orders: list[np.ndarray]) -> np.ndarray: ...
+    def steps_first(self, indices: np.ndarray) -> np.ndarray: ...
+    def batch_numbers(self, indices: np.ndarray, batch_size: int) -> tuple[np.ndarray, Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,18 +190,6 @@ class OneModel:
     def batch_numbers(self, indices: np.ndarray, batch_size: int) -> tuple[np.ndarray, Any]:
         # Batch k of the stored order is rows k*B .. k*B+B-1: its first index / B.
         return indices[..., 0] // batch_size, batch_size
-
-
-@functools.lru_cache(maxsize=32)
-def _vmapped_evaluator(evaluate: Callable) -> Callable:
-    """``evaluate(graphdef, state, data)`` vmapped over a population's stacked states (the
-    data shared): every value gains a leading members axis. One per evaluator (itself
-    cached by ``programs``), so a second evaluation compiles nothing."""
-
-    def run(graphdef: Any, states: Any, data: Any) -> Any:
-        return jax.vmap(lambda state: evaluate(graphdef, state, data))(states)
-
-    return jax.jit(run)
 
 
 #: The layout of every one-model owner (layouts are values: any ``OneModel()`` equals it).
@@ -418,3 +358,15 @@ class Members:
         # Vmapped over members, slicing a batch by number would be a gather per step:
         # the members gather their (stored-order) batches as a shuffled epoch does.
         return indices, None
+
+
+@functools.lru_cache(maxsize=32)
+def _vmapped_evaluator(evaluate: Callable) -> Callable:
+    """``evaluate(graphdef, state, data)`` vmapped over a population's stacked states (the
+    data shared): every value gains a leading members axis. One per evaluator (itself
+    cached by ``programs``), so a second evaluation compiles nothing."""
+
+    def run(graphdef: Any, states: Any, data: Any) -> Any:
+        return jax.vmap(lambda state: evaluate(graphdef, state, data))(states)
+
+    return jax.jit(run)
