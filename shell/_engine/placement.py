@@ -293,7 +293,8 @@ class Placement:
         if not annotation:
             return None, None
         spec = annotated_spec(annotation, variable.get_metadata())
-        if len(tuple(spec)) == len(shape):  # annotated after stacking (if stacked)
+        own = len(shape) - skip
+        if len(tuple(spec)) == len(shape) > own:  # annotated after stacking: members' entry
             spec = PartitionSpec(*tuple(spec)[skip:])
         return spec, f"its {key} annotation"
 
