@@ -1,24 +1,12 @@
-r"""One model or members: everything that differs between them, in one place.
+"""One model or members: everything that differs between them, in one place.
 
 The engine and its edges are written once. Where training one model and training a
-population's members differ, they ask the run's layout, one of two small classes behind
-the :class:`Layout` protocol, and never which of the two they hold. The owner declares its
-own (``owner.layout``); a fit refines it with what its data looks like (:meth:`for_run`).
-
-====================  ===================================  ===================================
-\                     :class:`OneModel`                    :class:`Members`
-====================  ===================================  ===================================
-a value per model     ``shape == ()``: logs hold floats    ``shape == (N,)``: ``(N,)`` arrays
-per-step losses       ``(steps,)``                         ``(steps, N)``
-the runner's step     the step                             ``pure.vmap_members`` of it
-a step's batch        one batch                            one for all, or one per member
-the carry's sharding  each leaf's own                      a members axis first, over
-                                                           ``member_axis``
-data orders           ``(steps, batch)``                   ``(steps, N, batch)``
-non-finite "stop"     stop before the step, raise          freeze the member, warn, go on
-evaluation            the model                            every member, vmapped
-callbacks are told    ``num_members = None``               ``num_members = N``
-====================  ===================================  ===================================
+population's members differ (log shapes and values, the runner's step, a step's batch and
+its indices, the members axis of the shardings, the non-finite "stop" policy, frozen
+members, evaluation, what callbacks are told), they ask the run's layout, one of two small
+classes behind the :class:`Layout` protocol, and never which of the two they hold. The
+owner declares its own (``owner.layout``); a fit refines it with what its data looks like
+(``for_run``). docs/architecture.md tables what each says and who asks.
 
 Both are frozen dataclasses: equal layouts are equal keys of the compiled runners' cache.
 """
