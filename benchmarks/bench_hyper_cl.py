@@ -23,6 +23,8 @@ Setups (the hypernetwork's own weights in brackets, task embeddings included):
 - ``nnxscan-chunked``: the same trunk and ``ChunkedHeads`` with chunks of 750, chunk
   embeddings of 8 (one set per task, the default) and a chunk layer of 87 (87,455 weights,
   hypnettorch's ChunkedHMLP has 87,774);
+- ``nnxscan-structured``: the same trunk and ``StructuredHeads``, one chunk per output unit
+  of each layer (its fan-in and bias), chunk embeddings of 8 per task;
 - ``hypnettorch-hmlp``: ``HMLP`` as run.py builds it with ``--hnet_type hmlp``;
 - ``hypnettorch-chunked``: ``ChunkedHMLP``, chunks of 750 and chunk embeddings of 8
   (run.py's default hypernetwork);
@@ -71,11 +73,12 @@ LEARNING_RATE = 1e-4
 BATCH_SIZE = 32
 BETA = 0.01
 CHUNK = 750
-NNXSCAN = ("nnxscan-heads", "nnxscan-chunked")
+NNXSCAN = ("nnxscan-heads", "nnxscan-chunked", "nnxscan-structured")
 TORCH = ("hypnettorch-hmlp", "hypnettorch-chunked", "hyperlight")
 TITLES = {
     "nnxscan-heads": "nnxscan, one head per tensor",
     "nnxscan-chunked": f"nnxscan ChunkedHeads, chunk {CHUNK}",
+    "nnxscan-structured": "nnxscan StructuredHeads, a chunk per output unit",
     "hypnettorch-hmlp": "hypnettorch HMLP, as run.py",
     "hypnettorch-chunked": f"hypnettorch ChunkedHMLP, chunk {CHUNK}",
     "hyperlight": "HyperLight HyperNet.from_existing",
@@ -176,6 +179,11 @@ def run_nnxscan(setup: str, tasks: list[dict[str, np.ndarray]], seed: int) -> di
             "chunk_size": CHUNK,
             "chunk_embedding_features": EMBEDDING,
             "chunk_hidden_features": 87,
+        },
+        "nnxscan-structured": {
+            "structured_units": 10,
+            "chunk_embedding_features": EMBEDDING,
+            "chunk_hidden_features": 38,
         },
     }[setup]
     hnet = hyper.ConditionalHypernetwork(

@@ -324,3 +324,89 @@ def test_fisher_diagonal_is_the_mean_squared_per_example_gradient():
     np.testing.assert_allclose(got["b"], np.mean(delta**2, axis=0), rtol=1e-5)
     grad_w = x[:, :, None] * delta[:, None, :]
     np.testing.assert_allclose(got["w"], np.mean(grad_w**2, axis=0), rtol=1e-5, atol=1e-7)
+
+
+# -- structured chunks ---------------------------------------------------------------------------
+
+
+def structured_reference(heads, spec, h):
+    """StructuredHeads' documented formula in numpy: a dict path -> generated tensor."""
+    p = nnx.to_pure_dict(nnx.state(heads))
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+    hidden = np.tanh(h @ p["feature_kernel"] + p["chunk_embeddings"] @ p["embedding_kernel"]
+                     + p["hidden_bias"])  # fmt: skip
+    hidden = hidden / np.sqrt(np.mean(hidden**2, axis=-1, keepdims=True) + 1e-6)
+    out, first = {}, 0
+    for g, (n, per_chunk, chunks, tensors) in enumerate(heads.layers):
+        sizes = [int(np.prod(spec.leaves[t].shape[:-1])) for t in tensors]
+        raw = hidden[first : first + chunks] @ p["out_kernels"][g] + p["out_biases"][g]
+        raw = raw.reshape(chunks * per_chunk, sum(sizes))[:n]  # one row per output unit
+        start = 0
+        for t, size in zip(tensors, sizes, strict=True):
+            leaf = spec.leaves[t]
+            unit_rows = raw[:, start : start + size] * p["gains"][t] + p["offsets"][t]
+            # row j is unit j's fan-in: kernel[..., j]
+            out[leaf.name] = np.moveaxis(unit_rows.reshape(n, *leaf.shape[:-1]), 0, -1)
+            start += size
+        first += chunks
+    return out
+
+
+@pytest.mark.parametrize("units", [1, 3])
+def test_structured_chunks_reassemble_to_the_targets_shapes(units):
+    target = MLP(3, 8, 2, batchnorm=True, rngs=nnx.Rngs(0))  # two Linears and a BatchNorm
+    spec = hyper.ParamSpec.from_module(target)
+    heads = hyper.StructuredHeads(spec, 5, units=units, embedding_features=3, rngs=nnx.Rngs(1))
+    # layers: hidden (8 units: kernel (3, 8), bias), bn (8 units: scale, bias), out (2 units)
+    assert [(n, sorted(spec.leaves[t].name for t in ts)) for n, _, _, ts in heads.layers] == [
+        (8, ["bn/bias", "bn/scale"]), (8, ["hidden/bias", "hidden/kernel"]),
+        (2, ["out/bias", "out/kernel"]),
+    ]  # fmt: skip
+    graphdef, state = nnx.split(heads)
+    state["gains"][...] = np.linspace(0.1, 1.0, len(spec.leaves), dtype=np.float32)
+    state["offsets"][...] = np.linspace(-0.5, 0.5, len(spec.leaves), dtype=np.float32)
+    heads = nnx.merge(graphdef, state)
+    h = np.random.default_rng(0).normal(size=5)
+    generate = nnx.jit(lambda heads, h: heads(h))
+    params = generate(heads, h.astype(np.float32))
+    reference = structured_reference(heads, spec, h)
+    for path, value in hyper.spec.variable_leaves(params):
+        name = "/".join(path)
+        assert value.shape == dict((leaf.name, leaf.shape) for leaf in spec.leaves)[name]
+        np.testing.assert_allclose(value, reference[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    # Chunk k of the hidden layer is its units k·units.. only: kernel columns and bias entries.
+    first_hidden = heads.layers[0][2]  # the bn layer's chunks come first
+    k = 1
+    heads.chunk_embeddings[...] = heads.chunk_embeddings[...].at[first_hidden + k].add(1.0)
+    moved = generate(heads, h.astype(np.float32))
+    cols = np.zeros(8, bool)
+    cols[k * units : (k + 1) * units] = True
+    for path, value in hyper.spec.variable_leaves(moved):
+        before = np.asarray(dict(hyper.spec.variable_leaves(params))[path])
+        changed = np.any(np.asarray(value) != before, axis=tuple(range(before.ndim - 1)))
+        expect = cols if path[0] == "hidden" else np.zeros_like(changed)
+        np.testing.assert_array_equal(changed, expect, err_msg=str(path))
+    # and the generated params run the target as its own weights would
+    x = np.random.default_rng(1).normal(size=(4, 3)).astype(np.float32)
+    own = nnx.clone(target, arrays=True)
+    nnx.update(own, params)
+    np.testing.assert_allclose(
+        run_target(spec, params, x), nnx.jit(lambda m, x: m(x))(own, x), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_structured_heads_in_a_conditional_hypernetwork_and_option_checks():
+    target = MLP(3, 8, 2, rngs=nnx.Rngs(0))
+    hnet = hyper.ConditionalHypernetwork(
+        target, make_trunk(4, 16, 1), 16, num_conditions=3, embedding_features=4,
+        structured_units=2, rngs=nnx.Rngs(2),
+    )  # fmt: skip
+    assert hnet.heads.chunk_embeddings.shape == (3, 4 + 1, 8)  # hidden: 4 chunks, out: 1
+    ys = nnx.jit(lambda h, x: jax.vmap(h, in_axes=(0, None))(jnp.arange(3), x))(
+        hnet, np.ones((5, 3), np.float32)
+    )
+    assert ys.shape == (3, 5, 2) and np.all(np.isfinite(ys))
+    with pytest.raises(ValueError, match=r"chunk_size and structured_units choose two kinds"):
+        hyper.Hypernetwork(
+            target, make_trunk(3, 16, 1), 16, chunk_size=8, structured_units=2, rngs=nnx.Rngs(2)
+        )

@@ -12,6 +12,8 @@ Example:
 - :class:`HyperHeads` (``heads.py``): one linear head per generated tensor, hyperfan-in init.
 - :class:`ChunkedHeads` (``chunked.py``): the flat parameter vector chunk by chunk, with one
   shared layer, so the hypernetwork can be smaller than its target.
+- :class:`StructuredHeads` (``structured.py``): chunks shaped by the target's layers
+  (output units with their whole fan-in).
 - :class:`Hypernetwork` (``hypernetwork.py``): trunk + heads + target as one NNX module.
 - :class:`ConditionalHypernetwork` (``conditional.py``): one learned embedding per condition
   (task), plus an optional free input.
@@ -34,6 +36,7 @@ from nnxscan.pure.hyper.continual import (
 from nnxscan.pure.hyper.heads import HyperHeads, head_init_scale
 from nnxscan.pure.hyper.hypernetwork import FrozenParam, GeneratedSlot, Hypernetwork
 from nnxscan.pure.hyper.spec import LeafSpec, ParamSpec, check_params, ravel
+from nnxscan.pure.hyper.structured import StructuredHeads
 from nnxscan.pure.hyper.variance import INITS, init_moments
 
 __all__ = [
@@ -46,6 +49,7 @@ __all__ = [
     "Hypernetwork",
     "LeafSpec",
     "ParamSpec",
+    "StructuredHeads",
     "call",
     "call_with_state",
     "check_params",

@@ -44,10 +44,11 @@ class ConditionalHypernetwork(Hypernetwork):
 
     Args:
       target, wrt, input_variance, chunk_size, chunk_embedding_features,
-        chunk_hidden_features, init, init_gain, pretrained, freeze_target, rngs: as for
-        :class:`Hypernetwork`.
-      chunk_embeddings: with ``chunk_size``, ``"per_condition"`` (default): each condition
-        owns its chunk embeddings (hypnettorch's ``cond_chunk_embs``), so a task learned
+        chunk_hidden_features, structured_units, init, init_gain, pretrained, freeze_target,
+        rngs: as for :class:`Hypernetwork`.
+      chunk_embeddings: with ``chunk_size`` or ``structured_units``, ``"per_condition"``
+        (default): each condition owns its chunk embeddings (hypnettorch's
+        ``cond_chunk_embs``), so a task learned
         later need not move what an earlier task's chunks are made from; ``"shared"``: one
         set for every condition (hypnettorch's default). In the guide's continual-learning
         benchmark the shared ones let earlier tasks drift (task 1 down 3 to 25 points);
@@ -101,6 +102,7 @@ class ConditionalHypernetwork(Hypernetwork):
         chunk_size: int | None = None,
         chunk_embedding_features: int | None = None,
         chunk_hidden_features: int | None = None,
+        structured_units: int | None = None,
         chunk_embeddings: str = "per_condition",
         init: str | None = None,
         init_gain: float = 2.0,
@@ -133,6 +135,7 @@ class ConditionalHypernetwork(Hypernetwork):
             chunk_size=chunk_size,
             chunk_embedding_features=chunk_embedding_features,
             chunk_hidden_features=chunk_hidden_features,
+            structured_units=structured_units,
             init=init,
             init_gain=init_gain,
             pretrained=pretrained,

@@ -26,6 +26,7 @@ from nnxscan.pure.hyper.call import call_with_state
 from nnxscan.pure.hyper.chunked import ChunkedHeads
 from nnxscan.pure.hyper.heads import HyperHeads
 from nnxscan.pure.hyper.spec import ParamSpec, spec_from_split, variable_leaves
+from nnxscan.pure.hyper.structured import StructuredHeads
 from nnxscan.pure.hyper.variance import check_init
 
 __all__ = ["FrozenParam", "GeneratedSlot", "Hypernetwork"]
@@ -52,8 +53,18 @@ _CHUNK_EMBEDDING_FEATURES = 16  # ChunkedHeads' default
 
 
 def _check_chunk_options(
-    chunk_size: int | None, embedding_features: int | None, hidden_features: int | None
+    chunk_size: int | None,
+    embedding_features: int | None,
+    hidden_features: int | None,
+    structured_units: int | None = None,
 ) -> None:
+    if chunk_size is not None and structured_units is not None:
+        raise ValueError(
+            "chunk_size and structured_units choose two kinds of heads (equal chunks of the "
+            "flat vector, or chunks of a layer's output units): pass one of them."
+        )
+    if structured_units is not None:
+        return
     given = [
         name
         for name, value in (
@@ -86,10 +97,14 @@ class Hypernetwork(nnx.Module):
         An int: one :class:`ChunkedHeads` generating the flat parameter vector in chunks
         of this many scalars, so the hypernetwork can be smaller than its target
         (``compression_ratio``).
-      chunk_embedding_features, chunk_hidden_features: with ``chunk_size`` only, the size of
-        each learned chunk embedding (default 16) and the width of the chunk layer (default
-        ``trunk_features``); see :class:`ChunkedHeads`. Given without ``chunk_size`` they
-        raise rather than be ignored.
+      chunk_embedding_features, chunk_hidden_features: with ``chunk_size`` or
+        ``structured_units`` only, the size of each learned chunk embedding (default 16, or
+        8 for structured heads) and the width of the chunk layer (default
+        ``trunk_features``); see :class:`ChunkedHeads`. Given without either they raise
+        rather than be ignored.
+      structured_units: an int: one :class:`StructuredHeads`, chunks of this many output
+        units of one layer (each unit's whole fan-in and bias), hypnettorch's structured
+        chunking. Exclusive with ``chunk_size``.
       init, init_gain: the variance each generated tensor starts with: ``"target"``
         (default: the target's own initializer's), ``"hyperfan_in"``, ``"hyperfan_out"``
         (Chang et al.; ``init_gain`` is their ``c``, 2 for ReLU targets) or ``"zeros"``; see
@@ -132,6 +147,7 @@ class Hypernetwork(nnx.Module):
         chunk_size: int | None = None,
         chunk_embedding_features: int | None = None,
         chunk_hidden_features: int | None = None,
+        structured_units: int | None = None,
         init: str | None = None,
         init_gain: float = 2.0,
         pretrained: str | None = None,
@@ -148,7 +164,9 @@ class Hypernetwork(nnx.Module):
         if init is None:
             init = "target" if pretrained is None else "zeros"
         check_init(init, init_gain)
-        _check_chunk_options(chunk_size, chunk_embedding_features, chunk_hidden_features)
+        _check_chunk_options(
+            chunk_size, chunk_embedding_features, chunk_hidden_features, structured_units
+        )
         spec = ParamSpec.from_module(target, wrt=wrt)  # copies the non-generated state
         graphdef, own, rest = nnx.split(target, wrt, ...)
         slots = jax.tree.map(
@@ -167,7 +185,19 @@ class Hypernetwork(nnx.Module):
             kind = nnx.Param if pretrained == "trainable" else FrozenParam
             self.base = nnx.List([kind(jnp.array(v, copy=True)) for _, v in variable_leaves(own)])
         heads_init = dict(input_variance=input_variance, init=init, init_gain=init_gain)
-        if chunk_size is None:
+        if structured_units is not None:
+            self.heads = StructuredHeads(
+                spec,
+                trunk_features,
+                units=structured_units,
+                embedding_features=chunk_embedding_features or 8,
+                hidden_features=chunk_hidden_features,
+                num_conditions=self._chunk_tables(),
+                **heads_init,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
+        elif chunk_size is None:
             self.heads = HyperHeads(
                 spec, trunk_features, **heads_init, param_dtype=param_dtype, rngs=rngs
             )
