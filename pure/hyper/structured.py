@@ -189,7 +189,7 @@ class StructuredHeads(nnx.Module):
         hidden = hidden * jax.lax.rsqrt(jnp.mean(hidden**2, axis=-1, keepdims=True) + _RMS_EPS)
         batch = hidden.shape[:-2]
         gains, offsets = self.gains[...], self.offsets[...]
-        values: dict[int, jax.Array] = {}
+        pieces: list[tuple[int, jax.Array]] = []
         first = 0
         for (n, per_chunk_units, chunks, tensors), w_o, b_o in zip(
             self.layers, self.out_kernels, self.out_biases, strict=True
@@ -204,7 +204,8 @@ class StructuredHeads(nnx.Module):
                 piece = piece.reshape(*batch, n, *leaf.shape[:-1])
                 if leaf.shape:
                     piece = jnp.moveaxis(piece, len(batch), -1)
-                values[t] = piece.reshape(*batch, *leaf.shape).astype(leaf.dtype)
+                pieces.append((t, piece.reshape(*batch, *leaf.shape).astype(leaf.dtype)))
                 start += size
             first += chunks
+        values = dict(pieces)  # layer by layer: back to spec order
         return jax.tree.unflatten(self.treedef, [values[t] for t in range(len(self.leaves))])

@@ -73,22 +73,23 @@ def init_moments(spec: ParamSpec, init: str = "target", gain: float = 2.0) -> tu
     constant = jnp.where(measured_var == 0, spec.init_mean, 0.0).astype(jnp.float32)
     if init == "target":
         return measured_var, constant
-    formula = np.zeros(n, np.float32)
-    by_formula = np.zeros(n, bool)
     kernels = {leaf.path[:-1]: leaf for leaf in spec.leaves if len(leaf.shape) >= 2}
     generated_bias = {leaf.path[:-1] for leaf in spec.leaves if len(leaf.shape) == 1}
-    for t, leaf in enumerate(spec.leaves):
+
+    def closed_form(leaf) -> float | None:
         layer = leaf.path[:-1]
         if len(leaf.shape) >= 2:
             fan_in, fan_out = _fans(leaf.shape)
             c_b = 2.0 if layer in generated_bias else 1.0
-            formula[t] = gain / (c_b * fan_in) if init == "hyperfan_in" else gain / fan_out
-        elif len(leaf.shape) == 1 and layer in kernels:
+            return gain / (c_b * fan_in) if init == "hyperfan_in" else gain / fan_out
+        if len(leaf.shape) == 1 and layer in kernels:
             fan_in, fan_out = _fans(kernels[layer].shape)
-            formula[t] = gain / 2 if init == "hyperfan_in" else gain * max(0, 1 - fan_in / fan_out)
-        else:
-            continue  # a norm's scale, a scalar: the target's own value
-        by_formula[t] = True
+            return gain / 2 if init == "hyperfan_in" else gain * max(0, 1 - fan_in / fan_out)
+        return None  # a norm's scale, a scalar: the target's own value
+
+    values = [closed_form(leaf) for leaf in spec.leaves]
+    by_formula = np.array([v is not None for v in values])
+    formula = np.array([0.0 if v is None else v for v in values], np.float32)
     return (
         jnp.where(by_formula, formula, measured_var),
         jnp.where(by_formula, 0.0, constant).astype(jnp.float32),
