@@ -23,8 +23,9 @@ Setups (the hypernetwork's own weights in brackets, task embeddings included):
 - ``nnxscan-chunked``: the same trunk and ``ChunkedHeads`` with chunks of 750, chunk
   embeddings of 8 (one set per task, the default) and a chunk layer of 87 (87,455 weights,
   hypnettorch's ChunkedHMLP has 87,774);
-- ``nnxscan-structured``: the same trunk and ``StructuredHeads``, one chunk per output unit
-  of each layer (its fan-in and bias), chunk embeddings of 8 per task;
+- ``nnxscan-structured``: the same trunk and ``StructuredHeads``, a chunk per 10 output
+  units of a layer (their fan-ins and biases), chunk embeddings of 8 per task and a chunk
+  layer of 38 (88,652 weights);
 - ``hypnettorch-hmlp``: ``HMLP`` as run.py builds it with ``--hnet_type hmlp``;
 - ``hypnettorch-chunked``: ``ChunkedHMLP``, chunks of 750 and chunk embeddings of 8
   (run.py's default hypernetwork);
@@ -78,7 +79,7 @@ TORCH = ("hypnettorch-hmlp", "hypnettorch-chunked", "hyperlight")
 TITLES = {
     "nnxscan-heads": "nnxscan, one head per tensor",
     "nnxscan-chunked": f"nnxscan ChunkedHeads, chunk {CHUNK}",
-    "nnxscan-structured": "nnxscan StructuredHeads, a chunk per output unit",
+    "nnxscan-structured": "nnxscan StructuredHeads, 10 output units a chunk",
     "hypnettorch-hmlp": "hypnettorch HMLP, as run.py",
     "hypnettorch-chunked": f"hypnettorch ChunkedHMLP, chunk {CHUNK}",
     "hyperlight": "HyperLight HyperNet.from_existing",
@@ -127,7 +128,9 @@ def batches_of(task: dict[str, np.ndarray]) -> list[np.ndarray]:
 # -- nnxscan ----------------------------------------------------------------------------------
 
 
-def run_nnxscan(setup: str, tasks: list[dict[str, np.ndarray]], seed: int) -> dict:
+def run_nnxscan(
+    setup: str, tasks: list[dict[str, np.ndarray]], seed: int, cache: str | None = None
+) -> dict:
     import jax
     import jax.numpy as jnp
     import optax
@@ -150,6 +153,10 @@ def run_nnxscan(setup: str, tasks: list[dict[str, np.ndarray]], seed: int) -> di
         def __call__(self, x):
             return self.layer3(nnx.relu(self.layer2(nnx.relu(self.layer1(x)))))
 
+    if cache:  # opt-in: compiled programs kept on disk, so a later process compiles nothing
+        from nnxscan.shell import enable_compilation_cache
+
+        enable_compilation_cache(cache)
     epochs = len(tasks[0]["order"])
     data = [
         (
@@ -314,16 +321,20 @@ def _torch_model(setup: str):
 def worker(args: argparse.Namespace) -> None:
     tasks = read_tasks(args.data)
     if args.worker in NNXSCAN:
-        result = run_nnxscan(args.worker, tasks, args.seed)
+        result = run_nnxscan(args.worker, tasks, args.seed, args.compile_cache)
     else:
         result = run_torch(args.worker, tasks, args.seed)
     result["steps_per_task"] = len(batches_of(tasks[0]))
     print("RESULT " + json.dumps(result))
 
 
-def run_one(setup: str, data: pathlib.Path, seed: int, torch_python: str) -> dict:
+def run_one(
+    setup: str, data: pathlib.Path, seed: int, torch_python: str, cache: str | None = None
+) -> dict:
     python = sys.executable if setup in NNXSCAN else torch_python
     command = [python, __file__, "--worker", setup, "--data", str(data), "--seed", str(seed)]
+    if cache and setup in NNXSCAN:
+        command += ["--compile-cache", cache]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -359,6 +370,12 @@ def main() -> None:
     parser.add_argument("--setups", default=",".join(NNXSCAN + TORCH))
     parser.add_argument("--torch-python", default=".venv-bench/bin/python")
     parser.add_argument("--json", help="also write every run's numbers to this file")
+    parser.add_argument(
+        "--compile-cache",
+        help="nnxscan's opt-in persistent compilation cache folder: warmed by a first run "
+        "of each setup on each seed's data (not counted), so every counted run reads its "
+        "programs from disk",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -379,9 +396,12 @@ def main() -> None:
         for r, seed in enumerate(int(s) for s in args.seeds.split(",")):
             data = pathlib.Path(folder) / f"tasks_{seed}.npz"
             write_tasks(data, seed, args.epochs)
+            if args.compile_cache:  # warm it with this seed's shapes, uncounted
+                for setup in (s for s in setups if s in NNXSCAN):
+                    run_one(setup, data, seed, args.torch_python, args.compile_cache)
             shift = r % len(setups)
             for setup in setups[shift:] + setups[:shift]:
-                run = run_one(setup, data, seed, args.torch_python)
+                run = run_one(setup, data, seed, args.torch_python, args.compile_cache)
                 results[setup].append(run)
                 final = 100 * np.asarray(run["accuracy"])[-1].mean()
                 print(f"seed {seed} {setup}: {run['whole']:.1f} s, final {final:.1f}%", flush=True)
