@@ -1,18 +1,23 @@
 """nnxscan's own checkpoint storage: one raw file of packed buffers and a JSON manifest.
 
-Used for the trees one process holds whole (after ``checkpoint._fill`` every array is one
-host buffer per dtype), which is every single-process run that is not sharded over several
-devices. Orbax is kept for the rest (arrays sharded over devices or processes), because it
-writes each process's shards; its fixed cost (~45 ms of CPU per save for a 5.6 MB model on
-this project's 2-core machine, against ~3 ms here) is what this storage avoids, so that a
-checkpoint written in the background does not take the CPU from training.
+Used for the trees one process holds whole (after ``checkpoint._fill`` every array is a
+host buffer), which is every single-process run that is not sharded over several devices.
+Orbax is kept for the rest (arrays sharded over devices or processes), because it writes
+each process's shards; its fixed cost per save (tens of ms of CPU, mostly per array; see
+docs/checkpoints.md) is what this storage avoids, so that a checkpoint written in the
+background does not take the CPU from training.
 
 Layout of one checkpoint (both storages name a finished checkpoint by its step)::
 
     <directory>/<step>/
-      manifest.json        the manifest of checkpoint.py, plus "buffers": per packed
-                           buffer its byte offset in arrays.bin, dtype and element count
-      arrays.bin           the packed buffers, each starting on a 64-byte boundary
+      manifest.json        the manifest of checkpoint.py (validated whole on read: see
+                           _checkpoint_manifest.py), plus "buffers": per buffer its byte
+                           offset, dtype, element count and crc32; the file's first
+                           member is the crc32 of the rest of its text
+      arrays.bin           the packed buffers, one per dtype, each starting on a 64-byte
+                           boundary
+      state/               the model state (the tree's "state" entry) again, as an orbax
+                           item Flax's own code restores (_orbax_item.py)
 
 Atomicity, as orbax's: a checkpoint is written into ``<step>.nnxscan-tmp/``, every file
 fsync'ed, then renamed to ``<step>/`` (atomic on a POSIX filesystem) and the directory
@@ -28,22 +33,28 @@ recorded (what a killed process appended after its last finished checkpoint).
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
 import shutil
+import socket
+import zlib
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
+from nnxscan.adapters import _checkpoint_manifest as _manifest
+from nnxscan.adapters import _orbax_item
+
 MANIFEST = "manifest.json"
 LOG = "history.jsonl"
-DATA = "arrays.bin"
+DATA = _manifest.DATA
+ITEM = "state"  # the model state as a Flax/orbax item: <step>/state/
 TMP_SUFFIX = ".nnxscan-tmp"
 DELETING_SUFFIX = ".nnxscan-deleting"
 _ALIGN = 64
+_MAX_MANIFEST = 256 * 2**20  # a manifest is JSON records, never near this
 # orbax's default step names (no prefix, no padding): both storages list the same way.
 _STEP_NAME = re.compile(r"0|[1-9]\d*")
 
@@ -60,11 +71,6 @@ def finished_steps(path: pathlib.Path) -> list[int]:
         for entry in os.scandir(path)
         if _STEP_NAME.fullmatch(entry.name) and entry.is_dir()
     )
-
-
-def holds_files_checkpoint(step_path: pathlib.Path) -> bool:
-    """Whether ``<directory>/<step>`` was written by this storage (else by orbax)."""
-    return (step_path / MANIFEST).is_file()
 
 
 def remove_leftovers(path: pathlib.Path) -> None:
@@ -86,38 +92,116 @@ def _fsync(path: pathlib.Path) -> None:
 
 
 def write(
-    path: pathlib.Path, step: int, manifest: dict[str, Any], buffers: dict[str, np.ndarray]
+    path: pathlib.Path,
+    step: int,
+    manifest: dict[str, Any],
+    buffers: dict[str, np.ndarray],
+    item: tuple[list, list, dict[str, bytes]] | None = None,
 ) -> pathlib.Path:
     """Writes checkpoint ``step`` under ``path`` atomically; returns ``<path>/<step>``.
 
-    ``buffers`` are flat, contiguous host arrays that nobody else writes to while this runs
-    (``checkpoint._fill`` makes them: copies, never views of device buffers)."""
+    ``buffers``: name -> flat, contiguous host array that nobody else writes to while this
+    runs (``checkpoint._fill`` makes copies, never views of device buffers), packed into
+    ``arrays.bin``, each on a 64-byte boundary, its crc32 in the manifest (which carries
+    its own: :func:`_checkpoint_manifest.dumps_checked`). ``item``: ``(leaves, arrays,
+    files)`` of the model state's orbax item (``_orbax_item.write_item``), or None."""
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / f"{step}{TMP_SUFFIX}"
     if tmp.exists():  # a save of this step killed mid-way: replaced, not an obstacle
         shutil.rmtree(tmp)
     tmp.mkdir()
-    placed = {}
+    placed, written = {}, [tmp / DATA]
     with open(tmp / DATA, "wb") as file:
         offset = 0
         for name, buffer in buffers.items():
             padding = -offset % _ALIGN
             file.write(b"\0" * padding)
             offset += padding
-            placed[name] = {"offset": offset, "dtype": buffer.dtype.name, "size": buffer.size}
-            file.write(buffer.reshape(-1).view(np.uint8).data)
+            data = buffer.reshape(-1).view(np.uint8).data
+            # crc32 here, on the writer's thread (zlib releases the GIL for large buffers).
+            placed[name] = {"offset": offset, "dtype": buffer.dtype.name, "size": buffer.size,
+                            "crc32": f"{zlib.crc32(data):08x}"}  # fmt: skip
+            file.write(data)
             offset += buffer.nbytes
-        file.flush()
-        os.fsync(file.fileno())
-    with open(tmp / MANIFEST, "w") as file:
-        file.write(json.dumps({**manifest, "buffers": placed}))  # one write, not dozens
-        file.flush()
-        os.fsync(file.fileno())
-    _fsync(tmp)
+    folders = []
+    if item is not None:
+        folders = [tmp / ITEM, tmp / ITEM / "array_metadatas"]
+        written += _orbax_item.write_item(tmp / ITEM, *item)
+    text = _manifest.dumps_checked({**manifest, "buffers": placed})
+    written.append(_write_file(tmp / MANIFEST, text))  # one write, not dozens
+    # Every file, then every folder, reaches the disk before the rename makes it a
+    # checkpoint (the item's store is synced by tensorstore itself).
+    for written_path in (*written, *reversed(folders), tmp):
+        _fsync(written_path)
     final = path / str(step)
     os.rename(tmp, final)
     _fsync(path)
     return final
+
+
+def _write_file(where: pathlib.Path, content: bytes) -> pathlib.Path:
+    with open(where, "wb") as file:
+        file.write(content)
+    return where
+
+
+def storage_of(step_path: pathlib.Path) -> str | None:
+    """``"files"`` (nnxscan's own), ``"orbax"``, or None: neither storage's manifest is
+    there (a deleted manifest, an emptied or foreign directory)."""
+    if (step_path / MANIFEST).is_file():
+        return "files"
+    if (step_path / "manifest").is_dir():  # orbax's item holding the manifest
+        return "orbax"
+    return None
+
+
+def read_manifest(step_path: pathlib.Path) -> tuple[Any, bool]:
+    """The manifest (parsed) and whether it carried a matching crc32 (version 4). Raises
+    ValueError for one that does not parse or whose crc32 does not match."""
+    with open(step_path / MANIFEST, "rb") as file:
+        raw = file.read(_MAX_MANIFEST + 1)
+    if len(raw) > _MAX_MANIFEST:
+        raise ValueError(f"it is larger than {_MAX_MANIFEST} bytes")
+    return _manifest.loads_checked(raw)
+
+
+def data_size(step_path: pathlib.Path) -> int | None:
+    """The size in bytes of a checkpoint's ``arrays.bin`` (None if it is missing)."""
+    try:
+        return os.stat(step_path / DATA).st_size
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def read_buffers(
+    step_path: pathlib.Path, buffers: dict[str, dict[str, Any]], names: set[str]
+) -> dict[str, np.ndarray]:
+    """The buffers ``names`` of a checkpoint whose manifest was validated (each lies inside
+    ``arrays.bin``), as writable numpy arrays; each checked against its crc32 when the
+    manifest has one. Raises ValueError naming the buffer whose bytes are not what was
+    written."""
+    out = {}
+    with open(step_path / DATA, "rb") as file:
+        for name in sorted(names, key=lambda n: buffers[n]["offset"]):
+            where = buffers[name]
+            # jnp.dtype knows bfloat16, float8_* and int4 by name; numpy does not.
+            buffer = np.empty(where["size"], dtype=jnp.dtype(where["dtype"]))
+            view = buffer.view(np.uint8)
+            file.seek(where["offset"])
+            got = file.readinto(view)
+            if got != where["nbytes"]:
+                raise ValueError(
+                    f"buffer {name!r}: {DATA} ended after {got} of its {where['nbytes']} "
+                    f"bytes (truncated)"
+                )
+            crc = where.get("crc32")
+            if crc is not None and f"{zlib.crc32(view):08x}" != crc:
+                raise ValueError(
+                    f"buffer {name!r} in {DATA}: its bytes do not match their crc32 "
+                    f"(damaged on disk)"
+                )
+            out[name] = buffer
+    return out
 
 
 def log_size(path: pathlib.Path) -> int:
@@ -184,24 +268,84 @@ def keep_newest(path: pathlib.Path, max_to_keep: int) -> None:
         delete(path, step)
 
 
-def read_manifest(step_path: pathlib.Path) -> dict[str, Any]:
-    with open(step_path / MANIFEST) as file:
-        return json.load(file)
+def set_aside(path: pathlib.Path, step: int, reason: str) -> pathlib.Path:
+    """Renames checkpoint ``step`` to ``<step>.<reason>`` (``-2``, ``-3``... when taken):
+    kept for the user to look at, no longer listed, restored or deleted by max_to_keep."""
+    target = path / f"{step}.{reason}"
+    count = 1
+    while target.exists():
+        count += 1
+        target = path / f"{step}.{reason}-{count}"
+    os.rename(path / str(step), target)
+    _fsync(path)
+    return target
 
 
-def read_buffers(step_path: pathlib.Path, manifest: dict[str, Any], names: set[str]) -> dict:
-    """The packed buffers ``names`` of checkpoint ``step_path``, as writable numpy arrays."""
-    out = {}
-    with open(step_path / DATA, "rb") as file:
-        for name in names:
-            where = manifest["buffers"][name]
-            file.seek(where["offset"])
-            # jnp.dtype knows bfloat16, float8_* and int4 by name; numpy does not.
-            buffer = np.fromfile(file, dtype=jnp.dtype(where["dtype"]), count=where["size"])
-            if buffer.size != where["size"]:
-                raise ValueError(
-                    f"{step_path / DATA} is truncated: {name} holds {buffer.size} of its "
-                    f"{where['size']} elements. Restore another checkpoint with step=."
-                )
-            out[name] = buffer
-    return out
+class CheckpointLockedError(RuntimeError):
+    """Another process (or another writer in this one) is writing checkpoints into the same
+    directory: two runs on one ``checkpoint_dir`` would mix their steps and run logs."""
+
+
+LOCK = ".nnxscan-lock"
+
+
+def lock(path: pathlib.Path) -> int | None:
+    """Takes the directory's writer lock (an advisory ``flock`` on ``<path>/.nnxscan-lock``,
+    released when the file is closed, or by the kernel when the process dies however it
+    dies); returns its file descriptor (None where ``fcntl`` does not exist, on Windows).
+    The file names the holder (process id and host) for the error a second writer gets.
+
+    Raises:
+      CheckpointLockedError: another open lock holds it, naming the directory and holder.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no advisory locks, no check
+        return None
+    path.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip() or "unknown"
+        os.close(descriptor)
+        raise CheckpointLockedError(
+            f"checkpoint directory {path} is in use by another run ({holder}): two runs "
+            f"writing one directory would mix their checkpoints and run logs. Wait for it "
+            f"to end (or stop it), or give this run another checkpoint_dir."
+        ) from None
+    except BaseException:
+        os.close(descriptor)
+        raise
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return descriptor
+
+
+def unlock(descriptor: int | None) -> None:
+    if descriptor is not None:
+        os.close(descriptor)  # releases the flock
+
+
+def check_directory(path: pathlib.Path) -> None:
+    """A checkpoint directory must be a directory we may write (or not exist yet, under a
+    folder we may create it in): a ValueError naming it otherwise, before any training."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe == path and not path.is_dir():
+        raise ValueError(
+            f"checkpoint_dir {path} is a file, not a directory: pass a folder's path (it is "
+            f"created if missing)."
+        )
+    if probe != path and not probe.is_dir():
+        raise ValueError(
+            f"checkpoint_dir {path} cannot be created: {probe} is a file, not a directory."
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"checkpoint_dir {path}: {probe} is not writable by this process: pass a folder "
+            f"you may write to."
+        )

@@ -79,3 +79,87 @@ def run_params(trainer: Any, params: Mapping[str, Any] | None) -> dict[str, Any]
         for i, value in enumerate(values):
             out[f"{name}/{i}"] = plain(value)
     return out
+
+
+# -- exact JSON: what a run log stores and gives back equal --------------------------------
+
+_TAG = "__nnxscan__"
+_ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float16")
+_EXACT_KINDS = (
+    "None, bool, int, float, str, numpy and jax arrays and scalars (real dtypes), and lists, "
+    "tuples and dicts (str keys) of them"
+)
+
+
+def to_exact_json(value: Any, where: str) -> Any:
+    """``value`` as JSON data that :func:`from_exact_json` turns back into an equal value
+    of the same type (a jax array onto the default device).
+
+    Arrays and numpy scalars keep their dtype and shape (tagged objects); tuples stay
+    tuples; non-finite floats are written as JSON's common extension (``NaN``,
+    ``Infinity``), which Python's json reads back.
+
+    Raises:
+      TypeError: a value of another type, naming ``where`` (e.g. ``"History.epochs[0]['tag']"``)
+        and what the log stores instead.
+    """
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if isinstance(value, np.generic | np.ndarray) or _is_jax_array(value):
+        array = np.asarray(value)
+        # bfloat16 and float8 (ml_dtypes) are numpy kind "V"; complex and objects are out.
+        if array.dtype.kind not in "biuf" and array.dtype.name not in _ML_FLOATS:
+            raise TypeError(
+                f"{where} is an array of dtype {array.dtype}: the run log stores exactly "
+                f"{_EXACT_KINDS}. Log it as real numbers or a str, or keep it out of the logs."
+            )
+        return {
+            _TAG: "scalar"
+            if isinstance(value, np.generic)
+            else "array"
+            if kind is np.ndarray
+            else "jax",
+            "dtype": array.dtype.name,
+            "shape": list(array.shape),
+            "values": array.reshape(-1).tolist(),
+        }
+    if kind is list:
+        return [to_exact_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if kind is tuple:
+        return {_TAG: "tuple", "values": [to_exact_json(v, f"{where}[{i}]") for i, v in
+                                          enumerate(value)]}  # fmt: skip
+    if kind is dict and all(type(key) is str for key in value) and _TAG not in value:
+        return {key: to_exact_json(v, f"{where}[{key!r}]") for key, v in value.items()}
+    raise TypeError(
+        f"{where} is a {kind.__name__}: the run log (history.jsonl, beside the checkpoints) "
+        f"stores exactly {_EXACT_KINDS}, so that a resumed run's History is the one it had. "
+        f"Log it as one of those (e.g. str(value), or a list), or keep it out of the logs."
+    )
+
+
+def from_exact_json(value: Any) -> Any:
+    """The value :func:`to_exact_json` encoded."""
+    if isinstance(value, list):
+        return [from_exact_json(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    tag = value.get(_TAG)
+    if tag == "tuple":
+        return tuple(from_exact_json(v) for v in value["values"])
+    if tag in ("array", "scalar", "jax"):
+        # jnp.dtype knows bfloat16 and float8 by name; numpy does not.
+        import jax.numpy as jnp
+
+        dtype = jnp.dtype(value["dtype"])
+        if dtype.kind not in "biuf" and dtype.name not in _ML_FLOATS:
+            raise ValueError(f"dtype {dtype} is not one a run log holds")
+        array = np.asarray(value["values"], dtype).reshape(value["shape"])
+        if tag == "jax":
+            return jnp.asarray(array)
+        return array[()] if tag == "scalar" else array
+    return {key: from_exact_json(v) for key, v in value.items()}
+
+
+def _is_jax_array(value: Any) -> bool:
+    return type(value).__module__.startswith("jax") and hasattr(value, "__array__")

@@ -27,28 +27,40 @@ writing its shards (``storage="orbax"`` sends everything there). Both name a fin
 checkpoint by its step, so one listing, one ``max_to_keep`` and one reader serve both::
 
     <directory>/                        absolute (resolved); created by the first save
+      .nnxscan-lock                     the writer lock (one writer per directory)
       <step>/                           nnxscan's own files (see _checkpoint_files.py)
-        manifest.json                   the manifest (below), plus each packed buffer's
-                                        byte offset, dtype and size in arrays.bin
+        manifest.json                   the manifest (below), its own crc32 first, plus
+                                        each buffer's file, offset, dtype, size and crc32
         arrays.bin                      the packed buffers, raw
+        state/                          the model state again, as an orbax item (OCDBT,
+                                        zarr) that Flax's StandardCheckpointer reads
       <step>/                           or orbax's
         _CHECKPOINT_METADATA            orbax: when it was written
         manifest/metadata               the manifest
         arrays/                         orbax PyTree (OCDBT/tensorstore): the packed
                                         buffers, and each array sharded over devices or
                                         processes on its own, named leaf_00000, ...
+        state/                          the model state, orbax's StandardSave
       <step>.nnxscan-tmp/               a save in progress, or one killed mid-way
       <step>.orbax-checkpoint-tmp-*/    (either storage's): never listed, never restored;
                                         the next save of that step replaces it
+      <step>.nnxscan-corrupt/           a damaged checkpoint a resume skipped; kept
+      <step>.nnxscan-superseded/        newer than the step a resume was told to start
+                                        from; kept
       history.jsonl                     the run log (either storage's): bytes appended with
                                         CheckpointWriter.append_log, each fsync'ed before
                                         the next checkpoint is renamed into place
 
 The manifest (JSON): format name and version, and per leaf in flattening order its path
 (jax keystr, e.g. "['state']['l1']['kernel']"), kind ("array", "key", or a Python type),
-shape, dtype, key implementation, and either the packed buffer and offset holding its
+shape, dtype, key implementation, and either the buffer and element offset holding its
 elements (pack_float32, ...: the arrays this process holds whole, joined into one flat
-buffer per dtype), its orbax array name, or the Python value itself.
+buffer per dtype), its orbax array name, or the Python value itself. The reader trusts
+none of it: the manifest is validated whole (``_checkpoint_manifest.py``) before any
+buffer is read, every buffer is checked against its crc32 as it is read, and a damaged
+checkpoint is a :class:`CorruptCheckpointError` naming the directory, the step, the leaf
+or file and what is wrong; :func:`newest_good` (``restore_checkpoint(...,
+fallback=True)``) skips those.
 
 Atomicity: a checkpoint is written under a temporary name and renamed to ``<step>`` only
 after every file is written and flushed (our files are fsync'ed, the rename too); on a
@@ -71,273 +83,36 @@ importing it configures absl logging on the root logger.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import functools
 import os
 import pathlib
-import threading
-from typing import Any, NamedTuple
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
-import numpy as np
 
 from nnxscan.adapters import _checkpoint_files as _files
-from nnxscan.adapters._extras import require_extra
-from nnxscan.adapters.nnx_optimizer import _is_variable
+from nnxscan.adapters import _checkpoint_layout as _layout
+from nnxscan.adapters import _checkpoint_manifest as _manifest
+from nnxscan.adapters import _checkpoint_read as _read
+from nnxscan.adapters._checkpoint_files import CheckpointLockedError
+from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
 from nnxscan.pure.checks import check_count
 
 __all__ = [
+    "CheckpointLockedError",
     "CheckpointWriter",
+    "CorruptCheckpointError",
     "all_steps",
     "latest_step",
+    "newest_good",
     "read_log",
     "restore_checkpoint",
     "save_checkpoint",
 ]
 
-_FORMAT = "nnxscan.checkpoint"
-_VERSION = 3  # 2: small arrays packed into one buffer per dtype; 3: own files storage
-_PYTHON_KINDS = {"bool": bool, "int": int, "float": float, "str": str}
-_ARRAY_KINDS = ("array", "key")
-
-
-def _orbax() -> Any:
-    # orbax-checkpoint is a flax dependency; the extra pins the version tested.
-    return require_extra("orbax.checkpoint", "checkpoint", needed_by="nnxscan checkpoints")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Leaf:
-    """What one leaf is, as the manifest records it (the saved side) or a template has it."""
-
-    path: str
-    kind: str  # "array", "key", or a key of _PYTHON_KINDS
-    shape: tuple[int, ...] = ()
-    dtype: str = ""
-    impl: str = ""  # PRNG implementation name, for keys
-    name: str = ""  # the array's name in the orbax item, for arrays and keys
-    value: Any = None  # the value itself, for Python leaves
-    pack: str = ""  # the packed buffer holding this array's elements (see _layout)
-    offset: int = 0  # where in that buffer its elements start
-    data_shape: tuple[int, ...] = ()  # a packed key's raw data (its shape + the impl's)
-
-    def describe(self) -> str:
-        if self.kind == "array":
-            return f"shape {self.shape} {self.dtype}"
-        if self.kind == "key":
-            return f"shape {self.shape} {self.dtype} (PRNG keys)"
-        return f"a Python {self.kind}"
-
-    def fits(self, other: _Leaf) -> bool:
-        if self.kind in _ARRAY_KINDS:
-            return (self.kind, self.shape, self.dtype) == (other.kind, other.shape, other.dtype)
-        return self.kind == other.kind
-
-    def to_json(self) -> dict[str, Any]:
-        record: dict[str, Any] = {"path": self.path, "kind": self.kind}
-        if self.kind in _ARRAY_KINDS:
-            record.update(shape=list(self.shape), dtype=self.dtype, name=self.name)
-            if self.kind == "key":
-                record["impl"] = self.impl
-            if self.pack:
-                record.update(pack=self.pack, offset=self.offset, data_shape=list(self.data_shape))
-        else:
-            record["value"] = self.value
-        return record
-
-    @classmethod
-    def from_json(cls, record: dict[str, Any]) -> _Leaf:
-        shapes = {k: tuple(record.get(k, ())) for k in ("shape", "data_shape")}
-        return cls(**{**record, **shapes})
-
-
-def _flatten(tree: Any) -> list[tuple[str, Any]]:
-    """(path, leaf) pairs, Variables replaced by their values (their wrappers dropped).
-
-    A Variable flattens to its value under an extra ``.value`` path entry; taking each
-    Variable as a leaf and then its value gives an nnx.State and its pure dict the same
-    paths. The leaves are in the order of ``jax.tree.leaves(tree)``, so the full treedef
-    (Variables kept, see :func:`_treedef`) rebuilds the caller's Variables from them.
-    """
-    pairs = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0]
-    return [
-        (jax.tree_util.keystr(path), leaf.get_value() if _is_variable(leaf) else leaf)
-        for path, leaf in pairs
-    ]
-
-
-def _treedef(tree: Any, leaves: int) -> Any:
-    treedef = jax.tree.structure(tree)
-    if treedef.num_leaves != leaves:  # pragma: no cover - a Variable with extra children
-        raise TypeError("a Variable in the tree flattens to more than its value")
-    return treedef
-
-
-def _is_key(dtype: Any) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-@functools.cache
-def _dtype_kind(dtype: Any) -> tuple[str, str]:
-    # Cached: a save describes every leaf, and naming a dtype costs microseconds each.
-    return ("key" if _is_key(dtype) else "array"), str(dtype)
-
-
-def _describe_template(path: str, leaf: Any) -> _Leaf:
-    # numpy scalars first: np.float64 is also a Python float, but it is an array leaf.
-    if isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
-        kind, dtype = _dtype_kind(leaf.dtype)
-        return _Leaf(path, kind, tuple(leaf.shape), dtype)
-    if type(leaf) in _PYTHON_KINDS.values():  # exact types: an IntEnum is not a counter
-        return _Leaf(path, type(leaf).__name__, value=leaf)
-    raise TypeError(
-        f"leaf {path} is a {type(leaf).__name__}: a checkpoint holds jax or numpy arrays "
-        f"(PRNG keys included), jax.ShapeDtypeStruct in a template, and Python "
-        f"bool/int/float/str. Convert the leaf, or keep it out of the tree."
-    )
-
-
-class _Layout(NamedTuple):
-    """How a tree of one structure is saved, worked out once per structure: each leaf's
-    record (path, kind, pack and offset), so that a save of the same structure only copies
-    its arrays to the host (a fit saves one structure, every epoch)."""
-
-    records: tuple[_Leaf, ...]  # per leaf; a Python leaf's value is filled in per save
-    entries: tuple[dict[str, Any], ...]  # the records as the manifest's JSON
-    python: tuple[int, ...]  # the Python leaves (bool/int/float/str), by index
-    keys: frozenset[int]  # typed PRNG key leaves: saved as their key data
-    packs: dict[str, tuple[int, ...]]  # packed buffer -> the leaves joined into it, in order
-    arrays: dict[str, int]  # arrays left to orbax (sharded): name -> leaf
-    held_whole: bool  # nnxscan's own files can hold it (see _held_whole)
-    on_host: bool  # every packed array is numpy or on a CPU device: readable in place
-
-
-# The layouts of the last few structures saved, newest first: shared by the writers of
-# successive fits (and save_checkpoint calls) that save the same model. Compared, not
-# hashed: a treedef's Variable metadata need not be hashable.
-_LAYOUTS: list[tuple[Any, _Layout]] = []
-_KEPT_LAYOUTS = 8
-_LAYOUTS_LOCK = threading.Lock()  # writers may save from several threads
-
-
-def _signature(leaf: Any) -> Any:
-    """What a leaf's record depends on besides its path (a Python leaf's value does not)."""
-    if isinstance(leaf, jax.Array):
-        return leaf.shape, leaf.dtype, leaf.sharding
-    if isinstance(leaf, np.ndarray | np.generic):
-        return type(leaf), leaf.shape, leaf.dtype
-    return type(leaf)
-
-
-def _array_data(leaf: Any, is_key: bool) -> Any:
-    if is_key:
-        return jax.random.key_data(leaf)
-    return np.asarray(leaf) if isinstance(leaf, np.generic) else leaf
-
-
-def _layout(tree: dict[str, Any]) -> _Layout:
-    """Checks every leaf of ``tree`` and lays out its manifest and buffers.
-
-    orbax's cost is per array (~1 ms of CPU each here): the arrays this process holds whole
-    (on one device, replicated, or numpy) are joined into one flat buffer per dtype, each
-    leaf recorded by buffer and offset. Arrays sharded over several devices or processes
-    are left to orbax, each process writing its own shards.
-    """
-    pairs = _flatten(tree)
-    leaves = jax.tree.leaves(tree)
-    if len(pairs) != len(leaves):  # pragma: no cover - a Variable with extra children
-        raise TypeError("a Variable in the tree flattens to more than its value")
-    records, python, keys, arrays, on_host = [], [], set(), {}, True
-    packs: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
-    for index, (path, leaf) in enumerate(pairs):
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            raise TypeError(
-                f"leaf {path} is an abstract jax.ShapeDtypeStruct: save concrete arrays "
-                f"(templates with ShapeDtypeStruct leaves are for restore_checkpoint)"
-            )
-        record = _describe_template(path, leaf)
-        if record.kind not in _ARRAY_KINDS:
-            python.append(index)
-            records.append(record)
-            continue
-        impl = ""
-        if record.kind == "key":
-            # orbax cannot write typed key arrays; their raw bits and the implementation
-            # name rebuild them exactly.
-            impl = str(jax.random.key_impl(leaf))
-            keys.add(index)
-        data = _array_data(leaves[index], record.kind == "key")
-        if _packable(data):
-            pack = f"pack_{_dtype_kind(data.dtype)[1]}"
-            offset = sizes.get(pack, 0)
-            sizes[pack] = offset + data.size
-            packs.setdefault(pack, []).append(index)
-            if isinstance(data, jax.Array):
-                on_host = on_host and all(d.platform == "cpu" for d in data.devices())
-            record = _Leaf(path, record.kind, record.shape, record.dtype, impl, "", None,
-                           pack, offset, tuple(data.shape))  # fmt: skip
-        else:
-            name = f"leaf_{index:05d}"
-            arrays[name] = index
-            record = _Leaf(path, record.kind, record.shape, record.dtype, impl, name)
-        records.append(record)
-    return _Layout(
-        records=tuple(records),
-        entries=tuple(record.to_json() for record in records),
-        python=tuple(python),
-        keys=frozenset(keys),
-        packs={pack: tuple(members) for pack, members in packs.items()},
-        arrays=arrays,
-        held_whole=_held_whole(records),
-        on_host=on_host,
-    )
-
-
-def _fill(layout: _Layout, leaves: list) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The manifest's leaf entries and the arrays to write, for ``leaves`` laid out by
-    ``layout``. The packed buffers are copies made here, on the host: what is written is
-    what the tree held now, whatever happens to its device buffers next."""
-    entries = list(layout.entries)
-    for index in layout.python:
-        leaf = leaves[index]
-        entries[index] = _Leaf(layout.records[index].path, type(leaf).__name__,
-                               value=leaf).to_json()  # fmt: skip
-    arrays = {
-        name: _array_data(leaves[index], index in layout.keys)
-        for name, index in layout.arrays.items()
-    }
-    members = [index for indices in layout.packs.values() for index in indices]
-    values = [_array_data(leaves[i], i in layout.keys) for i in members]
-    host = iter(_to_host(values, start=not layout.on_host))
-    for pack, indices in layout.packs.items():
-        # The copy out of the device buffers (on the CPU, np.asarray is a view of them).
-        arrays[pack] = np.concatenate([next(host).reshape(-1) for _ in indices])
-    return entries, arrays
-
-
-def _packable(x: Any) -> bool:
-    """An array this process holds whole: on one device, replicated, or numpy."""
-    if isinstance(x, np.ndarray):
-        return True
-    sharding = getattr(x, "sharding", None)
-    return (
-        isinstance(x, jax.Array)
-        and x.is_fully_addressable
-        and (len(sharding.device_set) == 1 or sharding.is_fully_replicated)
-    )
-
-
-def _to_host(arrays: list[Any], start: bool = True) -> list[np.ndarray]:
-    """``jax.device_get`` of a flat list, without its per-leaf tree walk (5x faster for a
-    hundred small arrays here): with ``start``, every transfer is started first (arrays on
-    an accelerator), then each is read (on the CPU a read is a view of the device buffer:
-    the caller copies before returning)."""
-    if start:
-        for x in arrays:
-            if isinstance(x, jax.Array):
-                x.copy_to_host_async()
-    return [np.asarray(x) for x in arrays]
+_STORAGES = ("auto", "orbax")
+T = TypeVar("T")
 
 
 def _resolve(directory: str | os.PathLike[str]) -> pathlib.Path:
@@ -349,20 +124,9 @@ def _as_step(step: Any, what: str) -> int:
     return check_count(step, what, 0)
 
 
-def _reader(ocp: Any, path: pathlib.Path) -> Any:
-    # create=False: reading must not create the directory, nor write anything into it.
-    options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(path, options=options)
-
-
-_STORAGES = ("auto", "orbax")
-
-
-def _held_whole(records: list[_Leaf]) -> bool:
-    """Whether nnxscan's own files can hold the tree: one process, and every array packed
-    (none sharded over devices: those are orbax's, each process writing its shards)."""
-    arrays = [record for record in records if record.kind in _ARRAY_KINDS]
-    return jax.process_count() == 1 and all(record.pack for record in arrays)
+def _orbax_state(state: Any) -> bool:
+    """Whether orbax writes the model state as its own item (every leaf an array)."""
+    return state is not None and all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(state))
 
 
 class CheckpointWriter:
@@ -379,15 +143,18 @@ class CheckpointWriter:
     ``asynchronous=False`` makes each save durable on return.
 
     Storage: a tree one process holds whole (every single-process run not sharded over
-    devices) is written as one raw file of packed buffers plus a JSON manifest — a few ms
-    of CPU, where orbax takes ~45 ms for a 5.6 MB model here, CPU that a background write
-    takes from training. Arrays sharded over devices or processes go through one orbax
-    ``CheckpointManager`` (each process writes its shards). ``storage="orbax"`` writes
-    every checkpoint through orbax. :func:`restore_checkpoint` reads both, and a directory
-    may hold both.
+    devices) is written as nnxscan's own files: a raw file of packed buffers, the model
+    state as an orbax item Flax's code restores, and a JSON manifest, every buffer with a
+    crc32 — a few ms of CPU, where orbax's own save costs tens of ms, CPU that a background
+    write takes from training. Arrays sharded over devices or processes go through one
+    orbax ``CheckpointManager`` (each process writes its shards). ``storage="orbax"``
+    writes every checkpoint through orbax. :func:`restore_checkpoint` reads both, and a
+    directory may hold both.
 
-    Nothing touches the disk before the first save. Use it as a context manager, or call
-    :meth:`close`.
+    One writer per directory: the first save (or :meth:`lock`) takes an advisory lock on
+    the directory, :meth:`close` releases it; a second writer meanwhile gets a
+    :class:`CheckpointLockedError`. Nothing touches the disk before the first save or
+    :meth:`lock`. Use it as a context manager, or call :meth:`close`.
 
     Example:
       >>> with CheckpointWriter("runs/ckpt") as writer:
@@ -422,10 +189,31 @@ class CheckpointWriter:
         # the first append), and the appends not yet handed to a write.
         self._log_size: int | None = None
         self._log_pending: list[bytes] = []
+        self._lock: int | None = None  # the directory's writer lock, once taken
+        self._locked = False
+
+    def lock(self) -> None:
+        """Takes the directory's writer lock now (the first save or log append takes it
+        otherwise), creating the directory; :meth:`close` releases it. One writer per
+        directory: a second writer, in this process or another, gets a
+        :class:`CheckpointLockedError` naming the directory and the holder's process id,
+        and the directory is left as it was. Only process 0 of a multi-process run locks
+        (every process writes its shards into the same directory).
+
+        Raises:
+          CheckpointLockedError: another writer holds the directory.
+          ValueError: the path is a file, or not writable.
+        """
+        if self._locked:
+            return
+        _files.check_directory(self.path)
+        if jax.process_index() == 0:
+            self._lock = _files.lock(self.path)
+        self._locked = True
 
     def _orbax_manager(self) -> Any:
         if self._manager is None:
-            ocp = _orbax()
+            ocp = _read.orbax()
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=self.max_to_keep,
                 create=True,
@@ -435,22 +223,6 @@ class CheckpointWriter:
         else:
             self._manager.reload()  # our own files may have come and gone since
         return self._manager
-
-    def _layout_of(self, tree: dict[str, Any]) -> tuple[_Layout, list]:
-        """The tree's leaves and their layout: worked out at the first save of each
-        structure, then reused (a flat list and a comparison instead of a path walk)."""
-        leaves, treedef = jax.tree.flatten(tree)
-        key = (treedef, tuple(_signature(leaf) for leaf in leaves))
-        with _LAYOUTS_LOCK:
-            for index, (known, layout) in enumerate(_LAYOUTS):
-                if known == key:
-                    _LAYOUTS.insert(0, _LAYOUTS.pop(index))  # most recently used first
-                    return layout, leaves
-        layout = _layout(tree)  # raises for a bad leaf: nothing is kept then
-        with _LAYOUTS_LOCK:
-            _LAYOUTS.insert(0, (key, layout))
-            del _LAYOUTS[_KEPT_LAYOUTS:]
-        return layout, leaves
 
     def newest_step(self) -> int | None:
         """The newest checkpoint's step, on disk or being written (never waits)."""
@@ -484,6 +256,7 @@ class CheckpointWriter:
           ...     end = writer.append_log(b'{"epoch": 0}\\n')
           ...     writer.save(100, {"meta": {"log_end": end}})
         """
+        self.lock()
         if self._log_size is None:
             self._log_size = _files.log_size(self.path)
         if data:
@@ -496,6 +269,7 @@ class CheckpointWriter:
         its end. What a killed process appended after its last finished checkpoint goes;
         appends start from there."""
         size = _as_step(size, "size")
+        self.lock()
         self.wait()
         self._log_pending.clear()
         if jax.process_index() == 0:  # only process 0 writes the log
@@ -520,10 +294,11 @@ class CheckpointWriter:
         step = _as_step(step, "step")
         # Every leaf is checked before anything touches the disk. This copies the arrays to
         # the host: what is written is what the tree held now, whatever happens to it next.
-        layout, leaves = self._layout_of(tree)
-        entries, arrays = _fill(layout, leaves)
-        manifest = {"format": _FORMAT, "version": _VERSION, "leaves": entries}
+        layout, leaves = _layout.layout_of(tree, with_item=self.storage == "auto")
+        entries, buffers, item_arrays = _layout.fill(layout, leaves)
+        manifest = {"format": _manifest.FORMAT, "version": _manifest.VERSION, "leaves": entries}
         own_files = self.storage == "auto" and layout.held_whole
+        self.lock()
         # One write at a time, in order: the previous one finishes before this one starts.
         self.wait()
         manager = None if own_files else self._orbax_manager()
@@ -550,21 +325,24 @@ class CheckpointWriter:
             )
         log = self._take_log()  # before this checkpoint, in the same write
         if own_files:
-            self._write_files(step, manifest, arrays, log)
+            item = None
+            if layout.item:
+                item = ([leaf for _, leaf in layout.item], item_arrays, layout.item_files)
+            self._write_files(step, manifest, buffers, item, log)
         else:
             if log:  # orbax writes in its own threads: the log is on disk first
                 _files.append_log(self.path, log)
-            self._write_orbax(manager, step, manifest, arrays)
+            self._write_orbax(manager, step, manifest, buffers, layout.packs, tree.get("state"))
         self._steps = [*steps, step][-self.max_to_keep :]  # what max_to_keep will leave
         return self.path / str(step)
 
     def _write_files(
-        self, step: int, manifest: dict[str, Any], buffers: dict, log: bytes = b""
+        self, step: int, manifest: dict[str, Any], buffers: dict, item: Any, log: bytes
     ) -> None:
         def write() -> None:
             if log:
                 _files.append_log(self.path, log)
-            _files.write(self.path, step, manifest, buffers)
+            _files.write(self.path, step, manifest, buffers, item)
             _files.keep_newest(self.path, self.max_to_keep)
 
         if not self._cleaned:
@@ -579,11 +357,27 @@ class CheckpointWriter:
             )
         self._in_flight = self._thread.submit(write)
 
-    def _write_orbax(self, manager: Any, step: int, manifest: dict, arrays: dict) -> None:
-        ocp = _orbax()
+    def _write_orbax(
+        self,
+        manager: Any,
+        step: int,
+        manifest: dict,
+        buffers: dict,
+        layout_packs: dict,
+        state: Any,
+    ) -> None:
+        ocp = _read.orbax()
+        arrays = buffers
+        packs = {name: buffers[name] for name in layout_packs}
+        manifest = {
+            **manifest,
+            "buffers": {n: {"dtype": a.dtype.name, "size": a.size} for n, a in packs.items()},
+        }
         items = {"manifest": ocp.args.JsonSave(manifest)}
         if arrays:
             items["arrays"] = ocp.args.PyTreeSave(arrays)
+        if _orbax_state(state):  # the model state as Flax's guide saves it: <step>/state
+            items["state"] = ocp.args.StandardSave(state)
         # force: the step checks of save() replace orbax's save-interval policy. With async
         # checkpointing this returns once the arrays are on the host.
         manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -592,7 +386,7 @@ class CheckpointWriter:
 
     def close(self) -> None:
         """Waits for the save in flight, writes what was appended to the run log since,
-        then releases the writer's threads."""
+        then releases the writer's threads and the directory's lock."""
         try:
             self.wait()
             log = self._take_log()
@@ -605,6 +399,8 @@ class CheckpointWriter:
             if self._thread is not None:
                 thread, self._thread = self._thread, None
                 thread.shutdown(wait=True)
+            lock, self._lock, self._locked = self._lock, None, False
+            _files.unlock(lock)
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -671,173 +467,58 @@ def _pick_step(path: pathlib.Path, step: int | None) -> int:
     return step
 
 
-def _read_manifest(raw: Any, where: pathlib.Path) -> list[_Leaf]:
-    if not isinstance(raw, dict) or raw.get("format") != _FORMAT:
-        raise ValueError(f"{where} was not written by nnxscan.adapters.checkpoint")
-    if raw.get("version", 0) > _VERSION:
-        raise ValueError(
-            f"{where} has checkpoint format version {raw['version']}, newer than this "
-            f"nnxscan reads ({_VERSION}): upgrade nnxscan"
-        )
-    return [_Leaf.from_json(record) for record in raw["leaves"]]
+def newest_good(
+    directory: str | os.PathLike[str],
+    read: Callable[[int], T],
+    *,
+    warn: Callable[[str], None] | None = None,
+) -> tuple[T, int, dict[int, CorruptCheckpointError]]:
+    """``read(step)`` of the newest checkpoint in ``directory`` that is not corrupt.
 
+    Calls ``read`` on the newest checkpoint and, while it raises
+    :class:`CorruptCheckpointError`, on the next older one, warning (``UserWarning``) for
+    each one skipped, naming it and why (through ``warn``, if given). Nothing is deleted.
+    Any other error is raised at once (a template that does not fit one checkpoint fits no
+    older one either).
 
-def _check_fits(saved: list[_Leaf], wanted: list[_Leaf], where: pathlib.Path) -> None:
-    """Raises ValueError naming the first leaf where the checkpoint and template differ.
+    Returns:
+      ``(result, step, skipped)``: ``read``'s result, the step it read, and the corrupt
+      newer checkpoints skipped (step -> error).
 
-    The model's leaves are named first: a model of other sizes changes its optimizer
-    state's shapes too, and the model is the cause. When only the optimizer state
-    (``['opt_state']``) differs, the message says the optimizer differs and how."""
-    by_path = {record.path: record for record in saved}
-    problems = []
-    for want in wanted:
-        have = by_path.get(want.path)
-        if have is None:
-            problems.append(
-                (want.path, f"missing in checkpoint ({_owner(want)} has {want.describe()})")
-            )
-        elif not have.fits(want):
-            problems.append(
-                (want.path, f"the checkpoint has {have.describe()}, {_owner(want)} has "
-                 f"{want.describe()}")
-            )  # fmt: skip
-    wanted_paths = {want.path for want in wanted}
-    problems += [
-        (have.path, f"not in {_owner(have)} (the checkpoint has {have.describe()})")
-        for have in saved
-        if have.path not in wanted_paths
-    ]
-    if not problems:
-        return
-    problems.sort(key=lambda problem: problem[0].startswith(_OPT_STATE))  # stable
-    first = f"{problems[0][0]}: {problems[0][1]}"
-    more = f" ({len(problems) - 1} more leaves differ)" if len(problems) > 1 else ""
-    if problems[0][0].startswith(_OPT_STATE):
-        raise ValueError(
-            f"checkpoint {where} was saved with another optimizer: its optimizer state holds "
-            f"{_optimizer_layout(saved, wanted, saved)}, the optimizer given here holds "
-            f"{_optimizer_layout(saved, wanted, wanted)} (the model's variables fit; first "
-            f"difference at {first}{more}). Resume with the optax transform the checkpoint "
-            f"was saved with (the same transforms, chained in the same order); to go on with "
-            f"another optimizer, restore with the saved one, then build the new one on the "
-            f"restored model."
-        )
-    raise ValueError(
-        f"checkpoint {where} does not fit the template at {first}{more}. Restore "
-        f"into a template built like the saved model (same layer sizes and variables), "
-        f"or pick another checkpoint with step=."
-    )
+    Raises:
+      FileNotFoundError: no checkpoint in ``directory``.
+      CorruptCheckpointError: every checkpoint is corrupt (the newest one's error, the
+        others' steps listed).
 
-
-_OPT_STATE = "['opt_state']"
-_STATE = "['state']"
-
-
-def _owner(leaf: _Leaf) -> str:
-    """Who holds a template leaf, in a message."""
-    return "this optimizer" if leaf.path.startswith(_OPT_STATE) else "the model"
-
-
-def _optimizer_layout(saved: list[_Leaf], wanted: list[_Leaf], side: list[_Leaf]) -> str:
-    """The optimizer state's leaves of one side, each parameter tree shortened to ``[...]``:
-    ``"[0].count, [0].mu[...], [0].nu[...]"`` for Adam, ``"no arrays"`` for plain SGD."""
-    params = {
-        leaf.path[len(_STATE) :] for leaf in (*saved, *wanted) if leaf.path.startswith(_STATE)
-    }
-    names: dict[str, None] = {}
-    for leaf in side:
-        if not leaf.path.startswith(_OPT_STATE):
+    Example:
+      >>> tree, step, skipped = newest_good(
+      ...     "runs/ckpt", lambda s: restore_checkpoint("runs/ckpt", like, step=s)[0])
+    """
+    path = _resolve(directory)
+    steps = _files.finished_steps(path)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {path}")
+    skipped: dict[int, CorruptCheckpointError] = {}
+    for step in reversed(steps):
+        try:
+            result = read(step)
+        except CorruptCheckpointError as error:
+            skipped[step] = error
             continue
-        name = leaf.path[len(_OPT_STATE) :]
-        # The longest tail that is a model variable's path: the per-parameter part.
-        tails = [tail for tail in params if tail and name.endswith(tail)]
-        if tails:
-            name = name[: -len(max(tails, key=len))] + "[...]"
-        names[name] = None
-    if not names:
-        return "no arrays"
-    listed = list(names)
-    shown = ", ".join(listed[:6]) + (f", ... ({len(listed)} in all)" if len(listed) > 6 else "")
-    return shown
-
-
-def _default_sharding() -> jax.sharding.Sharding:
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-
-def _restore_args(ocp: Any, saved: _Leaf, template: Any) -> Any:
-    if saved.kind == "key":
-        # Key bits go to the default device; the rebuilt key is then placed like the template.
-        return ocp.ArrayRestoreArgs(sharding=_default_sharding())
-    if isinstance(template, np.ndarray | np.generic):
-        return ocp.RestoreArgs(restore_type=np.ndarray)
-    return ocp.ArrayRestoreArgs(sharding=getattr(template, "sharding", None) or _default_sharding())
-
-
-def _unpack(saved: _Leaf, template: Any, arrays: dict[str, Any]) -> Any:
-    """A packed array's elements, reshaped and placed as the template's leaf (keys: their
-    raw data, placed; wrapped by the caller)."""
-    shape = saved.data_shape
-    size = int(np.prod(shape, dtype=np.int64))
-    value = np.asarray(arrays[saved.pack][saved.offset : saved.offset + size]).reshape(shape)
-    if saved.kind != "key" and isinstance(template, np.ndarray | np.generic):
-        return value
-    return jax.device_put(value, getattr(template, "sharding", None) or _default_sharding())
-
-
-def _rebuild_leaf(saved: _Leaf, template: Any, arrays: dict[str, Any]) -> Any:
-    if saved.kind in _PYTHON_KINDS:
-        return _PYTHON_KINDS[saved.kind](saved.value)
-    if saved.pack:
-        data = _unpack(saved, template, arrays)
-        if saved.kind == "key":
-            return jax.random.wrap_key_data(data, impl=saved.impl)
-        return data[()] if isinstance(template, np.generic) else data
-    data = arrays[saved.name]
-    if saved.kind == "key":
-        sharding = getattr(template, "sharding", None)
-        if sharding is not None:
-            # A typed key cannot be put on a mesh spanning processes; its raw data can.
-            data = jax.device_put(np.asarray(jax.device_get(data)), sharding)
-        return jax.random.wrap_key_data(data, impl=saved.impl)
-    if isinstance(template, np.generic):
-        return np.asarray(data)[()]
-    return data
-
-
-def _matched(
-    saved: list[_Leaf], pairs: list[tuple[str, Any]], wanted: list[_Leaf], where: pathlib.Path
-) -> list[tuple[_Leaf, Any]]:
-    """Each template leaf with the saved record of its path (after checking they fit)."""
-    _check_fits(saved, wanted, where)
-    by_path = {record.path: record for record in saved}
-    return [(by_path[path], leaf) for path, leaf in pairs]
-
-
-def _read_files(where: pathlib.Path, step: int, pairs: list, wanted: list) -> tuple:
-    manifest = _files.read_manifest(where)
-    matched = _matched(_read_manifest(manifest, where), pairs, wanted, where)
-    packs = {record.pack for record, _ in matched if record.pack}
-    return matched, _files.read_buffers(where, manifest, packs)
-
-
-def _read_orbax(where: pathlib.Path, step: int, pairs: list, wanted: list) -> tuple:
-    ocp = _orbax()
-    with _reader(ocp, where.parent) as manager:
-        raw = manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))
-        matched = _matched(_read_manifest(raw["manifest"], where), pairs, wanted, where)
-        restore_args = {
-            record.name: _restore_args(ocp, record, leaf)
-            for record, leaf in matched
-            if record.kind in _ARRAY_KINDS and not record.pack
-        }
-        for pack in {record.pack for record, _ in matched if record.pack}:
-            restore_args[pack] = ocp.RestoreArgs(restore_type=np.ndarray)
-        arrays = {}
-        if restore_args:
-            item = ocp.args.PyTreeRestore(restore_args=restore_args)
-            arrays = manager.restore(step, args=ocp.args.Composite(arrays=item))["arrays"]
-    return matched, arrays
+        for bad, error in skipped.items():
+            message = (
+                f"skipped checkpoint {bad} in {path} and restored {step}, the newest good "
+                f"one: {error}"
+            )
+            if warn is None:
+                warnings.warn(message, stacklevel=3)
+            else:
+                warn(message)
+        return result, step, skipped
+    newest = skipped[steps[-1]]
+    raise CorruptCheckpointError(
+        f"every checkpoint in {path} is damaged (steps {steps}); the newest: {newest}"
+    ) from newest
 
 
 def restore_checkpoint(
@@ -845,20 +526,29 @@ def restore_checkpoint(
     like: dict[str, Any],
     *,
     step: int | None = None,
+    fallback: bool = False,
 ) -> tuple[dict[str, Any], int]:
     """Restores the latest (or the given) checkpoint into the structure of ``like``.
 
     ``like`` is a template: the same pytree structure, shapes and dtypes as the saved tree
-    (e.g. a fresh model's state and opt_state). Its leaves may be arrays, typed PRNG keys,
-    ``jax.ShapeDtypeStruct`` (from ``nnx.eval_shape`` / ``jax.eval_shape``) or Python
-    bool/int/float/str. It is only read: the result is a new tree, and restored jax arrays
-    are placed with the template leaf's sharding (the default device for a template leaf
-    without one); numpy template leaves come back as numpy.
+    (e.g. a fresh model's state and opt_state), or some of its top-level entries (e.g.
+    ``{"state": abstract_state}`` restores the model state alone, the rest unread). Its
+    leaves may be arrays, typed PRNG keys, ``jax.ShapeDtypeStruct`` (from
+    ``nnx.eval_shape`` / ``jax.eval_shape``) or Python bool/int/float/str. It is only read:
+    the result is a new tree, and restored jax arrays are placed with the template leaf's
+    sharding (the default device for a template leaf without one); numpy template leaves
+    come back as numpy.
+
+    What is read is checked first: the manifest whole (paths, kinds, shapes, dtypes,
+    offsets and sizes inside their files, counters' types, the format version) before any
+    buffer is read, and each buffer against its crc32 as it is read.
 
     Args:
       directory: the checkpoint directory ``save_checkpoint`` wrote.
       like: the template.
       step: the checkpoint to restore; ``None`` picks the latest.
+      fallback: with ``step=None``, skip corrupt checkpoints (newest first, each with a
+        warning) and restore the newest good one (see :func:`newest_good`).
 
     Returns:
       ``(tree, step)``: the restored tree, in ``like``'s structure (Variables and optax
@@ -867,6 +557,10 @@ def restore_checkpoint(
     Raises:
       FileNotFoundError: ``directory`` does not exist, holds no checkpoint, or lacks ``step``
         (the message lists the steps it has).
+      CorruptCheckpointError: (a ValueError) the checkpoint is damaged or not what
+        nnxscan writes: a buffer whose crc32 does not match, a truncated or deleted file, a
+        manifest that is torn or says what nnxscan never writes; it names the checkpoint
+        directory, the step, the leaf or file, and what is wrong.
       ValueError: the checkpoint's leaves differ from ``like``'s (another shape or dtype, a
         variable missing on either side); the message names the first differing path and
         both shapes. Raised before any array is read.
@@ -879,18 +573,24 @@ def restore_checkpoint(
     """
     if not isinstance(like, dict):
         raise TypeError(f"like must be a dict of pytrees, got {type(like).__name__}")
-    pairs = _flatten(like)
-    treedef = _treedef(like, len(pairs))
-    wanted = [_describe_template(path, leaf) for path, leaf in pairs]
+    pairs = _layout.flatten(like)
+    treedef = _layout.treedef_of(like, len(pairs))
+    wanted = [_layout.describe_template(path, leaf) for path, leaf in pairs]
     path = _resolve(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+
+    template = _read.template_of(like, pairs, wanted)
+
+    def read(step: int) -> dict[str, Any]:
+        matched, arrays = _read.read(path / str(step), template)
+        return jax.tree.unflatten(treedef, _read.rebuild(matched, arrays))
+
+    if fallback and step is None:
+        tree, step, _ = newest_good(path, read)
+        return tree, step
     step = _pick_step(path, step)
-    where = path / str(step)
-    read = _read_files if _files.holds_files_checkpoint(where) else _read_orbax
-    matched, arrays = read(where, step, pairs, wanted)
-    leaves = [_rebuild_leaf(record, leaf, arrays) for record, leaf in matched]
-    return jax.tree.unflatten(treedef, leaves), step
+    return read(step), step
 
 
 def read_log(directory: str | os.PathLike[str], start: int, end: int) -> bytes:

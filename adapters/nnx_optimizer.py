@@ -38,7 +38,7 @@ def optax_state_from_optimizer(optimizer: nnx.Optimizer, params: nnx.State) -> A
       >>> opt_state = optax_state_from_optimizer(optimizer, nnx.state(model, nnx.Param))
     """
     expected, shapes = _expected_structure(optimizer, params)
-    leaves = jax.tree.leaves(optimizer.opt_state)
+    leaves = _optax_leaves(optimizer.opt_state)
     if len(leaves) != expected.num_leaves:
         raise ValueError(
             f"the nnx.Optimizer's state has {len(leaves)} leaves but its transform "
@@ -52,6 +52,16 @@ def optax_state_from_optimizer(optimizer: nnx.Optimizer, params: nnx.State) -> A
                 f"but this model needs {want}. Was the optimizer built for another model?"
             )
     return jax.tree.unflatten(expected, leaves)
+
+
+def _optax_leaves(opt_state: Any) -> list:
+    """The arrays of an ``nnx.Optimizer``'s state, hijax Variables
+    (``nnx.var_defaults(hijax=True)``) read as plain ones: a hijax Variable is itself a
+    leaf, not a pytree around its array."""
+    variables = jax.tree.leaves(opt_state, is_leaf=_is_variable)
+    if any(getattr(v, "hijax", False) for v in variables):
+        opt_state = nnx.with_vars(opt_state, hijax=False)
+    return jax.tree.leaves(opt_state)
 
 
 # Per optimizer: the structure tx.init gives for a params structure. Tracing tx.init costs
@@ -87,12 +97,16 @@ def optimizer_state_writer(optimizer: nnx.Optimizer) -> Callable[[Any, Any], nnx
       >>> build = optimizer_state_writer(optimizer)
       >>> nnx.update(optimizer, build(opt_state, jnp.uint32(10)))
     """
-    flat, treedef = jax.tree.flatten(nnx.state(optimizer), is_leaf=_is_variable)
     position = {
         id(var): i
         for i, var in enumerate(jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable))
     }
     step_id = id(optimizer.step)
+    # Only the optimizer's own Variables: an nnx.ModelAndOptimizer (or any subclass that
+    # keeps the model, or more) holds the model's Variables too, which the shell writes
+    # through the model, and which an update built from the optax state must not touch.
+    own = nnx.state(optimizer, lambda _, var: id(var) == step_id or id(var) in position)
+    flat, treedef = jax.tree.flatten(own, is_leaf=_is_variable)
     # For each Variable of the optimizer's state: the index of its new optax leaf, or -1
     # for the step counter.
     sources = [-1 if id(var) == step_id else position[id(var)] for var in flat]

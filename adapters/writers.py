@@ -134,6 +134,21 @@ def _json_value(value: Any) -> Any:
     return value
 
 
+def _unwritable(values: dict, logs: dict, epoch: int, path: pathlib.Path) -> str:
+    """Names the first log JSON cannot hold, its type, and what to log instead."""
+    for key, value in values.items():
+        try:
+            json.dumps({key: value}, allow_nan=False)
+        except (TypeError, ValueError):
+            return (
+                f"JSONLinesWriter({path}): log {key!r} of epoch {epoch} is a "
+                f"{type(logs[key]).__name__}, which JSON cannot hold: log numbers, strings "
+                f"or arrays of numbers (e.g. str(value) or list(value)), or keep it out of "
+                f"the logs."
+            )
+    return f"JSONLinesWriter({path}): epoch {epoch}'s logs are not JSON"  # pragma: no cover
+
+
 class JSONLinesWriter:
     """Writes one JSON object per epoch, one per line, holding exactly that epoch's log keys.
 
@@ -164,7 +179,11 @@ class JSONLinesWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not self.append:
                 self.path.write_text("")
-        line = json.dumps({key: _json_value(v) for key, v in logs.items()}, allow_nan=False)
+        values = {key: _json_value(v) for key, v in logs.items()}
+        try:
+            line = json.dumps(values, allow_nan=False)
+        except (TypeError, ValueError):
+            raise TypeError(_unwritable(values, logs, epoch, self.path)) from None
         # Opened per epoch so the line is on disk when the epoch ends and no handle leaks
         # when fit raises before on_train_end.
         with self.path.open("a") as f:

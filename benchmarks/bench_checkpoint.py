@@ -32,7 +32,8 @@ import jax
 from _workloads import WORKLOADS
 
 from nnxscan.adapters.checkpoint import CheckpointWriter, all_steps
-from nnxscan.shell import LambdaCallback, Trainer, _checkpointing
+from nnxscan.shell import LambdaCallback, Trainer
+from nnxscan.shell._edges import checkpointing as _checkpointing
 
 
 def timed_fit(workload, every: int, **fit) -> tuple[float, Trainer]:

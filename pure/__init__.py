@@ -8,20 +8,20 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
 - :func:`make_train_step`, :func:`init_opt_state`, :func:`split_wrt`: the step of a loss.
 - :func:`scan_steps`: many steps over a stack of batches, in one ``lax.scan``;
   :func:`scan_indexed_steps`: over batches taken from a data set by index (the scan under
-  ``make_epoch`` and ``Trainer.fit``); :func:`scan_member_steps`: the same, vmapped over
-  a population's members.
+  ``make_epoch``, ``Trainer.fit`` and ``Population.fit``).
 - :func:`make_epoch`, :func:`epoch_order`: an epoch over a data set, ordered as
   ``Trainer.fit`` orders it.
 - :func:`make_eval_step`, :func:`make_evaluate`: metric functions averaged over every
   example; :func:`make_evaluate_metrics`: NNX metrics (``nnx.MultiMetric``) over every
   example.
-- :func:`all_finite`, :func:`tree_select`, :func:`halt_after_nonfinite`,
-  :func:`skip_nonfinite`: non-finite guards
-  that stay inside the compiled loop.
+- :func:`all_finite`, :func:`tree_select`, :func:`halt_after_nonfinite`
+  (:class:`HaltState`), :func:`skip_nonfinite`: non-finite guards that stay inside the
+  compiled loop; each wraps a ``Step`` and returns one.
 - :func:`canonical_conv_layout`: a step's convolutions in the layout XLA:CPU's fast kernels
   take, also inside a ``lax.scan`` (where XLA leaves them slow, jax#12868).
-- :func:`stack_states`, :func:`unstack_states`, :func:`with_hyperparams`,
-  :func:`make_population_epoch`: many models trained side by side (a population);
+- :func:`vmap_members` (:class:`MembersState`): the step of N members trained side by
+  side (a population), from the step of one; :func:`stack_states`,
+  :func:`unstack_states`, :func:`with_hyperparams`: their stacked states;
   :func:`member_state`, :func:`select_members`: one member, or members chosen by a mask;
   :func:`hyperparam_names`, :func:`hyperparam_value`: the hyperparameters
   ``optax.inject_hyperparams`` keeps in an optax state.
@@ -42,23 +42,31 @@ Example:
 from nnxscan.pure.conv_layout import canonical_conv_layout
 from nnxscan.pure.epoch import epoch_order, make_epoch
 from nnxscan.pure.evaluation import make_eval_step, make_evaluate, make_evaluate_metrics
+from nnxscan.pure.members import MembersState, vmap_members
 from nnxscan.pure.nnx_step import nnx_train_step, step_outputs
-from nnxscan.pure.nonfinite import all_finite, halt_after_nonfinite, skip_nonfinite, tree_select
+from nnxscan.pure.nonfinite import (
+    HaltState,
+    all_finite,
+    halt_after_nonfinite,
+    skip_nonfinite,
+    tree_select,
+)
 from nnxscan.pure.population import (
     hyperparam_names,
     hyperparam_value,
-    make_population_epoch,
     member_state,
     select_members,
     stack_states,
     unstack_states,
     with_hyperparams,
 )
-from nnxscan.pure.scan import scan_indexed_steps, scan_member_steps, scan_steps
+from nnxscan.pure.scan import scan_indexed_steps, scan_steps
 from nnxscan.pure.step import Step
 from nnxscan.pure.train_step import init_opt_state, make_train_step, split_wrt
 
 __all__ = [
+    "HaltState",
+    "MembersState",
     "Step",
     "all_finite",
     "canonical_conv_layout",
@@ -71,12 +79,10 @@ __all__ = [
     "make_eval_step",
     "make_evaluate",
     "make_evaluate_metrics",
-    "make_population_epoch",
     "make_train_step",
     "member_state",
     "nnx_train_step",
     "scan_indexed_steps",
-    "scan_member_steps",
     "scan_steps",
     "select_members",
     "skip_nonfinite",
@@ -85,5 +91,6 @@ __all__ = [
     "step_outputs",
     "tree_select",
     "unstack_states",
+    "vmap_members",
     "with_hyperparams",
 ]

@@ -1,7 +1,7 @@
 """The one training loop body, and how a call gathered in chunks cuts its steps.
 
-Every compiled training call of nnxscan (``scan_steps``, ``scan_indexed_steps``,
-``scan_member_steps``, so ``make_epoch``, ``make_population_epoch`` and the shell's calls)
+Every compiled training call of nnxscan (``scan_steps``, ``scan_indexed_steps``, so
+``make_epoch`` and the shell's calls, a population's included)
 runs :func:`scan_batches`' body, so a step trained from a stack of batches and the same step
 trained on rows gathered by index compute the same thing.
 """

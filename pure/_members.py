@@ -73,3 +73,52 @@ def check_orders(orders: Any, members: int, n: int) -> None:
             f"orders has shape {tuple(np.shape(orders))}, but there are {members} members "
             f"and {n} examples: pass one order per member, shape ({members}, {n})."
         )
+
+
+def hyperparam_names(opt_state: Any) -> tuple[set[str], set[str]]:
+    """``(settable, scheduled)`` injected hyperparameter names (see population.py)."""
+    settable: set[str] = set()
+    scheduled: set[str] = set()
+    for node in injected_states(opt_state):
+        names = set(node.hyperparams)
+        schedules = set(getattr(node, "hyperparams_states", None) or {})
+        settable |= names - schedules
+        scheduled |= schedules
+    return settable, scheduled
+
+
+def replace_hyperparams(opt_state: Any, values: dict[str, Any]) -> Any:
+    """A copy of ``opt_state`` with the injected hyperparameters ``values`` written in,
+    each in the dtype and shape of the value it replaces (a scalar in one member's state,
+    ``(N,)`` in a stacked one); raises ValueError for a name that cannot be set."""
+    settable, scheduled = hyperparam_names(opt_state)
+    if not settable and not scheduled:
+        raise ValueError(
+            "this optax state holds no injected hyperparameters: build the transform with "
+            "optax.inject_hyperparams, e.g. optax.inject_hyperparams(optax.adam)"
+            "(learning_rate=1e-3)."
+        )
+    for name in values:
+        if name in scheduled:
+            raise ValueError(
+                f"hyperparameter {name!r} is a schedule, recomputed every step: a value set "
+                f"in the state has no effect. Pass a number for it to inject_hyperparams."
+            )
+        if name not in settable:
+            raise ValueError(
+                f"{name!r} is not a hyperparameter of this transform; its injected "
+                f"hyperparameters are {sorted(settable)}."
+            )
+
+    def replace(node: Any) -> Any:
+        if not is_injected(node):
+            return node
+        new = {
+            k: jnp.asarray(values[k], jnp.result_type(v)).reshape(jnp.shape(v))
+            if k in values
+            else v
+            for k, v in node.hyperparams.items()
+        }
+        return node._replace(hyperparams=new)
+
+    return jax.tree.map(replace, opt_state, is_leaf=is_injected)

@@ -207,17 +207,24 @@ def shard_batch(batch: Any, sharding: jax.sharding.Sharding | None) -> Any:
 
 
 def _divides(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
-    """Whether the leading dimension splits evenly over the sharding's first entry (a
-    short final batch that does not stays as it is)."""
+    """Whether every sharded leading dimension splits evenly over its mesh axes (a short
+    final batch that does not stays as it is)."""
     spec = getattr(sharding, "spec", None)
     mesh = getattr(sharding, "mesh", None)
-    if not spec or spec[0] is None or mesh is None or not jnp.ndim(x):
+    if not spec or mesh is None:
         return True
-    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-    size = 1
-    for axis in axes:
-        size *= mesh.shape[axis]
-    return jnp.shape(x)[0] % size == 0
+    shape = jnp.shape(x)
+    for dim, entry in enumerate(spec):
+        if entry is None:
+            continue
+        if dim >= len(shape):
+            return False
+        size = 1
+        for axis in entry if isinstance(entry, tuple) else (entry,):
+            size *= mesh.shape[axis]
+        if shape[dim] % size:
+            return False
+    return True
 
 
 def full_then_tail(
@@ -227,23 +234,21 @@ def full_then_tail(
     tail: Any | None,
     *,
     unroll: int | bool = 1,
-    steps_axis: int = 0,
 ) -> tuple[Any, Any]:
     """Runs ``scan(carry, indices, unroll) -> (carry, outs)`` over the full batches, then
     over the tail once, fully unrolled (a step of its own shape, no loop: on the CPU a loop
     body runs convolution gradients far slower).
 
-    ``full``'s steps run along ``steps_axis`` (1 for a population's ``(N, steps, batch)``);
-    ``outs`` always have a leading steps axis and are joined along it. An epoch with no
-    full batch runs the tail alone; ``outs`` is ``None`` when nothing ran.
+    ``full``'s and ``tail``'s leading axis counts steps; ``outs`` have a leading steps axis
+    and are joined along it. An epoch with no full batch runs the tail alone; ``outs`` is
+    ``None`` when nothing ran.
 
     Args:
       scan: ``scan(carry, indices, unroll) -> (carry, outs)``, e.g. a call of
-        ``scan_indexed_steps`` (``scan_member_steps`` for members).
+        ``scan_indexed_steps``.
       carry: what the scans carry, e.g. ``(state, opt_state)``.
       full, tail: from :func:`cut_batches`.
       unroll: the full batches' ``unroll``.
-      steps_axis: the axis of ``full`` and ``tail`` that counts steps.
 
     Returns:
       ``(carry, outs)`` after every batch.
@@ -257,7 +262,7 @@ def full_then_tail(
       >>> (state, opt_state), losses = full_then_tail(scan, (state, opt_state), full, tail)
     """
     outs = None
-    if full.shape[steps_axis]:
+    if full.shape[0]:
         carry, outs = scan(carry, full, unroll)
     if tail is not None:
         carry, tail_outs = scan(carry, tail, True)

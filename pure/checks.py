@@ -29,6 +29,7 @@ from __future__ import annotations
 import dis
 import functools
 import types
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -249,6 +250,16 @@ def _wrapped(value: Any) -> Any:
     return inner if callable(inner) else None
 
 
+def _globals_loaded(code: types.CodeType) -> set[str]:
+    """The global names ``code`` loads, with those of the functions and lambdas defined
+    inside it (they read the same globals)."""
+    loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            loaded |= _globals_loaded(const)
+    return loaded
+
+
 def _captured(fn: Any, depth: int = 2, seen: set[int] | None = None) -> list[tuple[str, Any]]:
     """(description, value) of what ``fn`` captures: closure cells, referenced globals,
     defaults and ``functools.partial`` arguments, following plain functions it refers to
@@ -275,7 +286,7 @@ def _captured(fn: Any, depth: int = 2, seen: set[int] | None = None) -> list[tup
             continue
     # Only the globals the code loads: co_names also holds attribute names (model.rngs),
     # which may coincide with an unrelated global.
-    loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
+    loaded = _globals_loaded(code)
     for name in sorted(loaded):
         if name in fn.__globals__:
             found.append((f"the global {name!r}", fn.__globals__[name]))
@@ -295,7 +306,9 @@ def _captured(fn: Any, depth: int = 2, seen: set[int] | None = None) -> list[tup
     return found
 
 
-def check_no_captured_nnx(fn: Any, what: str = "loss_fn") -> None:
+def check_no_captured_nnx(
+    fn: Any, what: str = "loss_fn", *, arguments: Mapping[str, Any] | None = None
+) -> None:
     """Raises TypeError when ``fn`` captures an NNX object (Rngs, metric, module, Variable).
 
     Inside a compiled step an object captured from outside is a trace-time constant: a
@@ -305,9 +318,15 @@ def check_no_captured_nnx(fn: Any, what: str = "loss_fn") -> None:
     reads, default arguments and ``functools.partial`` arguments are looked at, following
     the plain functions ``fn`` refers to two levels down.
 
+    A captured object that IS one of the objects ``fn`` is called with (or a part of one,
+    such as a submodule of the model) gets its own message: ``fn`` reads a global
+    ``policy`` where it meant its ``model`` argument, and the fix is to use the argument.
+
     Args:
       fn: the function to check (a loss, a metric function, a step).
       what: its name, for the message.
+      arguments: the NNX objects ``fn`` is called with, by the name of the parameter
+        that receives each (``{"model": model, "optimizer": optimizer}``).
 
     Returns:
       None; raises when ``fn`` captures an NNX object.
@@ -317,16 +336,39 @@ def check_no_captured_nnx(fn: Any, what: str = "loss_fn") -> None:
       >>> check_no_captured_nnx(lambda m, b: loss_fn(m, b, rngs))
       Traceback (most recent call last):
       TypeError: loss_fn captures an nnx.Rngs (the closure variable 'rngs') ...
+      >>> def step(model, optimizer, batch):  # reads the global `policy`, not `model`
+      ...     return policy(batch)
+      >>> check_no_captured_nnx(step, "train_step", arguments={"model": policy})
+      Traceback (most recent call last):
+      TypeError: train_step captures an NNX object (MLP) (the global 'policy'), which is
+      the object it receives as its argument 'model' ...
     """
     for where, value in _captured(fn):
-        if what == "train_step" and isinstance(value, nnx.Pytree | nnx.Variable):
+        if not isinstance(value, nnx.Pytree | nnx.Variable):
+            continue
+        received = _as_argument(value, arguments or {})
+        if received is not None:
+            kind = f"an NNX object ({type(value).__name__})"
+            name, path = received
+            use = f"{name}.{path}" if path else name
+            which = (
+                f"{use}, a part of the object it receives as its argument {name!r}"
+                if path
+                else f"the very object it receives as its argument {name!r}"
+            )
+            raise TypeError(
+                f"{what} captures {kind} ({where}), which is {which}. Use the argument "
+                f"({use}) where {what} reads the captured object: inside the compiled step "
+                f"the captured object is a constant, its weights baked in and never "
+                f"updated, while the argument carries the state that trains."
+            )
+        if what == "train_step":
             # A stateful NNX step: its objects come in as arguments, after the optimizer.
             kind = f"an NNX object ({type(value).__name__})"
             fix = (
                 "Inside the compiled step it would be a constant, never updated. Pass it in "
-                "extras: Trainer(model, optimizer, train_step=fn, extras=(..., it)) calls "
-                "fn(model, optimizer, *extras, batch) and carries its state through every "
-                "call."
+                "extras=(..., it): the step is then called as fn(model, optimizer, *extras, "
+                "batch) and its state carried through every call."
             )
         elif isinstance(value, nnx.Rngs):
             kind = "an nnx.Rngs"
@@ -343,13 +385,26 @@ def check_no_captured_nnx(fn: Any, what: str = "loss_fn") -> None:
                 "fn(metrics, loss, aux, batch) updates it; with the pure core, "
                 "make_train_step(..., update_metrics=fn) and split (model, metrics)."
             )
-        elif isinstance(value, nnx.Pytree | nnx.Variable):
+        else:
             kind = f"an NNX object ({type(value).__name__})"
             fix = (
                 "Inside the compiled step it would be a constant: its weights baked in, its "
                 "state never updated. Make it part of the model (an attribute of the module "
                 "you train; keep it frozen with wrt=...), or use the model argument."
             )
-        else:
-            continue
         raise TypeError(f"{what} captures {kind} ({where}). {fix}")
+
+
+def _as_argument(value: Any, arguments: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(argument name, path inside it)`` when ``value`` is one of ``arguments`` (path
+    ``""``) or a node of one's graph (a submodule, a Variable), else None."""
+    for name, argument in arguments.items():
+        if value is argument:
+            return name, ""
+    for name, argument in arguments.items():
+        if not isinstance(argument, nnx.Pytree):
+            continue
+        for path, node in nnx.iter_graph(argument):
+            if node is value:
+                return name, ".".join(map(str, path))
+    return None

@@ -52,13 +52,19 @@ def canonical_conv_layout(fn: F) -> F:
     convolution with ``batch_group_count`` > 1 (the weight gradient of a grouped one) is
     first rewritten as XLA:CPU rewrites it, with the groups as one more spatial dimension.
 
-    This is what XLA:CPU's own passes do to a program's entry computation, so a jitted step
-    gives bitwise the same results with or without the wrapper. Those passes skip while-loop
-    bodies: inside ``lax.scan`` the weight- and input-gradient convolutions of a training step
-    otherwise take XLA's generic code, ~30x slower (jax#12868); wrapped, they run the fast
-    kernels of the per-step program. (The rest of a loop body is still XLA's to fuse; it
-    rounds like the per-step program in the cases tested, but a different fusion of the
-    surrounding element-wise code can change the last bit.)
+    This is what XLA:CPU's own passes do to a program's entry computation. Those passes
+    skip while-loop bodies: inside ``lax.scan`` the weight- and input-gradient convolutions
+    of a training step otherwise take XLA's generic code, ~30x slower (jax#12868); wrapped,
+    they run the fast kernels of the per-step program.
+
+    What it promises, on every CPU: the wrapped step computes the step's values to float
+    rounding (a scan of it gives the per-step loop's results to rounding), and a program
+    built from the wrapped step is one program like any other, so running it again -- or
+    ``Trainer.fit``, which wraps its compiled calls the same way -- gives the same bits as a
+    ``lax.scan`` of the wrapped step. Not bitwise equality with the unwrapped or per-step
+    program: those are other programs, XLA:CPU picks its convolution kernels per CPU model
+    (on CI's CPU the two agree bit for bit; on an AMD EPYC the nested convolutions'
+    gradients differ by up to 1e-7), and it fuses the rest of a loop body on its own terms.
 
     What it rewrites: every convolution in ``fn``'s trace -- the forward ones and those of
     any ``jax.grad`` taken INSIDE ``fn`` (a step of :func:`make_train_step`), 1-D, 2-D and

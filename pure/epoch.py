@@ -66,6 +66,8 @@ def _is_key(x: Any) -> bool:
 
 
 def _epoch_order(key_or_order: Any, n: int, shuffle: bool) -> jax.Array:
+    """The epoch's order, ``(n,)``; or ``(N, n)``, one per member, from ``N`` keys or an
+    ``(N, n)`` order array."""
     if key_or_order is None:
         if shuffle:
             raise ValueError(
@@ -74,8 +76,13 @@ def _epoch_order(key_or_order: Any, n: int, shuffle: bool) -> jax.Array:
             )
         return jnp.arange(n, dtype=jnp.int32)
     if _is_key(key_or_order):
+        members = _key_members(key_or_order)
         if not shuffle:
-            return jnp.arange(n, dtype=jnp.int32)
+            order = jnp.arange(n, dtype=jnp.int32)
+            return order if members is None else jnp.broadcast_to(order, (members, n))
+        if members is not None:
+            permute = jax.vmap(lambda key: jax.random.permutation(key, n))
+            return permute(key_or_order).astype(jnp.int32)
         return jax.random.permutation(key_or_order, n).astype(jnp.int32)
     dtype = getattr(key_or_order, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.signedinteger):
@@ -84,12 +91,27 @@ def _epoch_order(key_or_order: Any, n: int, shuffle: bool) -> jax.Array:
             f"integer order array such as epoch_order(seed, epoch, n), got "
             f"{type(key_or_order).__name__} with dtype {dtype}."
         )
-    if tuple(np.shape(key_or_order)) != (n,):
+    shape = tuple(np.shape(key_or_order))
+    if shape[-1:] != (n,) or len(shape) > 2:
         raise ValueError(
-            f"the epoch's order has shape {tuple(np.shape(key_or_order))}, but the data has "
-            f"{n} examples: pass an order of shape ({n},), e.g. epoch_order(seed, epoch, {n})."
+            f"the epoch's order has shape {shape}, but the data has {n} examples: pass an "
+            f"order of shape ({n},), e.g. epoch_order(seed, epoch, {n}), or one per member, "
+            f"shape (members, {n})."
         )
     return jnp.asarray(key_or_order, jnp.int32)
+
+
+def _key_members(key: Any) -> int | None:
+    """The number of members a key array holds keys for (None: one key)."""
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    ndim = np.ndim(key) if typed else np.ndim(key) - 1  # a raw key has a trailing data axis
+    if ndim == 0:
+        return None
+    if ndim == 1:
+        return int(np.shape(key)[0])
+    raise ValueError(
+        f"the epoch's keys have shape {np.shape(key)}: pass one key, or one per member."
+    )
 
 
 def make_epoch(
@@ -112,6 +134,11 @@ def make_epoch(
       ``Trainer(model, tx, loss_fn).fit(data, epochs=..., batch_size=..., seed=seed)``
       trains under the ``"scan"`` plan (same ``wrt``, same ``tx``);
     - ``None`` with ``shuffle=False``: the examples in their stored order.
+
+    A population's step (:func:`~nnxscan.pure.vmap_members`) takes one order per member:
+    an ``(N, num_examples)`` order array (``np.stack([epoch_order(s, e, n) for s in
+    seeds])``, what ``Population.fit`` trains), or ``N`` keys (``jax.random.split(key,
+    N)``); each step's batch then has a leading members axis.
 
     With ``shuffle=False`` a key is ignored, and with no order given each step slices its
     batch from the stored rows: nothing is gathered. With ``drop_remainder=False`` a final short
@@ -136,7 +163,10 @@ def make_epoch(
         checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
         order = _epoch_order(key_or_order, n, shuffle)
         full, tail = batching.cut_batches(order, batch_size, drop_remainder=drop_remainder)
-        if not shuffle and (key_or_order is None or _is_key(key_or_order)):
+        if order.ndim == 2:  # one order per member: (N, steps, batch) -> (steps, N, batch)
+            full = jnp.swapaxes(full, 0, 1)
+            tail = None if tail is None else jnp.swapaxes(tail, 0, 1)
+        elif not shuffle and (key_or_order is None or _is_key(key_or_order)):
             # The stored order: each step slices its batch (batch numbers, no gather).
             full = jnp.arange(full.shape[0], dtype=jnp.int32)
 

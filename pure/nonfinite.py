@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ from flax import nnx
 
 from nnxscan.pure.step import Step
 
-__all__ = ["all_finite", "halt_after_nonfinite", "skip_nonfinite", "tree_select"]
+__all__ = ["HaltState", "all_finite", "halt_after_nonfinite", "skip_nonfinite", "tree_select"]
 
 
 def all_finite(*trees: Any) -> jax.Array:
@@ -47,35 +47,84 @@ def _fresh_nodes(*trees: Any) -> tuple:
     return tuple(jax.tree.map(lambda x: x, tree) for tree in trees)
 
 
-def halt_after_nonfinite(step: Any, *, has_aux: bool = False) -> Any:
+class HaltState(NamedTuple):
+    """The state of :func:`halt_after_nonfinite`'s step: the inner step's state, and
+    whether a non-finite loss halted training (a scalar bool; per member under
+    :func:`~nnxscan.pure.vmap_members`).
+
+    Example:
+      >>> carry = HaltState(opt_state, jnp.bool_(False))  # around a state you hold
+      >>> state, carry, losses = scan_steps(halting, graphdef, state, carry, batches)
+      >>> opt_state, stopped = carry.inner, bool(carry.halted)
+    """
+
+    inner: Any
+    halted: jax.Array
+
+
+def _update_of(step: Any) -> Any:
+    return step.update if isinstance(step, Step) else step
+
+
+def _init_of(step: Any, guard: str) -> Any:
+    if isinstance(step, Step):
+        return step.init
+
+    def init(graphdef: nnx.GraphDef, state: nnx.State) -> Any:
+        raise TypeError(
+            f"{guard} wrapped a plain step function, which has no init: wrap a "
+            f"nnxscan.pure.Step (make_train_step returns one), or build the state yourself."
+        )
+
+    return init
+
+
+def halt_after_nonfinite(step: Any, *, has_aux: bool | None = None) -> Step:
     """Wraps a step so that from its first non-finite loss on, nothing changes any more.
 
-    The wrapped step carries ``(opt_state, halted)`` in place of ``opt_state``; once a step's
-    loss is not finite, it and every later step leave state and optax state as they were
-    and report a NaN loss. Scanning it over a chunk and starting with ``halted=False``
-    stops training exactly before the offending step, with no host sync.
+    The wrapped step's state is a :class:`HaltState` ``(inner, halted)``: once a step's loss
+    is not finite (any element of it: every member's, for a population's step), it and every
+    later step leave the model state and the inner state as they were and report a NaN loss.
+    Scanning it over a chunk stops training exactly before the offending step, with no host
+    sync; ``halted`` says whether it did. ``vmap_members(halt_after_nonfinite(step))``
+    halts each member at its own first non-finite loss.
+
+    Args:
+      step: the step to guard (a :class:`~nnxscan.pure.Step`, or a step function).
+      has_aux: whether it reports ``(loss, aux)``; by default ``step.has_aux``.
+
+    Returns:
+      A ``Step``: ``init`` wraps the inner ``init`` (``halted=False``); for a step function,
+      build the state as ``HaltState(opt_state, jnp.bool_(False))``.
 
     Example:
       >>> halting = halt_after_nonfinite(step)
-      >>> state, (opt_state, halted), losses = scan_steps(
-      ...     halting, graphdef, state, (opt_state, jnp.bool_(False)), batches)
+      >>> state, halt, losses = scan_steps(
+      ...     halting, graphdef, state, HaltState(opt_state, jnp.bool_(False)), batches)
+      >>> bool(halt.halted), halt.inner  # whether it stopped, the inner optax state
     """
+    if has_aux is None:
+        has_aux = bool(getattr(step, "has_aux", False))
+    update, init = _update_of(step), _init_of(step, "halt_after_nonfinite")
 
-    def halting(graphdef: nnx.GraphDef, state: nnx.State, carry: Any, batch: Any):
-        opt_state, halted = carry
-        new_state, new_opt_state, out = step(graphdef, *_fresh_nodes(state, opt_state), batch)
+    def halting_init(graphdef: nnx.GraphDef, state: nnx.State) -> HaltState:
+        return HaltState(init(graphdef, state), jnp.bool_(False))
+
+    def halting(graphdef: nnx.GraphDef, state: nnx.State, opt_state: HaltState, batch: Any):
+        inner = opt_state.inner
+        new_state, new_inner, out = update(graphdef, *_fresh_nodes(state, inner), batch)
         loss = out[0] if has_aux else out
-        stop = halted | ~jnp.isfinite(loss)
+        stop = opt_state.halted | ~all_finite(loss)
         state = tree_select(stop, state, new_state)
-        opt_state = tree_select(stop, opt_state, new_opt_state)
+        inner = tree_select(stop, inner, new_inner)
         loss = jnp.where(stop, jnp.nan, loss)
         out = (loss, out[1]) if has_aux else loss
-        return state, (opt_state, stop), out
+        return state, HaltState(inner, stop), out
 
-    return halting
+    return Step(halting_init, halting, has_aux)
 
 
-def skip_nonfinite(step: Any, *, has_aux: bool | None = None) -> Any:
+def skip_nonfinite(step: Any, *, has_aux: bool | None = None) -> Step:
     """Wraps any step so that a step whose loss or new state is not finite changes nothing.
 
     The guard for a step you wrote (a :class:`~nnxscan.pure.Step`, or any
@@ -84,7 +133,9 @@ def skip_nonfinite(step: Any, *, has_aux: bool | None = None) -> Any:
     finite the step keeps the old ``state`` and ``opt_state`` and reports a NaN loss (a
     ``jnp.where`` select, no host sync). The gradient is not seen here, only what it made:
     :func:`~nnxscan.pure.make_train_step`'s own ``skip_nonfinite=True`` judges the gradient
-    itself and still advances RNG counts.
+    itself and still advances RNG counts. Around a population's step
+    (:func:`~nnxscan.pure.vmap_members`) it skips every member's step when any member's is
+    not finite; inside it (``vmap_members(skip_nonfinite(step))``), each member's alone.
 
     Args:
       step: the step to guard.
@@ -92,7 +143,7 @@ def skip_nonfinite(step: Any, *, has_aux: bool | None = None) -> Any:
         a plain function).
 
     Returns:
-      A step of the same kind (a ``Step`` for a ``Step``, with the same ``init``).
+      A ``Step`` with the inner step's ``init`` and state.
 
     Example:
       >>> guarded = skip_nonfinite(my_step)
@@ -100,17 +151,15 @@ def skip_nonfinite(step: Any, *, has_aux: bool | None = None) -> Any:
     """
     if has_aux is None:
         has_aux = bool(getattr(step, "has_aux", False))
-    update = step.update if isinstance(step, Step) else step
+    update = _update_of(step)
 
     def skipping(graphdef: nnx.GraphDef, state: nnx.State, opt_state: Any, batch: Any):
         new_state, new_opt_state, out = update(graphdef, *_fresh_nodes(state, opt_state), batch)
         loss = out[0] if has_aux else out
-        ok = jnp.isfinite(loss) & all_finite(new_state, new_opt_state)
+        ok = all_finite(loss, new_state, new_opt_state)
         state = tree_select(ok, new_state, state)
         opt_state = tree_select(ok, new_opt_state, opt_state)
         loss = jnp.where(ok, loss, jnp.nan)
         return state, opt_state, ((loss, out[1]) if has_aux else loss)
 
-    if isinstance(step, Step):
-        return Step(step.init, skipping, has_aux)
-    return skipping
+    return Step(_init_of(step, "skip_nonfinite"), skipping, has_aux)

@@ -1,31 +1,29 @@
 """Populations: many models of one architecture, trained side by side in one traced function.
 
 A population is N members that share a ``graphdef``: their states are stacked along a new
-leading members axis (:func:`stack_states`), and the ONE pure step of
-:func:`~nnxscan.pure.make_train_step` is ``jax.vmap``-ed over that axis. Each member keeps
-its own parameters, batch statistics, RNG state and optax state, and shuffles the shared
-data by its own order. Per-member hyperparameters ride in the optax state of a transform
-made with ``optax.inject_hyperparams`` (:func:`with_hyperparams`), so they are data, not
-code: one compiled program trains every learning rate of a sweep.
+leading members axis (:func:`stack_states`), and the ONE pure step of one model is
+``jax.vmap``-ed over that axis by :func:`~nnxscan.pure.vmap_members`. Each member keeps its
+own parameters, batch statistics, RNG state and optax state, and shuffles the shared data
+by its own order. Per-member hyperparameters ride in the optax state of a transform made
+with ``optax.inject_hyperparams`` (:func:`with_hyperparams`, or ``vmap_members(...,
+hyperparams=)``), so they are data, not code: one compiled program trains every learning
+rate of a sweep. This module holds the helpers over stacked pytrees.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnxscan.pure import _members, batching, checks
-from nnxscan.pure.scan import scan_member_steps
-from nnxscan.pure.train_step import StepFn
+from nnxscan.pure import _members
 
 __all__ = [
     "hyperparam_names",
     "hyperparam_value",
-    "make_population_epoch",
     "member_state",
     "select_members",
     "stack_states",
@@ -159,40 +157,12 @@ def with_hyperparams(opt_state: Any, **values: Any) -> Any:
       >>> float(opt_state.hyperparams["learning_rate"])
       0.0003
     """
-    settable, scheduled = hyperparam_names(opt_state)
-    if not settable and not scheduled:
-        raise ValueError(
-            "this optax state holds no injected hyperparameters: build the transform with "
-            "optax.inject_hyperparams, e.g. optax.inject_hyperparams(optax.adam)"
-            "(learning_rate=1e-3)."
-        )
     for name, value in values.items():
-        if name in scheduled:
-            raise ValueError(
-                f"hyperparameter {name!r} is a schedule, recomputed every step: a value set "
-                f"in the state has no effect. Pass a number for it to inject_hyperparams."
-            )
-        if name not in settable:
-            raise ValueError(
-                f"{name!r} is not a hyperparameter of this transform; its injected "
-                f"hyperparameters are {sorted(settable)}."
-            )
         if np.ndim(value) != 0:
             raise ValueError(
                 f"hyperparameter {name!r} must be a scalar, got shape {np.shape(value)}."
             )
-
-    def replace(node: Any) -> Any:
-        if not _members.is_injected(node):
-            return node
-        old = node.hyperparams
-        new = {
-            k: jnp.asarray(values[k], jnp.result_type(v)) if k in values else v
-            for k, v in old.items()
-        }
-        return node._replace(hyperparams=new)
-
-    return jax.tree.map(replace, opt_state, is_leaf=_members.is_injected)
+    return _members.replace_hyperparams(opt_state, values)
 
 
 def hyperparam_names(opt_state: Any) -> tuple[set[str], set[str]]:
@@ -213,14 +183,7 @@ def hyperparam_names(opt_state: Any) -> tuple[set[str], set[str]]:
       >>> sorted(settable), sorted(scheduled)
       (['b1', 'b2', 'eps', 'eps_root'], ['learning_rate'])
     """
-    settable: set[str] = set()
-    scheduled: set[str] = set()
-    for node in _members.injected_states(opt_state):
-        names = set(node.hyperparams)
-        schedules = set(getattr(node, "hyperparams_states", None) or {})
-        settable |= names - schedules
-        scheduled |= schedules
-    return settable, scheduled
+    return _members.hyperparam_names(opt_state)
 
 
 def hyperparam_value(opt_state: Any, name: str) -> Any:
@@ -245,84 +208,3 @@ def hyperparam_value(opt_state: Any, name: str) -> Any:
         if name in node.hyperparams:
             return node.hyperparams[name]
     return None
-
-
-def make_population_epoch(
-    step: StepFn,
-    *,
-    batch_size: int,
-    drop_remainder: bool = True,
-    unroll: int | bool = 1,
-    member_axis: str | None = None,
-    batch_sharding: jax.sharding.Sharding | None = None,
-) -> Callable[..., tuple[Any, Any, Any]]:
-    """Builds ``epoch(graphdef, states, opt_states, data, orders, active=None)`` that trains
-    N members.
-
-    It is :func:`~nnxscan.pure.make_epoch`'s epoch of ``step``, vmapped over the members
-    axis of ``states`` and ``opt_states`` (:func:`stack_states`): traced, that is one
-    ``lax.scan`` over the steps whose body runs ``step`` vmapped over the members. The data
-    is shared: each member gathers its own batches from it once, by its own row of
-    ``orders`` (the members' copies together stay under the gather budget, in chunks of
-    steps if need be). So member ``i`` trains what ``make_epoch`` trains on
-    ``(states[i], opt_states[i])`` with order ``orders[i]``.
-
-    Args:
-      step: a pure step from :func:`~nnxscan.pure.make_train_step`.
-      batch_size, drop_remainder, unroll: as for :func:`~nnxscan.pure.make_epoch`.
-      member_axis: on a mesh, the axis the members' leading axis is sharded over
-        (``jax.vmap``'s ``spmd_axis_name``).
-      batch_sharding: the sharding of ONE member's batch, e.g.
-        ``NamedSharding(mesh, P("data"))`` for data parallelism inside every member.
-
-    Returns:
-      ``epoch(graphdef, states, opt_states, data, orders, active=None) -> (states,
-      opt_states, losses)``. ``orders`` is an int array of shape ``(N, num_examples)``, one
-      order per member (``epoch_order(seed_i, epoch, n)``; the same row repeated for a
-      shared order). ``active``, a bool array of shape ``(N,)``, freezes the members where
-      it is False: they keep their state and optax state at every step (their losses are
-      still computed, at the frozen state). ``losses`` has shape ``(steps, N)`` (with
-      ``has_aux``, every aux leaf gets the same two leading axes).
-
-    Example:
-      >>> epoch = jax.jit(make_population_epoch(step, batch_size=32))
-      >>> orders = np.stack([epoch_order(s, 0, n) for s in seeds])
-      >>> states, opt_states, losses = epoch(graphdef, states, opt_states, data, orders)
-      >>> losses.shape
-      (2, 4)
-    """
-    checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
-    options = dict(member_axis=member_axis, batch_sharding=batch_sharding)
-
-    def epoch(graphdef, states, opt_states, data, orders, active=None):
-        n = checks.check_leading_size(data, "data")
-        checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
-        members = _members.members_of(states, "states")
-        if _members.members_of(opt_states, "opt_states") != members:
-            raise ValueError(
-                f"states hold {members} members but opt_states hold "
-                f"{_members.members_of(opt_states, 'opt_states')}: stack one optax state per "
-                f"member."
-            )
-        _members.check_orders(orders, members, n)
-        if active is not None and tuple(np.shape(active)) != (members,):
-            raise ValueError(
-                f"active has shape {tuple(np.shape(active))}; pass one bool per member, "
-                f"shape ({members},)."
-            )
-        full, tail = batching.cut_batches(
-            jnp.asarray(orders, jnp.int32), batch_size, drop_remainder=drop_remainder
-        )
-
-        def scan(carry, idx, unroll):
-            states, opt_states, outs = scan_member_steps(
-                step, graphdef, *carry, data, idx, active=active, unroll=unroll, **options
-            )
-            return (states, opt_states), outs
-
-        (states, opt_states), outs = batching.full_then_tail(
-            scan, (states, opt_states), full, tail, unroll=unroll, steps_axis=1
-        )
-        return states, opt_states, outs
-
-    return epoch

@@ -1,9 +1,9 @@
-"""Scan a pure step over batches, in one ``lax.scan``: a stack of batches, batches taken
-from a data set by index, or the same for the members of a population, vmapped.
+"""Scan a pure step over batches, in one ``lax.scan``: a stack of batches, or batches taken
+from a data set by index (a population's too: its indices have a members axis).
 
-The loop body is the one every compiled training call of nnxscan runs (``make_epoch``,
-``make_population_epoch`` and ``Trainer``'s and ``Population``'s compiled calls are these
-scans), so a loop you write from them trains what ``fit`` trains.
+The loop body is the one every compiled training call of nnxscan runs (``make_epoch`` and
+``Trainer``'s and ``Population``'s compiled calls are these scans), so a loop you write
+from them trains what ``fit`` trains.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import numpy as np
 from flax import nnx
 
 from nnxscan.pure import _loops, batching, checks
-from nnxscan.pure.nonfinite import _fresh_nodes, tree_select
 from nnxscan.pure.train_step import StepFn
 
-__all__ = ["scan_indexed_steps", "scan_member_steps", "scan_steps"]
+__all__ = ["scan_indexed_steps", "scan_steps"]
 
 
 def scan_steps(
@@ -73,8 +72,10 @@ def scan_indexed_steps(
     batch_rows: int | None = None,
 ) -> tuple[nnx.State, Any, Any]:
     """Scans ``step`` over batches gathered from ``data`` by a ``(steps, batch)`` index array
-    (or ``(steps,)``: row ``i`` of ``data`` is a whole batch, as in a stream's chunk; or,
-    with ``batch_rows``, batch number ``i`` of ``data`` in its stored order).
+    (or ``(steps, N, batch)``: a batch per member of a population, for the step of
+    :func:`~nnxscan.pure.vmap_members`; or ``(steps,)``: row ``i`` of ``data`` is a whole
+    batch, as in a stream's chunk; or, with ``batch_rows``, batch number ``i`` of ``data``
+    in its stored order).
 
     This is the scan under :func:`make_epoch` and under every compiled call of
     ``Trainer.fit`` on arrays: an epoch's order cut into batches of indices
@@ -100,7 +101,9 @@ def scan_indexed_steps(
       opt_state: what the step carries besides the model (``step.init(graphdef, state)``).
       data: a pytree whose leaves share a leading examples axis ``(n, ...)``.
       indices: an int array ``(steps, batch)`` of rows of ``data``, one row of indices per
-        step; or ``(steps,)`` when each row of ``data`` is a whole batch.
+        step; ``(steps, N, batch)``: each step's batch has a leading members axis (member
+        ``i`` trains ``data[indices[j, i]]``); or ``(steps,)`` when each row of ``data`` is
+        a whole batch.
       unroll: forwarded to ``lax.scan``; ``True`` unrolls fully (no loop left).
       batch_sharding: shard each batch's leading axis, e.g. ``NamedSharding(mesh,
         P("data"))``, for data-parallel steps.
@@ -171,7 +174,8 @@ def scan_indexed_steps(
 
     if gather_budget is None:
         gather_budget = batching.gather_budget(data)
-    steps, per_step = indices.shape[0], batching.batch_bytes(data, indices.shape[1])
+    rows_per_step = int(np.prod(indices.shape[1:], dtype=np.int64))
+    steps, per_step = indices.shape[0], batching.batch_bytes(data, rows_per_step)
     chunk = max(1, gather_budget // max(per_step, 1))
     data_bytes = batching.batch_bytes(data, _num_rows(data))
     if chunk >= steps:  # the whole call in one gather
@@ -198,90 +202,3 @@ def scan_indexed_steps(
 
 def _num_rows(data: Any) -> int:
     return jax.tree.leaves(data)[0].shape[0]
-
-
-def _frozen_aware(step: StepFn, active: jax.Array) -> StepFn:
-    """``step`` for ONE member that changes nothing while ``active`` is False: the loss is
-    still computed (at the frozen state) and reported."""
-
-    def guarded(graphdef, state, opt_state, batch):
-        # Fresh nodes: a step that merges and updates its module writes into them.
-        new_state, new_opt_state, out = step(graphdef, *_fresh_nodes(state, opt_state), batch)
-        state = tree_select(active, new_state, state)
-        return state, tree_select(active, new_opt_state, opt_state), out
-
-    return guarded
-
-
-def scan_member_steps(
-    step: StepFn,
-    graphdef: Any,
-    states: Any,
-    opt_states: Any,
-    data: Any,
-    indices: jax.Array,
-    *,
-    active: jax.Array | None = None,
-    unroll: int | bool = 1,
-    member_axis: str | None = None,
-    batch_sharding: jax.sharding.Sharding | None = None,
-    data_per_member: bool = False,
-    gather_budget: int | None = None,
-) -> tuple[Any, Any, Any]:
-    """:func:`scan_indexed_steps` vmapped over the members of a population.
-
-    This is the scan under :func:`make_population_epoch` and under every compiled call of
-    ``Population.fit`` on arrays.
-
-    ``indices`` has shape ``(N, steps, ...)``: member ``i`` trains the batches ``indices[i]``
-    gathered from the shared ``data`` (or from ``data[i]`` with ``data_per_member``: every
-    leaf then has a leading members axis). ``active`` (``(N,)`` bool) freezes the members
-    where it is False: their state and optax state stay as they are at every step.
-    ``member_axis`` names the mesh axis the members are sharded over (``vmap``'s
-    ``spmd_axis_name``), so a ``batch_sharding`` of one member's batch becomes a sharding
-    of the members' batches over both axes. Returns the outputs with a leading steps axis,
-    then members: ``(steps, N, ...)``. Each member gathers its own batches once (a copy per
-    member): ``gather_budget`` bounds the members' copies together.
-
-    Args:
-      step: a pure step for ONE member, as for :func:`scan_indexed_steps`.
-      graphdef: the members' shared ``graphdef``.
-      states, opt_states: the members' states stacked on a leading axis of size ``N``
-        (:func:`stack_states`; one ``step.init`` per member, vmapped).
-      data: a pytree of examples ``(n, ...)``, shared by the members; with
-        ``data_per_member`` each leaf is ``(N, n, ...)``.
-      indices: an int array ``(N, steps, batch)`` (or ``(N, steps)``: whole batches).
-      active: ``(N,)`` bool, or None (every member trains).
-      unroll: forwarded to ``lax.scan``.
-      member_axis: the mesh axis the members are sharded over, or None.
-      batch_sharding: the sharding of ONE member's batch.
-      data_per_member: whether ``data`` has a leading members axis.
-      gather_budget: the most bytes of examples one gather copies, all members together.
-
-    Returns:
-      ``(states, opt_states, outs)``; ``outs`` has shape ``(steps, N, ...)``.
-
-    Example:
-      >>> orders = np.stack([epoch_order(s, epoch, n) for s in seeds])  # (N, n)
-      >>> indices = orders[:, : n // 32 * 32].reshape(len(seeds), -1, 32)
-      >>> states, opt_states, losses = jax.jit(scan_member_steps, static_argnums=0)(
-      ...     step, graphdef, states, opt_states, data, indices)
-      >>> losses.shape  # (steps, members)
-      (3, 4)
-    """
-    if gather_budget is None:
-        gather_budget = batching.gather_budget(data)
-    member_budget = max(1, gather_budget // indices.shape[0])
-
-    def member(state, opt_state, member_data, idx, alive):
-        member_step = step if alive is None else _frozen_aware(step, alive)
-        return scan_indexed_steps(
-            member_step, graphdef, state, opt_state, member_data, idx, unroll=unroll,
-            batch_sharding=batch_sharding, gather_budget=member_budget,
-        )  # fmt: skip
-
-    in_axes = (0, 0, 0 if data_per_member else None, 0, None if active is None else 0)
-    states, opt_states, outs = jax.vmap(member, in_axes=in_axes, spmd_axis_name=member_axis)(
-        states, opt_states, data, indices, active
-    )
-    return states, opt_states, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), outs)

@@ -8,6 +8,8 @@ like the plain per-step NNX loop.
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -106,10 +108,15 @@ def make_train_step(
 
     optax transforms that take extra arguments in ``update``
     (``optax.GradientTransformationExtraArgs``: ``optax.lbfgs()``, the linesearches,
-    ``optax.contrib.reduce_on_plateau``) get ``value=`` (this batch's loss), ``grad=`` (its
-    gradient) and ``value_fn=`` (the loss of given ``wrt`` parameters on this batch, the other
-    variables as they were before the step), as optax's documented L-BFGS loop passes them.
-    A transform needing another argument raises a TypeError naming it while tracing.
+    ``optax.contrib.reduce_on_plateau``, ``optax.contrib.sam``) get those of ``value=``
+    (this batch's loss), ``grad=`` (its gradient), ``value_fn=`` (``value_fn(params)``: the
+    loss of given ``wrt`` parameters on this batch) and ``grad_fn=`` (``grad_fn(params, i)``:
+    its gradient there, what SAM's opaque mode calls; ``i`` is ignored) that their ``update``
+    names, or all four when it takes ``**extra_args``, as optax's own loops pass them.
+    ``value_fn`` and ``grad_fn`` see the other variables (batch statistics, RNG counts) as
+    they were before the step, and change none of them. A transform whose ``update`` needs
+    any other argument raises a TypeError naming it here, before anything is traced (one
+    needed inside an ``optax.chain``, whose ``update`` takes ``**extra_args``, while tracing).
 
     Returns:
       A :class:`Step`: ``step.init(graphdef, state)`` is :func:`init_opt_state`, and
@@ -137,8 +144,7 @@ def make_train_step(
     if update_metrics is not None and not callable(update_metrics):
         raise TypeError(f"update_metrics must be callable, got {type(update_metrics).__name__}.")
     checks.check_no_captured_nnx(loss_fn, "loss_fn")
-    # Plain GradientTransformations (optax.MultiSteps' among them) take no extra arguments.
-    extra_args = isinstance(tx, optax.GradientTransformationExtraArgs)
+    extra_args = _update_extra_args(tx)  # read once: the signature is the same every step
 
     def value_and_grad(graphdef, params, rest, batch):
         def forward(params):
@@ -161,20 +167,36 @@ def make_train_step(
         _check_same_layout(rest, new_rest)
         return loss, aux, grads, new_rest
 
+    def loss_of(graphdef, rest, params, batch):
+        """The loss of given params on a batch (what linesearches and SAM evaluate)."""
+        node = nnx.merge(graphdef, params, rest, copy=True)
+        parts = companions.unpack(
+            node, with_rngs=with_rngs, with_metrics=update_metrics is not None
+        )
+        return companions.call_loss(loss_fn, parts, batch, has_aux)[0]
+
     def value_fn_of(graphdef, rest, batch):
-        """The loss of given params on this batch (what linesearches evaluate)."""
-
-        def loss_of_batch(params, batch):
-            node = nnx.merge(graphdef, params, rest, copy=True)
-            parts = companions.unpack(
-                node, with_rngs=with_rngs, with_metrics=update_metrics is not None
-            )
-            return companions.call_loss(loss_fn, parts, batch, has_aux)[0]
-
+        """``value_fn(params)``: the batch's loss (the micro-batches' mean)."""
         if accumulate == 1:
-            return lambda params: loss_of_batch(params, batch)
+            return lambda params: loss_of(graphdef, rest, params, batch)
         micro = _micro_batches(batch, accumulate)
-        return lambda params: jnp.mean(jax.lax.map(lambda b: loss_of_batch(params, b), micro))
+        return lambda params: jnp.mean(
+            jax.lax.map(lambda b: loss_of(graphdef, rest, params, b), micro)
+        )
+
+    def grad_fn_of(graphdef, rest, batch):
+        """``grad_fn(params, i)``: the batch loss's gradient at given params (SAM's opaque
+        mode); one micro-batch at a time with ``accumulate``, as the step's own gradient."""
+        grad = jax.grad(loss_of, argnums=2)
+        if accumulate == 1:
+            return lambda params, _=None: grad(graphdef, rest, params, batch)
+        micro = _micro_batches(batch, accumulate)
+
+        def grad_fn(params, _=None):
+            grads = jax.lax.map(lambda b: grad(graphdef, rest, params, b), micro)
+            return jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
+
+        return grad_fn
 
     def accumulated(graphdef, params, rest, batch):
         micro = _micro_batches(batch, accumulate)
@@ -205,10 +227,14 @@ def make_train_step(
         else:
             loss, aux, grads, new_rest = accumulated(graphdef, params, rest, batch)
         if extra_args:
-            value_fn = value_fn_of(graphdef, rest, batch)
-            updates, new_opt_state = _update_with_extra_args(
-                tx, grads, opt_state, params, value=loss, grad=grads, value_fn=value_fn
-            )
+            offered = {
+                "value": lambda: loss,
+                "grad": lambda: grads,
+                "value_fn": lambda: value_fn_of(graphdef, rest, batch),
+                "grad_fn": lambda: grad_fn_of(graphdef, rest, batch),
+            }
+            extra = {name: offered[name]() for name in extra_args}
+            updates, new_opt_state = _update_with_extra_args(tx, grads, opt_state, params, **extra)
         else:
             updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -225,20 +251,88 @@ def make_train_step(
     return Step(lambda graphdef, state: init_opt_state(tx, state, wrt), step, has_aux)
 
 
-def _update_with_extra_args(tx: Any, grads: Any, opt_state: Any, params: Any, **extra: Any):
-    """``tx.update`` with optax's extra arguments; a transform that needs another one
-    raises a TypeError that names it and says what the step passes."""
+# What the built-in step can give a transform's update besides (updates, state, params).
+_EXTRA_ARGS = ("value", "grad", "value_fn", "grad_fn")
+
+
+def _update_extra_args(tx: optax.GradientTransformation) -> tuple[str, ...]:
+    """The extra arguments of :data:`_EXTRA_ARGS` that ``tx.update`` takes: all of them when
+    it takes ``**extra_args``, the ones it names otherwise, none for a plain
+    ``GradientTransformation`` (``optax.MultiSteps``' among them).
+
+    Raises TypeError, naming the argument, when ``update`` requires one the step cannot
+    give: better now than mid-trace.
+    """
+    if not isinstance(tx, optax.GradientTransformationExtraArgs):
+        return ()
     try:
-        return tx.update(grads, opt_state, params, **extra)
-    except TypeError as error:
-        if "keyword" not in str(error) or "argument" not in str(error):
-            raise
+        parameters = list(inspect.signature(tx.update).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): offer them all
+        return _EXTRA_ARGS
+    kind = inspect.Parameter
+    positional = [
+        p for p in parameters if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)
+    ]
+    # update(updates, state, params, ...): the arguments after the first three.
+    extra = positional[3:] + [p for p in parameters if p.kind is kind.KEYWORD_ONLY]
+    needed = [
+        p.name
+        for p in extra
+        if p.default is p.empty and (p.name not in _EXTRA_ARGS or p.kind is kind.POSITIONAL_ONLY)
+    ]
+    if needed:
+        listed = ", ".join(f"{name}=" for name in needed)
         raise TypeError(
-            f"the optax transform's update failed on the extra arguments the built-in step "
-            f"passes to transforms that take them (value= the batch's loss, grad=, value_fn= "
-            f"the loss of given params on the batch): {error}. For other arguments, write "
-            f"your own Step whose update calls tx.update with them."
-        ) from None
+            f"the optax transform's update requires {listed} "
+            f"({'an argument' if len(needed) == 1 else 'arguments'} the built-in step cannot "
+            f"give: it gives value= the batch's loss, grad= its gradient, value_fn(params) "
+            f"the loss of given params on the batch and grad_fn(params, i) their gradient). "
+            f"Write your own nnxscan.pure.Step whose update calls tx.update with "
+            f"{'it' if len(needed) == 1 else 'them'}."
+        )
+    if any(p.kind is kind.VAR_KEYWORD for p in parameters):
+        return _EXTRA_ARGS
+    names = {p.name for p in extra if p.kind is not kind.POSITIONAL_ONLY}
+    return tuple(name for name in _EXTRA_ARGS if name in names)
+
+
+def _update_with_extra_args(tx: Any, grads: Any, opt_state: Any, params: Any, **extra: Any):
+    """``tx.update`` with optax's extra arguments.
+
+    A transform that takes ``**extra_args`` hands them to the transforms it holds
+    (``optax.chain``) or to its ``value_fn`` (the linesearches, which refuse any they can't
+    place), and no signature says which it can take. One refused by name in a TypeError
+    (``optax.contrib.sam`` takes ``grad_fn`` only; ``optax.lbfgs()``'s linesearch takes
+    all but ``grad_fn``) is dropped and the update traced again, as optax's own loops pass
+    each transform only what it needs. Tracing is pure: a refused attempt leaves nothing
+    behind. An argument still missing raises a TypeError that says what the step passes.
+    """
+    while True:
+        try:
+            return tx.update(grads, opt_state, params, **extra)
+        except TypeError as error:
+            refused = next((name for name in extra if _refuses(error, name)), None)
+            if refused is not None:
+                extra = {k: v for k, v in extra.items() if k != refused}
+                continue
+            if "argument" not in str(error):
+                raise
+            raise TypeError(
+                f"the optax transform's update failed on the extra arguments the built-in "
+                f"step passes it (value= the batch's loss, grad= its gradient, "
+                f"value_fn(params) the loss of given params on the batch, grad_fn(params, i) "
+                f"their gradient): {error} For other arguments, write your own "
+                f"nnxscan.pure.Step whose update calls tx.update with them."
+            ) from None
+
+
+def _refuses(error: TypeError, name: str) -> bool:
+    """Whether a TypeError refuses the argument ``name``: CPython's "got an unexpected
+    keyword argument 'name'", optax's linesearch "not consumed by `value_fn`: ['name']"."""
+    return any(one == name or f"'{name}'" in listed for one, listed in _REFUSED.findall(str(error)))
+
+
+_REFUSED = re.compile(r"unexpected keyword argument '(\w+)'|not consumed by `\w+`: (\[[^\]]*\])")
 
 
 def _keep_unless(ok: jax.Array, old: nnx.State, new: nnx.State) -> nnx.State:

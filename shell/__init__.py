@@ -14,6 +14,8 @@ It compiles the pure core, writes trained state back into the user's ``nnx.Modul
 - :func:`find_learning_rate`: a learning-rate range test, N rates trained side by side
   in one compiled program (:class:`LRFinderResult`: curves, suggestion, ``plot``).
 - :class:`Plan`: how the steps are executed (``"scan"``, ``"unrolled"``, ``"step"``).
+- :func:`load_model`: a trained model from a checkpoint, into an abstract module
+  (``nnx.eval_shape``), for inference.
 - :func:`enable_compilation_cache`: keep compiled programs on disk, so a second process
   compiles nothing.
 - :class:`Preempted`: what ``fit`` raises after saving on SIGTERM (resume with
@@ -43,6 +45,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on 
     from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
     from nnxscan.shell.continual import train_tasks
     from nnxscan.shell.history import History
+    from nnxscan.shell.loading import load_model
     from nnxscan.shell.lr_finder import LRFinderResult, find_learning_rate
     from nnxscan.shell.population import Population
     from nnxscan.shell.scan_train import scan_train
@@ -64,6 +67,7 @@ _PUBLIC = {
     "Trainer": "nnxscan.shell.trainer",
     "enable_compilation_cache": "nnxscan.shell._edges.compile_cache",
     "find_learning_rate": "nnxscan.shell.lr_finder",
+    "load_model": "nnxscan.shell.loading",
     "scan_train": "nnxscan.shell.scan_train",
     "train_tasks": "nnxscan.shell.continual",
 }
@@ -81,6 +85,7 @@ __all__ = [
     "Trainer",
     "enable_compilation_cache",
     "find_learning_rate",
+    "load_model",
     "scan_train",
     "train_tasks",
 ]

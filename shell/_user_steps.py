@@ -40,9 +40,10 @@ def check_pure_step(step: Step, optimizer: Any, extras: tuple, call: str) -> Non
     check_no_captured_nnx(step.update, "train_step.update")
 
 
-def check_stateful_step(fn: Any, optimizer: Any, extras: tuple, front: str) -> None:
+def check_stateful_step(fn: Any, model: Any, optimizer: Any, extras: tuple, front: str) -> None:
     """A stateful ``fn(model, [optimizer], *extras, batch)``: callable so, with an
-    ``nnx.Optimizer`` (if any) and NNX objects as extras, capturing none."""
+    ``nnx.Optimizer`` (if any) and NNX objects as extras, capturing none (a captured
+    object that is one of these arguments is told apart: the fix is to use the argument)."""
     if not callable(fn):
         raise TypeError(
             f"train_step must be a nnxscan.pure.Step or a function fn(model, optimizer, "
@@ -54,6 +55,19 @@ def check_stateful_step(fn: Any, optimizer: Any, extras: tuple, front: str) -> N
             f"receives, got {type(optimizer).__name__}. Build one: "
             f"nnx.Optimizer(model, tx, wrt=nnx.Param)."
         )
+    if (
+        optimizer is not None
+        and getattr(optimizer, "model", None) is model
+        and not nnx.set_graph_mode.current_value()
+    ):
+        raise TypeError(
+            f"in Flax's tree mode (nnx.set_graph_mode(False), NNX_GRAPH_MODE=false) objects "
+            f"cannot share Variables, and this {type(optimizer).__name__} holds the model "
+            f"that {front} also passes to your step. Pass an optimizer that does not hold "
+            f"it: nnx.Optimizer(model, tx, wrt=nnx.Param), whose update(model, grads) your "
+            f"step calls; or run in graph mode (with nnx.set_graph_mode(True): ...). A "
+            f"step built from a loss takes either optimizer."
+        )
     for i, extra in enumerate(extras):
         if not isinstance(extra, nnx.Pytree | nnx.Variable):
             raise TypeError(
@@ -62,8 +76,24 @@ def check_stateful_step(fn: Any, optimizer: Any, extras: tuple, front: str) -> N
                 f"constants through the batch or a closure."
             )
     names = ["model"] + (["optimizer"] if optimizer is not None else [])
-    _check_arity(fn, [*names, *(f"extras[{i}]" for i in range(len(extras)))], front)
-    check_no_captured_nnx(fn, "train_step")
+    names += [f"extras[{i}]" for i in range(len(extras))]
+    _check_arity(fn, names, front)
+    objects = [model] + ([optimizer] if optimizer is not None else []) + list(extras)
+    arguments = dict(zip(parameter_names(fn, names), objects, strict=True))
+    check_no_captured_nnx(fn, "train_step", arguments=arguments)
+
+
+def parameter_names(fn: Callable, names: list[str]) -> list[str]:
+    """The names ``fn``'s own signature gives its first ``len(names)`` positional
+    parameters (what the user reads in their code), else ``names``."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return names
+    positional = [
+        p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return positional[: len(names)] if len(positional) >= len(names) else names
 
 
 def _check_arity(fn: Callable, names: list[str], front: str) -> None:
@@ -82,3 +112,33 @@ def _check_arity(fn: Callable, names: list[str], front: str) -> None:
             f"then each of extras), then the batch. Pass the optimizer (and extras) your "
             f"function takes, or take the ones you pass."
         ) from None
+
+
+def loss_arguments(loss_fn: Callable, model: Any, rngs: Any) -> dict[str, Any]:
+    """The NNX objects a loss is called with, ``loss_fn(model, batch[, rngs])``, by the
+    names its signature gives them."""
+    names = parameter_names(loss_fn, ["model", "batch"] + (["rngs"] if rngs is not None else []))
+    return {names[0]: model} | ({names[2]: rngs} if rngs is not None else {})
+
+
+def user_step_owner(
+    model: Any,
+    optimizer: Any,
+    train_step: Any,
+    extras: tuple,
+    *,
+    pure_call: str,
+    stateful_front: str,
+    init: Callable | None = None,
+) -> tuple[Any, bool]:
+    """The owner of a user's step (``Trainer``'s and ``scan_train``'s one way of taking
+    it), after its checks; and whether the step is a pure ``Step`` (else a stateful NNX
+    function). ``init`` replaces a pure step's ``init`` (``scan_train(opt_state=...)``)."""
+    from nnxscan.shell._engine.owner import ModelOwner
+
+    if isinstance(train_step, Step):
+        check_pure_step(train_step, optimizer, extras, pure_call)
+        step = train_step if init is None else train_step._replace(init=init)
+        return ModelOwner.of_step(model, step), True
+    check_stateful_step(train_step, model, optimizer, extras, stateful_front)
+    return ModelOwner.of_step(model, optimizer=optimizer, extras=extras), False

@@ -63,7 +63,7 @@ class History:
         install 'nnxscan[demo]'``; pyplot's global state is not touched.
 
         Args:
-          path: where to write the PNG.
+          path: where to write the PNG (its folder is created when missing).
           smooth: how much noise to average away. A float ``w`` in [0, 1) removes as much
             as TensorBoard's smoothing slider at ``w`` (an exponential moving average of
             weight ``w``), but without its lag, by averaging over ``(1 + w) / (1 - w)``
@@ -144,6 +144,7 @@ class History:
         axes[-1].set_xlabel("step")
         fig.tight_layout()
         path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)  # as the writers and --out do
         fig.savefig(path, format="png")
         return path
 

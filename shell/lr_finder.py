@@ -139,8 +139,8 @@ class LRFinderResult:
 
     def plot(self, path: str | os.PathLike[str] | None = None) -> Any:
         """Draws two panels and returns the matplotlib ``Figure`` (written to ``path`` as a
-        PNG when given); pyplot's global state is not touched. Needs matplotlib: ``pip
-        install 'nnxscan[demo]'``.
+        PNG when given, its folder created when missing); pyplot's global state is not
+        touched. Needs matplotlib: ``pip install 'nnxscan[demo]'``.
 
         Left: the training loss against the step, one line per rate (coloured from the
         smallest rate, dark, to the largest, light; a log y-axis when every loss is
@@ -218,6 +218,7 @@ class LRFinderResult:
         finals.grid(alpha=0.3)
         finals.legend(fontsize="small", loc="best")
         if path is not None:
+            os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
             fig.savefig(os.fspath(path))
         return fig
 
@@ -347,11 +348,45 @@ def find_learning_rate(
     start = losses[0]  # the same for every rate: the same weights on the same first batch
     blown = final > start + (DIVERGENCE_FACTOR - 1) * np.abs(start)
     diverged = after.any(axis=0) | ~population.active | blown
-    result = LRFinderResult(
+    result = _with_suggestion(LRFinderResult(
         learning_rates=rates, losses=losses, final_losses=final, diverged=diverged,
         window=window, tolerance=tolerance, suggestion=None,
-    )  # fmt: skip
-    return _with_suggestion(result)
+    ))  # fmt: skip
+    edge = _at_an_end(result)
+    if edge is not None:
+        warnings.warn(edge, UserWarning, stacklevel=2)
+    return result
+
+
+def _at_an_end(result: LRFinderResult) -> str | None:
+    """Why a suggestion at either end of the range says little, and what to do."""
+    rates, suggestion = result.learning_rates, result.suggestion
+    if suggestion is None:
+        return None
+    kept = ~result.diverged & np.isfinite(result.final_losses)
+    lowest = result.final_losses[result.best]
+    band = lowest + result.tolerance * abs(lowest)
+    if suggestion == rates[0] and kept.all() and (result.final_losses <= band).all():
+        return (
+            f"every rate from {rates[0]:.3g} to {rates[-1]:.3g} ended within "
+            f"{result.tolerance:.0%} of the lowest final loss (the loss started at "
+            f"{result.losses[0, 0]:.4g}): the range does not tell the rates apart, so the "
+            f"suggestion {suggestion:.3g} is only the smallest rate tried. If the losses "
+            f"barely moved, these rates are too small to train anything in "
+            f"{result.losses.shape[0]} steps: widen the range upward (raise max_lr) or "
+            f"train more steps."
+        )
+    if suggestion == rates[0]:
+        return (
+            f"the suggestion {suggestion:.3g} is the smallest rate tried: a smaller rate "
+            f"may train as well, and more safely. Widen the range: lower min_lr."
+        )
+    if suggestion == rates[-1]:
+        return (
+            f"the suggestion {suggestion:.3g} is the largest rate tried: a larger rate may "
+            f"train better still. Widen the range: raise max_lr (past where rates diverge)."
+        )
+    return None
 
 
 def _trailing_mean(losses: np.ndarray, window: int) -> np.ndarray:

@@ -3,7 +3,7 @@
 Each member is built by ``model_fn(nnx.Rngs(seed))`` from its own seed, shuffles the data
 by its own ``epoch_order(seed, epoch, n)`` and may have its own optax hyperparameters
 (``optax.inject_hyperparams``). The members' states are stacked and trained by
-:func:`nnxscan.pure.make_population_epoch`: the same pure step ``Trainer`` compiles,
+:func:`nnxscan.pure.vmap_members` of the same pure step ``Trainer`` compiles: that step,
 vmapped over the members. Member ``i`` therefore trains what ``Trainer`` trains on that
 model alone with ``seed=seeds[i]`` and that member's hyperparameters.
 
@@ -17,8 +17,6 @@ evaluation and progress are the Trainer's own.
 from __future__ import annotations
 
 import functools
-import os
-import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Unpack
 
@@ -32,18 +30,18 @@ from nnxscan.pure import Step, init_opt_state
 from nnxscan.pure.checks import (
     abstract_batch,
     check_count,
-    check_no_captured_nnx,
     check_transform,
 )
 from nnxscan.shell._config import Config
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.evaluation import evaluate
 from nnxscan.shell._engine.members import build_members
-from nnxscan.shell._engine.options import FitArguments, fit_options
+from nnxscan.shell._engine.options import FitArguments
 from nnxscan.shell._engine.owner import check_companions
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan, resolve_plan
 from nnxscan.shell._engine.programs import MemberLayout, step_program, train_program
+from nnxscan.shell._front_door import FrontDoor, check_loss_options, check_policy
 from nnxscan.shell._population_checks import (
     check_hyperparam_names,
     check_hyperparams,
@@ -55,7 +53,6 @@ from nnxscan.shell.history import History
 __all__ = ["Population"]
 
 _MODES = ("min", "max")
-_NONFINITE_POLICIES = ("ignore", "skip", "stop")
 
 
 def _init_optax(tx: Any, wrt: Any, graphdef: nnx.GraphDef, state: Any) -> Any:
@@ -63,7 +60,7 @@ def _init_optax(tx: Any, wrt: Any, graphdef: nnx.GraphDef, state: Any) -> Any:
     return init_opt_state(tx, state, wrt)
 
 
-class Population:
+class Population(FrontDoor):
     """N models of one architecture, trained together in one compiled call per epoch.
 
     Args:
@@ -178,27 +175,18 @@ class Population:
                     "nnxscan.pure.Step."
                 )
             tx = check_transform(tx)
-            if not callable(loss_fn):
-                raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-            check_no_captured_nnx(loss_fn, "loss_fn")
+            accumulate = check_loss_options(
+                loss_fn, accumulate=accumulate, metrics=metrics, update_metrics=update_metrics
+            )
         seeds = check_seeds(seeds)
         hyperparams = check_hyperparams(hyperparams, len(seeds))
-        if on_nonfinite not in _NONFINITE_POLICIES:
-            raise ValueError(
-                f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(_NONFINITE_POLICIES)}."
-            )
-        if (metrics is None) != (update_metrics is None):
-            raise ValueError(
-                "metrics and update_metrics go together: metrics=nnx.MultiMetric(...) and "
-                "update_metrics=lambda metrics, loss, aux, batch: metrics.update(...)."
-            )
+        check_policy(on_nonfinite)
         if rngs is not None and not (isinstance(rngs, nnx.Rngs) or callable(rngs)):
             raise TypeError(
                 f"rngs must be an nnx.Rngs or a function seed -> nnx.Rngs, got "
                 f"{type(rngs).__name__}."
             )
         check_companions(None, metrics)
-        accumulate = check_count(accumulate, "accumulate", 1)
         explicit_plan = resolve_plan(execution)
         placement = Placement(
             mesh, data_axis, fsdp_min_size, member_axis, rules=shardings, tx=tx, wrt=wrt,
@@ -291,16 +279,6 @@ class Population:
     def opt_state(self) -> Any:
         """The members' stacked optax state (a copy, as :attr:`state`)."""
         return self._owner.copy_of(1)
-
-    @property
-    def epoch(self) -> int:
-        """The global index of the next epoch ``fit`` trains (epochs completed so far)."""
-        return self._owner.epoch
-
-    @property
-    def step(self) -> int:
-        """Steps each member has trained so far (a frozen member's steps count too)."""
-        return self._owner.step
 
     @property
     def active(self) -> np.ndarray:
@@ -417,7 +395,7 @@ class Population:
         self,
         data: Any,
         *,
-        epochs: int,
+        epochs: int | None = None,
         shared_order: bool = False,
         member_batches: bool = False,
         **options: Unpack[FitArguments],
@@ -459,42 +437,14 @@ class Population:
         """
         if options.get("eval_data") is not None and options.get("metric_fn") is None:
             self._needs_metric_fn("evaluation during fit")
-        checked = fit_options(
-            self._engine, data, epochs, options, run_keys={"shared_order": bool(shared_order)},
-            member_batches=member_batches, front_end="fit",
-        )  # fmt: skip
-        history = self._engine.fit(data, checked)
+        run_keys = {"shared_order": bool(shared_order)}
+        history = self._fit(data, epochs, options, run_keys, member_batches=member_batches)
         if history.epochs:
             logs = history.epochs[-1]
             self._latest.update(
                 {k: v for k, v in logs.items() if isinstance(v, np.ndarray) and k != "active"}
             )
         return history
-
-    # -- checkpoints ----------------------------------------------------------------------
-
-    def save(self, directory: str | os.PathLike[str], *, max_to_keep: int = 3) -> pathlib.Path:
-        """Saves the whole population (every member's state and optax state, the counters,
-        the seeds and which members are frozen) as checkpoint number :attr:`step`. Saving
-        again at a step that has one keeps it, unless a state was loaded since.
-
-        Example:
-          >>> pop.save("runs/sweep")
-          PosixPath('.../runs/sweep/220')
-        """
-        return self._engine.save(directory, max_to_keep=max_to_keep)
-
-    def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
-        """Restores a checkpoint of :meth:`save` (the latest, or ``step``) into this
-        population, which must have the same members (seeds) and architecture; returns
-        the epoch it resumes at. Everything is read and checked before anything changes.
-
-        Example:
-          >>> pop = Population(model_fn, tx, loss_fn, seeds=seeds)
-          >>> pop.restore("runs/sweep")
-          10
-        """
-        return self._engine.restore(directory, step)
 
     # -- evaluation -----------------------------------------------------------------------
 

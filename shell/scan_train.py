@@ -22,6 +22,7 @@ from nnxscan.pure.checks import (
     abstract_batch,
     check_batch_size,
     check_leading_size,
+    check_no_captured_nnx,
 )
 from nnxscan.shell._engine.calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine.engine import Engine
@@ -32,9 +33,9 @@ from nnxscan.shell._engine.plans import Plan, resolve_plan
 from nnxscan.shell._engine.programs import TrainProgram, step_program, train_program
 from nnxscan.shell._module_check import check_module
 from nnxscan.shell._user_steps import (
-    check_pure_step,
-    check_stateful_step,
+    loss_arguments,
     refuse_loss_options,
+    user_step_owner,
 )
 
 __all__ = ["scan_train"]
@@ -136,6 +137,7 @@ def scan_train(
         )
     if train_step is None:
         _check_builtin(optimizer, loss_fn, extras, opt_state)
+        check_no_captured_nnx(loss_fn, "loss_fn", arguments=loss_arguments(loss_fn, model, rngs))
     num = check_leading_size(batches, "batches")
     if batch_size is None:
         _check_steps_axis(batches)
@@ -256,23 +258,19 @@ def _user_step(
     refuse_loss_options(
         [name for name, x in (("loss_fn", loss_fn), ("rngs", rngs)) if x is not None]
     )
-    if isinstance(train_step, Step):
-        check_pure_step(
-            train_step, optimizer, extras, "scan_train(model, batches=xs, train_step=step)"
-        )
-        if opt_state is not None:  # the owner's opt_state is the caller's, not init's
-            given = _given(train_step, model, opt_state)
-            owner = ModelOwner.of_step(model, train_step._replace(init=given))
-        else:
-            owner = ModelOwner.of_step(model, train_step)
-        return owner, step_program(train_step), _outputs_and_opt_state
-    if opt_state is not None:
+    if opt_state is not None and not isinstance(train_step, Step):
         raise TypeError(
             "opt_state= goes with a pure Step; a stateful train_step keeps every state in "
             "its objects (the nnx.Optimizer's own), updated in place."
         )
-    check_stateful_step(train_step, optimizer, extras, "scan_train")
-    owner = ModelOwner.of_step(model, optimizer=optimizer, extras=extras)
+    # The owner's opt_state is the caller's, when given, not init's.
+    init = None if opt_state is None else _given(train_step, model, opt_state)
+    owner, pure = user_step_owner(
+        model, optimizer, train_step, extras, init=init, stateful_front="scan_train",
+        pure_call="scan_train(model, batches=xs, train_step=step)",
+    )  # fmt: skip
+    if pure:
+        return owner, step_program(train_step), _outputs_and_opt_state
     return owner, _outputs_program(train_step), _stateful_outputs
 
 

@@ -8,8 +8,6 @@ the user's objects, a compiled program from ``_programs`` runs the pure step, an
 
 from __future__ import annotations
 
-import os
-import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Unpack
 
@@ -18,11 +16,11 @@ import optax
 from flax import nnx
 
 from nnxscan.pure import Step
-from nnxscan.pure.checks import abstract_batch, check_count, check_no_captured_nnx
+from nnxscan.pure.checks import abstract_batch, check_count
 from nnxscan.shell._config import Config
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.evaluation import evaluate
-from nnxscan.shell._engine.options import FitArguments, fit_options
+from nnxscan.shell._engine.options import FitArguments
 from nnxscan.shell._engine.owner import ModelOwner
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan, resolve_plan
@@ -32,10 +30,11 @@ from nnxscan.shell._engine.programs import (
     step_program,
     train_program,
 )
+from nnxscan.shell._front_door import FrontDoor, check_loss_options, check_policy
 from nnxscan.shell._user_steps import (
-    check_pure_step,
-    check_stateful_step,
+    loss_arguments,
     refuse_loss_options,
+    user_step_owner,
 )
 from nnxscan.shell.history import History
 
@@ -68,19 +67,18 @@ def _user_step(
     """The owner and program of ``Trainer(model, [optimizer], train_step=..., extras=...)``,
     after checking that nothing meant for the built-in step was given."""
     refuse_loss_options((["loss_fn"] if loss_fn is not None else []) + loss_options)
-    if isinstance(train_step, Step):
-        check_pure_step(train_step, optimizer, extras, "Trainer(model, train_step=step)")
-        return ModelOwner.of_step(model, train_step), step_program(train_step, on_nonfinite)
-    check_stateful_step(train_step, optimizer, extras, "Trainer")
-    owner = ModelOwner.of_step(model, optimizer=optimizer, extras=extras)
-    return owner, nnx_step_program(train_step, on_nonfinite)
+    owner, pure = user_step_owner(
+        model, optimizer, train_step, extras, pure_call="Trainer(model, train_step=step)",
+        stateful_front="Trainer",
+    )  # fmt: skip
+    program = step_program if pure else nnx_step_program
+    return owner, program(train_step, on_nonfinite)
 
 
 _MAX_SEED = 2**31 - 1  # the seed enters numpy's generator and checkpoints as an int32
-_NONFINITE_POLICIES = ("ignore", "skip", "stop")
 
 
-class Trainer:
+class Trainer(FrontDoor):
     """Trains the user's NNX module with compiled, scanned epochs.
 
     Args:
@@ -176,10 +174,7 @@ class Trainer:
         # ``*mixed_up`` only catches extra positional arguments to explain them: Python's
         # own "takes 4 positional arguments but 5 were given" says nothing useful.
         _check_positional(tx_or_optimizer, loss_fn, mixed_up)
-        if on_nonfinite not in _NONFINITE_POLICIES:
-            raise ValueError(
-                f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(_NONFINITE_POLICIES)}."
-            )
+        check_policy(on_nonfinite)
         #: Set by a callback (``EarlyStopping``) to end ``fit`` after the current call.
         self.stop_training = False
         if train_step is not None:
@@ -207,28 +202,20 @@ class Trainer:
             if extras:
                 raise TypeError("extras= goes with a stateful train_step=fn; pass rngs= and "
                                 "metrics= to a Trainer built from a loss.")  # fmt: skip
-            if not callable(loss_fn):
-                raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-            check_no_captured_nnx(loss_fn, "loss_fn")  # first: nothing may compile before it
-            if (metrics is None) != (update_metrics is None):
-                raise ValueError(
-                    "metrics and update_metrics go together: metrics=nnx.MultiMetric(...) "
-                    "and update_metrics=lambda metrics, loss, aux, batch: metrics.update(...)."
-                )
-            if update_metrics is not None and not callable(update_metrics):
-                raise TypeError(
-                    f"update_metrics must be callable, got {type(update_metrics).__name__}."
-                )
-            accumulate = check_count(accumulate, "accumulate", 1)
+            captured = loss_arguments(loss_fn, model, rngs) if callable(loss_fn) else None
+            accumulate = check_loss_options(
+                loss_fn, accumulate=accumulate, metrics=metrics, update_metrics=update_metrics,
+                captured=captured,
+            )  # fmt: skip
             self._owner = ModelOwner(model, tx_or_optimizer, wrt, rngs=rngs, metrics=metrics)
+            program = train_program(
+                loss_fn, self.tx, self.wrt, bool(has_aux), on_nonfinite, accumulate,
+                rngs is not None, update_metrics,
+            )  # fmt: skip
             # What the compiled program is built from: read-only from here on (properties).
             self._config = dict(
                 loss_fn=loss_fn, has_aux=bool(has_aux), update_metrics=update_metrics,
                 on_nonfinite=on_nonfinite, accumulate=accumulate, train_step=None,
-            )  # fmt: skip
-            program = train_program(
-                loss_fn, self.tx, self.wrt, bool(has_aux), on_nonfinite, accumulate,
-                rngs is not None, update_metrics,
             )  # fmt: skip
         placement = Placement(
             mesh, data_axis, fsdp_min_size, rules=shardings, tx=self.tx, wrt=self.wrt
@@ -293,16 +280,6 @@ class Trainer:
         return self._owner.opt_state
 
     @property
-    def step(self) -> int:
-        """Steps trained so far: the ``nnx.Optimizer``'s ``step`` when one was given."""
-        return self._owner.step
-
-    @property
-    def epoch(self) -> int:
-        """The global index of the next epoch ``fit`` trains (epochs completed so far)."""
-        return self._owner.epoch
-
-    @property
     def seed(self) -> int:
         """The shuffle seed of the last ``fit`` (or of the restored checkpoint)."""
         return self._owner.seed
@@ -333,7 +310,7 @@ class Trainer:
         self,
         data: Any,
         *,
-        epochs: int,
+        epochs: int | None = None,
         seed: int | None = None,
         **options: Unpack[FitArguments],
     ) -> History:
@@ -359,7 +336,8 @@ class Trainer:
 
         Args:
           data: the data set or the stream, as above.
-          epochs: number of epochs to train (0 trains nothing).
+          epochs: number of epochs to train (0 trains nothing); may be left out with
+            ``max_steps`` (the steps then decide).
           seed: the shuffle seed of a data set; ``None`` keeps the trainer's seed (0, or
             the one a restored checkpoint recorded, so a resumed run shuffles as the
             original did).
@@ -376,42 +354,7 @@ class Trainer:
         """
         if seed is not None:
             seed = check_count(seed, "seed", 0, _MAX_SEED)
-        checked = fit_options(
-            self._engine, data, epochs, options, run_keys={"seed": seed}, front_end="fit"
-        )
-        return self._engine.fit(data, checked)
-
-    # -- checkpoints ----------------------------------------------------------------------
-
-    def save(self, directory: str | os.PathLike[str], *, max_to_keep: int = 3) -> pathlib.Path:
-        """Writes a checkpoint of everything a resume needs, numbered by the global step.
-
-        The module state (parameters, batch statistics, RNG keys and counts), the optax
-        state, the epoch and step counters and the seed; the last ``max_to_keep``
-        checkpoints are kept. Atomic: a crash mid-save leaves the earlier ones restorable.
-        Saving again at a step that already has a checkpoint keeps that one.
-
-        Example:
-          >>> trainer.fit(data, epochs=2, batch_size=32)
-          >>> trainer.save("/tmp/run")
-          PosixPath('/tmp/run/16')
-        """
-        return self._engine.save(directory, max_to_keep=max_to_keep)
-
-    def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
-        """Loads the latest (or the given) checkpoint into the model, optimizer and counters.
-
-        Returns the epoch reached. A later ``fit`` continues exactly where the saved run
-        stopped (bitwise, seed included). A checkpoint whose structure or shapes differ from
-        the model raises ``ValueError`` naming the first mismatching path and both shapes,
-        and changes nothing; a missing directory or checkpoint raises ``FileNotFoundError``.
-
-        Example:
-          >>> trainer = Trainer(Model(nnx.Rngs(0)), optax.adam(1e-3), loss_fn)
-          >>> trainer.restore("/tmp/run")
-          2
-        """
-        return self._engine.restore(directory, step)
+        return self._fit(data, epochs, options, run_keys={"seed": seed})
 
     # -- evaluation -----------------------------------------------------------------------
 

@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnxscan.adapters import _checkpoint_files
+from nnxscan.adapters import _checkpoint_files, _checkpoint_layout
+from nnxscan.adapters._checkpoint_files import LOCK
 from nnxscan.adapters.checkpoint import (
     CheckpointWriter,
+    CorruptCheckpointError,
     all_steps,
     restore_checkpoint,
     save_checkpoint,
@@ -70,7 +72,7 @@ def assert_same(got: dict, want: dict) -> None:
 def test_a_tree_held_whole_is_written_as_own_files_and_reads_back_bitwise(tmp_path):
     saved = every_kind(3)
     where = save_checkpoint(tmp_path, 3, saved)
-    assert _checkpoint_files.holds_files_checkpoint(where)
+    assert _checkpoint_files.storage_of(where) == "files"
     assert sorted(p.name for p in where.iterdir()) == ["arrays.bin", "manifest.json"]
     tree, step = restore_checkpoint(tmp_path, every_kind(0))
     assert step == 3
@@ -83,7 +85,7 @@ def test_both_storages_restore_the_same_bits(tmp_path):
     saved = every_kind(4)
     save_checkpoint(tmp_path / "own", 4, saved)
     save_checkpoint(tmp_path / "orbax", 4, saved, storage="orbax")
-    assert not _checkpoint_files.holds_files_checkpoint(tmp_path / "orbax" / "4")
+    assert _checkpoint_files.storage_of(tmp_path / "orbax" / "4") == "orbax"
     own, _ = restore_checkpoint(tmp_path / "own", every_kind(0))
     through_orbax, _ = restore_checkpoint(tmp_path / "orbax", every_kind(0))
     assert_same(own, saved)
@@ -99,7 +101,7 @@ def test_one_directory_may_hold_both_and_max_to_keep_counts_both(tmp_path):
         writer.save(4, every_kind(4))  # deletes orbax's step 1
         assert writer.latest_step() == 4
     assert all_steps(tmp_path) == [2, 3, 4]
-    listing = sorted(p.name for p in tmp_path.iterdir())
+    listing = sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK)
     assert listing == ["2", "3", "4"], listing  # nothing half-deleted or temporary left
     for step in (2, 3, 4):
         tree, got = restore_checkpoint(tmp_path, every_kind(0), step=step)
@@ -132,7 +134,7 @@ def test_a_truncated_data_file_raises_naming_it(tmp_path):
     where = save_checkpoint(tmp_path, 1, every_kind(1))
     data = where / "arrays.bin"
     data.write_bytes(data.read_bytes()[:16])
-    with pytest.raises(ValueError, match=r"arrays\.bin is truncated"):
+    with pytest.raises(CorruptCheckpointError, match=r"arrays\.bin, which holds 16 bytes"):
         restore_checkpoint(tmp_path, every_kind(0))
 
 
@@ -146,7 +148,8 @@ def test_leftovers_of_a_killed_process_are_never_listed_and_are_cleaned(tmp_path
     with CheckpointWriter(tmp_path, asynchronous=asynchronous) as writer:
         writer.save(2, every_kind(2))
     # Ours are gone; orbax's temporary folder is orbax's to clean.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3.orbax-checkpoint-tmp-99"]
+    listing = sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK)
+    assert listing == ["1", "2", "3.orbax-checkpoint-tmp-99"]
     assert_same(restore_checkpoint(tmp_path, every_kind(0))[0], every_kind(2))
 
 
@@ -159,7 +162,6 @@ def test_a_save_reusing_a_known_layout_writes_what_a_fresh_layout_writes(tmp_pat
     """Saves of a structure seen before reuse its layout (paths, packs, offsets); the
     reference is the same tree saved with no layout known. Trees that differ from a known
     one only in a leaf's dtype, shape, Python type or placement get their own layout."""
-    from nnxscan.adapters import checkpoint
 
     def variants(step: int) -> list[dict]:
         tree = every_kind(step)
@@ -171,17 +173,19 @@ def test_a_save_reusing_a_known_layout_writes_what_a_fresh_layout_writes(tmp_pat
             {**tree, "u32": np.asarray(tree["u32"])},  # numpy instead of a device array
         ]
 
-    monkeypatch.setattr(checkpoint, "_LAYOUTS", [])  # whatever other tests saved before
+    monkeypatch.setattr(_checkpoint_layout, "_LAYOUTS", [])  # whatever other tests saved before
     built = []
-    layout = checkpoint._layout
-    monkeypatch.setattr(checkpoint, "_layout", lambda tree: built.append(1) or layout(tree))
+    layout = _checkpoint_layout._layout
+    monkeypatch.setattr(
+        _checkpoint_layout, "_layout", lambda *args: built.append(1) or layout(*args)
+    )
     for step in (1, 2, 3):  # every variant's layout is known after step 1
         for index, tree in enumerate(variants(step)):
             before = len(built)
             save_checkpoint(tmp_path / f"cached{index}", step, tree)
             assert len(built) - before == (step == 1), (step, index)
             with monkeypatch.context() as patched:
-                patched.setattr(checkpoint, "_LAYOUTS", [])  # nothing known
+                patched.setattr(_checkpoint_layout, "_LAYOUTS", [])  # nothing known
                 save_checkpoint(tmp_path / f"fresh{index}", step, tree)
             cached = (tmp_path / f"cached{index}" / str(step)).iterdir()
             for file in sorted(cached):

@@ -16,6 +16,7 @@ from nnxscan.pure import epoch_order, init_opt_state, make_epoch, make_train_ste
 from nnxscan.shell import Trainer, scan_train
 
 from conftest import (
+    ACROSS_PROGRAMS,
     MLP,
     BNDropout,
     assert_trees_close,
@@ -27,6 +28,10 @@ from conftest import (
 
 TX = optax.adam(1e-2)
 BS = 8
+
+
+def assert_to_rounding(got, want):
+    np.testing.assert_allclose(got, want, **ACROSS_PROGRAMS)
 
 
 # -- one epoch rule -------------------------------------------------------------------------
@@ -78,6 +83,8 @@ def test_a_loop_of_pure_epochs_reproduces_fit_bitwise(data, model_cls):
     first = trainer.fit(data, epochs=2, batch_size=BS, seed=5, progress=False)
     last = trainer.fit(data, epochs=1, batch_size=BS, seed=5, progress=False)
     state, opt_state, losses = _pure_loop(model_cls, data, 3, seed=5)
+    # Bitwise on every CPU: fit's calls and make_epoch compile the same loop body (their
+    # optimized HLO bodies do the same arithmetic; see conftest's ACROSS_PROGRAMS).
     assert_trees_close(model, state, exact=True)  # params, batch stats, RNG counts and keys
     assert_trees_close(trainer.opt_state, opt_state, exact=True)
     np.testing.assert_array_equal(np.concatenate([first.losses, last.losses]), losses)
@@ -115,14 +122,18 @@ def test_a_loop_of_pure_epochs_reproduces_fit_with_the_short_batch_kept(data):
     )
     state, _, losses = _pure_loop(MLP, data, 2, seed=1, drop_remainder=False)
     assert len(losses) == 16
-    assert_trees_close(model, state, exact=True)
-    np.testing.assert_array_equal(history.losses, losses)
+    # The short batch is a step of its own shape outside any loop: each program compiles
+    # it in its own entry computation, so to rounding (conftest's ACROSS_PROGRAMS).
+    assert_trees_close(model, state)
+    np.testing.assert_allclose(history.losses, losses, **ACROSS_PROGRAMS)
 
 
 @pytest.mark.parametrize("num_examples", [BS, 5 * BS], ids=["one_step_epochs", "five_steps"])
 def test_unshuffled_fit_is_bitwise_make_epoch_and_scan_steps(data, num_examples):
     """``fit(shuffle=False)`` = ``make_epoch(shuffle=False)`` (no order) = ``scan_steps`` on
-    the stored batches, bitwise: every path scans the same stack of batches."""
+    the stored batches, bitwise: every path scans the same stack of batches with the same
+    loop body. With one-step epochs only to rounding: a scan of one step is no loop (XLA
+    inlines it), while fit fuses the three epochs into a loop: two programs."""
     data = {k: v[:num_examples] for k, v in data.items()}
     model = MLP(rngs=nnx.Rngs(0))
     trainer = Trainer(model, TX, xent, execution="scan")
@@ -140,18 +151,22 @@ def test_unshuffled_fit_is_bitwise_make_epoch_and_scan_steps(data, num_examples)
         *by_scan, out_scan = scan(step, graphdef, *by_scan, batches)
         epoch_losses.append(out)
         scan_losses.append(out_scan)
-    assert_trees_close(by_epoch, by_scan, exact=True)
-    assert_trees_close(model, by_epoch[0], exact=True)
-    assert_trees_close(trainer.opt_state, by_epoch[1], exact=True)
-    np.testing.assert_array_equal(history.losses, np.concatenate(epoch_losses))
-    np.testing.assert_array_equal(np.concatenate(scan_losses), np.concatenate(epoch_losses))
+    exact = num_examples > BS
+    assert_trees_close(by_epoch, by_scan, exact=exact)
+    assert_trees_close(model, by_epoch[0], exact=exact)
+    assert_trees_close(trainer.opt_state, by_epoch[1], exact=exact)
+    close = np.testing.assert_array_equal if exact else assert_to_rounding
+    close(history.losses, np.concatenate(epoch_losses))
+    close(np.concatenate(scan_losses), np.concatenate(epoch_losses))
 
 
 @pytest.mark.parametrize("din", [4, 40], ids=["narrow_rows", "rows_gathered_as_bytes"])
 def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
     """An epoch whose batches exceed the gather budget runs as chunks of steps, each
     gathered once (a chunk that reads half the data or more through bytes, where the rows
-    allow it): bitwise the epoch gathered whole (and the per-step reference)."""
+    allow it): bitwise the epoch gathered whole, the chunks' steps being the same loop body
+    (to rounding where a rest of one step runs outside the loop, and against the per-step
+    reference: other programs)."""
     from nnxscan.pure import batching, scan_indexed_steps
 
     data = make_data(din=din)
@@ -187,7 +202,7 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
             step, graphdef, s, o, data, first7, gather_budget=3 * per_step
         )
     )(state, opt_state)
-    assert_trees_close(chunked7, whole7, exact=True)
+    assert_trees_close(chunked7, whole7)  # the rest of 1 step is no loop: to rounding
     model = MLP(din, rngs=nnx.Rngs(0))  # the plain per-step NNX loop on the same batches
     optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
     reference_loop(model, optimizer, xent, epoch_batches(data, BS, 3, 0))
@@ -231,7 +246,9 @@ def test_batch_numbers_slice_the_stored_rows_bitwise_and_gather_no_examples(data
 
 def test_an_unshuffled_fit_keeping_its_short_batch_slices_then_gathers_bitwise(data):
     """``fit(shuffle=False, drop_remainder=False)``: full batches sliced, the short one
-    gathered; bitwise ``make_epoch`` given the stored order as an index (all gathered)."""
+    gathered; ``make_epoch`` given the stored order as an index (all gathered) trains the
+    same (to rounding: the short batch's step is outside any loop, compiled in each
+    program's own entry computation)."""
     data = {k: v[:23] for k, v in data.items()}  # 2 batches of 8 and a short one of 7
     model = MLP(rngs=nnx.Rngs(0))
     trainer = Trainer(model, TX, xent, execution="scan")
@@ -245,14 +262,14 @@ def test_an_unshuffled_fit_keeping_its_short_batch_slices_then_gathers_bitwise(d
     for _ in range(2):
         *carry, out = epoch(graphdef, *carry, data, np.arange(23, dtype=np.int32))
         losses.append(out)
-    assert_trees_close(model, carry[0], exact=True)
-    np.testing.assert_array_equal(history.losses, np.concatenate(losses))
+    assert_trees_close(model, carry[0])
+    np.testing.assert_allclose(history.losses, np.concatenate(losses), **ACROSS_PROGRAMS)
 
 
 def test_an_unshuffled_population_fit_is_bitwise_its_pure_epochs(data):
-    """``Population.fit(shuffle=False)`` = a loop of ``make_population_epoch`` over every
-    member's stored order."""
-    from nnxscan.pure import make_population_epoch, stack_states
+    """``Population.fit(shuffle=False)`` = a loop of ``make_epoch`` of the members' step
+    (``vmap_members``) over every member's stored order."""
+    from nnxscan.pure import stack_states, vmap_members
     from nnxscan.shell import Population
 
     population = Population(lambda rngs: MLP(rngs=rngs), TX, xent, seeds=[3, 5])
@@ -261,15 +278,16 @@ def test_an_unshuffled_population_fit_is_bitwise_its_pure_epochs(data):
     step = make_train_step(xent, TX)
     graphdef, states = nnx.split(MLP(rngs=nnx.Rngs(3)))
     states = stack_states([states, nnx.split(MLP(rngs=nnx.Rngs(5)))[1]])
-    opt_states = jax.vmap(lambda s: init_opt_state(TX, s))(states)
-    epoch = jax.jit(make_population_epoch(step, batch_size=BS))
+    members = vmap_members(step)
+    opt_states = members.init(graphdef, states)
+    epoch = jax.jit(make_epoch(members, batch_size=BS))
     orders = np.stack([epoch_order(seed, 0, len(data["x"]), shuffle=False) for seed in (3, 5)])
     losses = []
     for _ in range(2):
         states, opt_states, out = epoch(graphdef, states, opt_states, data, orders)
         losses.append(out)
     assert_trees_close(population.state, states, exact=True)
-    assert_trees_close(population.opt_state, opt_states, exact=True)
+    assert_trees_close(population.opt_state, opt_states.inner, exact=True)
     np.testing.assert_array_equal(np.asarray(history.losses), np.concatenate(losses))
 
 

@@ -2,8 +2,12 @@
 
 The reference everywhere is the step as the user wrote it, under ``jax.jit``, one call per
 step: XLA:CPU canonicalizes convolutions in a program's entry computation itself, so the
-rewritten step must give the very same bits there, and inside a ``lax.scan`` (where XLA
-does not canonicalize) too.
+rewritten step must give its results there and inside a ``lax.scan`` (where XLA does not
+canonicalize). To rounding, not bitwise: the rewritten and the original programs are two
+programs, and XLA:CPU picks convolution kernels per CPU model and fuses a loop body on its
+own terms. On CI's CPU they agree bitwise; on an AMD EPYC the nested convolutions'
+gradients differ by up to 1.04e-7. What holds bitwise everywhere is the same program: the
+scan Trainer.fit compiles is a scan of the rewritten step (docs/pure_core.md checks it).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from jax import lax
 
 from nnxscan.pure import canonical_conv_layout, init_opt_state, make_train_step, scan_steps
 
-from conftest import MLP, make_data, state_arrays, xent
+from conftest import ACROSS_PROGRAMS, MLP, make_data, state_arrays, xent
 
 STEPS = 4
 BATCH = 8
@@ -197,7 +201,8 @@ MODELS = {
     "conv_3d": (plain(Conv3D), optax.sgd(0.1), {}),
     "nchw": (plain(NCHW), optax.adam(1e-2), {}),
 }
-# Not bitwise in a scan (see test_scan_of_small_batchnorm_model_is_close): not in MODELS.
+# Even on CI's CPU not bitwise in a scan (see test_scan_of_small_batchnorm_model_is_close),
+# where the MODELS are: kept apart.
 SMALL_BN = (plain(SmallBNDropout), optax.adam(1e-2), {})
 
 
@@ -259,32 +264,37 @@ def case(request) -> Case:
     return case_of(request.param)
 
 
-def assert_same_bits(got: list[np.ndarray], want: list[np.ndarray], what: str) -> None:
+def assert_to_rounding(got: list[np.ndarray], want: list[np.ndarray], what: str) -> None:
+    """Floats to float32 rounding over a few steps (two programs: see the module's
+    docstring and conftest's ACROSS_PROGRAMS); integers (RNG keys and counts) exactly."""
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        np.testing.assert_array_equal(a, b, err_msg=f"{what}, leaf {i}")
+        if np.issubdtype(a.dtype, np.inexact):
+            np.testing.assert_allclose(a, b, **ACROSS_PROGRAMS, err_msg=f"{what}, leaf {i}")
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=f"{what}, leaf {i}")
 
 
-def test_rewritten_step_is_bitwise_the_jitted_step(case):
+def test_rewritten_step_equals_the_jitted_step(case):
     rewritten = jax.jit(canonical_conv_layout(case.step), static_argnums=0)
     for i, (got, want) in enumerate(
         zip(case.run_per_step(rewritten), case.trajectory, strict=True)
     ):
         for part, a, b in zip(("state", "opt_state"), got[:2], want[:2], strict=True):
-            assert_same_bits(a, b, f"step {i} {part}")
-        np.testing.assert_array_equal(got[2], want[2], err_msg=f"step {i} loss")
+            assert_to_rounding(a, b, f"step {i} {part}")
+        np.testing.assert_allclose(got[2], want[2], **ACROSS_PROGRAMS, err_msg=f"step {i} loss")
 
 
-def test_scanned_rewritten_step_is_bitwise_the_per_step_program(case):
+def test_scanned_rewritten_step_equals_the_per_step_program(case):
     state, opt_state, losses = case.scan(canonical_conv_layout(case.step))
     final_state, final_opt_state = case.trajectory[-1][:2]
-    assert_same_bits(state, final_state, "state after the scan")
-    assert_same_bits(opt_state, final_opt_state, "opt_state after the scan")
-    np.testing.assert_array_equal(losses, [t[2] for t in case.trajectory])
+    assert_to_rounding(state, final_state, "state after the scan")
+    assert_to_rounding(opt_state, final_opt_state, "opt_state after the scan")
+    np.testing.assert_allclose(losses, [t[2] for t in case.trajectory], **ACROSS_PROGRAMS)
 
 
 def test_batchnorm_and_dropout_state_moves_every_step():
-    """The bitwise comparisons are only worth something if the carried state moves: batch
+    """The comparisons are only worth something if the carried state moves: batch
     statistics and RNG counts change every step (and the dropout masks with them)."""
     case = case_of("tutorial_bn_dropout")
     states = [case.state] + [t[3] for t in case.trajectory]
@@ -297,15 +307,15 @@ def test_batchnorm_and_dropout_state_moves_every_step():
 
 @pytest.mark.slow
 def test_scan_of_small_batchnorm_model_is_close():
-    """Bitwise in a scan is the convolutions' doing only: XLA:CPU fuses the rest of a loop
-    body on its own terms, and it contracts a*b+c into an FMA where fusion puts them side
-    by side. For this model the jitted rewritten step is bitwise, but in the scan Adam's
-    moment update fuses differently from the second step on (last-bit differences; the
-    untouched scan differs too)."""
+    """XLA:CPU fuses the rest of a loop body on its own terms, and it contracts a*b+c into
+    an FMA where fusion puts them side by side: for this model, even on a CPU where the
+    jitted rewritten step is bitwise the untouched one, in the scan Adam's moment update
+    fuses differently from the second step on (last-bit differences; the untouched scan
+    differs too)."""
     case = Case(*SMALL_BN)
     rewritten = jax.jit(canonical_conv_layout(case.step), static_argnums=0)
     for got, want in zip(case.run_per_step(rewritten), case.trajectory, strict=True):
-        assert_same_bits(got[0], want[0], "jitted step")
+        assert_to_rounding(got[0], want[0], "jitted step")
     state, _, losses = case.scan(canonical_conv_layout(case.step))
     for a, b in zip(state, case.trajectory[-1][0], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -377,7 +387,7 @@ def nested_inputs():
     return w, x
 
 
-def test_every_nested_convolution_is_rewritten_and_bitwise():
+def test_every_nested_convolution_is_rewritten_and_equal_to_rounding():
     w, x = nested_inputs()
     step = jax.value_and_grad(conv_net, argnums=(0, 1))
     before = conv_equations(jax.make_jaxpr(step)(w, x))
@@ -387,8 +397,10 @@ def test_every_nested_convolution_is_rewritten_and_bitwise():
     assert len(after) == len(before) and all(map(is_canonical, after))
     got = jax.jit(canonical_conv_layout(step))(w, x)
     want = jax.jit(step)(w, x)
+    # The loops' untouched convolutions take XLA's generic code, the rewritten ones its
+    # Eigen kernels: two programs, equal to rounding (1.04e-7 apart on an AMD EPYC).
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, **ACROSS_PROGRAMS)
 
 
 def test_a_function_without_convolutions_is_left_alone():
@@ -437,14 +449,17 @@ def test_under_vmap_over_stacked_models():
 
 def test_under_an_outer_grad():
     """jax.grad of a rewritten loss: the outer gradient's own convolutions are not rewritten
-    (they do not exist when the loss is traced), so its values are close; rewriting the
-    gradient function itself is bitwise."""
+    (they do not exist when the loss is traced); rewriting the gradient function itself
+    rewrites them all. Both equal the untouched gradient to rounding (other programs)."""
     w, x = nested_inputs()
     grad_of_rewritten = jax.jit(jax.grad(canonical_conv_layout(conv_net)))
-    rewritten_grad = jax.jit(canonical_conv_layout(jax.grad(conv_net)))
+    rewritten_grad = canonical_conv_layout(jax.grad(conv_net))
     want = jax.jit(jax.grad(conv_net))(w, x)
-    np.testing.assert_allclose(grad_of_rewritten(w, x), want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(rewritten_grad(w, x), want)
+    np.testing.assert_allclose(grad_of_rewritten(w, x), want, **ACROSS_PROGRAMS)
+    np.testing.assert_allclose(jax.jit(rewritten_grad)(w, x), want, **ACROSS_PROGRAMS)
+    jaxpr = jax.make_jaxpr(rewritten_grad)(w, x)
+    assert all(map(is_canonical, conv_equations(jaxpr))), "every gradient conv rewritten"
+    assert not all(map(is_canonical, conv_equations(jax.make_jaxpr(jax.grad(conv_net))(w, x))))
 
 
 def test_closing_over_a_traced_value():
@@ -454,7 +469,8 @@ def test_closing_over_a_traced_value():
     def outer(w, x):
         return canonical_conv_layout(jax.grad(lambda w: conv_net(w, x)))(w)
 
-    np.testing.assert_array_equal(outer(w, x), jax.jit(jax.grad(conv_net))(w, x))
+    # Another program than the untouched gradient: to rounding (see the module docstring).
+    np.testing.assert_allclose(outer(w, x), jax.jit(jax.grad(conv_net))(w, x), **ACROSS_PROGRAMS)
 
 
 def test_static_leaves_and_keywords_pass_through():
@@ -465,7 +481,7 @@ def test_static_leaves_and_keywords_pass_through():
         return conv_net(w, x) * scale
 
     out = jax.jit(canonical_conv_layout(fn), static_argnames="name")(w, x, scale=2.0, name="net")
-    np.testing.assert_array_equal(out, jax.jit(conv_net)(w, x) * 2.0)
+    np.testing.assert_allclose(out, jax.jit(conv_net)(w, x) * 2.0, **ACROSS_PROGRAMS)
 
 
 def test_a_wrapped_jitted_function_compiles_once(compile_count):
@@ -479,8 +495,9 @@ def test_a_wrapped_jitted_function_compiles_once(compile_count):
     compiled = compile_count()
     again = rewritten(w2, x)
     assert compile_count() == compiled
-    np.testing.assert_array_equal(first, grad(w, x))
-    np.testing.assert_array_equal(again, grad(w2, x))
+    # The rewritten program against the untouched one: to rounding (module docstring).
+    np.testing.assert_allclose(first, grad(w, x), **ACROSS_PROGRAMS)
+    np.testing.assert_allclose(again, grad(w2, x), **ACROSS_PROGRAMS)
 
 
 def test_rejects_a_non_function():

@@ -23,7 +23,7 @@ from flax import nnx
 from nnxscan.pure import Step, init_opt_state
 from nnxscan.shell import Trainer
 
-from conftest import MLP, assert_trees_close, epoch_batches, state_arrays, xent
+from conftest import ACROSS_PROGRAMS, MLP, assert_trees_close, epoch_batches, state_arrays, xent
 
 BS = 16
 
@@ -108,9 +108,11 @@ def test_the_tutorials_train_step_under_fit_is_the_tutorials_loop(data):
     trainer = Trainer(train_model, optimizer, train_step=train_step, extras=(metrics, rngs))
     history = trainer.fit(images, epochs=epochs, batch_size=BS, progress=False)
 
-    assert_trees_close(model, ref, exact=True)  # weights, batch statistics
-    assert_trees_close(optimizer, ref_opt, exact=True)
-    assert_trees_close(rngs, ref_rngs, exact=True)  # the dropout keys advanced alike
+    # The tutorial's per-step program and fit's scan are two programs: floats to rounding
+    # (conftest's ACROSS_PROGRAMS), the dropout keys and counts (integers) exactly.
+    assert_trees_close(model, ref)  # weights, batch statistics
+    assert_trees_close(optimizer, ref_opt)
+    assert_trees_close(rngs, ref_rngs)  # the dropout keys advanced alike
     assert trainer.step == int(optimizer.step[...]) == epochs * (len(images["image"]) // BS)
     for logs, ref_logs in zip(history.epochs, want, strict=True):
         np.testing.assert_allclose(logs["train_accuracy"], ref_logs["accuracy"], rtol=1e-6)
@@ -199,9 +201,10 @@ def test_a_gan_step_under_fit_is_a_hand_written_scan_of_its_update(reals, gan_st
         return jax.lax.scan(body, (state, opt_state), batches)
 
     (state, opt_state), (g_losses, aux) = run(state, opt_state, batches)
-    assert_trees_close(trainer.model, state, exact=True)
-    assert_trees_close(trainer.opt_state, opt_state, exact=True)  # both adam states, count
-    np.testing.assert_array_equal(history.losses, g_losses)
+    # A hand-written scan is another program than fit's: to rounding (conftest).
+    assert_trees_close(trainer.model, state)
+    assert_trees_close(trainer.opt_state, opt_state)  # both adam states, count
+    np.testing.assert_allclose(history.losses, g_losses, **ACROSS_PROGRAMS)
     d_losses = np.asarray(aux["d_loss"]).reshape(4, -1)
     g_losses = np.asarray(g_losses).reshape(4, -1)
     for logs, g, d in zip(history.epochs, g_losses, d_losses, strict=True):
@@ -221,6 +224,7 @@ def test_a_gan_cut_after_two_epochs_and_resumed_is_the_run_never_cut(reals, gan_
         reals, epochs=4, batch_size=BS, checkpoint_dir=tmp_path, resume=True, progress=False
     )
     assert resumed.epoch == 4 and resumed.step == 16
+    # Bitwise: both runs scan the same step body (conftest), only cut at another place.
     assert_trees_close(resumed.model, straight.model, exact=True)
     assert_trees_close(resumed.opt_state, straight.opt_state, exact=True)
     assert jax.tree.structure(resumed.opt_state) == jax.tree.structure(straight.opt_state)
@@ -313,10 +317,10 @@ def test_the_guards_keep_the_old_state_of_an_update_that_mutates_its_merged_mode
         )
     else:
         halting = halt_after_nonfinite(PLAIN_STEP)
-        new_state, (_, halted), loss = jax.jit(halting, static_argnums=0)(
-            graphdef, state, (opt_state, jnp.bool_(False)), bad
+        new_state, halt, loss = jax.jit(halting.update, static_argnums=0)(
+            graphdef, state, halting.init(graphdef, state), bad
         )
-        assert bool(halted)
+        assert bool(halt.halted)
     assert np.isnan(loss)
     for got, want in zip(state_arrays(new_state), before, strict=True):
         np.testing.assert_array_equal(got, want)

@@ -16,7 +16,7 @@ from flax import nnx
 from nnxscan.pure import Step, init_opt_state, split_wrt
 from nnxscan.shell import EarlyStopping, Trainer
 
-from conftest import MLP, assert_trees_close, xent
+from conftest import ACROSS_PROGRAMS, MLP, assert_trees_close, xent
 
 TX = optax.sgd(0.1)
 W = jax.random.normal(jax.random.key(1), (4, 3))
@@ -60,12 +60,13 @@ def test_fit_without_data_trains_what_a_scan_of_update_trains(reference):
     state, opt_state, losses, first_x = reference
     trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
     history = trainer.fit(None, epochs=3, steps_per_epoch=50, progress=False)
-    np.testing.assert_array_equal(history.losses, losses)
+    # The hand-written scan is another program than fit's: to rounding (conftest).
+    np.testing.assert_allclose(history.losses, losses, **ACROSS_PROGRAMS)
     assert trainer.step == 150 and trainer.epoch == 3
     assert [e["steps"] for e in history.epochs] == [50, 50, 50]
     np.testing.assert_allclose(history.epochs[1]["first_x"], first_x[50:100].mean(), rtol=1e-6)
-    assert_trees_close(trainer.model, state, exact=True)
-    np.testing.assert_array_equal(
+    assert_trees_close(trainer.model, state)
+    np.testing.assert_array_equal(  # the key: integers
         jax.random.key_data(trainer._owner.opt_state["key"]), jax.random.key_data(opt_state["key"])
     )
 
@@ -107,7 +108,8 @@ def test_progress_logs_names_what_the_line_shows(capsys):
 def test_calls_of_a_few_steps_and_cuts_then_resumes_end_where_one_run_ends(reference, tmp_path):
     """Cut twice inside the second epoch (at steps 70 and 90, saved there), resumed each
     time: the model, the losses and every epoch's logs, the aux means of the cut epoch
-    too, are those of the uninterrupted scan."""
+    too, are those of the uninterrupted fit (bitwise: the same calls of 10 steps) and of
+    the hand-written scan (to rounding: another program)."""
     state, _, losses, first_x = reference
 
     class Cut:
@@ -127,13 +129,19 @@ def test_calls_of_a_few_steps_and_cuts_then_resumes_end_where_one_run_ends(refer
     again = Trainer(MLP(rngs=nnx.Rngs(5)), train_step=SAMPLER)
     history = again.fit(None, **fit)
     assert again.step == 150
-    assert_trees_close(again.model, state, exact=True)
-    np.testing.assert_array_equal(history.losses, losses)
+    straight = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER)
+    straight_history = straight.fit(None, **{**fit, "checkpoint_dir": tmp_path / "straight"})
+    assert_trees_close(again.model, straight.model, exact=True)
+    np.testing.assert_array_equal(history.losses, straight_history.losses)
+    for logs, straight_logs in zip(history.epochs, straight_history.epochs, strict=True):
+        assert (logs["loss"], logs["first_x"]) == (straight_logs["loss"], straight_logs["first_x"])
+    assert_trees_close(again.model, state)
+    np.testing.assert_allclose(history.losses, losses, **ACROSS_PROGRAMS)
     for epoch, logs in enumerate(history.epochs):
         steps = slice(50 * epoch, 50 * (epoch + 1))
         assert logs["steps"] == 50 and logs["epoch"] == epoch
-        assert logs["loss"] == float(losses[steps].mean())
-        assert logs["first_x"] == float(first_x[steps].mean()), epoch  # all 50 steps'
+        assert logs["loss"] == pytest.approx(float(losses[steps].mean()), rel=1e-5)
+        assert logs["first_x"] == pytest.approx(float(first_x[steps].mean()), rel=1e-6), epoch
 
 
 def test_early_stopping_watches_a_scalar_the_step_reports():

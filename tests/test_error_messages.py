@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import flax.linen as nn
+import jax
 import numpy as np
 import optax
 import pytest
@@ -134,3 +135,107 @@ def test_a_missing_extra_in_the_library_raises_one_import_error(monkeypatch):
     message = str(error.value)
     assert "pip install 'nnxscan[tensorboard]'" in message
     assert "pip install -e '.[tensorboard]'" in message
+
+
+# -- a step that reads a global object: its own argument, or truly captured --------------------
+
+# The newcomer's code: the model and its optimizer are globals, and the step, meant to use
+# its arguments, reads the global `policy` (which IS the model it is called with).
+policy = MLP(rngs=nnx.Rngs(0))
+policy_optimizer = nnx.Optimizer(policy, optax.adam(1e-2), wrt=nnx.Param)
+teacher = MLP(rngs=nnx.Rngs(1))  # another model, read by the step: truly captured
+
+
+def step_reading_the_global_model(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(lambda m: xent(policy, batch))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def step_reading_the_global_optimizer(model, opt, batch):
+    loss, grads = nnx.value_and_grad(xent)(model, batch)
+    policy_optimizer.update(model, grads)
+    return loss
+
+
+def step_reading_a_submodule_of_the_model(model, optimizer, batch):
+    return xent(model, batch) + policy.l1.kernel[...].sum() * 0.0
+
+
+def step_reading_a_teacher(model, optimizer, batch):
+    target = jax.nn.softmax(teacher(batch["x"]))
+    loss, grads = nnx.value_and_grad(
+        lambda m: optax.softmax_cross_entropy(m(batch["x"]), target).mean()
+    )(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+ARGUMENT = r"which is the very object it receives as its argument '{0}'\. Use the argument \({0}\)"
+CAPTURED = {
+    "the model, from scan_train": (
+        lambda b: scan_train(
+            policy, policy_optimizer, batches=b, train_step=step_reading_the_global_model
+        ),
+        r"train_step captures an NNX object \(MLP\) \(the global 'policy'\), "
+        + ARGUMENT.format("model"),
+    ),
+    "the model, from Trainer": (
+        lambda b: Trainer(policy, policy_optimizer, train_step=step_reading_the_global_model),
+        r"the global 'policy'\), " + ARGUMENT.format("model"),
+    ),
+    "the optimizer, by the step's own name for it": (
+        lambda b: scan_train(
+            policy, policy_optimizer, batches=b, train_step=step_reading_the_global_optimizer
+        ),
+        r"\(Optimizer\) \(the global 'policy_optimizer'\), " + ARGUMENT.format("opt"),
+    ),
+    "the model, read for a part of it": (
+        lambda b: scan_train(
+            policy, policy_optimizer, batches=b, train_step=step_reading_a_submodule_of_the_model
+        ),
+        r"\(the global 'policy'\), which is the very object",
+    ),
+    "the model, in a loss": (
+        lambda b: Trainer(policy, optax.adam(1e-2), lambda m, batch: xent(policy.l1, batch)),
+        r"loss_fn captures .* \(the global 'policy'\), " + ARGUMENT.format("m"),
+    ),
+    "the model, in scan_train's loss": (
+        lambda b: scan_train(policy, policy_optimizer, lambda mdl, batch: xent(policy, batch), b),
+        r"loss_fn captures .* \(the global 'policy'\), " + ARGUMENT.format("mdl"),
+    ),
+    "another model: extras": (
+        lambda b: scan_train(
+            policy, policy_optimizer, batches=b, train_step=step_reading_a_teacher
+        ),
+        r"train_step captures an NNX object \(MLP\) \(the global 'teacher'\)\. Inside the compiled "
+        r"step it would be a constant, never updated\. Pass it in extras=\(\.\.\., it\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CAPTURED), ids=list(CAPTURED))
+def test_a_captured_object_is_told_apart_from_the_steps_own_argument(case, compile_count):
+    """Reading the global that IS the step's argument is fixed by using the argument;
+    reading another object, by passing it in extras. Nothing compiles, nothing changes."""
+    call, message = CAPTURED[case]
+    rng = np.random.default_rng(0)
+    batches = {"x": rng.normal(size=(3, 8, 4)).astype(np.float32), "y": np.zeros((3, 8), np.int32)}
+    before, compiled = state_arrays((policy, policy_optimizer)), compile_count()
+    with pytest.raises(TypeError, match=message) as error:
+        call(batches)
+    assert ("extras" in str(error.value)) == (case == "another model: extras")
+    assert compile_count() == compiled
+    for got, want in zip(state_arrays((policy, policy_optimizer)), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_submodule_of_the_model_is_named_by_its_path():
+    def loss(model, batch):
+        return xent(model, batch) + encoder.kernel[...].sum()
+
+    model = MLP(rngs=nnx.Rngs(0))
+    encoder = model.l1  # a closure variable holding a part of the model
+    with pytest.raises(TypeError, match=r"which is model\.l1, a part of the object it receives "
+                       r"as its argument 'model'\. Use the argument \(model\.l1\)"):  # fmt: skip
+        Trainer(model, optax.adam(1e-2), loss)

@@ -196,7 +196,7 @@ def test_a_steps_own_hyperparameter_state_is_not_logged_as_the_learning_rate(dat
     assert stretch_count() == 1
     reference = MLP(rngs=nnx.Rngs(0))
     Trainer(reference, TX, xent).fit(data, epochs=2, batch_size=BS, seed=3, progress=False)
-    assert_trees_close(model, reference, exact=True)
+    assert_trees_close(model, reference)  # another step's program: to rounding (conftest)
 
 
 def test_no_host_sync_per_step_only_one_per_epoch(data, monkeypatch):

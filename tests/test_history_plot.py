@@ -53,6 +53,14 @@ def test_plot_returns_the_path_and_handles_non_positive_losses(tmp_path):
     _read_png(out)
 
 
+def test_plot_creates_the_folders_of_its_path_as_the_writers_do(tmp_path):
+    history = History()
+    history._append(np.array([0.5, 0.25, 0.1]), {"epoch": 0, "steps": 3})
+    out = history.plot(tmp_path / "t3" / "deeper" / "pop.png")
+    assert out == tmp_path / "t3" / "deeper" / "pop.png"
+    _read_png(out)
+
+
 def test_plot_of_an_empty_history_raises(tmp_path):
     with pytest.raises(ValueError, match="nothing to plot"):
         History().plot(tmp_path / "empty.png")

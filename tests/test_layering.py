@@ -328,8 +328,8 @@ PUBLIC = {
         "Step", "make_train_step", "init_opt_state", "scan_steps", "make_epoch", "epoch_order",
         "make_eval_step", "make_evaluate", "make_evaluate_metrics", "split_wrt",
         "all_finite", "tree_select", "halt_after_nonfinite", "canonical_conv_layout",
-        "stack_states", "unstack_states", "with_hyperparams", "make_population_epoch",
-        "scan_indexed_steps", "scan_member_steps", "member_state", "select_members",
+        "stack_states", "unstack_states", "with_hyperparams", "vmap_members", "MembersState",
+        "HaltState", "scan_indexed_steps", "member_state", "select_members",
         "hyperparam_names", "hyperparam_value", "nnx_train_step", "step_outputs",
         "skip_nonfinite",
     },
@@ -337,7 +337,7 @@ PUBLIC = {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",
         "enable_compilation_cache", "Preempted", "NonFiniteLossWarning",
         "Population", "train_tasks", "FitArguments", "find_learning_rate",
-        "LRFinderResult",
+        "LRFinderResult", "load_model",
     },
 }  # fmt: skip
 

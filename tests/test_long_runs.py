@@ -1,7 +1,9 @@
 """Long runs that survive interruption: resume by rerunning, mid-epoch checkpoints, signals.
 
 The reference is always the same run, never interrupted, in the same process: a resumed
-run must end bitwise where it would have ended.
+run must end bitwise where it would have ended. Bitwise on every CPU: the reference runs the
+same calls (its ``steps_per_call`` is the checkpoints' cadence), or calls of whole epochs
+whose steps are the same loop body (conftest's ACROSS_PROGRAMS says why that suffices).
 """
 
 from __future__ import annotations

@@ -34,11 +34,19 @@ def alone(data, rate, tx, steps=STEPS):
 
 
 @pytest.fixture(scope="module")
-def found(data):
-    return find_learning_rate(
-        mlp, xent, data, batch_size=BATCH, min_lr=MIN_LR, max_lr=MAX_LR, num=NUM,
-        steps=STEPS, seed=SEED, window=3,
-    )  # fmt: skip
+def found_and_warnings(data):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = find_learning_rate(
+            mlp, xent, data, batch_size=BATCH, min_lr=MIN_LR, max_lr=MAX_LR, num=NUM,
+            steps=STEPS, seed=SEED, window=3,
+        )  # fmt: skip
+    return result, [w for w in caught if issubclass(w.category, UserWarning)]
+
+
+@pytest.fixture(scope="module")
+def found(found_and_warnings):
+    return found_and_warnings[0]
 
 
 def injected_adam(rate):
@@ -97,13 +105,16 @@ def test_the_suggestion_is_the_smallest_rate_within_tolerance_of_the_best():
 @pytest.mark.slow
 def test_a_diverging_rate_is_excluded_and_frozen_where_its_loss_became_non_finite(data):
     """SGD at 1e-2, 1e2 and 1e6: the two large rates blow up (one to a non-finite loss, in
-    the middle of a call of 7 steps), the small one trains; no warning escapes."""
+    the middle of a call of 7 steps), the small one trains; no warning escapes but the one
+    that says the suggestion is the smallest rate tried."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        result = find_learning_rate(
-            mlp, xent, data, batch_size=BATCH, min_lr=1e-2, max_lr=1e6, num=3, steps=20,
-            optimizer=optax.sgd, seed=SEED, steps_per_call=7,
-        )  # fmt: skip
+        with pytest.warns(UserWarning, match=r"smallest rate tried.*lower min_lr") as caught:
+            result = find_learning_rate(
+                mlp, xent, data, batch_size=BATCH, min_lr=1e-2, max_lr=1e6, num=3, steps=20,
+                optimizer=optax.sgd, seed=SEED, steps_per_call=7,
+            )  # fmt: skip
+    assert len(caught) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NonFiniteLossWarning)  # the reference runs blow up
         references = [
@@ -129,6 +140,44 @@ def test_a_diverging_rate_is_excluded_and_frozen_where_its_loss_became_non_finit
     assert "diverged" in result.table().splitlines()[-1]
 
 
+def sgd_range(min_lr, max_lr):
+    """An SGD range test of 3 rates, and the warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = find_learning_rate(
+            mlp, xent, data=make_data(), batch_size=BATCH, min_lr=min_lr, max_lr=max_lr,
+            num=3, steps=STEPS, optimizer=optax.sgd, seed=SEED,
+        )  # fmt: skip
+    return result, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_a_suggestion_at_either_end_of_the_range_warns_to_widen_it():
+    """Whether the suggestion sits at an end is read from the result itself (its rates,
+    final losses and the stated rule), not from a machine's digits."""
+    # SGD learns faster the larger its rate here: the largest rate tried is suggested.
+    result, messages = sgd_range(1e-2, 1.0)
+    assert result.suggestion == result.learning_rates[-1] and not result.diverged.any()
+    assert result.best == 2  # the lowest final loss is the largest rate's
+    assert len(messages) == 1 and "the suggestion 1 is the largest rate tried" in messages[0]
+    assert "raise max_lr" in messages[0]
+    # Rates too small to train in 10 steps: every final loss ties within the tolerance,
+    # and the rule's smallest rate says nothing; the message says so, and to widen upward.
+    result, messages = sgd_range(1e-5, 1e-3)
+    finals = result.final_losses
+    assert (finals <= finals.min() * 1.1).all() and not result.diverged.any()
+    assert result.suggestion == result.learning_rates[0]
+    assert len(messages) == 1 and "does not tell the rates apart" in messages[0]
+    assert "raise max_lr" in messages[0] and "1e-05 to 0.001" in messages[0]
+    # (A smallest rate suggested because every larger one diverged: lower min_lr, in
+    # test_a_diverging_rate_is_excluded_and_frozen_where_its_loss_became_non_finite.)
+
+
+def test_a_suggestion_inside_the_range_does_not_warn(found_and_warnings):
+    result, caught = found_and_warnings
+    assert 0 < list(result.learning_rates).index(result.suggestion) < NUM - 1
+    assert caught == []
+
+
 def test_the_figure_draws_a_curve_per_rate_and_final_loss_against_a_log_rate(found, tmp_path):
     fig = found.plot(tmp_path / "lr.png")
     assert (tmp_path / "lr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -151,10 +200,11 @@ def test_the_figure_draws_a_curve_per_rate_and_final_loss_against_a_log_rate(fou
     assert list(marker.get_xdata()) == [found.suggestion] * 2  # a vertical line
 
 
-def test_the_figure_marks_diverged_rates_with_crosses():
+def test_the_figure_marks_diverged_rates_with_crosses(tmp_path):
     result = result_with([1.0, 0.5, 0.4, 3.0, np.nan], [False, False, False, True, True])
     result = LRFinderResult(**{**result.__dict__, "suggestion": result.suggest()})
-    _, finals = result.plot().axes
+    _, finals = result.plot(tmp_path / "new" / "folder" / "lr.png").axes  # folders made
+    assert (tmp_path / "new" / "folder" / "lr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     crosses = [line for line in finals.get_lines() if line.get_marker() == "x"]
     xs = sorted(x for line in crosses for x in line.get_xdata())
     assert xs == [1e-1, 1.0]  # the one above the start at its loss, the NaN one at the top
@@ -207,6 +257,7 @@ def test_lr_find_demo_prints_a_table_and_writes_the_figure(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.filterwarnings("ignore:the suggestion .* rate tried")
 def test_a_data_set_not_a_multiple_of_the_batch_drops_the_rest_as_trainer_does():
     data = make_data(n=37)  # 2 batches of 16 an epoch, 5 examples dropped each epoch
     result = find_learning_rate(

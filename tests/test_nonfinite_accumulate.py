@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from nnxscan.pure import (
+    HaltState,
     halt_after_nonfinite,
     init_opt_state,
     make_train_step,
@@ -146,7 +147,7 @@ def test_halt_after_nonfinite_stops_before_the_bad_step(poisoned):
 
     graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
     halting = halt_after_nonfinite(make_train_step(xent, TX, skip_nonfinite=True))
-    carry = (init_opt_state(TX, state), jnp.bool_(False))
-    state, (_, halted), losses = scan_jit(halting, graphdef, state, carry, poisoned)
-    assert bool(halted) and np.isnan(losses[BAD:]).all() and np.isfinite(losses[:BAD]).all()
+    carry = HaltState(init_opt_state(TX, state), jnp.bool_(False))
+    state, halt, losses = scan_jit(halting, graphdef, state, carry, poisoned)
+    assert bool(halt.halted) and np.isnan(losses[BAD:]).all() and np.isfinite(losses[:BAD]).all()
     assert_trees_close(state, nnx.state(ref))

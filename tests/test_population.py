@@ -15,10 +15,10 @@ from nnxscan.pure import (
     epoch_order,
     init_opt_state,
     make_epoch,
-    make_population_epoch,
     make_train_step,
     stack_states,
     unstack_states,
+    vmap_members,
     with_hyperparams,
 )
 from nnxscan.shell import Population, Trainer
@@ -104,8 +104,9 @@ def test_with_hyperparams_returns_a_new_state_and_names_what_exists():
 
 
 @pytest.mark.slow
-def test_population_epoch_equals_make_epoch_per_member(data):
-    """The pure population epoch, member by member, against make_epoch on that member alone."""
+def test_the_members_epoch_equals_make_epoch_per_member(data):
+    """``make_epoch`` of ``vmap_members(step)``, member by member, against ``make_epoch`` of
+    the step on that member alone (its own order, its own learning rate)."""
     tx = injected_adam()
     step = make_train_step(xent, tx)
     splits = [nnx.split(BNDropout(rngs=nnx.Rngs(s))) for s in SEEDS]
@@ -115,32 +116,37 @@ def test_population_epoch_equals_make_epoch_per_member(data):
         with_hyperparams(init_opt_state(tx, s), learning_rate=r)
         for s, r in zip(states, RATES, strict=True)
     ]
+    members = vmap_members(step, hyperparams={"learning_rate": RATES})
+    start = members.init(graphdef, stack_states(states))
+    assert_trees_close(start.inner, stack_states(opts), exact=True)  # = with_hyperparams
     orders = np.stack([epoch_order(s, 0, 64) for s in SEEDS])
-    epoch = jax.jit(make_population_epoch(step, batch_size=BS), static_argnums=0)
-    s_all, o_all, losses = epoch(graphdef, stack_states(states), stack_states(opts), data, orders)
+    epoch = jax.jit(make_epoch(members, batch_size=BS), static_argnums=0)
+    s_all, o_all, losses = epoch(graphdef, stack_states(states), start, data, orders)
     assert losses.shape == (64 // BS, 3)
     one_epoch = jax.jit(make_epoch(step, batch_size=BS), static_argnums=0)
     for i in range(3):
         s_one, o_one, l_one = one_epoch(graphdef, states[i], opts[i], data, orders[i])
+        # vmapped, XLA may order a reduction otherwise: equal to rounding.
         np.testing.assert_allclose(losses[:, i], l_one, rtol=1e-5, atol=1e-6)
         assert_trees_close(unstack_states(s_all)[i], s_one)
-        assert_trees_close(unstack_states(o_all)[i], o_one)
-    with pytest.raises(ValueError, match=r"orders has shape \(2, 64\).*\(3, 64\)"):
-        epoch(graphdef, stack_states(states), stack_states(opts), data, orders[:2])
+        assert_trees_close(unstack_states(o_all.inner)[i], o_one)
+    with pytest.raises(ValueError, match=r"order has shape \(3, 63\)"):
+        epoch(graphdef, stack_states(states), start, data, orders[:, :63])
+    with pytest.raises(ValueError, match=r"batch\['x'\] has 2 members.*3 members"):
+        epoch(graphdef, stack_states(states), start, data, orders[:2])
 
     # active=False freezes a member at every step: its state, RNG counts and optax state
     # stay bitwise; the others train as without the mask.
-    active = np.array([True, False, True])
-    s_mask, o_mask, l_mask = epoch(
-        graphdef, stack_states(states), stack_states(opts), data, orders, active
-    )
+    frozen = start._replace(active=np.array([True, False, True]))
+    s_mask, o_mask, l_mask = epoch(graphdef, stack_states(states), frozen, data, orders)
     assert_trees_close(unstack_states(s_mask)[1], states[1], exact=True)
-    assert_trees_close(unstack_states(o_mask)[1], opts[1], exact=True)
+    assert_trees_close(unstack_states(o_mask.inner)[1], opts[1], exact=True)
     for i in (0, 2):
         np.testing.assert_allclose(l_mask[:, i], losses[:, i], rtol=1e-6, atol=1e-7)
         assert_trees_close(unstack_states(s_mask)[i], unstack_states(s_all)[i])
-    with pytest.raises(ValueError, match=r"active has shape \(2,\)"):
-        epoch(graphdef, stack_states(states), stack_states(opts), data, orders, active[:2])
+    with pytest.raises(ValueError, match=r"active has shape \(2,\).*3 members"):
+        epoch(graphdef, stack_states(states), start._replace(active=frozen.active[:2]), data,
+              orders)  # fmt: skip
 
 
 # -- the shell: each member is a Trainer run alone --------------------------------------------

@@ -1,6 +1,7 @@
 """What a Population gained from the one fit engine, each against an independent reference:
 N single-model Trainer runs (equal up to the documented float rounding of a vmapped step),
-or an uninterrupted population run (bitwise)."""
+or an uninterrupted population run (bitwise where both run the same compiled calls or the
+same loop body: conftest's ACROSS_PROGRAMS says when)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from flax import nnx
 
 from nnxscan.shell import EarlyStopping, LambdaCallback, Population, Preempted, Trainer
 
-from conftest import MLP, BNDropout, assert_trees_close, make_data, state_arrays, xent
+from conftest import MLP, BNDropout, assert_trees_close, make_data, xent
 
 # One optimizer for every run: the programs are cached by it, so each member's reference
 # Trainer and each rerun compiles nothing new (optax transforms hold no state).
@@ -40,12 +41,10 @@ def assert_members_match(pop, history, trainers_and_histories, rtol=1e-5, atol=1
         assert_trees_close(pop.member(i), trainer.model, rtol=1e-4, atol=1e-6)
 
 
-def assert_same_population(a, b):
+def assert_same_population(a, b, exact=True):
+    """Every member's state and optax state, bitwise (``exact``) or to rounding."""
     for tree in ("state", "opt_state"):
-        for x, y in zip(
-            state_arrays(getattr(a, tree)), state_arrays(getattr(b, tree)), strict=True
-        ):
-            np.testing.assert_array_equal(x, y)
+        assert_trees_close(getattr(a, tree), getattr(b, tree), exact=exact)
     assert (a.step, a.epoch) == (b.step, b.epoch)
 
 
@@ -115,8 +114,11 @@ def test_steps_per_call_and_fused_epochs_train_bitwise_what_one_call_per_epoch_t
     chunked, chunked_history = run(steps_per_call=3, callbacks=[counting])
     assert calls[:4] == [3, 6, 7, 10]  # calls of 3 steps, cut at each 7-step epoch's end
     fused, fused_history = run()  # no hooks: the 4 epochs run as one compiled call
-    for other, history in ((chunked, chunked_history), (fused, fused_history)):
-        assert_same_population(other, separate)
+    # Fused, the epochs' steps are the same loop body (conftest): bitwise. Chunked, the call
+    # of 1 step (6 to 7) is no loop at all (XLA inlines a loop of one trip): another program
+    # for that step, so to rounding.
+    for other, history, exact in ((chunked, chunked_history, False), (fused, fused_history, True)):
+        assert_same_population(other, separate, exact=exact)
         np.testing.assert_allclose(history.losses, reference.losses, rtol=1e-6)
         assert [e["epoch"] for e in history.epochs] == [0, 1, 2, 3]
 
@@ -233,7 +235,7 @@ def test_step_checkpoints_resume_mid_epoch_by_rerunning_bitwise(straight, tmp_pa
     with pytest.raises(cut_error):
         run([callback])
     pop, history = run()
-    assert_same_population(pop, reference)
+    assert_same_population(pop, reference)  # the same calls (steps 0-3, 3-6, 6-7, ...): bitwise
     np.testing.assert_allclose(history.losses, ref_history.losses, rtol=1e-6)
     assert [e["epoch"] for e in history.epochs] == [0, 1, 2]
 

@@ -197,6 +197,7 @@ def test_checkpoint_resume_equals_a_straight_run(data, tmp_path):
     history = resumed.fit(data, epochs=4, batch_size=BS, checkpoint_dir=tmp_path, resume=True)
     assert (resumed.epoch, resumed.step) == (4, 32)
     assert resumed.active.tolist() == [True, True, False]
+    # Bitwise: calls of whole epochs, fused or not, scan the same loop body (conftest).
     for a, b in zip(state_arrays(resumed.state), state_arrays(straight.state), strict=True):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(state_arrays(resumed.opt_state), state_arrays(straight.opt_state), strict=True):
@@ -256,6 +257,7 @@ def test_sigterm_saves_after_the_epoch_and_a_resume_equals_a_straight_run(data, 
     assert first.epoch == 2  # the epoch in flight finished
     resumed = make()
     history = resumed.fit(data, epochs=3, batch_size=BS, checkpoint_dir=tmp_path, resume=True)
+    # Bitwise: calls of whole epochs, fused or not, scan the same loop body (conftest).
     np.testing.assert_array_equal(history.losses, full.losses)
     for a, b in zip(state_arrays(resumed.state), state_arrays(straight.state), strict=True):
         np.testing.assert_array_equal(a, b)

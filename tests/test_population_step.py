@@ -184,6 +184,8 @@ def test_resume_after_a_cut_equals_the_uninterrupted_run_bitwise(data, tmp_path)
     resumed = make()
     history = resumed.fit(data, epochs=3, batch_size=BS, checkpoint_dir=tmp_path, resume=True)
     assert (resumed.epoch, resumed.step) == (3, 24) and resumed.active.tolist() == [1, 1, 0]
+    # Bitwise: every call (5, 3, 2 steps before the cut; 6, 8 after it; whole epochs
+    # straight) scans the same loop body (conftest's ACROSS_PROGRAMS says why that holds).
     for tree in ("state", "opt_state"):  # both optax states, every member, bitwise
         ours, theirs = state_arrays(getattr(resumed, tree)), state_arrays(getattr(straight, tree))
         for a, b in zip(ours, theirs, strict=True):

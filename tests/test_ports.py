@@ -23,7 +23,7 @@ from nnxscan.adapters.linen import LinenModule
 from nnxscan.pure import init_opt_state, make_evaluate_metrics, make_train_step, scan_steps
 from nnxscan.shell import Trainer, scan_train
 
-from conftest import MLP, assert_trees_close, make_data, reference_loop, xent
+from conftest import ACROSS_PROGRAMS, MLP, assert_trees_close, make_data, reference_loop, xent
 
 # -- the Flax NNX MNIST tutorial, verbatim (model, loss, metrics, train and eval steps) -------
 
@@ -123,10 +123,42 @@ def tutorial_run(mnist_like):
     return model, optimizer, rngs, per_epoch, evaluation
 
 
+def assert_close_but_biases_before_batchnorm(got, want, biases: set[str], bound: float):
+    """Every float leaf to rounding (two programs: conftest's ACROSS_PROGRAMS), integers
+    exactly, except the biases (and their optimizer state) of the layers feeding a
+    BatchNorm: the normalization removes them, so their gradient is rounding noise, which
+    Adam turns into steps of up to its learning rate either way; the two programs' noise
+    may differ, so those are only held within ``bound`` (the steps' rates summed, twice)."""
+    want_leaves = dict(jax.tree_util.tree_leaves_with_path(state_arrays_by_path(want)))
+    for path, a in jax.tree_util.tree_leaves_with_path(state_arrays_by_path(got)):
+        name = [str(getattr(k, "key", k)) for k in path]
+        b = want_leaves[path]
+        if not np.issubdtype(a.dtype, np.inexact):
+            np.testing.assert_array_equal(a, b, err_msg=str(name))
+        elif "bias" in name and biases & set(name):
+            np.testing.assert_allclose(a, b, rtol=0, atol=bound, err_msg=str(name))
+        else:
+            np.testing.assert_allclose(a, b, **ACROSS_PROGRAMS, err_msg=str(name))
+
+
+def state_arrays_by_path(node):
+    """``nnx.state(node)`` as host arrays (RNG keys as their raw data), paths kept."""
+
+    def host(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(x)
+
+    return jax.tree.map(host, nnx.state(node))
+
+
 # "auto" scans the epoch: on the CPU its convolutions are canonicalized like the tutorial's
-# per-step program's, so it gives the tutorial's bits too.
+# per-step program's, so it runs the same convolution kernels. Still two programs, so to
+# rounding (on the CPUs tested, bitwise).
 @pytest.mark.parametrize("execution", [pytest.param("step", marks=pytest.mark.slow), "auto"])
-def test_the_mnist_tutorial_runs_through_trainer_bitwise(mnist_like, tutorial_run, execution):
+def test_the_mnist_tutorial_runs_through_trainer_as_its_own_loop(
+    mnist_like, tutorial_run, execution
+):
     train, test = mnist_like
     ref_model, ref_optimizer, ref_rngs, ref_epochs, ref_eval = tutorial_run
     # The port of the tutorial's training section: its own objects, no edit to them.
@@ -139,20 +171,22 @@ def test_the_mnist_tutorial_runs_through_trainer_bitwise(mnist_like, tutorial_ru
     )  # fmt: skip
     history = trainer.fit(train, epochs=2, batch_size=32, shuffle=False, progress=False)
 
-    assert_trees_close(model, ref_model, exact=True)  # params and batch statistics
-    assert_trees_close(rngs, ref_rngs, exact=True)  # RNG keys and counts
-    assert_trees_close(optimizer, ref_optimizer, exact=True)  # optax state and step
+    convs = {"conv1", "conv2"}  # each feeds a BatchNorm; adamw at 0.005, 6 steps
+    assert_close_but_biases_before_batchnorm(model, ref_model, convs, 2 * 6 * 0.005)
+    assert_trees_close(rngs, ref_rngs, exact=True)  # RNG keys and counts: integers
+    assert_close_but_biases_before_batchnorm(optimizer, ref_optimizer, convs, 2 * 6 * 0.005)
     for logs, ref in zip(history.epochs, ref_epochs, strict=True):
-        assert logs["train_accuracy"] == ref["accuracy"]
+        # An argmax may flip between the two programs' roundings: one example of 96.
+        assert logs["train_accuracy"] == pytest.approx(ref["accuracy"], abs=1.01 / 96)
         # The loss is not on the gradients' path: XLA may reduce it in another order in
         # the two programs (1 ulp on an AVX-512 machine, bitwise on others).
-        np.testing.assert_allclose(logs["train_loss"], ref["loss"], rtol=1e-6)
+        np.testing.assert_allclose(logs["train_loss"], ref["loss"], rtol=1e-5)
     # Its evaluation loop: the trainer's metrics, in eval mode, never touching the objects.
     before = [np.array(x) for x in jax.tree.leaves(nnx.state(metrics))]
     evaluation = trainer.evaluate(test, batch_size=8)
     assert evaluation.keys() == ref_eval.keys()
-    for key, value in ref_eval.items():
-        np.testing.assert_allclose(evaluation[key], value, rtol=1e-6)
+    for key, value in ref_eval.items():  # accuracy over 40 examples: one may flip
+        np.testing.assert_allclose(evaluation[key], value, rtol=1e-5, atol=1.01 / 40)
     after = [np.array(x) for x in jax.tree.leaves(nnx.state(metrics))]
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
     assert_trees_close(rngs, ref_rngs, exact=True)
@@ -336,7 +370,13 @@ def test_a_linen_model_trains_as_a_train_state_loop_and_evaluates_in_eval_mode(d
     want = {layer: {**params.get(layer, {}), **stats.get(layer, {})} for layer in params}
     for path, leaf in jax.tree_util.tree_leaves_with_path(ours):
         layer, name = path[0].key, path[1].key
-        np.testing.assert_array_equal(np.asarray(leaf), want[layer][name])
+        # Two programs (Trainer's step, the TrainState loop's): to rounding (conftest),
+        # but Dense_0's bias, before the BatchNorm: rounding noise that Adam turns into
+        # steps of up to its rate (1e-2, 4 steps).
+        if (layer, name) == ("Dense_0", "bias"):
+            np.testing.assert_allclose(np.asarray(leaf), want[layer][name], atol=2 * 4 * 1e-2)
+        else:
+            np.testing.assert_allclose(np.asarray(leaf), want[layer][name], **ACROSS_PROGRAMS)
 
     def accuracy(model, batch):
         return jnp.mean(model(batch["x"]).argmax(-1) == batch["y"])

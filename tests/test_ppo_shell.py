@@ -24,6 +24,8 @@ from nnxscan.shell import LambdaCallback, Population, Preempted, Trainer, cli
 from nnxscan.shell.demos import ppo_demo
 from nnxscan.shell.demos.ppo import PPOConfig, make_policy, make_ppo_step, make_ppo_train
 
+from conftest import ACROSS_PROGRAMS
+
 ENV, ENV_PARAMS = gymnax.make("CartPole-v1")
 TINY = PPOConfig(
     num_envs=2, num_steps=16, update_epochs=2, num_minibatches=2, hidden=8,
@@ -69,9 +71,14 @@ def test_sigterm_saves_raises_preempted_and_the_rerun_ends_as_one_program_does(a
     history = again.fit(None, **fit)
     want = alone(4)
     assert again.step == 6
-    np.testing.assert_array_equal(history.losses, np.asarray(want.metrics["loss"]))
+    # One call per update against the whole run in one program: two programs, to rounding
+    # (conftest's ACROSS_PROGRAMS); over 6 updates PPO's sampling keeps them that close.
+    np.testing.assert_allclose(history.losses, want.metrics["loss"], **ACROSS_PROGRAMS)
     for got, expected in zip(_bits(nnx.state(again.model)), _bits(want.state), strict=True):
-        np.testing.assert_array_equal(got, expected)
+        if np.issubdtype(got.dtype, np.inexact):
+            np.testing.assert_allclose(got, expected, **ACROSS_PROGRAMS)
+        else:  # the run key
+            np.testing.assert_array_equal(got, expected)
     returns = np.asarray(want.metrics["episode_return"]).reshape(2, 3).mean(axis=1)
     # Each epoch logs the mean return of all its steps, the one preempted after its first
     # step too (that step's return was saved with the checkpoint), and so its loss.
@@ -219,5 +226,6 @@ def test_ppo_killed_at_random_moments_and_rerun_ends_bitwise_as_the_uninterrupte
     _run_to_end(tmp_path / "run", tmp_path / "run.npz", cache)
     want, got = np.load(tmp_path / "reference.npz"), np.load(tmp_path / "run.npz")
     assert sorted(want.files) == sorted(got.files) and len(want.files) > 10
+    # Bitwise: every call of both runs is the same compiled program (one update a call).
     for name in want.files:  # weights, run key, optax state, environments, keys, losses
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)

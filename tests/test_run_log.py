@@ -88,10 +88,10 @@ def truncated_by_a_kill(monkeypatch, at: str, calls: int = 3):
             raise Killed
         append(path, data)
 
-    def dying_write(path, step, manifest, buffers):
+    def dying_write(path, step, manifest, buffers, item):
         if at == "before_checkpoint" and count[0] == calls:
             raise Killed
-        return write(path, step, manifest, buffers)
+        return write(path, step, manifest, buffers, item)
 
     monkeypatch.setattr(files, "append_log", dying_append)
     monkeypatch.setattr(files, "write", dying_write)

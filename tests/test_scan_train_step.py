@@ -16,7 +16,7 @@ from flax import nnx
 from nnxscan.pure import Step, init_opt_state, split_wrt
 from nnxscan.shell import scan_train
 
-from conftest import MLP, assert_trees_close, state_arrays, xent
+from conftest import ACROSS_PROGRAMS, MLP, assert_trees_close, state_arrays, xent
 
 STEPS, BATCH = 6, 8
 
@@ -66,9 +66,10 @@ def test_qa_step_under_scan_train_equals_flaxs_nnx_scan():
     ref_losses = _flax_scan((ref_policy, ref_optimizer), batches)
 
     assert losses.shape == (STEPS,)
-    np.testing.assert_array_equal(np.asarray(losses), np.asarray(ref_losses))
-    assert_trees_close(policy, ref_policy, exact=True)
-    assert_trees_close(optimizer, ref_optimizer, exact=True)  # moments and step
+    # Flax's nnx.scan is another program (its own loop body): equal to rounding (conftest).
+    np.testing.assert_allclose(np.asarray(losses), np.asarray(ref_losses), **ACROSS_PROGRAMS)
+    assert_trees_close(policy, ref_policy)
+    assert_trees_close(optimizer, ref_optimizer)  # moments, and the step exactly
     assert int(optimizer.step[...]) == STEPS
     untrained = state_arrays(MLP(rngs=nnx.Rngs(0)))
     assert all(np.any(x != y) for x, y in zip(state_arrays(policy), untrained, strict=True))
@@ -143,7 +144,9 @@ def test_tutorial_train_step_with_extras_equals_its_per_step_loop():
         tutorial_train_step(*ref, batch)
 
     for ours, theirs in zip((model, optimizer, metrics, rngs), ref, strict=True):
-        assert_trees_close(ours, theirs, exact=True)  # dropout keys: exact
+        # The per-step program is another program than the scan: floats to rounding
+        # (conftest); dropout keys and counts (integers) exactly.
+        assert_trees_close(ours, theirs)
     computed, ref_computed = metrics.compute(), ref[2].compute()
     for name in ("accuracy", "loss"):
         np.testing.assert_allclose(computed[name], ref_computed[name], rtol=1e-6)
@@ -205,10 +208,11 @@ def test_pure_step_equals_a_hand_written_lax_scan_of_its_update():
     (losses, aux), opt_state = scan_train(model, batches=batches, train_step=EMA_STEP)
 
     state, ref_opt_state, (ref_losses, ref_aux) = _hand_reference(batches)
-    np.testing.assert_array_equal(np.asarray(losses), np.asarray(ref_losses))
-    np.testing.assert_array_equal(np.asarray(aux["grad_norm"]), np.asarray(ref_aux["grad_norm"]))
-    assert_trees_close(model, state, exact=True)
-    assert_trees_close(opt_state, ref_opt_state, exact=True)  # momentum and EMA weights
+    # The hand-written scan is another program (no halt flag, its own carry): to rounding.
+    np.testing.assert_allclose(np.asarray(losses), np.asarray(ref_losses), **ACROSS_PROGRAMS)
+    np.testing.assert_allclose(aux["grad_norm"], ref_aux["grad_norm"], **ACROSS_PROGRAMS)
+    assert_trees_close(model, state)
+    assert_trees_close(opt_state, ref_opt_state)  # momentum and EMA weights
 
 
 def test_two_calls_continue_from_the_returned_opt_state(compile_count):
@@ -226,9 +230,11 @@ def test_two_calls_continue_from_the_returned_opt_state(compile_count):
     assert compile_count() == before  # the same shapes: nothing compiles
 
     state, ref_opt_state, (ref_losses, _) = _hand_reference(batches)  # one scan of all
-    np.testing.assert_array_equal(np.concatenate([losses_a, losses_b]), np.asarray(ref_losses))
-    assert_trees_close(model, state, exact=True)
-    assert_trees_close(opt_state_b, ref_opt_state, exact=True)
+    # Another program (the hand-written scan): to rounding, see conftest.
+    losses = np.concatenate([losses_a, losses_b])
+    np.testing.assert_allclose(losses, np.asarray(ref_losses), **ACROSS_PROGRAMS)
+    assert_trees_close(model, state)
+    assert_trees_close(opt_state_b, ref_opt_state)
     # The opt_state passed in was not donated: it still holds the first call's values.
     for x, y in zip(state_arrays(opt_state_a), kept, strict=True):
         np.testing.assert_array_equal(x, y)
@@ -247,8 +253,9 @@ def test_a_stateful_step_called_twice_goes_on_and_compiles_once(compile_count):
 
     ref_policy, ref_optimizer = _model_and_optimizer()
     ref_losses = _flax_scan((ref_policy, ref_optimizer), batches)
-    np.testing.assert_array_equal(np.concatenate([losses_a, losses_b]), ref_losses)
-    assert_trees_close(policy, ref_policy, exact=True)
+    # Flax's nnx.scan is another program: to rounding, see conftest.
+    np.testing.assert_allclose(np.concatenate([losses_a, losses_b]), ref_losses, **ACROSS_PROGRAMS)
+    assert_trees_close(policy, ref_policy)
     assert int(optimizer.step[...]) == 2 * STEPS
 
 
@@ -334,5 +341,6 @@ def test_a_step_stopped_part_way_hands_back_the_matching_opt_state():
 
     first_three = jax.tree.map(lambda x: x[:3], _batches())
     state, ref_opt_state, _ = _hand_reference(first_three)
-    assert_trees_close(model, state, exact=True)  # the last completed step: the third
-    assert_trees_close(info.value.opt_state, ref_opt_state, exact=True)
+    # The per-step plan against a scan: two programs, to rounding (conftest).
+    assert_trees_close(model, state)  # the last completed step: the third
+    assert_trees_close(info.value.opt_state, ref_opt_state)

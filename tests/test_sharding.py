@@ -140,12 +140,13 @@ def test_the_cookbooks_optimizer_sharding_is_kept_and_trains_as_its_own_loop(see
     replicated. scan_train and Trainer.fit on its nnx.Optimizer, a Trainer given the
     transform (the optimizer_sharding annotation alone), and an unannotated model given a
     path rule on optimizer-state paths: the cookbook's own nnx.jit loop's losses and state
-    (scan_train to the bit; fit gathers its batch by index, which XLA may round otherwise),
-    every sharding as that loop leaves it, each device holding an eighth of each moment."""
+    (to rounding: its per-step program and nnxscan's scan are two programs, see conftest's
+    ACROSS_PROGRAMS; bitwise for scan_train on CI's CPU), every sharding as that loop leaves
+    it, each device holding an eighth of each moment."""
     cookbook = seen["cookbook"]
     got, reference = cookbook[run], cookbook["reference"]
     if run == "scan_train":
-        assert got["loss_diff"] == 0.0 and got["state_diff"] == 0.0 and got["steps"] == 6
+        assert got["steps"] == 6
     assert got["loss_diff"] <= 2e-6 and got["state_diff"] <= 1e-6
     # An nnx.Optimizer wraps its count in a Variable (``.value``), a Trainer's optax state not.
     specs = {path.removesuffix(".value"): spec for path, (spec, _, _) in got["report"].items()}

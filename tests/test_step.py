@@ -86,8 +86,10 @@ def test_make_train_step_is_a_step_value():
         )
 
     called, updated, scanned = both(state, opt_state, batch)
+    # Calling the step runs its update: one computation, traced twice into one program.
     assert_trees_close(called, updated, exact=True)
-    assert_trees_close(scanned[:2], updated[:2], exact=True)
+    # Scanned, the step sits in other code (a slice of the stacked batch): to rounding.
+    assert_trees_close(scanned[:2], updated[:2])
     assert make_train_step(xent, tx, has_aux=True).has_aux is True
 
 
@@ -159,25 +161,10 @@ def test_reduce_on_plateau_gets_the_loss_as_a_loop_passing_value_does():
     assert scale == float(ref_state[1].scale) and scale < 1.0  # the plateau was reached
 
 
-def test_a_transform_needing_another_argument_is_named():
-    def init(params):
-        return optax.EmptyState()
-
-    def update(updates, state, params=None, *, weather, **extra_args):
-        return updates, state
-
-    tx = optax.GradientTransformationExtraArgs(init, update)
-    step = make_train_step(mse, tx)
-    graphdef, state = nnx.split(Linear(nnx.Rngs(0)))
-    batch = jax.tree.map(lambda v: v[:8], _regression())
-    with pytest.raises(TypeError, match=r"value=.*grad=.*value_fn=.*weather.*your own Step"):
-        jax.jit(step.update, static_argnums=0)(graphdef, state, step.init(graphdef, state), batch)
-
-
 def test_a_frozen_member_stays_put_when_its_step_updates_the_merged_module_in_place(data):
     """``nnx.merge`` shares the given state's Variables; a step that ``nnx.update``s the
     merged module writes into them. A frozen member must still keep its old state."""
-    from nnxscan.pure import scan_member_steps, stack_states
+    from nnxscan.pure import MembersState, scan_indexed_steps, stack_states, vmap_members
 
     tx = optax.sgd(0.5)
 
@@ -192,9 +179,10 @@ def test_a_frozen_member_stays_put_when_its_step_updates_the_merged_module_in_pl
     step = Step(lambda g, s: init_opt_state(tx, s), update)
     graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
     states = stack_states([state, state])
-    indices = jnp.broadcast_to(jnp.arange(16).reshape(2, 8), (2, 2, 8))
-    run = jax.jit(lambda s: scan_member_steps(
-        step, graphdef, s, (), data, indices, active=jnp.array([True, False])))  # fmt: skip
+    indices = jnp.broadcast_to(jnp.arange(16).reshape(2, 1, 8), (2, 2, 8))  # (steps, N, batch)
+    frozen = MembersState((), jnp.array([True, False]))
+    run = jax.jit(lambda s: scan_indexed_steps(
+        vmap_members(step), graphdef, s, frozen, data, indices))  # fmt: skip
     new_states, _, _ = run(states)
     for old, new in zip(jax.tree.leaves(states), jax.tree.leaves(new_states), strict=True):
         np.testing.assert_array_equal(new[1], old[1])  # frozen: unchanged

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 
 import jax
@@ -334,6 +335,54 @@ def test_a_batch_with_other_shapes_names_index_path_and_shapes(batches):
     missing = [*batches[:2], {"x": batches[0]["x"]}]
     with pytest.raises(ValueError, match="batch 2 has another structure"):
         Trainer(model, TX, xent).fit(missing, epochs=1, progress=False)
+
+
+class Loader:
+    """A DataLoader-like iterable: a fresh iterator over its batches each epoch."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+LIST_HINT = r"\(A list is read as a list of batches: pass a tuple \(x, y\) for a data set"
+YIELD_HINT = r"\(Every batch {} yields is one step, trained as it comes: make it yield the same"
+STREAM_KINDS = {
+    "list": (lambda b: b, LIST_HINT),
+    "generator": (lambda b: (x for x in b), YIELD_HINT.format("the generator")),
+    "data callable": (
+        lambda b: lambda: iter(b),
+        YIELD_HINT.format("the iterator your data callable <lambda> returns"),
+    ),
+    "iterator": (lambda b: iter(b), YIELD_HINT.format(r"the iterator \(list_iterator\)")),
+    "loader": (lambda b: Loader(b), YIELD_HINT.format("the Loader")),
+}
+
+
+@pytest.mark.parametrize("kind", list(STREAM_KINDS))
+@pytest.mark.parametrize("fault", ["shape", "structure"])
+def test_a_bad_batch_gets_the_hint_of_its_kind_of_stream(batches, kind, fault):
+    """A list may have been meant as a data set; a generator's batches are its own doing:
+    the message ends with the hint that fits where the batch came from."""
+    wrong = (
+        {"x": np.zeros((4, 5), np.float32), "y": batches[0]["y"]}
+        if fault == "shape"
+        else {"x": batches[0]["x"]}
+    )
+    make, hint = STREAM_KINDS[kind]
+    where = (
+        r"batch 2, leaf \['x'\]: shape \(4, 5\)"
+        if fault == "shape"
+        else "batch 2 has another structure"
+    )
+    with pytest.raises(ValueError, match=where) as error:
+        Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent).fit(
+            make([*batches[:2], wrong]), epochs=1, steps_per_call=10, progress=False
+        )
+    assert re.search(hint, str(error.value)), str(error.value)
+    assert ("list of batches" in str(error.value)) == (kind == "list")
 
 
 def test_bad_streams_raise_before_training(batches):

@@ -25,7 +25,12 @@ from jax.typing import DTypeLike
 from nnxscan.pure.hyper.call import call_with_state
 from nnxscan.pure.hyper.chunked import ChunkedHeads
 from nnxscan.pure.hyper.heads import HyperHeads
-from nnxscan.pure.hyper.spec import ParamSpec, spec_from_split, variable_leaves
+from nnxscan.pure.hyper.spec import (
+    ParamSpec,
+    _plain_variables,
+    spec_from_split,
+    variable_leaves,
+)
 from nnxscan.pure.hyper.structured import StructuredHeads
 from nnxscan.pure.hyper.variance import check_init
 
@@ -167,6 +172,7 @@ class Hypernetwork(nnx.Module):
         _check_chunk_options(
             chunk_size, chunk_embedding_features, chunk_hidden_features, structured_units
         )
+        target = _plain_variables(target)  # the forward pass merges it inside jax.grad
         spec = ParamSpec.from_module(target, wrt=wrt)  # copies the non-generated state
         graphdef, own, rest = nnx.split(target, wrt, ...)
         slots = jax.tree.map(

@@ -90,6 +90,20 @@ def variable_leaves(tree: Any) -> list[tuple[Path, Any]]:
     ]
 
 
+def _plain_variables(module: nnx.Module) -> nnx.Module:
+    """``module``, or a copy of it whose hijax Variables (``nnx.var_defaults(hijax=True)``)
+    are plain ones, sharing their arrays: a spec merges its graphdef inside ``jax.grad``,
+    where Flax can't create hijax Variables.
+
+    Example:
+      >>> graphdef, state = nnx.split(_plain_variables(target))
+    """
+    variables = jax.tree.leaves(nnx.state(module), is_leaf=_is_variable)
+    if not any(getattr(v, "hijax", False) for v in variables):
+        return module
+    return nnx.with_vars(module, hijax=False)
+
+
 def _copy_array(x: Any) -> Any:
     return jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
 
@@ -152,7 +166,7 @@ class ParamSpec:
             raise TypeError(
                 f"ParamSpec.from_module needs an nnx.Module, got {type(target).__name__}."
             )
-        graphdef, params, rest = nnx.split(target, wrt, ...)
+        graphdef, params, rest = nnx.split(_plain_variables(target), wrt, ...)
         rest = jax.tree.map(_copy_array, rest)
         return spec_from_split(graphdef, params, rest, wrt=wrt)
 

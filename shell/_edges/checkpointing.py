@@ -16,7 +16,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from nnxscan.shell._engine.owner import Owner
+from nnxscan.adapters import _checkpoint_files, _checkpoint_manifest, _log_values
+from nnxscan.shell._edges.warn import warn
+from nnxscan.shell._engine.owner import Owner, check_meta_ints
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell.history import History
 
@@ -75,31 +77,66 @@ def restore(
 ) -> int:
     """Restores a checkpoint into the owner's objects and counters; returns the epoch.
 
-    Everything is read and checked (against ``run_keys`` too, for a resumed fit) before the
-    first object is written, so a failed restore changes nothing.
+    ``step=None``: the newest good checkpoint (a damaged newer one is skipped with a
+    warning, and left where it is). Everything is read and checked (against ``run_keys``
+    too, for a resumed fit) before the first object is written, so a failed restore
+    changes nothing.
     """
-    owner.restore(_read(owner, placement, directory, step), run_keys)
+    template = _template(owner, placement)
+    if step is None:
+        tree, _, _ = _adapter().newest_good(
+            directory, lambda s: _read(owner, directory, template, s)
+        )
+    else:
+        tree = _read(owner, directory, template, step)
+    owner.restore(tree, run_keys)
     return owner.epoch
 
 
 def resume(
-    owner: Owner, placement: Placement, directory: pathlib.Path, run_keys: dict[str, Any]
+    owner: Owner,
+    placement: Placement,
+    directory: pathlib.Path,
+    run_keys: dict[str, Any],
+    step: int | None = None,
 ) -> tuple[History, np.ndarray, dict[str, Any], dict[str, np.ndarray] | None]:
-    """Restores the latest checkpoint for a resumed fit; returns its run's History, the
-    partial losses of its unfinished epoch, where they are in the run log, and the
-    unfinished epoch's scalar aux logs per step (see :meth:`RunLog.read`). The History is
-    read before the first object is written: a log that does not hold it raises and
-    changes nothing."""
-    tree = _read(owner, placement, directory, None)
-    run = RunLog.read(directory, tree["meta"]["run"], owner.num_members)
+    """Restores the newest good checkpoint (or ``step``) for a resumed fit; returns its
+    run's History, the partial losses of its unfinished epoch, where they are in the run
+    log, and the unfinished epoch's scalar aux logs per step (see :meth:`RunLog.read`).
+
+    A checkpoint whose files or run-log lines are damaged is skipped (newest first, with a
+    warning); once the owner holds the one restored, the newer ones are moved aside
+    (``<step>.nnxscan-corrupt``, or ``<step>.nnxscan-superseded`` for good ones newer than
+    a chosen ``step``), never deleted, so the run goes on writing steps after it. The
+    History is read before the first object is written: a log that does not hold it
+    raises and changes nothing."""
+    template = _template(owner, placement)
+    members = owner.num_members
+
+    def read(at: int) -> tuple[dict[str, Any], Any]:
+        tree = _read(owner, directory, template, at)
+        return tree, RunLog.read(directory, tree["meta"]["run"], members)
+
+    adapter = _adapter()
+    if step is None:
+        (tree, run), step, skipped = adapter.newest_good(directory, read, warn=warn)
+    else:
+        (tree, run), skipped = read(step), {}
     owner.restore(tree, run_keys)
+    for newer in (s for s in adapter.all_steps(directory) if s > step):
+        reason = "nnxscan-corrupt" if newer in skipped else "nnxscan-superseded"
+        moved = _set_aside(directory, newer, reason)
+        if reason == "nnxscan-superseded":
+            warn(
+                f"resumed from checkpoint {step} of {directory}; the newer checkpoint {newer} "
+                f"was moved aside to {moved.name} (not deleted) so that this run's steps "
+                f"follow {step}."
+            )
     return run
 
 
-def _read(
-    owner: Owner, placement: Placement, directory: str | os.PathLike[str], step: int | None
-) -> dict[str, Any]:
-    """A checkpoint's tree, checked against the owner's and placed as its state is."""
+def _template(owner: Owner, placement: Placement) -> dict[str, Any]:
+    """The owner's checkpoint tree as a template, placed as its state is now."""
     template = owner.checkpoint_tree()
     carry, treedef = jax.tree.flatten((template["state"], template["opt_state"]))
     # The model's CURRENT shardings (another mesh than the saved one's, too: elastic).
@@ -112,14 +149,33 @@ def _read(
             for x, sh in zip(carry, shardings, strict=True)
         ]
         template["state"], template["opt_state"] = jax.tree.unflatten(treedef, abstract)
+    return template
+
+
+def _read(
+    owner: Owner, directory: str | os.PathLike[str], template: dict[str, Any], step: int
+) -> dict[str, Any]:
+    """Checkpoint ``step``'s tree, checked against the owner's template, its counters too
+    (a negative or non-int one is a damaged or crafted checkpoint, skipped like one)."""
     try:
         tree, _ = _adapter().restore_checkpoint(directory, template, step=step)
     except ValueError as error:
         hint = getattr(owner, "restore_hint", "")
-        if not hint:
+        if not hint or isinstance(error, _adapter().CorruptCheckpointError):
             raise
         raise ValueError(f"{error} ({hint})") from None
+    where = f"checkpoint {pathlib.Path(directory).resolve()} step {step}"
+    check_meta_ints(tree["meta"], ("epoch", "step", "epoch_step"), where)
     return tree
+
+
+def _set_aside(directory: str | os.PathLike[str], step: int, reason: str) -> pathlib.Path:
+    return _checkpoint_files.set_aside(pathlib.Path(directory).resolve(), step, reason)
+
+
+def check_directory(directory: pathlib.Path) -> None:
+    """A ``checkpoint_dir`` that is a file, or not writable: a ValueError, before training."""
+    _checkpoint_files.check_directory(directory)
 
 
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
@@ -171,10 +227,18 @@ class RunLog:
             self.start = self.writer.append_log(b"")
             self.steps = self.epochs = self.logged_epochs = self.done = self.events = 0
             new_epochs, done, losses = self._since(history, partial)
+        first = self.logged_epochs
         line = {
+            # Where this line starts: a line read elsewhere was torn or interleaved.
+            "at": self.writer.append_log(b""),
             "losses": np.asarray(losses, np.float64).tolist(),
-            "epochs": new_epochs,
-            "events": history.events[self.events :],
+            "epochs": [
+                _log_values.to_exact_json(logs, f"History.epochs[{first + i}]")
+                for i, logs in enumerate(new_epochs)
+            ],
+            "events": _log_values.to_exact_json(
+                history.events[self.events :], f"History.events[{self.events}:]"
+            ),
         }
         if len(partial) and partial_aux:
             # Whole (not since the last line): a resume reads the last line's.
@@ -182,7 +246,7 @@ class RunLog:
                 key: {"dtype": np.asarray(v).dtype.name, "values": np.asarray(v).tolist()}
                 for key, v in partial_aux.items()
             }
-        end = self.writer.append_log((json.dumps(line, default=_plain) + "\n").encode())
+        end = self.writer.append_log(_checkpoint_manifest.dumps_checked(line) + b"\n")
         self.steps += len(losses)
         self.epochs, self.logged_epochs = len(epochs), self.logged_epochs + len(new_epochs)
         self.done, self.events = done, len(history.events)
@@ -190,6 +254,12 @@ class RunLog:
             {"log": LOG, "start": self.start, "end": end, "steps": self.steps,
              "epochs": self.logged_epochs, "events": self.events}
         )  # fmt: skip
+
+    @staticmethod
+    def check(epoch: int, logs: dict[str, Any]) -> None:
+        """Raises TypeError, naming the key and its type, for an epoch log the run log
+        cannot store exactly (checked each epoch, not only at the epochs that save)."""
+        _log_values.to_exact_json(dict(logs), f"History.epochs[{epoch}]")
 
     def _since(self, history: History, partial: np.ndarray) -> tuple[list, int, Any]:
         """The epochs completed since the last record, the steps of all logged epochs,
@@ -222,26 +292,56 @@ class RunLog:
         if not text:
             empty = np.zeros((0,), np.float32).reshape(shape)
             return History(empty), empty, {}, {}
-        where = json.loads(text)
+        log = pathlib.Path(directory) / LOG
+        where = _run_meta(text, log)
         if "log" not in where:  # written before the run log: the History inline
             history, partial = _inline_run(where, shape)
             return history, partial, {}, None if len(partial) else {}
-        raw = _adapter().read_log(directory, where["start"], where["end"])
+        corrupt = _adapter().CorruptCheckpointError
+        try:
+            raw = _adapter().read_log(directory, where["start"], where["end"])
+        except ValueError as error:
+            raise corrupt(str(error)) from None
         losses, epochs, events, record = [], [], [], {}
-        for line in raw.decode().splitlines():
-            record = json.loads(line)
-            losses += record["losses"]
-            epochs += record["epochs"]
-            events += record["events"]
+        offset = where["start"]
+        lines = raw.split(b"\n")
+        if lines[-1]:
+            raise corrupt(f"the run log {log} ends mid-line at byte {where['end']} (torn)")
+        for line in lines[:-1]:
+            try:
+                record, checked = _checkpoint_manifest.loads_checked(line)
+                if checked and record.get("at") != offset:
+                    raise corrupt(
+                        f"the run log {log} has a line written for byte {record.get('at')} at "
+                        f"byte {offset}: lines of two runs are interleaved (two writers on "
+                        f"one directory)"
+                    )
+                losses += list(record["losses"])
+                if checked:
+                    epochs += _log_values.from_exact_json(record["epochs"])
+                    events += _log_values.from_exact_json(record["events"])
+                else:  # written before exact values: arrays were lists
+                    epochs += _legacy_epochs(record["epochs"])
+                    events += record["events"]
+            except (KeyError, TypeError, ValueError, AttributeError) as error:
+                if isinstance(error, corrupt):
+                    raise
+                raise corrupt(
+                    f"the run log {log} has a damaged line at byte {offset}: {error}"
+                ) from None
+            offset += len(line) + 1
         counts = (len(losses), len(epochs), len(events))
         if counts != (where["steps"], where["epochs"], where["events"]):
-            raise ValueError(
-                f"the run log {pathlib.Path(directory) / LOG} holds {counts} (steps, epochs, "
-                f"events) where the checkpoint recorded {where['steps']}, {where['epochs']} "
-                f"and {where['events']}: the log was changed; restore() the checkpoint and "
-                f"fit without resume=True to go on without the History."
+            raise corrupt(
+                f"the run log {log} holds {counts} (steps, epochs, events) where the "
+                f"checkpoint recorded {where['steps']}, {where['epochs']} and "
+                f"{where['events']}: the log was changed; restore() the checkpoint and fit "
+                f"without resume=True to go on without the History."
             )
-        history, partial = _history(losses, epochs, events, shape)
+        try:
+            history, partial = _history(losses, epochs, events, shape)
+        except (TypeError, ValueError) as error:
+            raise corrupt(f"the run log {log} holds losses that are not numbers: {error}") from None
         return history, partial, where, _partial_aux(record, len(partial))
 
     def resumed(self, history: History, partial: np.ndarray, where: dict[str, Any]) -> None:
@@ -255,11 +355,39 @@ class RunLog:
         self.done, self.events = len(history.losses), len(history.events)
 
 
-def _history(losses: list, epochs: list, events: list, shape: tuple) -> tuple[History, np.ndarray]:
-    """The History of logged epochs (the first steps' losses) and the partial losses after."""
-    epochs = [
+def _run_meta(text: str, log: pathlib.Path) -> dict[str, Any]:
+    """A checkpoint's record of where its run is in the log, checked: counts, not garbage."""
+    corrupt = _adapter().CorruptCheckpointError
+    try:
+        where = json.loads(text)
+    except (TypeError, json.JSONDecodeError):
+        raise corrupt(f"a checkpoint's record of its run in {log} is not JSON") from None
+    if not isinstance(where, dict):
+        raise corrupt(f"a checkpoint's record of its run in {log} is not a mapping")
+    if "log" in where:
+        names = ("start", "end", "steps", "epochs", "events")
+        bad = [n for n in names if not _count(where.get(n))]
+        if bad or where["start"] > where["end"]:
+            raise corrupt(
+                f"a checkpoint's record of its run in {log} has no valid byte range and "
+                f"counts ({bad[0] if bad else 'start > end'})"
+            )
+    return where
+
+
+def _legacy_epochs(epochs: list) -> list:
+    """Epoch logs of a run log written before exact values: arrays as lists."""
+    return [
         {k: np.asarray(v) if isinstance(v, list) else v for k, v in logs.items()} for logs in epochs
     ]
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _history(losses: list, epochs: list, events: list, shape: tuple) -> tuple[History, np.ndarray]:
+    """The History of logged epochs (the first steps' losses) and the partial losses after."""
     done = sum(int(logs.get("steps", 0)) for logs in epochs)
     losses = np.asarray(losses, np.float32).reshape(shape)
     history = History(losses[:done], epochs)
@@ -276,18 +404,19 @@ def _partial_aux(record: dict[str, Any], steps: int) -> dict[str, np.ndarray] | 
     saved = record.get("partial_aux")
     if not saved:
         return None
-    aux = {key: np.asarray(v["values"], jax.numpy.dtype(v["dtype"])) for key, v in saved.items()}
+    aux = {
+        key: np.asarray(v["values"], jax.numpy.dtype(v["dtype"]))
+        for key, v in saved.items()
+        if v.get("dtype") in _checkpoint_manifest.DTYPES
+    }
+    if len(aux) != len(saved):
+        return None  # a dtype nnxscan never writes: the epoch's aux covers the steps after
     return aux if all(len(v) == steps for v in aux.values()) else None
 
 
 def _inline_run(record: dict[str, Any], shape: tuple) -> tuple[History, np.ndarray]:
     losses = np.asarray(record["losses"], np.float32).reshape(shape)
     partial = np.asarray(record["partial"], np.float32).reshape(shape)
-    history, _ = _history([], record["epochs"], record.get("events", []), shape)
+    history, _ = _history([], _legacy_epochs(record["epochs"]), record.get("events", []), shape)
     history.losses = losses
     return history, partial
-
-
-def _plain(value: Any) -> Any:
-    tolist = getattr(value, "tolist", None)
-    return tolist() if callable(tolist) else str(value)

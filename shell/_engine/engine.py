@@ -127,17 +127,28 @@ class Engine:
         batch = jax.tree.map(lambda x: _one_model(x, sharding, drop, member=False), batch)
         return prepare_execution(self.program, self.explicit_plan, graphdef, abstract_carry, batch)
 
-    def make_runner(self, member_batches: bool = False) -> Callable[..., Any]:
-        """``make(carry_def, carry_shardings, donate)``: the compiled runner of this fit."""
+    def make_runner(self, data: Any = None, member_batches: bool = False) -> Callable[..., Any]:
+        """``make(carry_def, carry_shardings, donate)``: the compiled runner of this fit
+        (``data``: the fit's data, which decides how a population's batches are laid out)."""
         graphdef = self.owner.read()[0]
-        members = self.members
+        members, batch_sharding = self.members, self.placement.batch_sharding
         if members is not None:  # over the member axis of this call's mesh, if it has one
-            members = MemberLayout(self.placement.member_axis, bool(member_batches))
+            arrays = data is not None and not is_stream(data)
+            # No data, or a stream shared by the members: one batch for all. A data set:
+            # each member's own batch, gathered by its own order. A stream of member
+            # batches: its chunks are stacked steps first, (steps, N, batch, ...).
+            shared = data is None or (not arrays and not member_batches)
+            members = MemberLayout(
+                self.placement.member_axis, data_per_member=arrays and bool(member_batches),
+                shared_batch=shared,
+            )  # fmt: skip
+            if not shared:
+                batch_sharding = self.placement.member_batch_sharding
 
         def make(carry_def: Any, carry_shardings: Any, donate: bool) -> Any:
             return self.program.runner(
                 graphdef, carry_def, donate=donate, carry_shardings=carry_shardings,
-                batch_sharding=self.placement.batch_sharding, members=members,
+                batch_sharding=batch_sharding, members=members,
             )  # fmt: skip
 
         return make
@@ -151,18 +162,37 @@ class Engine:
         raises before training leaves everything as it was (a resume's restore aside,
         which is itself checked first).
         """
-        # Set-up reads the objects several times (checks, the plan's trace, the runner,
-        # the first carry): one walk serves them all, released before any callback runs.
-        with self.bind().context(), self.owner.reads_held():
-            return self._fit(data, options)
+        checkpoints = options.checkpoints
+        try:
+            if checkpoints is not None:
+                # One run per directory, from before a checkpoint is read until the last
+                # one is written: a second run on it raises here, having changed nothing.
+                checkpoints.lock()
+            # Set-up reads the objects several times (checks, the plan's trace, the runner,
+            # the first carry): one walk serves them all, released before any callback runs.
+            with self.bind().context(), self.owner.reads_held():
+                return self._fit(data, options)
+        finally:
+            if checkpoints is not None:
+                checkpoints.close()  # the loop closed it already, unless fit failed before
 
     def _fit(self, data: Any, options: FitOptions) -> History:
         epochs, run = options.epochs, {}
         members = self.owner.num_members
-        if options.resume:  # the last step that may change the objects before training
+        if epochs is None and data is not None and is_stream(data):
+            raise ValueError(
+                "a stream's epochs have no length known before it is read: pass epochs= "
+                "with max_steps= (fit ends at whichever comes first)."
+            )
+        stop_at = None if options.max_steps is None else self.owner.step + options.max_steps
+        if options.resume is not False:  # the last change to the objects before training
             epochs, run = self._resume(options, data)
-            if epochs == 0:
-                return run["history"]
+            if options.max_steps is not None:  # the whole run's, as epochs counts
+                stop_at = options.max_steps
+            if epochs == 0 or (stop_at is not None and self.owner.step >= stop_at):
+                return _finished(run)
+        if stop_at is not None and stop_at <= self.owner.step:
+            return History(losses=empty_losses(members))
         if data is None:
             epoch_calls, execution = self._steps(options)
         elif is_stream(data):
@@ -171,10 +201,15 @@ class Engine:
                 return History(losses=empty_losses(members))
         else:
             epoch_calls, execution = self._arrays(data, options)
+        if stop_at is not None:  # the epochs the step budget reaches into
+            budget = stop_at - self.owner.step + self.owner.epoch_step
+            reached = -(-budget // epoch_calls.steps_per_epoch)
+            epochs = reached if epochs is None else min(epochs, reached)
+            run["stop_at"] = stop_at
         self.owner.begin_run(options.run_keys)  # every input is known good now
         loop = FitLoop(
             program=self.program, execution=execution, owner=self.owner,
-            placement=self.placement, make_runner=self.make_runner(options.member_batches),
+            placement=self.placement, make_runner=self.make_runner(data, options.member_batches),
             callbacks=CallbackList(options.callbacks, self.subject), progress=options.progress,
             progress_logs=options.progress_logs,
             evaluation=options.evaluation, checkpoints=options.checkpoints,
@@ -217,7 +252,6 @@ class Engine:
         epoch_calls = StepEpochs(
             plan, options.steps_per_epoch,
             functools.partial(self.placement.put_data, device=device_of(state)),
-            members=self.owner.num_members,
         )  # fmt: skip
         return epoch_calls, execution._replace(plan=plan)
 
@@ -264,25 +298,32 @@ class Engine:
         return epoch_calls, execution
 
     def _resume(self, options: FitOptions, data: Any):
-        """Restores the latest checkpoint, if any; returns the epochs left and the run."""
+        """Restores the newest good checkpoint (or the one ``resume`` names), if any;
+        returns the epochs left and the run."""
         members = self.owner.num_members
         history, partial, partial_aux = History(losses=empty_losses(members)), None, None
         directory = options.checkpoint_dir
-        if _checkpointing.latest_step(directory) is not None:
+        step = None if options.resume is True else options.resume
+        if step is not None or _checkpointing.latest_step(directory) is not None:
             placement = self.bind()  # onto the model's current shardings, as restore()
             history, partial, where, partial_aux = _checkpointing.resume(
-                self.owner, placement, directory, options.run_keys
+                self.owner, placement, directory, options.run_keys, step
             )
             options.checkpoints.run_log.resumed(history, partial, where)
         if isinstance(data, GrainEpochs):
             data.epoch = self.owner.epoch  # grain draws each epoch's order from its index
-        left = max(options.epochs - self.owner.epoch, 0)
+        left = None if options.epochs is None else max(options.epochs - self.owner.epoch, 0)
         return left, {"history": history, "partial": partial, "partial_aux": partial_aux}
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def checkpoints(
-        self, directory: Any, every: Any, every_steps: Any, resume: bool, asynchronous: bool = True
+        self,
+        directory: Any,
+        every: Any,
+        every_steps: Any,
+        resume: bool | int,
+        asynchronous: bool = True,
     ) -> tuple[pathlib.Path | None, Checkpoints | None]:
         """Checks fit's checkpoint arguments; returns the directory and when to save (one
         writer for the fit, asynchronous unless asked otherwise; nothing touches the disk
@@ -291,13 +332,14 @@ class Engine:
         if every_steps is not None:
             every_steps = check_count(every_steps, "checkpoint_every_steps", 1)
         if directory is None:
-            if resume or every_steps is not None:
+            if resume is not False or every_steps is not None:
                 raise ValueError(
                     "resume=True and checkpoint_every_steps need a checkpoint_dir to save "
                     "to and resume from."
                 )
             return None, None
         directory = pathlib.Path(directory).resolve()
+        _checkpointing.check_directory(directory)  # a file, or not writable: before compiling
         writer = _checkpointing.writer(directory, asynchronous=asynchronous)
         # The History goes to the run log beside the checkpoints, a line per save; the
         # checkpoint records where (its cost does not grow with the run).
@@ -315,7 +357,7 @@ class Engine:
             run = run_log.record(history, partial, partial_aux)
             _checkpointing.save_with(writer, owner, run, carry)
 
-        return directory, Checkpoints(every, every_steps, save, writer.close, run_log)
+        return directory, Checkpoints(every, every_steps, save, writer.close, run_log, writer.lock)
 
     def save(
         self, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""
@@ -362,3 +404,12 @@ def _one_model(x: Any, sharding: Any, stacked: bool, *, member: bool = True) -> 
     return jax.ShapeDtypeStruct(
         shape, dtype, sharding=NamedSharding(sharding.mesh, P(*spec)), weak_type=weak
     )
+
+
+def _finished(run: dict[str, Any]) -> History:
+    """The History of a resumed run with nothing left to train; a run that ``max_steps``
+    ended inside an epoch keeps that epoch's losses (its logs were never written)."""
+    history, partial = run["history"], run.get("partial")
+    if partial is not None and len(partial):
+        history.losses = np.concatenate([history.losses, partial])
+    return history

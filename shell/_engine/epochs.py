@@ -73,13 +73,11 @@ def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
 
 
 @functools.cache
-def _arange(length: int, members: int | None) -> np.ndarray:
-    # One index array per chunk length, made once: a stream's chunk is indexed 0..K-1
-    # (every member the same rows). Made on the host and placed by the caller: jnp.arange
-    # would compile a program of its own (~40 ms on 2 CPU cores) before the first call.
+def _arange(length: int) -> np.ndarray:
+    # One index array per chunk length, made once: a stream's chunk is indexed 0..K-1 (a
+    # population's members share each row, or the row holds their batches). Made on the
+    # host and placed by the caller: jnp.arange would compile a program of its own.
     steps = np.arange(length, dtype=np.int32)
-    if members is not None:
-        steps = np.broadcast_to(steps, (members, length))
     steps.flags.writeable = False  # cached: shared by every caller
     return steps
 
@@ -125,7 +123,7 @@ class ArrayEpochs:
     """The calls of one or more epochs over a device-resident data set.
 
     ``seeds`` is the shuffle seed of one model (an int: indices ``(steps, batch)``) or one
-    seed per member (a tuple: indices ``(N, steps, batch)``, member ``i`` in the order
+    seed per member (a tuple: indices ``(steps, N, batch)``, member ``i`` in the order
     ``epoch_order(seeds[i], epoch, n)``). ``count=k`` FUSES ``k`` consecutive epochs: their
     orders are joined along the steps axis, so the scan plan trains them in one compiled
     call (the same steps in the same order: bitwise what ``k`` separate epochs train).
@@ -155,7 +153,6 @@ class ArrayEpochs:
         self.seeds, self.shuffle, self.keep_tail = seeds, shuffle, keep_tail
         self.steps_per_epoch = num_examples // batch_size + keep_tail
         self.fusable = not keep_tail
-        self._axis = 0 if isinstance(seeds, int) else 1
 
     def calls(self, count: int = 1) -> int:
         full_steps = count * (self.num_examples // self.batch_size)
@@ -175,7 +172,7 @@ class ArrayEpochs:
     ) -> Iterator[Call]:
         if count > 1 and not self.fusable:
             raise ValueError("epochs with a kept short batch cannot be fused")
-        axis = self._axis
+        one_model = isinstance(self.seeds, int)
         fulls, tail = [], None
         for e in range(epoch, epoch + count):
             # The core's cut of the same order make_epoch uses: a loop of make_epoch calls
@@ -183,24 +180,27 @@ class ArrayEpochs:
             full, tail = cut_batches(
                 self._order(e), self.batch_size, drop_remainder=not self.keep_tail
             )
+            if not one_model:  # (N, steps, batch) -> (steps, N, batch), as make_epoch does
+                full = np.swapaxes(full, 0, 1)
+                tail = None if tail is None else np.swapaxes(tail, 0, 1)
             fulls.append(full)
-        full = fulls[0] if count == 1 else np.concatenate(fulls, axis=axis)
-        num_full = full.shape[axis]
+        full = fulls[0] if count == 1 else np.concatenate(fulls)
+        num_full = full.shape[0]
         if skip > num_full + (tail is not None):
             raise ValueError(f"cannot skip {skip} steps of a {self.steps_per_epoch}-step epoch")
         if skip > num_full:  # every full batch and the tail were trained
             tail = None
-        full = full[(slice(None),) * axis + (slice(min(skip, num_full), None),)]
+        full = full[min(skip, num_full) :]
         rows = None
-        if not self.shuffle and axis == 0:
+        if not self.shuffle and one_model:
             # The stored order: each step slices its batch by number, nothing is gathered
             # (batch k of an unshuffled epoch is rows k*B .. k*B+B-1: its first index / B).
             # One model only: vmapped over members, the slice would be a gather per step.
             full, rows = full[..., 0] // self.batch_size, self.batch_size
         full, tail = self.put((full, tail))
         stats.expected_steps = count * self.steps_per_epoch - skip
-        if full.shape[axis]:
-            yield from plan_calls(self.plan, self.data, full, full.shape[axis], rows=rows)
+        if full.shape[0]:
+            yield from plan_calls(self.plan, self.data, full, full.shape[0], rows=rows)
         if tail is not None:
             # The short batch: one step of its own shape, unrolled (no loop), as the core's
             # full_then_tail trains it.
@@ -222,16 +222,8 @@ class StepEpochs:
 
     fusable = True
 
-    def __init__(
-        self,
-        plan: Plan,
-        steps_per_epoch: int,
-        put: Callable[[Any], Any],
-        members: int | None = None,
-    ):
-        self.plan, self.steps_per_epoch, self.put, self.members = (
-            plan, steps_per_epoch, put, members,
-        )  # fmt: skip
+    def __init__(self, plan: Plan, steps_per_epoch: int, put: Callable[[Any], Any]):
+        self.plan, self.steps_per_epoch, self.put = plan, steps_per_epoch, put
         self._placed: dict[int, Any] = {}
 
     def calls(self, count: int = 1) -> int:
@@ -246,7 +238,7 @@ class StepEpochs:
         stats.expected_steps = steps
         indices = self._placed.get(steps)
         if indices is None:  # placed once per length
-            indices = self._placed[steps] = self.put(_arange(steps, self.members))
+            indices = self._placed[steps] = self.put(_arange(steps))
         if steps:
             yield from plan_calls(self.plan, None, indices, steps)
 
@@ -270,7 +262,7 @@ class StreamEpochs:
 
     For members, ``members=N``: every member trains on the same batch (``member_batches``
     False), or each batch has a leading members axis ``(N, batch, ...)`` and member ``i``
-    trains on ``batch[i]`` (``member_batches`` True; chunks are then ``(N, K, batch, ...)``).
+    trains on ``batch[i]`` (``member_batches`` True; chunks are then ``(K, N, batch, ...)``).
 
     After dispatching chunk ``i``'s calls it waits for chunk ``i - 1``'s to finish before
     asking for chunk ``i + 1``: one call runs, the next waits in the device queue, and the
@@ -300,12 +292,13 @@ class StreamEpochs:
         self.put_indices = put_indices
         self._pending = [first_epoch]
         # One checker for the whole fit: the step was traced on the first batch.
-        self.checker = BatchChecker(batch_size, members=members if member_batches else None)
-        self.members = members
+        self.checker = BatchChecker(
+            batch_size, members=members if member_batches else None, hint=source.hint
+        )
         self._placed: dict[int, Any] = {}
         self.options = dict(
             prefetch=prefetch, chunk_size=chunk_size, keep_tail=not drop_remainder, put=put,
-            tail_divisor=tail_divisor, stack_axis=1 if member_batches else 0,
+            tail_divisor=tail_divisor,
         )  # fmt: skip
 
     def calls(self, count: int = 1) -> None:
@@ -315,7 +308,7 @@ class StreamEpochs:
         """The chunk's index array, placed next to the data once per chunk length."""
         cached = self._placed.get(length)
         if cached is None:
-            cached = self._placed[length] = self.put_indices(_arange(length, self.members))
+            cached = self._placed[length] = self.put_indices(_arange(length))
         return cached
 
     def __call__(

@@ -107,7 +107,7 @@ def _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode):
         if members is not None:
             return owner.evaluation_node(metric_fn is not None)
         node = owner.model if metric_fn is not None else node_of(owner.model, rngs, metrics)
-        return nnx.split(node)
+        return owner.split(node)
 
     # What an error while tracing names (with the batch's leaves): the user's functions.
     traced = metric_fn or {"loss_fn": loss_fn, "update_metrics": update_metrics}

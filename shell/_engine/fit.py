@@ -94,18 +94,30 @@ class Checkpoints(NamedTuple):
     return before its checkpoint is on disk (it is written in the background); ``close()``
     waits for it, and fit calls it on every way out (the end, a preemption, an
     exception). ``run_log``: where the saves put the History (``_checkpointing.RunLog``),
-    told by a resume where the restored run's lines end."""
+    told by a resume where the restored run's lines end. ``lock()``: takes the directory's
+    writer lock (fit does, before it reads or trains anything; ``close()`` releases it)."""
 
     every_epochs: int
     every_steps: int | None
     save: Callable[..., Any]
     close: Callable[[], None] = lambda: None
     run_log: Any = None
+    lock: Callable[[], None] = lambda: None
 
 
 def written_carry(live: LiveState) -> tuple | None:
     """The carry when the owner's objects hold it (everything flushed), else None."""
     return None if live.unwritten else live.carry()
+
+
+def _within(calls: Any, left: Callable[[], int]) -> Any:
+    """``calls`` up to the step budget: ``left()`` steps remain before each call; the call
+    that reaches it is cut short (one more program, of its length), the rest never run."""
+    for call in calls:
+        remaining = left()
+        if remaining <= 0:
+            return
+        yield call if call.length <= remaining else call._replace(length=remaining)
 
 
 class NonFiniteLossWarning(UserWarning):
@@ -203,6 +215,7 @@ class FitLoop:
         self._first_nonfinite: tuple[int, int] | None = None
         self._mask: tuple[bytes, Any] | None = None
         self._device: Any = None
+        self._stop_at: int | None = None  # max_steps: the global step fit ends at
 
     @property
     def _stop_requested(self) -> bool:
@@ -216,14 +229,18 @@ class FitLoop:
         history: History | None = None,
         partial: np.ndarray | None = None,
         partial_aux: dict[str, np.ndarray] | None = None,
+        stop_at: int | None = None,
     ) -> History:
-        """Trains ``epochs`` epochs of ``epoch_calls`` from the owner's state.
+        """Trains ``epochs`` epochs of ``epoch_calls`` from the owner's state, ending at
+        global step ``stop_at`` if that comes first (``max_steps``: mid-epoch, the last
+        call cut short).
 
         ``history``, ``partial`` and ``partial_aux`` carry on a resumed run: the History so
         far, and the losses and scalar aux logs of the unfinished epoch's steps that were
         trained before the interruption (``owner.epoch_step`` of them; ``partial_aux`` None
         when the run log did not keep them).
         """
+        self._stop_at = stop_at
         owner = self.owner
         history = History(losses=empty_losses(self.members)) if history is None else history
         if epochs == 0:
@@ -266,6 +283,7 @@ class FitLoop:
         self.callbacks("on_train_end", history)
         if self.checkpoints is not None:
             finished = owner.epoch == last_epoch and not owner.epoch_step
+            finished = finished or (stop_at is not None and owner.step >= stop_at)
             if owner.loaded_since_checkpoint or finished:
                 # EarlyStopping put the best epoch's weights back: the checkpoint holds them
                 # and the History's events. A run that trained all its epochs ends saved
@@ -281,10 +299,9 @@ class FitLoop:
         return active is None or bool(active.any())
 
     def _active_mask(self) -> Any:
-        """The members' freezing mask for the next call, placed; None when all train (the
-        program without the per-step select runs then)."""
+        """The members' freezing mask for the next call, placed (None for one model)."""
         active = self.owner.active
-        if active is None or active.all():
+        if active is None:
             return None
         key = active.tobytes()
         if self._mask is None or self._mask[0] != key:
@@ -316,6 +333,7 @@ class FitLoop:
             or self.program.halts  # the non-finite stop names its epoch
             or not self.execution.donate  # host callbacks: a failure keeps the last epoch
             or self.checkpoints is not None  # saves at epoch boundaries (and within)
+            or self._stop_at is not None  # max_steps may end inside an epoch
         ):
             return [1] * epochs
         if self.owner.epoch_step and first == self.owner.epoch:  # an unfinished epoch: alone
@@ -365,6 +383,8 @@ class FitLoop:
         self._device = device_of(live.leaves)
         compiled_before = live.compile_s
         calls = epoch_calls(epoch, stats, count, skip)
+        if self._stop_at is not None:
+            calls = _within(calls, lambda: self._stop_at - owner.step - live.unwritten_steps)
         try:
             run_calls(
                 self.program, self.execution, live, calls, on_call,
@@ -537,6 +557,8 @@ class FitLoop:
         if complete:
             self.callbacks("on_epoch_end", epoch, logs)
             checkpoints = self.checkpoints
+            if checkpoints is not None:  # what the run log cannot keep exactly: refused now
+                checkpoints.run_log.check(epoch, logs)
             due = self._save_at_epoch_end
             if checkpoints is not None and (due or (epoch + 1) % checkpoints.every_epochs == 0):
                 checkpoints.save(history, empty_losses(self.members), written_carry(live))

@@ -27,7 +27,7 @@ from nnxscan.pure import (
 )
 from nnxscan.pure.companions import node_of, unpack
 from nnxscan.shell._edges.warn import warn
-from nnxscan.shell._engine.owner import Writer, check_meta_ints, metric_logs
+from nnxscan.shell._engine.owner import Writer, check_meta_ints, metric_logs, split_plain
 from nnxscan.shell._engine.programs import member_metrics
 from nnxscan.shell._population_checks import call_model_fn
 
@@ -281,7 +281,7 @@ def build_members(
             raise TypeError(
                 f"rngs(seed) must return an nnx.Rngs, got {type(member_rngs).__name__}."
             )
-        member_graphdef, state = nnx.split(node_of(model, member_rngs, metrics))
+        member_graphdef, state = split_plain(node_of(model, member_rngs, metrics))
         if graphdef is None:
             graphdef, model_graphdef = member_graphdef, nnx.split(model)[0]
         elif member_graphdef != graphdef:

@@ -72,7 +72,17 @@ class FitArguments(TypedDict, total=False):
         holds a checkpoint, restore it (the History so far included) and train only what
         remains, finishing a partly trained epoch first; with none, train from the start.
         Rerunning the same command after a kill or a preemption gives bitwise the model an
-        uninterrupted run gives.
+        uninterrupted run gives. A damaged newest checkpoint (a crc32 that does not match,
+        a truncated or deleted file, a torn run log) is skipped with a warning and moved
+        aside to ``<step>.nnxscan-corrupt`` (never deleted); the newest good one is
+        restored. ``resume=<step>`` (an int) resumes from that checkpoint instead; newer
+        ones are moved aside to ``<step>.nnxscan-superseded``.
+      max_steps: train at most this many steps (with ``resume``, of the whole run, as
+        ``epochs`` counts): ``fit`` ends mid-epoch once they are trained, with the partial
+        epoch logged as ``stopped`` and its place kept, so a later ``fit`` (or a resume)
+        goes on inside it. ``fit(data, max_steps=K)`` alone trains K steps over as many
+        epochs as they take (a data set, or a step without data; a stream needs
+        ``epochs`` too); with ``epochs`` too, whichever ends first.
       eval_data, metric_fn, eval_every, eval_batch_size: every ``eval_every`` epochs
         (default 1), evaluate ``metric_fn`` on ``eval_data`` (a data set of arrays) and log
         each metric as ``eval_<name>`` (``eval_batch_size`` defaults to ``batch_size``, or
@@ -96,7 +106,8 @@ class FitArguments(TypedDict, total=False):
     checkpoint_every: int
     checkpoint_every_steps: int | None
     checkpoint_async: bool
-    resume: bool
+    resume: bool | int
+    max_steps: int | None
     eval_data: Any
     metric_fn: Callable[[nnx.Module, Any], Any] | None
     eval_every: int
@@ -119,6 +130,7 @@ FIT_DEFAULTS: dict[str, Any] = {
     "checkpoint_every_steps": None,
     "checkpoint_async": True,
     "resume": False,
+    "max_steps": None,
     "eval_data": None,
     "metric_fn": None,
     "eval_every": 1,
@@ -130,7 +142,7 @@ assert set(FIT_DEFAULTS) == set(FitArguments.__annotations__)
 class FitOptions(NamedTuple):
     """``fit``'s arguments once checked (the same for a Trainer and a Population)."""
 
-    epochs: int
+    epochs: int | None  # None: as many as max_steps takes
     batch_size: int | None
     shuffle: bool
     steps_per_call: int | None
@@ -141,13 +153,14 @@ class FitOptions(NamedTuple):
     evaluation: Any
     checkpoint_dir: pathlib.Path | None
     checkpoints: Any
-    resume: bool
+    resume: bool | int  # True: the newest good checkpoint; an int: that step
     #: What identifies the run's data order, checked on resume and saved with it: one
     #: model's ``{"seed": s or None}``, a population's ``{"shared_order": bool}``.
     run_keys: dict[str, Any]
     member_batches: bool = False
     steps_per_epoch: int | None = None
     progress_logs: tuple[str, ...] | None = None
+    max_steps: int | None = None
 
 
 def fit_options(
@@ -172,7 +185,14 @@ def fit_options(
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise TypeError(f"{front_end}() got an unexpected keyword argument {name!r}.{hint}")
     o = {**FIT_DEFAULTS, **options}
-    epochs = check_count(epochs, "epochs", 0)
+    max_steps = o["max_steps"]
+    if max_steps is not None:
+        max_steps = check_count(max_steps, "max_steps", 0)
+    if epochs is None:
+        if max_steps is None:
+            raise TypeError(f"{front_end}() needs epochs=, max_steps=, or both.")
+    else:
+        epochs = check_count(epochs, "epochs", 0)
     directory, checkpoints = engine.checkpoints(
         o["checkpoint_dir"], o["checkpoint_every"], o["checkpoint_every_steps"], o["resume"],
         bool(o["checkpoint_async"]),
@@ -223,6 +243,13 @@ def fit_options(
         steps_per_call=steps_per_call, drop_remainder=bool(o["drop_remainder"]),
         prefetch=bool(o["prefetch"]), callbacks=list(callbacks), progress=bool(o["progress"]),
         evaluation=evaluation, checkpoint_dir=directory, checkpoints=checkpoints,
-        resume=bool(o["resume"]), run_keys=run_keys, member_batches=bool(member_batches),
-        steps_per_epoch=steps_per_epoch, progress_logs=progress_logs,
+        resume=_resume(o["resume"]), run_keys=run_keys, member_batches=bool(member_batches),
+        steps_per_epoch=steps_per_epoch, progress_logs=progress_logs, max_steps=max_steps,
     )  # fmt: skip
+
+
+def _resume(resume: Any) -> bool | int:
+    """``resume``: a bool, or the step of the checkpoint to resume from (an int >= 0)."""
+    if isinstance(resume, bool) or resume is None:
+        return bool(resume)
+    return check_count(resume, "resume (a checkpoint's step, or True)", 0)

@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
 from nnxscan.adapters.nnx_optimizer import (
     _is_variable,
     optax_state_from_optimizer,
@@ -100,11 +101,18 @@ def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
     return {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in host.items()}
 
 
-def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...]) -> None:
-    """A restored checkpoint's counters must be ints (a corrupted one raises, changes nothing)."""
+def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...], where: str = "") -> None:
+    """A restored checkpoint's counters must be non-negative ints (a corrupted or crafted
+    one raises before anything is written, and changes nothing); ``where``: the checkpoint,
+    for the message."""
     for name in names:
-        if isinstance(meta[name], bool) or not isinstance(meta[name], int):
-            raise ValueError(f"checkpoint meta {name}={meta[name]!r} is not an int.")
+        value = meta[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CorruptCheckpointError(
+                f"{where or 'checkpoint'}: leaf ['meta']['{name}'] is {value!r}, not a "
+                f"non-negative int: the checkpoint is damaged or was not written by "
+                f"nnxscan; restore another one."
+            )
 
 
 class ModelOwner:
@@ -138,6 +146,7 @@ class ModelOwner:
         self.model, self.rngs, self.metrics = model, rngs, metrics
         # What every compiled call carries: the model, or (model, rngs, metrics).
         self.node = node_of(model, rngs, metrics)
+        self._hijax: bool | None = None  # whether it holds hijax Variables: learnt on a split
         self.optimizer: nnx.Optimizer | None = None
         # The nnx.Optimizer whose optax state and step the carry's opt_state mirrors (the
         # built-in step's); a user's step keeps its opt_state here, or its objects in node.
@@ -152,13 +161,13 @@ class ModelOwner:
             self.optimizer = self._synced = tx_or_optimizer
             self.wrt = tx_or_optimizer.wrt
             self.tx = check_transform(tx_or_optimizer.tx)
-            params, _ = split_wrt(nnx.state(self.node), self.wrt)
+            params, _ = split_wrt(self._state(), self.wrt)
             optax_state_from_optimizer(self.optimizer, params)  # validates, raises early
             self._opt_state = None
         else:
             self.tx = check_transform(tx_or_optimizer)
             self.wrt = wrt
-            self._opt_state = init_opt_state(self.tx, nnx.state(self.node), wrt)
+            self._opt_state = init_opt_state(self.tx, self._state(), wrt)
         self._counters()
 
     @classmethod
@@ -186,10 +195,11 @@ class ModelOwner:
         owner._metric_objects = [x for x in extras if isinstance(x, nnx.Metric)]
         owner.metrics = owner._metric_objects[0] if owner._metric_objects else None
         owner.rngs = next((x for x in extras if isinstance(x, nnx.Rngs)), None)
+        owner._hijax = None
         if step is None:
             owner._opt_state = ()
         else:
-            owner._opt_state = step.init(*nnx.split(owner.node))
+            owner._opt_state = step.init(*owner.split())
         owner._counters()
         return owner
 
@@ -222,7 +232,7 @@ class ModelOwner:
     @property
     def opt_state(self) -> Any:
         """The optax state, in the structure ``tx.init(params)`` gives."""
-        return self._opt_state_of(nnx.state(self.node))
+        return self._opt_state_of(self._state())
 
     def _opt_state_of(self, state: nnx.State) -> Any:
         """The optax state, given the node's state as just read (one graph walk, not two)."""
@@ -231,11 +241,29 @@ class ModelOwner:
         params, _ = split_wrt(state, self.wrt)
         return optax_state_from_optimizer(self._synced, params)
 
+    def split(self, node: Any = None) -> tuple[nnx.GraphDef, nnx.State]:
+        """``nnx.split(node)`` (the owner's node by default) as compiled calls take it:
+        hijax Variables (``nnx.var_defaults(hijax=True)``) as plain ones holding the same
+        arrays, so the graphdef merges plain Variables inside the call too (Flax 0.12.8
+        can't differentiate hijax Variables a forward pass updates or creates). Writing
+        back (``nnx.update``) puts the values into the user's hijax Variables."""
+        node = self.node if node is None else node
+        if self._hijax is None:  # the first split tells (a leaf walk, once per owner)
+            graphdef, state = nnx.split(node)
+            hijax = holds_hijax(state)
+            if node is self.node:
+                self._hijax = hijax
+            return nnx.split(nnx.with_vars(node, hijax=False)) if hijax else (graphdef, state)
+        return nnx.split(nnx.with_vars(node, hijax=False) if self._hijax else node)
+
+    def _state(self) -> nnx.State:
+        return self.split()[1]
+
     def read(self) -> tuple[nnx.GraphDef, nnx.State, Any]:
         """``(graphdef, state, opt_state)`` of the user's objects (their own buffers)."""
         if self._held is not None:
             return self._held
-        graphdef, state = nnx.split(self.node)
+        graphdef, state = self.split()
         read = (graphdef, state, self._opt_state_of(state))
         if self._holding:
             self._held = read
@@ -262,7 +290,7 @@ class ModelOwner:
 
     def read_state(self) -> nnx.State:
         """The module state of the user's objects (model, and rngs/metrics when given)."""
-        return nnx.split(self.node)[1]
+        return self.split()[1]
 
     def reset_metrics(self) -> None:
         """Starts the training metrics afresh (at the start of a fit)."""
@@ -290,7 +318,8 @@ class ModelOwner:
         (hijax Variables, array refs), go through ``nnx.update``.
         """
         _, state, opt_state = self.read()
-        variables = _swappable(state, self._synced)
+        # Hijax Variables were read as plain copies: writes must reach the user's own.
+        variables = None if self._hijax else _swappable(state, self._synced)
         # The carry's treedef, compared once per run of calls (LiveState keeps one object).
         expected, matched = jax.tree.structure((state, opt_state)), [None]
         model_leaves = len(jax.tree.leaves(state))
@@ -369,7 +398,7 @@ class ModelOwner:
         if carry is not None and not self.loaded_since_checkpoint:
             state, opt_state = carry
         else:
-            state = nnx.state(self.node)
+            state = self._state()
             opt_state = self._opt_state_of(state)
         return {"state": state, "opt_state": opt_state, "meta": meta}
 
@@ -403,6 +432,20 @@ class ModelOwner:
         self.epoch, self.seed = meta["epoch"], meta["seed"]
         self.epoch_step, self.restored_run = meta["epoch_step"], meta["run"]
         self.loaded_since_checkpoint = False
+
+
+def holds_hijax(state: nnx.State) -> bool:
+    """Whether a state holds hijax Variables (``nnx.var_defaults(hijax=True)``)."""
+    variables = jax.tree.leaves(state, is_leaf=_is_variable)
+    return any(getattr(v, "hijax", False) for v in variables)
+
+
+def split_plain(node: Any) -> tuple[nnx.GraphDef, nnx.State]:
+    """``nnx.split(node)`` with hijax Variables as plain ones (see :meth:`ModelOwner.split`)."""
+    graphdef, state = nnx.split(node)
+    if holds_hijax(state):
+        return nnx.split(nnx.with_vars(node, hijax=False))
+    return graphdef, state
 
 
 def _swappable(state: nnx.State, optimizer: nnx.Optimizer | None) -> list | None:

@@ -160,12 +160,18 @@ class Placement:
         self.mesh, self.data_axes, self.member_axis = mesh, tuple(axes), member
 
     def context(self) -> contextlib.AbstractContextManager:
-        """``jax.set_mesh(mesh)`` around a call given ``mesh=`` outside one: model code
-        written for Flax's guide (a bare ``PartitionSpec`` in ``with_sharding_constraint``,
-        ``out_sharding=``) needs the mesh in context when it is traced."""
-        if self.mesh is None or context_mesh() is not None:
-            return contextlib.nullcontext()
-        return jax.set_mesh(self.mesh)
+        """What a call is traced in: ``jax.set_mesh(mesh)`` around a call given ``mesh=``
+        outside one (model code written for Flax's guide, a bare ``PartitionSpec`` in
+        ``with_sharding_constraint`` or ``out_sharding=``, needs the mesh in context), and
+        plain Variables by default: compiled calls run hijax models on plain Variables, and
+        a Variable a forward pass creates (a Hypernetwork's generated weights) must be plain
+        too, since Flax can't differentiate hijax Variables created under ``jax.grad``."""
+        stack = contextlib.ExitStack()
+        if nnx.var_defaults().hijax:
+            stack.enter_context(nnx.var_defaults(hijax=False))
+        if self.mesh is not None and context_mesh() is None:
+            stack.enter_context(jax.set_mesh(self.mesh))
+        return stack
 
     @property
     def data_parallel(self) -> int:
@@ -180,6 +186,14 @@ class Placement:
         if self.mesh is None:
             return None
         return NamedSharding(self.mesh, PartitionSpec(self._data_entry()))
+
+    @property
+    def member_batch_sharding(self) -> NamedSharding | None:
+        """A population's batch with a leading members axis, ``(N, batch, ...)``: members
+        over the member axis (if any), each member's batch over the data axes."""
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, PartitionSpec(self.member_axis, self._data_entry()))
 
     def _data_entry(self) -> Any:
         if not self.data_axes:
@@ -355,13 +369,13 @@ class Placement:
 
     def put_chunk(self, tree: Any, device: Any, *, member_batches: bool = False) -> Any:
         """A stream chunk ``(steps, batch, ...)``: batch dimension over the data axes; a
-        population's per-member chunk ``(members, steps, batch, ...)``: members over
+        population's per-member chunk ``(steps, members, batch, ...)``: members over
         ``member_axis`` too."""
         if self.mesh is None:
             return jax.device_put(tree, device)
         spec = (None, self._data_entry())
         if member_batches:
-            spec = (self.member_axis, None, self._data_entry())
+            spec = (None, self.member_axis, self._data_entry())
         sharding = NamedSharding(self.mesh, PartitionSpec(*spec))
         if jax.process_count() > 1:
             # Each process holds its own share of every batch: assemble the global chunk.

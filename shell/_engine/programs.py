@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscan.pure import (
+    HaltState,
+    MembersState,
     Step,
     canonical_conv_layout,
     halt_after_nonfinite,
@@ -27,9 +29,9 @@ from nnxscan.pure import (
     make_train_step,
     nnx_train_step,
     scan_indexed_steps,
-    scan_member_steps,
     skip_nonfinite,
     step_outputs,
+    vmap_members,
 )
 from nnxscan.pure.batching import constrain_sharding
 from nnxscan.pure.companions import unpack
@@ -84,12 +86,16 @@ def _lookup(cache: OrderedDict, key: Hashable, build: Callable[[], Any]) -> Any:
 
 
 class MemberLayout(NamedTuple):
-    """How a population's members run: vmapped over their leading axis, sharded over mesh
-    axis ``axis_name`` (or not), each on the shared data or on its own slice of it
-    (``data_per_member``: every data leaf has a leading members axis)."""
+    """How a population's members run: the step vmapped over their leading axis
+    (:func:`~nnxscan.pure.vmap_members`), sharded over mesh axis ``axis_name`` (or not).
+    Each step's batch is one for all members (``shared_batch``: indices as one model's), or
+    has a leading members axis: indices ``(steps, N, batch)`` into the shared data, or into
+    each member's own data (``data_per_member``: every data leaf ``(N, n, ...)``), or a
+    stream's chunk already ``(steps, N, batch, ...)`` indexed ``(steps,)``."""
 
     axis_name: str | None = None
     data_per_member: bool = False
+    shared_batch: bool = False
 
 
 class TrainProgram:
@@ -160,39 +166,19 @@ class TrainProgram:
         constrained to ``carry_shardings`` (the input's), so the state stays where it was
         placed, call after call, and its buffers can be donated.
         """
-        step, halts = self.jitted_step(graphdef), self.halts
-        if halts:
-            step = halt_after_nonfinite(step, has_aux=self.has_aux)
-
-        if members is None:
-
-            def scan(state, carry, data, idx, active, unroll, rows):
-                return scan_indexed_steps(
-                    step, graphdef, state, carry, data, idx, unroll=unroll,
-                    batch_sharding=batch_sharding, batch_rows=rows,
-                )  # fmt: skip
-
-            def no_halt(idx):
-                return jnp.bool_(False)
-
-        else:
-
-            def scan(states, carry, data, idx, active, unroll, rows):
-                # Members always gather: vmapped, a slice by batch number would become a
-                # gather per step (ArrayEpochs passes rows for one model only).
-                assert rows is None, "members take (N, steps, batch) indices, not rows"
-                return scan_member_steps(
-                    step, graphdef, states, carry, data, idx, active=active, unroll=unroll,
-                    member_axis=members.axis_name, batch_sharding=batch_sharding,
-                    data_per_member=members.data_per_member,
-                )  # fmt: skip
-
-            def no_halt(idx):
-                return jnp.zeros((idx.shape[0],), bool)
+        step = Step(_no_init, self.jitted_step(graphdef), self.has_aux)
+        if self.halts:
+            step = halt_after_nonfinite(step)
+        if members is not None:
+            step = vmap_members(
+                step, shared_batch=members.shared_batch, member_axis=members.axis_name
+            )
 
         def build():
-            axis = 0 if members is None else 1
-            return chunk_runner(scan, carry_def, halts, no_halt, carry_shardings, donate, axis)
+            return chunk_runner(
+                step, graphdef, carry_def, self.halts, members, carry_shardings,
+                batch_sharding, donate,
+            )  # fmt: skip
 
         key = (graphdef, carry_def, donate, carry_shardings, batch_sharding, members)
         return _lookup(self._runners, key, build)
@@ -225,28 +211,47 @@ class TrainProgram:
         return _lookup(self._jitted, graphdef, build)
 
 
+def _no_init(graphdef: Any, state: Any) -> Any:  # the owner holds the states
+    raise AssertionError("a program's step is never initialized here")
+
+
 def chunk_runner(
-    scan: Callable,
+    step: Step,
+    graphdef: Any,
     carry_def: Any,
     halts: bool,
-    no_halt: Callable[[Any], Any],
+    members: MemberLayout | None,
     carry_shardings: tuple | None,
+    batch_sharding: Any,
     donate: bool,
-    axis: int,
 ) -> Callable:
     """The jitted ``run(leaves, data, indices, active, start, length=, unroll=, rows=) ->
     (leaves, outs, halted)`` of every training call: it trains the steps
-    ``start:start+length`` of ``indices`` (steps along ``axis``; batch numbers of ``rows``
-    stored examples each when ``rows`` is given) with ``scan(state, carry, data, idx,
-    active, unroll, rows)``, carrying the "stop" flag (``no_halt(idx)`` at the start) when
-    ``halts``, and keeps the new carry where it was placed (``carry_shardings``)."""
+    ``start:start+length`` of ``indices`` (batch numbers of ``rows`` stored examples each
+    when ``rows`` is given) with ``scan_indexed_steps``, and keeps the new carry where it
+    was placed (``carry_shardings``).
+
+    ``step`` is the program's step with its wrappers: ``halt_after_nonfinite`` for
+    ``"stop"``, ``vmap_members`` for members. The owner's ``opt_state`` crosses the call
+    bare; the wrappers' states are built around it here (nothing halted yet, the members'
+    ``active`` mask) and taken off again: ``halted`` is a bool, ``(N,)`` for members."""
 
     def run(leaves, data, indices, active, start, *, length, unroll, rows=None):
         state, opt_state = jax.tree.unflatten(carry_def, leaves)
-        idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=axis)
-        carry = (opt_state, no_halt(idx)) if halts else opt_state
-        state, carry, outs = scan(state, carry, data, idx, active, unroll, rows)
-        opt_state, halted = carry if halts else (carry, no_halt(idx))
+        idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=0)
+        shape = () if members is None else jnp.shape(active)
+        carry = HaltState(opt_state, jnp.zeros(shape, bool)) if halts else opt_state
+        if members is not None:
+            carry = MembersState(carry, active)
+            if members.data_per_member:
+                data, idx = _members_data_as_one(data, idx)
+        state, carry, outs = scan_indexed_steps(
+            step, graphdef, state, carry, data, idx, unroll=unroll,
+            batch_sharding=batch_sharding, batch_rows=rows,
+        )  # fmt: skip
+        if members is not None:
+            carry = carry.inner
+        opt_state, halted = carry if halts else (carry, jnp.zeros(shape, bool))
         leaves = jax.tree.leaves((state, opt_state))
         if carry_shardings is not None:
             leaves = [
@@ -258,6 +263,16 @@ def chunk_runner(
     if jax.default_backend() == "cpu":  # loop-body convolutions are slow there (jax#12868)
         run = canonical_conv_layout(run)  # after vmap: a population's convs too
     return jax.jit(run, static_argnames=("length", "unroll", "rows"), donate_argnums=donated)
+
+
+def _members_data_as_one(data: Any, idx: jax.Array) -> tuple[Any, jax.Array]:
+    """Each member's own data ``(N, n, ...)`` as one data set ``(N * n, ...)`` (a reshape,
+    no copy), and the members' indices ``(steps, N, batch)`` shifted into it: member ``i``'s
+    row ``r`` is row ``i * n + r``."""
+    members, n = jax.tree.leaves(data)[0].shape[:2]
+    data = jax.tree.map(lambda x: x.reshape(members * n, *x.shape[2:]), data)
+    offsets = (jnp.arange(members, dtype=idx.dtype) * n).reshape(1, members, 1)
+    return data, idx + offsets
 
 
 def train_program(

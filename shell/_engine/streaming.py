@@ -15,7 +15,7 @@ waits in the device queue, so the device never idles for the host.
 from __future__ import annotations
 
 import collections.abc
-import functools
+import inspect
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -72,11 +72,36 @@ def is_stream(data: Any) -> bool:
     return isinstance(data, Iterable)
 
 
+def stream_hint(data: Any) -> str:
+    """What a message about a bad batch adds for the kind of stream the batch came from:
+    a list of arrays may have been meant as a data set; a generator's batches are its own."""
+    if isinstance(data, list):
+        return (
+            "(A list is read as a list of batches: pass a tuple (x, y) for a data set of arrays.)"
+        )
+    if inspect.isgenerator(data):
+        source = "the generator"
+    elif callable(data):
+        name = getattr(data, "__name__", type(data).__name__)
+        source = f"the iterator your data callable {name} returns"
+    elif isinstance(data, Iterator):
+        source = f"the iterator ({type(data).__name__})"
+    else:
+        source = f"the {type(data).__name__}"
+    return (
+        f"(Every batch {source} yields is one step, trained as it comes: make it yield the "
+        f"same structure, shapes and dtypes each time, or pass the whole data set as "
+        f"arrays, e.g. a tuple (x, y), and let fit cut the batches.)"
+    )
+
+
 class EpochSource:
     """Gives one fresh iterator per epoch from a callable, a re-iterable or an iterator."""
 
     def __init__(self, data: Any, epochs: int):
         self._data = data
+        #: Ends the messages about a bad batch (see :func:`stream_hint`).
+        self.hint = stream_hint(data)
         single_use = isinstance(data, Iterator)
         if single_use and epochs > 1:
             raise ValueError(
@@ -119,9 +144,10 @@ class BatchChecker:
     size is then the second dimension.
     """
 
-    def __init__(self, batch_size: int | None, members: int | None = None):
+    def __init__(self, batch_size: int | None, members: int | None = None, hint: str = ""):
         self.batch_size = batch_size
         self.members = members
+        self.hint = hint
         self.leaves: dict[str, tuple[tuple, str]] | None = None
         self.treedef = None
 
@@ -162,8 +188,7 @@ class BatchChecker:
             raise ValueError(
                 f"{where} has another structure than batch 0: "
                 f"{ {p: shape for p, (shape, _) in leaves.items()} } vs "
-                f"{ {p: shape for p, (shape, _) in self.leaves.items()} }. (A list is read "
-                f"as a list of batches: pass a tuple (x, y) for a data set of arrays.)"
+                f"{ {p: shape for p, (shape, _) in self.leaves.items()} }. {self.hint}".rstrip()
             )
         for path, (shape, dtype) in leaves.items():
             want_shape, want_dtype = self.leaves[path]
@@ -176,8 +201,8 @@ class BatchChecker:
                 raise ValueError(
                     f"{where}, leaf {path}: shape {shape} {dtype} differs from batch 0's "
                     f"{want_shape} {want_dtype}. Every batch must have the same shapes and "
-                    f"dtypes (only the final batch of an epoch may be shorter). (A list is "
-                    f"read as a list of batches: pass a tuple (x, y) for a data set.)"
+                    f"dtypes (only the final batch of an epoch may be shorter). "
+                    f"{self.hint}".rstrip()
                 )
         return size
 
@@ -204,16 +229,15 @@ def _chunks(
     check_stop: Callable[[], None],
     on_dropped: Callable[[int], None],
     resumed: bool = False,
-    stack_axis: int = 0,
 ) -> Iterator[Chunk]:
     """Pulls, checks, stacks and transfers (``put``) chunks of ``chunk_size`` batches.
 
     ``resumed``: the iterator starts past batches trained before a resume, so it may hold
-    none at all (the interruption came after the epoch's last batch). ``stack_axis=1``
-    stacks members' batches ``(N, batch, ...)`` into ``(N, K, batch, ...)``.
+    none at all (the interruption came after the epoch's last batch). Members' batches
+    ``(N, batch, ...)`` stack into ``(K, N, batch, ...)``, steps first as every chunk.
     """
     index, pending = 0, []
-    _stack = functools.partial(_stack_batches, axis=stack_axis)
+    _stack = _stack_batches
 
     def pull() -> Any:
         check_stop()  # a stopped fit takes nothing more from the user's iterator
@@ -257,8 +281,8 @@ def _chunks(
         yield Chunk(put(_stack(pending)), len(pending))
 
 
-def _stack_batches(batches: list, axis: int = 0) -> Any:
-    return jax.tree.map(lambda *xs: np.stack(xs, axis=axis), *batches)
+def _stack_batches(batches: list) -> Any:
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
 class ChunkStream:

@@ -1,0 +1,261 @@
+"""Reading a checkpoint back: what it holds, checked against a template and the manifest's
+own rules, then its buffers and leaves rebuilt in the template's structure.
+
+Nothing is read into a model here: the caller gets a new tree. Every check that can fail
+runs before any buffer is read (the manifest, whole) or allocated (sizes come from the
+validated manifest and the files' sizes); a buffer whose bytes do not match their crc32 is
+refused as it is read, before any leaf is rebuilt.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from nnxscan.adapters import _checkpoint_files as _files
+from nnxscan.adapters import _checkpoint_manifest as _manifest
+from nnxscan.adapters._checkpoint_manifest import (
+    ARRAY_KINDS,
+    PYTHON_KINDS,
+    CorruptCheckpointError,
+    Leaf,
+)
+from nnxscan.adapters._extras import require_extra
+
+_OPT_STATE = "['opt_state']"
+_STATE = "['state']"
+
+
+def orbax() -> Any:
+    # orbax-checkpoint is a flax dependency; the extra pins the version tested.
+    return require_extra("orbax.checkpoint", "checkpoint", needed_by="nnxscan checkpoints")
+
+
+def _entry(path: str) -> str:
+    """The top-level entry of a leaf path: ``"['state']"`` of ``"['state']['l']['kernel']"``."""
+    return path[: path.index("]") + 1] if "]" in path else path
+
+
+def template_of(like: dict[str, Any], pairs: list[tuple[str, Any]], wanted: list[Leaf]) -> Any:
+    return Template(
+        pairs, wanted, {jax.tree_util.keystr((jax.tree_util.DictKey(k),)) for k in like}
+    )
+
+
+def check_fits(
+    saved: list[Leaf], wanted: list[Leaf], where: pathlib.Path, entries: set[str]
+) -> None:
+    """Raises ValueError naming the first leaf where the checkpoint and template differ.
+
+    The model's leaves are named first: a model of other sizes changes its optimizer
+    state's shapes too, and the model is the cause. When only the optimizer state
+    (``['opt_state']``) differs, the message says the optimizer differs and how."""
+    by_path = {record.path: record for record in saved}
+    # ``entries``: the template's top-level entries (``"['state']"``...). A saved entry the
+    # template leaves out (the optimizer state, when only the model is restored) is not
+    # read, so it cannot differ.
+    problems = []
+    for want in wanted:
+        have = by_path.get(want.path)
+        if have is None:
+            problems.append(
+                (want.path, f"missing in checkpoint ({_owner(want)} has {want.describe()})")
+            )
+        elif not have.fits(want):
+            problems.append(
+                (want.path, f"the checkpoint has {have.describe()}, {_owner(want)} has "
+                 f"{want.describe()}")
+            )  # fmt: skip
+    wanted_paths = {want.path for want in wanted}
+    problems += [
+        (have.path, f"not in {_owner(have)} (the checkpoint has {have.describe()})")
+        for have in saved
+        if have.path not in wanted_paths and _entry(have.path) in entries
+    ]
+    if not problems:
+        return
+    problems.sort(key=lambda problem: problem[0].startswith(_OPT_STATE))  # stable
+    first = f"{problems[0][0]}: {problems[0][1]}"
+    more = f" ({len(problems) - 1} more leaves differ)" if len(problems) > 1 else ""
+    if problems[0][0].startswith(_OPT_STATE):
+        raise ValueError(
+            f"checkpoint {where} was saved with another optimizer: its optimizer state holds "
+            f"{_optimizer_layout(saved, wanted, saved)}, the optimizer given here holds "
+            f"{_optimizer_layout(saved, wanted, wanted)} (the model's variables fit; first "
+            f"difference at {first}{more}). Resume with the optax transform the checkpoint "
+            f"was saved with (the same transforms, chained in the same order); to go on with "
+            f"another optimizer, restore with the saved one, then build the new one on the "
+            f"restored model."
+        )
+    raise ValueError(
+        f"checkpoint {where} does not fit the template at {first}{more}. Restore "
+        f"into a template built like the saved model (same layer sizes and variables), "
+        f"or pick another checkpoint with step=."
+    )
+
+
+def _owner(leaf: Leaf) -> str:
+    """Who holds a template leaf, in a message."""
+    return "this optimizer" if leaf.path.startswith(_OPT_STATE) else "the model"
+
+
+def _optimizer_layout(saved: list[Leaf], wanted: list[Leaf], side: list[Leaf]) -> str:
+    """The optimizer state's leaves of one side, each parameter tree shortened to ``[...]``:
+    ``"[0].count, [0].mu[...], [0].nu[...]"`` for Adam, ``"no arrays"`` for plain SGD."""
+    params = {
+        leaf.path[len(_STATE) :] for leaf in (*saved, *wanted) if leaf.path.startswith(_STATE)
+    }
+    names: dict[str, None] = {}
+    for leaf in side:
+        if not leaf.path.startswith(_OPT_STATE):
+            continue
+        name = leaf.path[len(_OPT_STATE) :]
+        # The longest tail that is a model variable's path: the per-parameter part.
+        tails = [tail for tail in params if tail and name.endswith(tail)]
+        if tails:
+            name = name[: -len(max(tails, key=len))] + "[...]"
+        names[name] = None
+    if not names:
+        return "no arrays"
+    listed = list(names)
+    shown = ", ".join(listed[:6]) + (f", ... ({len(listed)} in all)" if len(listed) > 6 else "")
+    return shown
+
+
+def _default_sharding() -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _restore_args(ocp: Any, saved: Leaf, template: Any) -> Any:
+    if saved.kind == "key":
+        # Key bits go to the default device; the rebuilt key is then placed like the template.
+        return ocp.ArrayRestoreArgs(sharding=_default_sharding())
+    if isinstance(template, np.ndarray | np.generic):
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.ArrayRestoreArgs(sharding=getattr(template, "sharding", None) or _default_sharding())
+
+
+def _unpack(saved: Leaf, template: Any, buffers: dict[str, Any]) -> Any:
+    """A buffered array's elements, reshaped and placed as the template's leaf (keys: their
+    raw data, placed; wrapped by the caller)."""
+    shape = saved.data_shape
+    size = int(np.prod(shape, dtype=np.int64))
+    value = np.asarray(buffers[saved.buffer][saved.offset : saved.offset + size]).reshape(shape)
+    if saved.kind != "key" and isinstance(template, np.ndarray | np.generic):
+        return value
+    return jax.device_put(value, getattr(template, "sharding", None) or _default_sharding())
+
+
+def _rebuild_leaf(saved: Leaf, template: Any, arrays: dict[str, Any]) -> Any:
+    if saved.kind in PYTHON_KINDS:
+        return PYTHON_KINDS[saved.kind](saved.value)
+    if saved.buffer:
+        data = _unpack(saved, template, arrays)
+        if saved.kind == "key":
+            return jax.random.wrap_key_data(data, impl=saved.impl)
+        return data[()] if isinstance(template, np.generic) else data
+    data = arrays[saved.name]
+    if saved.kind == "key":
+        sharding = getattr(template, "sharding", None)
+        if sharding is not None:
+            # A typed key cannot be put on a mesh spanning processes; its raw data can.
+            data = jax.device_put(np.asarray(jax.device_get(data)), sharding)
+        return jax.random.wrap_key_data(data, impl=saved.impl)
+    if isinstance(template, np.generic):
+        return np.asarray(data)[()]
+    return data
+
+
+class Template(NamedTuple):
+    """What a restore reads into: the template's (path, leaf) pairs, their records, and its
+    top-level entries as paths (``"['state']"``): the saved tree's others are not read."""
+
+    pairs: list[tuple[str, Any]]
+    wanted: list[Leaf]
+    entries: set[str]
+
+
+def _matched(saved: list[Leaf], template: Template, where: pathlib.Path) -> list[tuple[Leaf, Any]]:
+    """Each template leaf with the saved record of its path (after checking they fit)."""
+    check_fits(saved, template.wanted, where, template.entries)
+    by_path = {record.path: record for record in saved}
+    return [(by_path[path], leaf) for path, leaf in template.pairs]
+
+
+def _read_files(where: pathlib.Path, template: Template) -> tuple:
+    try:
+        raw, checked = _files.read_manifest(where)
+    except (OSError, ValueError) as error:
+        raise CorruptCheckpointError(
+            f"checkpoint {where.parent} step {where.name}: its manifest {_files.MANIFEST} "
+            f"cannot be read: {error}. Restore another checkpoint (resume=True and "
+            f"restore() without a step skip a damaged one)."
+        ) from None
+    records, buffers = _manifest.validate(raw, where, _files.data_size(where), checked=checked)
+    matched = _matched(records, template, where)
+    names = {record.buffer for record, _ in matched if record.buffer}
+    try:
+        return matched, _files.read_buffers(where, buffers, names)
+    except (OSError, ValueError) as error:
+        raise CorruptCheckpointError(
+            f"checkpoint {where.parent} step {where.name}: {error}. Restore another "
+            f"checkpoint (resume=True and restore() without a step skip a damaged one)."
+        ) from None
+
+
+def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
+    ocp = orbax()
+    step = int(where.name)
+    options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
+    # create=False: reading must not create the directory, nor write anything into it.
+    with ocp.CheckpointManager(where.parent, options=options) as manager:
+        try:
+            args = ocp.args.Composite(manifest=ocp.args.JsonRestore())
+            raw = manager.restore(step, args=args)["manifest"]
+        except Exception as error:  # orbax raises many kinds for a damaged item
+            raise CorruptCheckpointError(
+                f"checkpoint {where.parent} step {step}: orbax cannot read its manifest "
+                f"({type(error).__name__}: {error}). Restore another checkpoint."
+            ) from None
+        records, buffers = _manifest.validate(raw, where)
+        matched = _matched(records, template, where)
+        restore_args = {
+            record.name: _restore_args(ocp, record, leaf)
+            for record, leaf in matched
+            if record.kind in ARRAY_KINDS and not record.buffer
+        }
+        for buffer in {record.buffer for record, _ in matched if record.buffer}:
+            restore_args[buffer] = ocp.RestoreArgs(restore_type=np.ndarray)
+        arrays = {}
+        if restore_args:
+            item = ocp.args.PyTreeRestore(restore_args=restore_args)
+            arrays = manager.restore(step, args=ocp.args.Composite(arrays=item))["arrays"]
+    for name, held in buffers.items():
+        if name in arrays and np.asarray(arrays[name]).size < held["size"]:
+            raise CorruptCheckpointError(
+                f"checkpoint {where.parent} step {step}: buffer {name!r} holds "
+                f"{np.asarray(arrays[name]).size} of its {held['size']} elements."
+            )
+    return matched, arrays
+
+
+def read(where: pathlib.Path, template: Template) -> tuple[list, dict[str, Any]]:
+    """The saved records matched with the template's leaves, and the arrays they need."""
+    storage = _files.storage_of(where)
+    if storage is None:
+        raise CorruptCheckpointError(
+            f"checkpoint {where.parent} step {where.name} holds no manifest (neither "
+            f"{_files.MANIFEST} nor orbax's manifest/): deleted, emptied, or not a "
+            f"checkpoint. Restore another checkpoint (resume=True and restore() without a "
+            f"step skip a damaged one)."
+        )
+    if storage == "files":
+        return _read_files(where, template)
+    return _read_orbax(where, template)
+
+
+def rebuild(matched: list, arrays: dict[str, Any]) -> list:
+    return [_rebuild_leaf(record, leaf, arrays) for record, leaf in matched]

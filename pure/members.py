@@ -1,0 +1,154 @@
+"""Members as a step transform: the step of N models trained side by side.
+
+optax wraps a transformation and returns one (``apply_if_finite``, ``MultiSteps``), with a
+named state that holds the inner one. :func:`vmap_members` does the same for a training
+step: it takes the :class:`~nnxscan.pure.Step` of ONE model and returns the ``Step`` of N
+members whose states are stacked on a leading axis (:func:`~nnxscan.pure.stack_states`).
+Its ``update`` is the inner ``update`` under ``jax.vmap``, and its state
+(:class:`MembersState`) holds the members' inner states and the mask of the members that
+still train. Every loop that runs a step — :func:`~nnxscan.pure.scan_steps`,
+:func:`~nnxscan.pure.scan_indexed_steps`, :func:`~nnxscan.pure.make_epoch`, the shell —
+runs a population as it runs one model: a batch simply has a leading members axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnxscan.pure import _members
+from nnxscan.pure.nonfinite import _fresh_nodes, tree_select
+from nnxscan.pure.step import Step
+
+__all__ = ["MembersState", "vmap_members"]
+
+
+class MembersState(NamedTuple):
+    """The state of :func:`vmap_members`' step.
+
+    Attributes:
+      inner: the members' inner step states (``opt_state``), stacked: every leaf has a
+        leading members axis ``(N, ...)``.
+      active: ``(N,)`` bool; a member where it is False is frozen: its model state and inner
+        state stay as they are at every step (its loss is still computed, at that state, and
+        reported). Set it to stop members (per-member early stopping), or to restore some.
+
+    Example:
+      >>> opt_state = members.init(graphdef, states)
+      >>> opt_state = opt_state._replace(active=jnp.array([True, False, True]))  # freeze 1
+      >>> optax_states = opt_state.inner  # every member's, stacked
+    """
+
+    inner: Any
+    active: jax.Array
+
+
+def vmap_members(
+    step: Step,
+    *,
+    shared_batch: bool = False,
+    member_axis: str | None = None,
+    hyperparams: Mapping[str, Sequence[float]] | None = None,
+) -> Step:
+    """The :class:`~nnxscan.pure.Step` of N members, each trained by ``step``.
+
+    ``init(graphdef, states)`` takes the members' model states stacked on a leading axis
+    (:func:`~nnxscan.pure.stack_states` of one ``nnx.split`` per seed) and returns a
+    :class:`MembersState`: ``step.init`` of each member (vmapped), every member active, and
+    each member's ``hyperparams`` written into its ``optax.inject_hyperparams`` states.
+    ``update(graphdef, states, members_state, batch)`` trains each member on its own batch:
+    every batch leaf has a leading members axis ``(N, batch, ...)`` (or, with
+    ``shared_batch``, all members train the same batch). It returns the members' losses
+    (and aux) with a leading members axis, ``(N,)``. Member ``i`` trains exactly what
+    ``step`` trains alone on ``(states[i], inner[i], batch[i])``, up to the rounding a
+    vmapped program may change.
+
+    Guards compose in either order, as optax's wrappers do:
+    ``vmap_members(halt_after_nonfinite(step))`` halts each member at its own first
+    non-finite loss (the others train on); ``skip_nonfinite(vmap_members(step))`` skips the
+    step of every member when any member's is not finite.
+
+    Args:
+      step: the step of ONE member (:func:`~nnxscan.pure.make_train_step`, or your own).
+      shared_batch: every member trains the same batch (no members axis on it).
+      member_axis: the mesh axis the members are sharded over (``jax.vmap``'s
+        ``spmd_axis_name``): a batch sharding inside ``step`` then shards over both.
+      hyperparams: per-member values of the inner state's injected hyperparameters
+        (``optax.inject_hyperparams``), e.g. ``{"learning_rate": [1e-3, 3e-4]}``: one
+        value per member, written by ``init``.
+
+    Returns:
+      A ``Step`` (``has_aux`` as ``step``'s).
+
+    Raises:
+      ValueError: (at ``init``) a hyperparameter's values are not one per member, or the
+        inner state has no such injected hyperparameter.
+
+    Example:
+      >>> members = vmap_members(make_train_step(loss_fn, tx))
+      >>> graphdef, _ = nnx.split(model_fn(0))
+      >>> states = stack_states([nnx.split(model_fn(s))[1] for s in range(4)])
+      >>> opt_state = members.init(graphdef, states)
+      >>> states, opt_state, losses = members(graphdef, states, opt_state, batches_of_4)
+      >>> losses.shape
+      (4,)
+    """
+    values = {name: tuple(map(float, v)) for name, v in (hyperparams or {}).items()}
+
+    def init(graphdef: nnx.GraphDef, states: nnx.State) -> MembersState:
+        size = _members.members_of(states, "states")
+        inner = jax.vmap(lambda state: step.init(graphdef, state))(states)
+        for name, given in values.items():
+            if len(given) != size:
+                raise ValueError(
+                    f"hyperparams[{name!r}] has {len(given)} values for {size} members: give "
+                    f"one per member."
+                )
+        if values:
+            inner = _members.replace_hyperparams(inner, values)
+        return MembersState(inner, jnp.ones((size,), bool))
+
+    def update(graphdef: nnx.GraphDef, states: nnx.State, opt_state: MembersState, batch: Any):
+        _check_members(states, opt_state, None if shared_batch else batch)
+
+        def member(state, inner, member_batch, alive):
+            new_state, new_inner, out = step.update(
+                graphdef, *_fresh_nodes(state, inner), member_batch
+            )
+            return tree_select(alive, new_state, state), tree_select(alive, new_inner, inner), out
+
+        in_axes = (0, 0, None if shared_batch else 0, 0)
+        states, inner, outs = jax.vmap(member, in_axes=in_axes, spmd_axis_name=member_axis)(
+            states, opt_state.inner, batch, opt_state.active
+        )
+        return states, MembersState(inner, opt_state.active), outs
+
+    return Step(init, update, bool(step.has_aux))
+
+
+def _check_members(states: Any, opt_state: Any, batch: Any) -> None:
+    """The members' states, mask and batch (unless shared) agree on N: a ValueError naming
+    the leaf otherwise, at trace time (``jax.vmap``'s own error names no leaf)."""
+    if not isinstance(opt_state, MembersState):
+        raise TypeError(
+            f"the members' step takes the MembersState its init returns, got "
+            f"{type(opt_state).__name__}: opt_state = members.init(graphdef, states)."
+        )
+    size = _members.members_of(states, "states")
+    if tuple(jnp.shape(opt_state.active)) != (size,):
+        raise ValueError(
+            f"active has shape {tuple(jnp.shape(opt_state.active))} but the states hold "
+            f"{size} members: one bool per member, shape ({size},)."
+        )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != size:
+            have = jnp.shape(leaf)[0] if jnp.ndim(leaf) else "no"
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)} has {have} members on its leading axis "
+                f"where the states hold {size} members: give each member its batch, shape "
+                f"({size}, batch, ...), or build the step with shared_batch=True."
+            )
