@@ -93,16 +93,24 @@ class CNN(nnx.Module):
         return self.out(h.reshape(*h.shape[:-3], -1))
 
 
-def chunked_reference(heads, spec, h):
-    """ChunkedHeads' documented formula in numpy, from its Params: the flat vector."""
+def chunked_reference(heads, spec, h, layout="units", condition=None):
+    """ChunkedHeads' documented formula in numpy, from its Params: ``hyper.ravel`` of the
+    generated params. With ``layout="units"`` a kernel ``(..., out)`` is read from the flat
+    vector as ``(out, ...)`` (each output unit's fan-in contiguous)."""
     p = {k: np.asarray(v, np.float64) for k, v in nnx.to_pure_dict(nnx.state(heads)).items()}
-    pre = h @ p["feature_kernel"] + p["chunk_embeddings"] @ p["embedding_kernel"]
+    table = p["chunk_embeddings"] if condition is None else p["chunk_embeddings"][condition]
+    pre = h @ p["feature_kernel"] + table @ p["embedding_kernel"]
     hidden = np.tanh(pre + p["hidden_bias"])
     hidden = hidden / np.sqrt(np.mean(hidden**2, axis=-1, keepdims=True) + 1e-6)
     raw = (hidden @ p["out_kernel"] + p["out_bias"]).reshape(-1)[: spec.size]
-    sizes = [leaf.size for leaf in spec.leaves]
-    tensor = np.repeat(np.arange(len(sizes)), sizes)
-    return raw * p["gains"][tensor] + p["offsets"][tensor]
+    pieces, start = [], 0
+    for t, leaf in enumerate(spec.leaves):
+        piece = raw[start : start + leaf.size] * p["gains"][t] + p["offsets"][t]
+        if layout == "units" and len(leaf.shape) >= 2:
+            piece = np.moveaxis(piece.reshape(leaf.shape[-1], *leaf.shape[:-1]), 0, -1)
+        pieces.append(piece.reshape(-1))
+        start += leaf.size
+    return np.concatenate(pieces)
 
 
 # -- conditional embeddings ------------------------------------------------------------------
@@ -283,10 +291,13 @@ def test_gradients_through_conditional_generation_match_finite_differences(chunk
 # -- chunked generation ----------------------------------------------------------------------
 
 
-def test_chunked_heads_compute_the_documented_formula():
+@pytest.mark.parametrize("layout", ["units", "ravel"])
+def test_chunked_heads_compute_the_documented_formula(layout):
     target = MLP(3, 8, 2, batchnorm=True, rngs=nnx.Rngs(0))
     spec = hyper.ParamSpec.from_module(target)
-    heads = hyper.ChunkedHeads(spec, 5, chunk_size=16, embedding_features=3, rngs=nnx.Rngs(1))
+    heads = hyper.ChunkedHeads(
+        spec, 5, chunk_size=16, embedding_features=3, layout=layout, rngs=nnx.Rngs(1)
+    )
     assert heads.num_chunks == math.ceil(spec.size / 16) and spec.size % 16 != 0
     h = np.random.default_rng(0).normal(size=5)
     # Train the gains and offsets away from their init so the check sees them.
@@ -296,7 +307,7 @@ def test_chunked_heads_compute_the_documented_formula():
     heads = nnx.merge(graphdef, state)
     params = forward(heads, h.astype(np.float32))
     got = hyper.ravel(params)
-    np.testing.assert_allclose(got, chunked_reference(heads, spec, h), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got, chunked_reference(heads, spec, h, layout), rtol=1e-4, atol=1e-5)
     # the generated params run the target as its own weights would
     x = np.random.default_rng(1).normal(size=(4, 3)).astype(np.float32)
     reference = nnx.clone(target, arrays=True)
@@ -398,12 +409,22 @@ def test_compression_ratio_counts_the_hypernetworks_params_over_the_targets():
     by_hand = (
         10 * d_in  # condition embeddings
         + d_in * d_k + d_k  # trunk
-        + chunks * d_c + d_k * d_m + d_c * d_m + d_m  # chunk embeddings, hidden layer
+        + 10 * chunks * d_c  # chunk embeddings: one set per condition (the default)
+        + d_k * d_m + d_c * d_m + d_m  # hidden layer
         + d_m * chunk + chunk  # shared output layer
         + 2 * 4  # a gain and an offset per generated tensor
     )  # fmt: skip
     assert hnet.compression_ratio == pytest.approx(by_hand / size)
-    assert hnet.compression_ratio < 1
+    shared = nnx.eval_shape(
+        lambda: hyper.ConditionalHypernetwork(
+            target, make_trunk(d_in, d_k, 1), d_k, num_conditions=10, embedding_features=d_in,
+            chunk_size=chunk, chunk_embedding_features=d_c, chunk_hidden_features=d_m,
+            chunk_embeddings="shared", rngs=nnx.Rngs(2),
+        )
+    )  # fmt: skip
+    per_condition_extra = 9 * chunks * d_c
+    assert shared.compression_ratio == pytest.approx((by_hand - per_condition_extra) / size)
+    assert shared.compression_ratio < 1
     small = MLP(3, 8, 2, rngs=nnx.Rngs(0))  # 50 scalars; one (d_k, n_t) head + bias each
     unchunked = nnx.eval_shape(
         lambda: hyper.Hypernetwork(small, make_trunk(d_in, d_k, 1), d_k, rngs=nnx.Rngs(2))

@@ -58,29 +58,52 @@ from jax.typing import DTypeLike
 
 from nnxscan.pure import checks
 from nnxscan.pure.hyper.spec import ParamSpec
+from nnxscan.pure.hyper.variance import check_init, init_moments
 
-__all__ = ["ChunkedHeads"]
+__all__ = ["ChunkedHeads", "select_table"]
 
 _RMS_EPS = 1e-6
 
 
-# One compiled initializer per layout (a random call per array costs a compile per shape).
+# One compiled initializer per layout, with ONE random draw cut into the weights (every
+# random call costs its own threefry in the compiled program).
 @functools.partial(
-    jax.jit, static_argnames=("num_chunks", "in_features", "embed", "hidden", "chunk", "dtype")
+    jax.jit,
+    static_argnames=("num_chunks", "in_features", "embed", "hidden", "chunk", "tables", "dtype"),
 )
 def _init_chunk_weights(
-    key, input_variance, *, num_chunks, in_features, embed, hidden, chunk, dtype
+    key, input_variance, *, num_chunks, in_features, embed, hidden, chunk, tables, dtype
 ):
-    k_emb, k_h, k_c, k_o = jax.random.split(key, 4)
-    embeddings = jax.random.normal(k_emb, (num_chunks, embed), dtype)
-    w_h = jax.random.normal(k_h, (in_features, hidden), dtype)
-    w_c = jax.random.normal(k_c, (embed, hidden), dtype)
-    w_o = jax.random.normal(k_o, (hidden, chunk), dtype)
+    shapes = [(tables, num_chunks, embed), (in_features, hidden), (embed, hidden), (hidden, chunk)]
+    noise = jax.random.normal(key, (sum(math.prod(shape) for shape in shapes),), dtype)
+    pieces, offset = [], 0
+    for shape in shapes:
+        pieces.append(noise[offset : offset + math.prod(shape)].reshape(shape))
+        offset += math.prod(shape)
+    embeddings, w_h, w_c, w_o = pieces
     # Half of the pre-activation's unit variance from h, half from the chunk embedding.
     w_h = w_h * jnp.sqrt(0.5 / (in_features * input_variance)).astype(dtype)
     w_c = w_c * jnp.sqrt(0.5 / embed).astype(dtype)
     w_o = w_o * jnp.sqrt(1.0 / hidden).astype(dtype)
     return embeddings, w_h, w_c, w_o
+
+
+def select_table(table: jax.Array, condition: jax.Array | int, name: str) -> jax.Array:
+    """``table[condition]``; a concrete id out of range raises, a traced one gives NaN rows
+    (as :meth:`~nnxscan.pure.hyper.ConditionalHypernetwork.embed` does)."""
+    n = table.shape[0]
+    dtype = jnp.result_type(condition)
+    if not jnp.issubdtype(dtype, jnp.integer) or isinstance(condition, bool):
+        raise TypeError(f"{name}: condition must be an integer id, got dtype {dtype}.")
+    if jnp.shape(condition) != ():
+        raise ValueError(
+            f"{name}: condition must be one id (a scalar), got shape {jnp.shape(condition)}; "
+            f"jax.vmap over several."
+        )
+    if not isinstance(condition, jax.core.Tracer) and not 0 <= int(condition) < n:
+        raise ValueError(f"{name}: condition {int(condition)} is out of range: ids are 0..{n - 1}.")
+    index = jnp.where((condition >= 0) & (condition < n), condition, n)
+    return jnp.take(table, index, axis=0, mode="fill", fill_value=jnp.nan)
 
 
 class ChunkedHeads(nnx.Module):
@@ -99,11 +122,26 @@ class ChunkedHeads(nnx.Module):
       hidden_features: ``d_m``, the width of the per-chunk hidden layer (default:
         ``in_features``).
       input_variance: the variance of ``h``'s entries the init assumes.
+      num_conditions: ``None`` (default): one set of chunk embeddings shared by every
+        network. An int: one set per condition (hypnettorch's ``cond_chunk_embs``), chosen by
+        ``heads(h, condition=c)``: each task then owns its chunk embeddings, so learning a new
+        task need not move what the earlier tasks' chunks are made from (the guide's
+        continual-learning section measures it).
+      layout: how each tensor is cut from the flat vector. ``"units"`` (default): output
+        unit by output unit, each unit's whole fan-in contiguous (a kernel ``(..., out)``
+        is read as ``(out, ...)``; hypnettorch's layout, as torch stores ``(out, in)``), so a
+        chunk generates whole neurons. ``"ravel"``: :func:`~nnxscan.pure.hyper.ravel`'s
+        order (a flax kernel ``(in, out)`` row by row: a chunk cuts across every neuron).
+        Split digits forgot less with ``"units"`` (the guide's continual-learning section).
+      init, init_gain: the variance each generated tensor starts with (the per-tensor
+        gains): ``"target"`` (default), ``"hyperfan_in"``, ``"hyperfan_out"`` or ``"zeros"``;
+        see :func:`~nnxscan.pure.hyper.variance.init_moments`.
       param_dtype: dtype of the weights.
       rngs: draws the weights.
 
     Attributes:
-      chunk_embeddings: ``(num_chunks, embedding_features)`` Param.
+      chunk_embeddings: ``(num_chunks, embedding_features)`` Param, or
+        ``(num_conditions, num_chunks, embedding_features)`` with ``num_conditions``.
       feature_kernel, embedding_kernel, hidden_bias: the hidden layer on ``[h, c_i]``.
       out_kernel, out_bias: the shared ``(d_m, chunk_size)`` output layer.
       gains, offsets: one Param entry per generated tensor, in spec order.
@@ -124,9 +162,19 @@ class ChunkedHeads(nnx.Module):
         embedding_features: int = 16,
         hidden_features: int | None = None,
         input_variance: float = 1.0,
+        num_conditions: int | None = None,
+        layout: str = "units",
+        init: str = "target",
+        init_gain: float = 2.0,
         param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
+        check_init(init, init_gain)
+        if layout not in ("units", "ravel"):
+            raise ValueError(f"layout must be 'units' or 'ravel', got {layout!r}.")
+        self.layout = layout
+        if num_conditions is not None:
+            num_conditions = checks.check_count(num_conditions, "num_conditions", 1)
         if not isinstance(spec, ParamSpec):
             raise TypeError(
                 f"ChunkedHeads needs a ParamSpec (hyper.ParamSpec.from_module(target)), got "
@@ -151,6 +199,7 @@ class ChunkedHeads(nnx.Module):
         self.size = spec.size
         self.treedef = spec.treedef
         self.leaves = spec.leaves
+        self.num_conditions = num_conditions
         dtype = jnp.dtype(param_dtype)
         embeddings, w_h, w_c, w_o = _init_chunk_weights(
             rngs.params(),
@@ -160,16 +209,26 @@ class ChunkedHeads(nnx.Module):
             embed=embedding_features,
             hidden=hidden,
             chunk=chunk_size,
+            tables=num_conditions or 1,
             dtype=dtype,
         )
-        self.chunk_embeddings = nnx.Param(embeddings)
+        self.chunk_embeddings = nnx.Param(embeddings if num_conditions else embeddings[0])
         self.feature_kernel = nnx.Param(w_h)
         self.embedding_kernel = nnx.Param(w_c)
         self.hidden_bias = nnx.Param(jnp.zeros(hidden, dtype))
         self.out_kernel = nnx.Param(w_o)
         self.out_bias = nnx.Param(jnp.zeros(chunk_size, dtype))
-        self.gains = nnx.Param(jnp.sqrt(spec.init_var).astype(dtype))
-        self.offsets = nnx.Param(jnp.where(spec.init_var == 0, spec.init_mean, 0.0).astype(dtype))
+        variance, constant = init_moments(spec, init, init_gain)
+        self.gains = nnx.Param(jnp.sqrt(variance).astype(dtype))
+        self.offsets = nnx.Param(constant.astype(dtype))
+
+    def _unflatten_piece(self, piece: jax.Array, batch: tuple, shape: tuple) -> jax.Array:
+        """A tensor's slice of the flat vector, shaped as the tensor (see ``layout``)."""
+        if self.layout == "ravel" or len(shape) < 2:
+            return piece.reshape(*batch, *shape)
+        # Output unit by output unit: unit j's whole fan-in (kernel[..., j]) is contiguous.
+        units = piece.reshape(*batch, shape[-1], *shape[:-1])
+        return jnp.moveaxis(units, len(batch), -1)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -185,7 +244,24 @@ class ChunkedHeads(nnx.Module):
         """
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
 
-    def _hidden(self, h: jax.Array) -> jax.Array:
+    def _embeddings(self, condition: jax.Array | int | None) -> jax.Array:
+        """The ``(num_chunks, embedding_features)`` chunk embeddings for ``condition``."""
+        if self.num_conditions is None:
+            if condition is not None:
+                raise ValueError(
+                    "these ChunkedHeads share one set of chunk embeddings (num_conditions="
+                    "None), so they take no condition; build them with num_conditions=... "
+                    "for one set per condition."
+                )
+            return self.chunk_embeddings[...]
+        if condition is None:
+            raise ValueError(
+                f"these ChunkedHeads hold chunk embeddings per condition (num_conditions="
+                f"{self.num_conditions}): call heads(h, condition=c)."
+            )
+        return select_table(self.chunk_embeddings[...], condition, "ChunkedHeads")
+
+    def _hidden(self, h: jax.Array, condition: jax.Array | int | None = None) -> jax.Array:
         """The RMS-normalized hidden features of every chunk: ``(..., num_chunks, d_m)``."""
         if jnp.shape(h)[-1:] != (self.in_features,):
             raise ValueError(
@@ -193,28 +269,33 @@ class ChunkedHeads(nnx.Module):
                 f"got shape {jnp.shape(h)}. Check the trunk's output size (trunk_features)."
             )
         # The chunk part does not depend on h: under vmap it is computed once, unbatched.
-        per_chunk = self.chunk_embeddings[...] @ self.embedding_kernel[...] + self.hidden_bias[...]
+        embeddings = self._embeddings(condition)
+        per_chunk = embeddings @ self.embedding_kernel[...] + self.hidden_bias[...]
         hidden = jnp.tanh((h @ self.feature_kernel[...])[..., None, :] + per_chunk)
         return hidden * jax.lax.rsqrt(jnp.mean(hidden**2, axis=-1, keepdims=True) + _RMS_EPS)
 
-    def flat(self, h: jax.Array) -> jax.Array:
+    def flat(self, h: jax.Array, condition: jax.Array | int | None = None) -> jax.Array:
         """The raw ``(..., spec.size)`` vector before the per-tensor gains and offsets.
 
         Example:
           >>> heads.flat(jnp.ones(32)).shape == (spec.size,)
           True
         """
-        raw = self._hidden(h) @ self.out_kernel[...] + self.out_bias[...]
+        raw = self._hidden(h, condition) @ self.out_kernel[...] + self.out_bias[...]
         raw = raw.reshape(*raw.shape[:-2], self.num_chunks * self.chunk_size)
         return raw[..., : self.size]
 
-    def __call__(self, h: jax.Array) -> nnx.State:
+    def __call__(self, h: jax.Array, condition: jax.Array | int | None = None) -> nnx.State:
         """Generated params for features ``h`` of shape ``(..., in_features)``.
+
+        ``condition`` (an int id) picks the chunk embeddings when they are per condition
+        (``num_conditions``), and must be left out otherwise.
 
         Example:
           >>> params = heads(jnp.ones(32))       # one network's params
+          >>> params = per_task_heads(jnp.ones(32), condition=2)
         """
-        hidden = self._hidden(h)
+        hidden = self._hidden(h, condition)
         batch = hidden.shape[:-2]
         w_o, b_o = self.out_kernel[...], self.out_bias[...]
         gains, offsets = self.gains[...], self.offsets[...]
@@ -234,6 +315,6 @@ class ChunkedHeads(nnx.Module):
             raw = raw.reshape(*batch, (last + 1 - first) * self.chunk_size)
             offset = start - first * self.chunk_size
             piece = raw[..., offset : offset + leaf.size]
-            values.append(piece.reshape(*batch, *leaf.shape).astype(leaf.dtype))
+            values.append(self._unflatten_piece(piece, batch, leaf.shape).astype(leaf.dtype))
             start += leaf.size
         return jax.tree.unflatten(self.treedef, values)

@@ -34,9 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nnxscan.pure.checks import check_count
 from nnxscan.pure.hyper.spec import ravel
 
-__all__ = ["generated_vectors", "output_regularizer", "snapshot_generated"]
+__all__ = ["fisher_diagonal", "generated_vectors", "output_regularizer", "snapshot_generated"]
 
 
 def _count(inputs: Any) -> int:
@@ -130,6 +131,14 @@ def _check_where(where: Any, n: int) -> None:
         )
 
 
+def _sample_rows(key: jax.Array, valid: jax.Array, sample: int) -> tuple[jax.Array, jax.Array]:
+    """``sample`` distinct row indices, uniformly among the valid rows first (all of them
+    when there are at most ``sample``), and which of the picked rows are valid."""
+    scores = jnp.where(valid, jax.random.uniform(key, valid.shape), 2.0)  # invalid ones last
+    picked = jnp.argsort(scores)[:sample]
+    return picked, valid[picked]
+
+
 def output_regularizer(
     generate: Callable[[Any], Any],
     inputs: Any,
@@ -137,6 +146,9 @@ def output_regularizer(
     beta: float | jax.Array,
     *,
     where: jax.Array | None = None,
+    importance: jax.Array | None = None,
+    sample: int | None = None,
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """``beta`` · mean over the inputs of ``‖ravel(generate(input)) − stored row‖²``.
 
@@ -160,6 +172,15 @@ def output_regularizer(
       beta: the regularization strength (``>= 0``); von Oswald et al. use 0.01 to 0.1. A
         traced ``beta`` is checked for its shape only.
       where: optional boolean ``(n,)`` mask of the rows that count (may be traced).
+      importance: optional ``(n, spec.size)`` non-negative weights per generated scalar
+        (e.g. each earlier task's diagonal Fisher, :func:`fisher_diagonal`, raveled): row
+        ``j`` counts ``Σ importance_j · (g_j − stored_j)²`` instead of the plain sum
+        (hypnettorch's ``fisher_estimates``).
+      sample: optional ``k``: regularize only ``k`` of the rows that count, drawn uniformly
+        without replacement with ``key`` (all of them when at most ``k`` count), and
+        generate only those ``k`` (hypnettorch's ``hnet_reg_batch_size``): the mean is over
+        the drawn rows. Draw a new ``key`` every step.
+      key: the PRNG key ``sample`` draws with.
 
     Returns:
       A scalar.
@@ -177,6 +198,13 @@ def output_regularizer(
     """
     _check_beta(beta)
     n = _count(inputs)
+    if (sample is None) != (key is None):
+        raise ValueError(
+            "sample and key go together: sample=k regularizes k earlier tasks drawn with key "
+            "(pass both), or neither for every task."
+        )
+    if sample is not None:
+        sample = check_count(sample, "sample", 1)
     if jnp.ndim(stored) != 2 or jnp.shape(stored)[0] != n:
         raise ValueError(
             f"stored has shape {jnp.shape(stored)}, but {n} inputs need one row each: "
@@ -185,18 +213,63 @@ def output_regularizer(
         )
     if where is not None:
         _check_where(where, n)
+    if importance is not None and jnp.shape(importance) != jnp.shape(stored):
+        raise ValueError(
+            f"importance has shape {jnp.shape(importance)}, but it weighs each stored scalar: "
+            f"it needs stored's shape {jnp.shape(stored)}."
+        )
     if n == 0:
         return jnp.zeros((), jnp.result_type(stored))
+    if sample is not None and sample < n:
+        valid = jnp.ones(n, bool) if where is None else where
+        picked, where = _sample_rows(key, valid, sample)
+        inputs = jax.tree.map(lambda x: x[picked], inputs)
+        stored = stored[picked]
+        importance = None if importance is None else importance[picked]
     now = generated_vectors(generate, inputs)
     if now.shape != jnp.shape(stored):
         raise ValueError(
             f"generate gives vectors of length {now.shape[1]}, but stored rows have length "
             f"{jnp.shape(stored)[1]}: the snapshot comes from another hypernetwork or target."
         )
-    squared = jnp.sum((now - stored) ** 2, axis=-1)
+    squared = (now - stored) ** 2
+    squared = jnp.sum(squared if importance is None else importance * squared, axis=-1)
     if where is None:
         return beta * jnp.mean(squared)
     # jnp.where, not a product: a masked-out row's gradient is exactly zero.
     count = jnp.sum(where)
     total = jnp.sum(jnp.where(where, squared, 0.0))
     return beta * total / jnp.maximum(count, 1).astype(total.dtype)
+
+
+def fisher_diagonal(
+    log_likelihood: Callable[[Any, Any], jax.Array], params: Any, examples: Any
+) -> Any:
+    """The diagonal of the empirical Fisher information: ``mean_i (∂ log p_i / ∂params)²``.
+
+    ``log_likelihood(params, example)`` is one example's log-likelihood (e.g. the target's
+    log-softmax at the label, run with :func:`~nnxscan.pure.hyper.call` on generated
+    params); the squared gradient is taken example by example (``jax.vmap``) and averaged,
+    as hypnettorch's and EWC's ``compute_fisher`` do with the given labels. Raveled and
+    stacked per task, it is ``output_regularizer``'s ``importance``.
+
+    Args:
+      log_likelihood: ``(params, one example) -> scalar``.
+      params: the pytree to differentiate (e.g. ``hnet.generate(t)``).
+      examples: a pytree of arrays with a leading examples axis.
+
+    Returns:
+      A pytree like ``params``.
+
+    Example:
+      >>> def log_likelihood(params, example):
+      ...     logits = hyper.call(spec, params, example["x"])
+      ...     return jax.nn.log_softmax(logits)[example["y"]]
+      >>> fisher = hyper.fisher_diagonal(log_likelihood, hnet.generate(t), task_data)
+      >>> row = hyper.ravel(fisher)          # task t's row of importance
+    """
+    if not callable(log_likelihood):
+        raise TypeError(f"log_likelihood must be callable, got {type(log_likelihood).__name__}.")
+    _count(examples)
+    grads = jax.vmap(jax.grad(log_likelihood), in_axes=(None, 0))(params, examples)
+    return jax.tree.map(lambda g: jnp.mean(jnp.square(g), axis=0), grads)

@@ -39,17 +39,30 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from nnxscan.pure.hyper.spec import ParamSpec
+from nnxscan.pure.hyper.variance import check_init, init_moments
 
 __all__ = ["HyperHeads", "head_init_scale"]
 
 
-def head_init_scale(spec: ParamSpec, in_features: int, input_variance: float = 1.0) -> jax.Array:
+def head_init_scale(
+    spec: ParamSpec,
+    in_features: int,
+    input_variance: float = 1.0,
+    init: str = "target",
+    init_gain: float = 2.0,
+) -> jax.Array:
     """Per-tensor standard deviation of the head weights: ``sqrt(v_t / (d_k · Var(e)))``.
+
+    ``v_t`` is the variance ``init`` chooses for generated tensor ``t`` (see
+    :func:`~nnxscan.pure.hyper.variance.init_moments`: the target's own, hyperfan-in or
+    -out, or zero).
 
     Example:
       >>> head_init_scale(spec, 32)   # (len(spec.leaves),)
+      >>> head_init_scale(spec, 32, init="hyperfan_out", init_gain=2.0)
     """
-    return jnp.sqrt(spec.init_var / (in_features * input_variance))
+    variance, _ = init_moments(spec, init, init_gain)
+    return jnp.sqrt(variance / (in_features * input_variance))
 
 
 # One compiled initializer per layout, drawing all head weights with one random call (a
@@ -74,6 +87,12 @@ class HyperHeads(nnx.Module):
       spec: the target's :class:`ParamSpec`.
       in_features: ``d_k``, the size of the last axis of ``h``.
       input_variance: the variance of ``h``'s entries the init assumes (see module doc).
+      init: the variance each generated tensor starts with: ``"target"`` (default, the
+        target's own initializer's), ``"hyperfan_in"``, ``"hyperfan_out"`` (Chang et al.,
+        with gain ``init_gain``: 2 for ReLU targets, 1 for linear/tanh) or ``"zeros"``
+        (every generated tensor starts at zero); see
+        :func:`~nnxscan.pure.hyper.variance.init_moments`.
+      init_gain: the hyperfan inits' ``c``.
       param_dtype: dtype of the head weights.
       rngs: draws the head weights.
 
@@ -98,9 +117,12 @@ class HyperHeads(nnx.Module):
         in_features: int,
         *,
         input_variance: float = 1.0,
+        init: str = "target",
+        init_gain: float = 2.0,
         param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
+        check_init(init, init_gain)
         if not isinstance(spec, ParamSpec):
             raise TypeError(
                 f"HyperHeads needs a ParamSpec (hyper.ParamSpec.from_module(target)), got "
@@ -113,10 +135,11 @@ class HyperHeads(nnx.Module):
         self.in_features = int(in_features)
         self.treedef = spec.treedef
         self.leaves = spec.leaves
+        _, constant = init_moments(spec, init, init_gain)
         kernels, biases = _init_head_weights(
             rngs.params(),
-            head_init_scale(spec, self.in_features, input_variance),
-            jnp.where(spec.init_var == 0, spec.init_mean, 0.0),
+            head_init_scale(spec, self.in_features, input_variance, init, init_gain),
+            constant,
             shapes=tuple(leaf.shape for leaf in spec.leaves),
             in_features=self.in_features,
             dtype=jnp.dtype(param_dtype),

@@ -25,24 +25,51 @@ from jax.typing import DTypeLike
 from nnxscan.pure.hyper.call import call_with_state
 from nnxscan.pure.hyper.chunked import ChunkedHeads
 from nnxscan.pure.hyper.heads import HyperHeads
-from nnxscan.pure.hyper.spec import ParamSpec, _plain_variables, spec_from_split
+from nnxscan.pure.hyper.spec import (
+    ParamSpec,
+    _plain_variables,
+    spec_from_split,
+    variable_leaves,
+)
+from nnxscan.pure.hyper.structured import StructuredHeads
+from nnxscan.pure.hyper.variance import check_init
 
-__all__ = ["GeneratedSlot", "Hypernetwork"]
+__all__ = ["FrozenParam", "GeneratedSlot", "Hypernetwork"]
 
 
 class GeneratedSlot(nnx.Variable):
     """A target variable whose value a :class:`Hypernetwork` generates; not a Param.
 
-    Holds the target's own initial value, which is never used by ``hnet(z, ...)``.
+    Holds the target's own initial value, which ``hnet(z, ...)`` never uses (with
+    ``pretrained=``, the base the deltas are added to is ``hnet.base``).
     """
+
+
+class FrozenParam(nnx.Variable):
+    """A target Param a :class:`Hypernetwork` keeps fixed (``freeze_target=True``), or the
+    pretrained weights of ``pretrained="frozen"``: not an ``nnx.Param``, so no ``wrt=nnx.Param``
+    training updates it."""
+
+
+PRETRAINED = (None, "frozen", "trainable")
 
 
 _CHUNK_EMBEDDING_FEATURES = 16  # ChunkedHeads' default
 
 
 def _check_chunk_options(
-    chunk_size: int | None, embedding_features: int | None, hidden_features: int | None
+    chunk_size: int | None,
+    embedding_features: int | None,
+    hidden_features: int | None,
+    structured_units: int | None = None,
 ) -> None:
+    if chunk_size is not None and structured_units is not None:
+        raise ValueError(
+            "chunk_size and structured_units choose two kinds of heads (equal chunks of the "
+            "flat vector, or chunks of a layer's output units): pass one of them."
+        )
+    if structured_units is not None:
+        return
     given = [
         name
         for name, value in (
@@ -75,10 +102,29 @@ class Hypernetwork(nnx.Module):
         An int: one :class:`ChunkedHeads` generating the flat parameter vector in chunks
         of this many scalars, so the hypernetwork can be smaller than its target
         (``compression_ratio``).
-      chunk_embedding_features, chunk_hidden_features: with ``chunk_size`` only, the size of
-        each learned chunk embedding (default 16) and the width of the chunk layer (default
-        ``trunk_features``); see :class:`ChunkedHeads`. Given without ``chunk_size`` they
-        raise rather than be ignored.
+      chunk_embedding_features, chunk_hidden_features: with ``chunk_size`` or
+        ``structured_units`` only, the size of each learned chunk embedding (default 16, or
+        8 for structured heads) and the width of the chunk layer (default
+        ``trunk_features``); see :class:`ChunkedHeads`. Given without either they raise
+        rather than be ignored.
+      structured_units: an int: one :class:`StructuredHeads`, chunks of this many output
+        units of one layer (each unit's whole fan-in and bias), hypnettorch's structured
+        chunking. Exclusive with ``chunk_size``.
+      init, init_gain: the variance each generated tensor starts with: ``"target"``
+        (default: the target's own initializer's), ``"hyperfan_in"``, ``"hyperfan_out"``
+        (Chang et al.; ``init_gain`` is their ``c``, 2 for ReLU targets) or ``"zeros"``; see
+        :func:`~nnxscan.pure.hyper.variance.init_moments`. With ``pretrained``, the
+        default is ``"zeros"``.
+      pretrained: ``None`` (default): the heads generate the weights themselves.
+        ``"frozen"`` or ``"trainable"``: they generate a delta added to the target's own
+        (pretrained) weights, ``θ = θ0 + Δ(z)`` (HyperLight's ``from_existing``, MIP);
+        ``Δ`` starts at exactly zero (``init="zeros"``), so before any training ``hnet(z,
+        x)`` is the pretrained target's output for every ``z``. ``θ0`` is ``hnet.base``:
+        :class:`FrozenParam` (never trained) or ``nnx.Param`` (trained with the rest).
+      freeze_target: keep the target's own (non-generated) Params fixed: they are re-wrapped
+        as :class:`FrozenParam`, so ``Trainer(hnet, ...)`` (``wrt=nnx.Param``) never updates
+        them. For generated LoRA adapters of a frozen base: ``wrt=nnx.LoRAParam,
+        freeze_target=True``.
       param_dtype: dtype of the heads' weights (default float32).
       rngs: draws the head weights.
 
@@ -106,28 +152,60 @@ class Hypernetwork(nnx.Module):
         chunk_size: int | None = None,
         chunk_embedding_features: int | None = None,
         chunk_hidden_features: int | None = None,
+        structured_units: int | None = None,
+        init: str | None = None,
+        init_gain: float = 2.0,
+        pretrained: str | None = None,
+        freeze_target: bool = False,
         param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
         if not callable(trunk):
             raise TypeError(f"trunk must be callable (an NNX module), got {type(trunk).__name__}.")
-        _check_chunk_options(chunk_size, chunk_embedding_features, chunk_hidden_features)
+        if pretrained not in PRETRAINED:
+            raise ValueError(f"pretrained must be one of {PRETRAINED}, got {pretrained!r}.")
+        if not isinstance(freeze_target, bool):
+            raise TypeError(f"freeze_target must be a bool, got {type(freeze_target).__name__}.")
+        if init is None:
+            init = "target" if pretrained is None else "zeros"
+        check_init(init, init_gain)
+        _check_chunk_options(
+            chunk_size, chunk_embedding_features, chunk_hidden_features, structured_units
+        )
         target = _plain_variables(target)  # the forward pass merges it inside jax.grad
         spec = ParamSpec.from_module(target, wrt=wrt)  # copies the non-generated state
-        graphdef, own = nnx.split(target, wrt, ...)[:2]
+        graphdef, own, rest = nnx.split(target, wrt, ...)
         slots = jax.tree.map(
             lambda v: GeneratedSlot(jnp.array(v.get_value(), copy=True)),
             own,
             is_leaf=lambda x: isinstance(x, nnx.Variable),
         )
+        if freeze_target:
+            rest = jax.tree.map(
+                lambda v: FrozenParam(v.get_value()) if isinstance(v, nnx.Param) else v,
+                rest,
+                is_leaf=lambda x: isinstance(x, nnx.Variable),
+            )
         self.trunk = trunk
-        if chunk_size is None:
-            self.heads = HyperHeads(
+        if pretrained is not None:
+            kind = nnx.Param if pretrained == "trainable" else FrozenParam
+            self.base = nnx.List([kind(jnp.array(v, copy=True)) for _, v in variable_leaves(own)])
+        heads_init = dict(input_variance=input_variance, init=init, init_gain=init_gain)
+        if structured_units is not None:
+            self.heads = StructuredHeads(
                 spec,
                 trunk_features,
-                input_variance=input_variance,
+                units=structured_units,
+                embedding_features=chunk_embedding_features or 8,
+                hidden_features=chunk_hidden_features,
+                num_conditions=self._chunk_tables(),
+                **heads_init,
                 param_dtype=param_dtype,
                 rngs=rngs,
+            )
+        elif chunk_size is None:
+            self.heads = HyperHeads(
+                spec, trunk_features, **heads_init, param_dtype=param_dtype, rngs=rngs
             )
         else:
             if chunk_embedding_features is None:
@@ -138,15 +216,30 @@ class Hypernetwork(nnx.Module):
                 chunk_size=chunk_size,
                 embedding_features=chunk_embedding_features,
                 hidden_features=chunk_hidden_features,
-                input_variance=input_variance,
+                num_conditions=self._chunk_tables(),
+                **heads_init,
                 param_dtype=param_dtype,
                 rngs=rngs,
             )
-        self.target = nnx.merge(graphdef, slots, spec.rest, copy=True)
+        self.target = nnx.merge(graphdef, slots, rest, copy=True)
         # The original graphdef (slots typed as wrt selected them) and leaf layout, static.
         self._target_graphdef = spec.graphdef
         self._generated_treedef = spec.treedef
         self._generated_leaves = spec.leaves
+
+    def _chunk_tables(self) -> int | None:
+        """How many sets of chunk embeddings chunked heads hold (None: one, shared)."""
+        return None
+
+    def _add_base(self, delta: nnx.State) -> nnx.State:
+        """``θ0 + Δ`` with ``pretrained=``; ``Δ`` itself otherwise."""
+        if "base" not in vars(self):
+            return delta
+        leaves = jax.tree.leaves(delta)
+        values = [
+            (base[...] + d).astype(d.dtype) for base, d in zip(self.base, leaves, strict=True)
+        ]
+        return jax.tree.unflatten(self._generated_treedef, values)
 
     @property
     def spec(self) -> ParamSpec:
@@ -186,7 +279,7 @@ class Hypernetwork(nnx.Module):
           >>> params = hnet.generate(z)
           >>> flat = hyper.ravel(params)
         """
-        return self.heads(self.trunk(z))
+        return self._add_base(self.heads(self.trunk(z)))
 
     def __call__(self, z: jax.Array, *args: Any, **kwargs: Any) -> Any:
         """Runs the target on ``*args, **kwargs`` with the params generated from ``z``.
