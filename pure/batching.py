@@ -8,9 +8,6 @@ cut their orders here, so a loop of pure functions and ``Trainer.fit`` see the s
 - :func:`full_then_tail`: the rule every epoch and every evaluation follows: scan the full
   batches, then the tail once, as a step of its own shape.
 - :func:`take_batch`: rows of every leaf of a data set, by index (:func:`take_rows`).
-- :func:`gather_budget`, :func:`batch_bytes`, :func:`chunk_steps`: how many bytes one
-  gather of a call may copy, how many a batch takes, how many steps each chunk of a call
-  gathered in chunks gets.
 - :func:`shard_batch`, :func:`constrain_sharding`: a batch (an array) on a sharding inside
   traced code, on an Explicit or an Auto mesh.
 
@@ -35,13 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "batch_bytes",
-    "chunk_steps",
     "constrain_sharding",
     "cut_batches",
     "full_then_tail",
-    "gather_budget",
-    "gathers_as_bytes",
     "shard_batch",
     "take_batch",
     "take_rows",
@@ -114,7 +107,7 @@ def take_batch(data: Any, indices: jax.Array, *, as_bytes: bool = False) -> Any:
 _NARROW_ROW_ELEMENTS = 128
 
 
-def gathers_as_bytes(x: Any) -> bool:
+def _gathers_as_bytes(x: Any) -> bool:
     """Whether :func:`take_rows` gathers ``x``'s rows through a byte view: on the CPU, an
     integer or float array whose rows hold fewer than 128 elements but at least 128
     bytes (a row of 32 to 127 float32s). Narrower rows gather no faster as bytes
@@ -145,7 +138,7 @@ def take_rows(x: Any, indices: Any) -> jax.Array:
       Array([[4., 5.],
              [0., 1.]], dtype=float32)
     """
-    if not gathers_as_bytes(x):
+    if not _gathers_as_bytes(x):
         return jnp.take(x, indices, axis=0)
     dtype, shape = jnp.result_type(x), jnp.shape(x)
     row = int(np.prod(shape[1:], dtype=np.int64))
@@ -282,8 +275,8 @@ def _concat(a: jax.Array, b: jax.Array) -> jax.Array:
 #: every call (measured in docs/performance.md: 4 MiB was as fast or faster than both a
 #: whole-epoch copy and a gather per step, for rows of 256 B to 64 kB).
 GATHER_BUDGET_BYTES = 4 * 1024 * 1024
-#: The budget when the rows gather through bytes (``gathers_as_bytes``; see
-#: ``gather_budget``):
+#: The budget when the rows gather through bytes (``_gathers_as_bytes``; see
+#: ``_gather_budget``):
 #: such a gather is bound by XLA:CPU's per-element loop, not by the cache, and a call
 #: gathered whole gets the byte view (in a chunk loop XLA would hoist the view of the
 #: data set out of the loop as a copy). Below glibc's largest mmap threshold (32 MiB),
@@ -291,29 +284,29 @@ GATHER_BUDGET_BYTES = 4 * 1024 * 1024
 NARROW_GATHER_BUDGET_BYTES = 24 * 1024 * 1024
 
 
-def gather_budget(data: Any) -> int:
+def _gather_budget(data: Any) -> int:
     """The default bytes one gather of a call may copy for ``data``'s rows: the narrow
     budget (24 MiB) when rows that gather through bytes hold at least 90% of a row's
     bytes (an image or feature vector beside its int label), else 4 MiB. A call whose
     batches take more is gathered in chunks of steps (``scan_indexed_steps``).
 
     Example:
-      >>> gather_budget({"x": np.zeros((100, 64), np.float32), "y": np.zeros(100, np.int32)})
+      >>> _gather_budget({"x": np.zeros((100, 64), np.float32), "y": np.zeros(100, np.int32)})
       25165824
     """
     leaves = jax.tree.leaves(data)
-    total = batch_bytes(data, 1)
-    narrow = sum(batch_bytes(x, 1) for x in leaves if gathers_as_bytes(x))
+    total = _batch_bytes(data, 1)
+    narrow = sum(_batch_bytes(x, 1) for x in leaves if _gathers_as_bytes(x))
     if total and narrow >= 0.9 * total:
         return NARROW_GATHER_BUDGET_BYTES
     return GATHER_BUDGET_BYTES
 
 
-def batch_bytes(data: Any, batch_size: int) -> int:
+def _batch_bytes(data: Any, batch_size: int) -> int:
     """Bytes one batch of ``batch_size`` examples of ``data`` takes (every leaf's rows).
 
     Example:
-      >>> batch_bytes({"x": np.zeros((100, 64), np.float32)}, 32)
+      >>> _batch_bytes({"x": np.zeros((100, 64), np.float32)}, 32)
       8192
     """
     return batch_size * sum(
@@ -321,14 +314,14 @@ def batch_bytes(data: Any, batch_size: int) -> int:
     )
 
 
-def chunk_steps(steps: int, most: int) -> int:
+def _chunk_steps(steps: int, most: int) -> int:
     """Steps per chunk when a call of ``steps`` steps is gathered in chunks of at most
     ``most``: a divisor of ``steps`` of at least ``most / 2`` when there is one, so the
     chunks are one loop. A rest of another length is a second loop of the step, which XLA
     compiles again (~0.3 s for a small MLP's step, more for larger ones).
 
     Example:
-      >>> chunk_steps(2000, 1500)  # 2 chunks of 1,000 rather than 1,500 + 500
+      >>> _chunk_steps(2000, 1500)  # 2 chunks of 1,000 rather than 1,500 + 500
       1000
     """
     for size in range(most, max((most + 1) // 2, 2) - 1, -1):

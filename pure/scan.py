@@ -173,18 +173,18 @@ def scan_indexed_steps(
         return (state, opt_state), outs
 
     if gather_budget is None:
-        gather_budget = batching.gather_budget(data)
+        gather_budget = batching._gather_budget(data)
     rows_per_step = int(np.prod(indices.shape[1:], dtype=np.int64))
-    steps, per_step = indices.shape[0], batching.batch_bytes(data, rows_per_step)
+    steps, per_step = indices.shape[0], batching._batch_bytes(data, rows_per_step)
     chunk = max(1, gather_budget // max(per_step, 1))
-    data_bytes = batching.batch_bytes(data, _num_rows(data))
+    data_bytes = batching._batch_bytes(data, _num_rows(data))
     if chunk >= steps:  # the whole call in one gather
         # Through bytes when the call reads most of the data (an epoch): the byte view
         # then costs at most one more pass over the data, where it is not fused.
         as_bytes = 2 * steps * per_step >= data_bytes
         carry, outs = run_chunk((state, opt_state), indices, as_bytes)
         return (*carry, outs)
-    chunk = batching.chunk_steps(steps, chunk)
+    chunk = batching._chunk_steps(steps, chunk)
     num_chunks = steps // chunk
     # The same rule per chunk: a chunk that reads most of the data (fused epochs of a data
     # set within the budget) gathers through bytes too.

@@ -174,7 +174,7 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
     graphdef, state = nnx.split(MLP(din, rngs=nnx.Rngs(0)))
     opt_state = init_opt_state(TX, state)
     order = epoch_order(3, 0, len(data["x"])).reshape(-1, BS)  # 8 steps: the rule fit uses
-    per_step = batching.batch_bytes(data, BS)
+    per_step = batching._batch_bytes(data, BS)
 
     def run(budget):
         return jax.jit(
@@ -310,9 +310,9 @@ _SPECIALS = np.array([1.5, np.nan, -0.0, np.inf, -np.inf, 1e-40], np.float32)
 def test_take_rows_is_numpy_indexing_bitwise(leaf, as_bytes):
     """Rows gathered through a byte view of the data (faster on XLA:CPU) are numpy's own
     fancy indexing, bit for bit: NaN payloads, -0.0 and subnormals included."""
-    from nnxscan.pure.batching import gathers_as_bytes, take_rows
+    from nnxscan.pure.batching import _gathers_as_bytes, take_rows
 
-    assert gathers_as_bytes(leaf) == (as_bytes and jax.default_backend() == "cpu")
+    assert _gathers_as_bytes(leaf) == (as_bytes and jax.default_backend() == "cpu")
     indices = np.array([[5, 0, 3], [3, 3, 1]])
     want = leaf[indices]
     for got in (take_rows(leaf, indices), jax.jit(take_rows)(leaf, indices)):
@@ -325,10 +325,10 @@ def test_take_rows_is_numpy_indexing_bitwise(leaf, as_bytes):
 def test_chunks_divide_the_call_when_they_can():
     """A call's chunks are one loop when a divisor of its steps lies in [most/2, most]
     (a rest would be a second loop of the step, compiled again)."""
-    from nnxscan.pure.batching import chunk_steps
+    from nnxscan.pure.batching import _chunk_steps
 
     for steps, most in [(1320, 503), (96, 10), (2000, 504), (1319, 503), (7, 3), (5, 1)]:
-        size = chunk_steps(steps, most)
+        size = _chunk_steps(steps, most)
         assert 1 <= size <= most
         divisors = [d for d in range(max((most + 1) // 2, 2), most + 1) if steps % d == 0]
         assert size == (max(divisors) if divisors else most)
