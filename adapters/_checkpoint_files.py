@@ -110,6 +110,8 @@ def write(
     if tmp.exists():  # a save of this step killed mid-way: replaced, not an obstacle
         shutil.rmtree(tmp)
     tmp.mkdir()
+    # The item's store commits in tensorstore's threads while arrays.bin is written here.
+    finish_item = None if item is None else _orbax_item.write_item(tmp / ITEM, *item)
     placed, written = {}, [tmp / DATA]
     with open(tmp / DATA, "wb") as file:
         offset = 0
@@ -123,15 +125,12 @@ def write(
                             "crc32": f"{zlib.crc32(data):08x}"}  # fmt: skip
             file.write(data)
             offset += buffer.nbytes
-    folders = []
-    if item is not None:
-        folders = [tmp / ITEM, tmp / ITEM / "array_metadatas"]
-        written += _orbax_item.write_item(tmp / ITEM, *item)
     text = _manifest.dumps_checked({**manifest, "buffers": placed})
     written.append(_write_file(tmp / MANIFEST, text))  # one write, not dozens
-    # Every file, then every folder, reaches the disk before the rename makes it a
-    # checkpoint (the item's store is synced by tensorstore itself).
-    for written_path in (*written, *reversed(folders), tmp):
+    if finish_item is not None:
+        written += finish_item()
+    # Every file and folder reaches the disk before the rename makes it a checkpoint.
+    for written_path in (*written, tmp):
         _fsync(written_path)
     final = path / str(step)
     os.rename(tmp, final)

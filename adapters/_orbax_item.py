@@ -15,9 +15,10 @@ OCDBT key-value store of zarr v2 arrays; orbax reads every layout it ever wrote)
                                      dtype, one chunk, no compressor) and its chunk
                                      ``<param name>/0[.0...]``: the raw bytes, C order
 
-Written through tensorstore's OCDBT driver in one transaction: a handful of files however
-many arrays (deleting an old checkpoint stays cheap), a few ms of the background writer's
-CPU where orbax's own save costs tens of ms (its per-array machinery). nnxscan itself reads
+Written through tensorstore's OCDBT driver in one transaction, committed while the rest of
+the checkpoint is written: a handful of files however many arrays (deleting an old
+checkpoint stays cheap), a few ms of the background writer's CPU where orbax's own save
+costs tens of ms (its per-array machinery). nnxscan itself reads
 the model state from ``arrays.bin``, checked by its crc32; this item is for Flax's code.
 What orbax writes for the same tree is the reference (tests/test_checkpoint_trust.py).
 
@@ -29,8 +30,10 @@ key of a dtype zarr stores, with no zero-sized axis, under a key path of plain n
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import pathlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -141,27 +144,44 @@ FILES = ("_METADATA", "_sharding", "array_metadatas/process_0")
 
 def write_item(
     path: pathlib.Path, leaves: list[ItemLeaf], arrays: list[Any], files: dict[str, bytes]
-) -> list[pathlib.Path]:
-    """Writes the item into the (new) folder ``path``: the store's keys in one tensorstore
-    transaction (its file driver syncs what it writes), then the metadata files; returns
-    those files, for the caller to fsync with its own."""
+) -> Callable[[], list[pathlib.Path]]:
+    """Starts writing the item into the (new) folder ``path``: the store's keys in one
+    tensorstore transaction, committed in tensorstore's threads while the caller writes its
+    own files; returns ``finish()``, which waits for the commit, writes the metadata files
+    and returns every file and folder of the item, for the caller to fsync with its own
+    (tensorstore's own syncs are off: one pass of fsyncs covers everything)."""
     import tensorstore  # flax installs it; imported here, where it is first needed
 
     spec = {"driver": "ocdbt", "base": f"file://{path}/", "config": {"compression": None}}
-    store = tensorstore.KvStore.open(spec).result()
+    store = tensorstore.KvStore.open(spec, context=_context()).result()
     transaction = tensorstore.Transaction()
     keys = store.with_transaction(transaction)
     for leaf, array in zip(leaves, arrays, strict=True):
         keys[f"{leaf.name}/.zarray"] = files[f"{leaf.name}/.zarray"]
         keys[leaf.chunk] = np.ascontiguousarray(array).tobytes()
-    transaction.commit_async().result()
-    written = []
-    for name in FILES:
-        target = path / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(files[name])
-        written.append(target)
-    return written
+    committed = transaction.commit_async()
+
+    def finish() -> list[pathlib.Path]:
+        committed.result()
+        for name in FILES:
+            target = path / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(files[name])
+        # Files first, then their folders, deepest first.
+        written = sorted(path.rglob("*"), key=lambda p: (p.is_dir(), -len(p.parts)))
+        return [*written, path]
+
+    return finish
+
+
+@functools.cache
+def _context() -> Any:
+    """One tensorstore context for every item this process writes (its thread pools made
+    once), with its own fsyncs off: the checkpoint writer syncs the item's files itself,
+    with its own, before the rename that makes the checkpoint."""
+    import tensorstore
+
+    return tensorstore.Context({"file_io_sync": False})
 
 
 def device_name(array: Any) -> str:
