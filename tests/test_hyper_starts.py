@@ -21,6 +21,7 @@ from flax import nnx
 from nnxscan.pure import hyper
 from nnxscan.shell import Trainer
 
+from conftest import ACROSS_PROGRAMS
 from hyper_models import MLP, as_arrays
 
 
@@ -68,7 +69,9 @@ def test_a_pretrained_start_generates_the_pretrained_weights_bitwise(pretrained,
     x = np.linspace(-2, 2, 8, dtype=np.float32)[:, None]
     spec = hyper.ParamSpec.from_module(target)
     pretrained_out = run_target(spec, own, x)
-    np.testing.assert_array_equal(pretrained_out, np.asarray(target(x)))  # the target itself
+    # The target's own call is another program (eager ops against run_target's jit): equal to
+    # float rounding, not bitwise (newer XLA releases differ there in the last bit).
+    np.testing.assert_allclose(pretrained_out, np.asarray(target(x)), **ACROSS_PROGRAMS)
     for k in range(len(zs)):
         one = jax.tree.map(lambda a, k=k: a[k], generated)
         np.testing.assert_array_equal(run_target(spec, one, x), pretrained_out)
