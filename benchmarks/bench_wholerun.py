@@ -19,6 +19,10 @@ included. For every workload of ``_workloads.py`` this times, in one process:
   one_scan         (mlp_digits only) one ``jax.jit`` around one ``lax.scan`` over every step
                    of the run, the step from ``nnxscan.pure.make_train_step``: the floor
                    for fusing epochs
+  keras, keras_spe (the MLPs and the CNN, when the ``bench`` extra is installed) Keras 3 on
+                   the JAX backend, ``model.compile`` + ``model.fit`` from the Flax model's
+                   initial weights on the same batches (``_keras_models.py``), with
+                   ``steps_per_execution`` 1 and the workload epoch's steps
 
 Every variant trains the same number of steps on the same batches (the permutations
 ``Trainer.fit(seed=0)`` draws), so their final losses (the last epoch's mean training loss)
@@ -61,6 +65,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from _keras_models import expressible, keras_installed, keras_variant
 from _workloads import WORKLOADS, Nodes, Workload, mlp_digits
 from flax import nnx
 
@@ -206,10 +211,19 @@ VARIANTS: dict[str, Variant] = {
     "fit_unrolled": fit("unrolled"),
     "one_scan": one_scan,
 }
+KERAS = ("keras", "keras_spe")
+if keras_installed():  # the bench extra
+    VARIANTS["keras"] = keras_variant(lambda w: 1)
+    VARIANTS["keras_spe"] = keras_variant(lambda w: w.steps_per_epoch)
 
 
 def variants_of(workload: Workload, wanted: list[str]) -> list[str]:
-    return [v for v in wanted if v != "one_scan" or workload.one_scan_floor]
+    return [
+        v
+        for v in wanted
+        if (v != "one_scan" or workload.one_scan_floor)
+        and (v not in KERAS or expressible(workload))
+    ]
 
 
 # -- timing -------------------------------------------------------------------------------
@@ -243,13 +257,18 @@ class FreshNodes:
 
 
 def run_variant(workload: Workload, variant: Variant, fresh_nodes: FreshNodes) -> Run:
-    """One whole run from empty compilation caches, then the same run again, compiled."""
+    """One whole run from empty compilation caches, then the same run again, compiled.
+
+    A variant with a ``prepare(workload, nodes)`` (Keras) builds its own model from the
+    nodes there, untimed, and gets it as a third argument."""
     nodes = fresh_nodes()
+    prepare = getattr(variant, "prepare", None)
+    prepared = () if prepare is None else (prepare(workload, nodes),)
     gc.collect()
     jax.clear_caches()
 
     start = time.perf_counter()
-    train = variant(workload, nodes)
+    train = variant(workload, nodes, *prepared)
     loss = train()
     jax.block_until_ready(nnx.state(nodes))
     whole = time.perf_counter() - start
