@@ -50,7 +50,7 @@ def check_cost(sizes: list[int], rounds: int, reps: int) -> tuple[int, float, fl
     """``(leaves, µs with the check, µs without)`` of ``donatable()``, medians of rounds."""
     model = MLP(sizes, nnx.Rngs(0))
     owner = ModelOwner(model, optax.adam(1e-3))
-    live = _calls.LiveState(*owner.read()[1:], owner.writer(), Placement())
+    live = _calls.LiveState(*owner.read()[1:], owner.make_write_back(), Placement())
     live.donatable()  # the first check, on the owner's originals
     with_check, without = [], []
     for _ in range(rounds):

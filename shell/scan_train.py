@@ -191,7 +191,9 @@ def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> Any:
             keep_tail=not drop_remainder and num % batch_size > 0,
         )  # fmt: skip
         calls = epoch_calls(0, EpochStats())
-    live = LiveState(state, opt_state, owner.writer(), placement, engine.make_runner(owner.layout))
+    live = LiveState(
+        state, opt_state, owner.make_write_back(), placement, engine.make_runner(owner.layout)
+    )
     owner.release_reads()
     # No local keeps the owner's arrays: the first call counts who else references them.
     del state, opt_state

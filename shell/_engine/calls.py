@@ -66,7 +66,7 @@ class LiveState:
     """The newest ``(state, opt_state)`` of one run of calls, kept as flat leaves: the carry
     in flight between the owner's reads and writes.
 
-    ``write(leaves, treedef, steps)`` (an owner's writer) puts it into the owner's objects
+    ``write(leaves, treedef, steps)`` (an owner's write-back) puts it into the owner's objects
     and receives the number of steps trained since the last write. ``make_runner(carry_def,
     carry_shardings, donate)`` builds the compiled runner for this carry (see
     ``_programs.TrainProgram.runner``).

@@ -252,7 +252,9 @@ class FitLoop:
         owner.reset_metrics()
         # No local keeps the owner's arrays: the first call counts who else references
         # them (see _calls.LiveState.donatable).
-        live = LiveState(*owner.read()[1:], owner.writer(), self.placement, self.make_runner)
+        live = LiveState(
+            *owner.read()[1:], owner.make_write_back(), self.placement, self.make_runner
+        )
         owner.release_reads()  # from here on callbacks may change the objects
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
         injected = learning_rate(live.carry()[1], self.layout) is not None

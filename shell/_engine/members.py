@@ -27,7 +27,7 @@ from nnxscan.pure import (
 )
 from nnxscan.pure.companions import node_of, unpack
 from nnxscan.shell._engine.layout import Members
-from nnxscan.shell._engine.owner import Writer, check_meta_ints, metric_logs, split_plain
+from nnxscan.shell._engine.owner import WriteBack, check_meta_ints, metric_logs, split_plain
 from nnxscan.shell._engine.programs import member_metrics
 from nnxscan.shell._population_checks import call_model_fn
 
@@ -141,7 +141,7 @@ class StackedOwner:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def writer(self) -> Writer:
+    def make_write_back(self) -> WriteBack:
         def write(leaves: list, treedef: Any, steps: int) -> None:
             self._carry = jax.tree.unflatten(treedef, leaves)
             self.step += steps

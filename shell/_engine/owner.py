@@ -39,7 +39,7 @@ from nnxscan.shell._module_check import check_module
 
 # ``write(leaves, treedef, steps)``: the carry ``(state, opt_state)`` as ``jax.tree.flatten``
 # gives it, and the number of steps trained since the last write.
-Writer = Callable[[list, Any, int], None]
+WriteBack = Callable[[list, Any, int], None]
 
 
 class Owner(Protocol):
@@ -71,7 +71,7 @@ class Owner(Protocol):
     def read_state(self) -> nnx.State: ...
     def reads_held(self) -> contextlib.AbstractContextManager: ...
     def release_reads(self) -> None: ...
-    def writer(self) -> Writer: ...
+    def make_write_back(self) -> WriteBack: ...
     def reset_metrics(self) -> None: ...
     def take_metrics(self) -> dict[str, Any]: ...
     def load(self, state: nnx.State, where: Any = None) -> None: ...
@@ -318,7 +318,7 @@ class ModelOwner:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def writer(self) -> Writer:
+    def make_write_back(self) -> WriteBack:
         """``write(leaves, treedef, steps)``: puts a trained carry into the user's objects and
         advances the step counter by ``steps``. Its maps are built once, here: call it once
         per fit and use the result after every compiled call.
