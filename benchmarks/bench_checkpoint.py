@@ -31,7 +31,7 @@ import time
 import jax
 from _workloads import WORKLOADS
 
-from nnxscan.adapters.checkpoint import CheckpointWriter, all_steps
+from nnxscan.adapters.checkpoint import Checkpointer, all_steps
 from nnxscan.shell import LambdaCallback, Trainer
 from nnxscan.shell._edges import checkpointing as _checkpointing
 
@@ -123,9 +123,7 @@ def storage(name: str | None):
 
 
 def _writer(name, directory, *, max_to_keep=3, asynchronous=True):
-    return CheckpointWriter(
-        directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name
-    )
+    return Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name)
 
 
 def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) -> str:

@@ -33,11 +33,9 @@ def _adapter() -> Any:
 def writer(
     directory: str | os.PathLike[str], *, max_to_keep: int = 3, asynchronous: bool = True
 ) -> Any:
-    """The one checkpoint writer of a fit (``adapters.checkpoint.CheckpointWriter``):
+    """The one checkpoint writer of a fit (``adapters.checkpoint.Checkpointer``):
     saves return once the arrays are on the host and are written in the background."""
-    return _adapter().CheckpointWriter(
-        directory, max_to_keep=max_to_keep, asynchronous=asynchronous
-    )
+    return _adapter().Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
 
 
 def save(
@@ -53,7 +51,7 @@ def save_with(
 ) -> pathlib.Path:
     """Saves the owner's objects and counters (and ``run``, where the History so far is in
     the run log: :meth:`RunLog.record`) as
-    checkpoint number ``owner.step`` through ``checkpoints`` (a ``CheckpointWriter``);
+    checkpoint number ``owner.step`` through ``checkpoints`` (a ``Checkpointer``);
     ``carry`` is fit's ``(state, opt_state)`` when it was just written into the objects.
 
     Saving again at a step that already has a checkpoint keeps that one (e.g. ``save()``
