@@ -109,20 +109,20 @@ VARIANTS = {
 
 @contextlib.contextmanager
 def storage(name: str | None):
-    """Every checkpoint writer fit opens writes through ``name`` (``None``: the default).
+    """Every checkpointer fit opens writes through ``name`` (``None``: the default).
     ``"orbax"`` is what every save went through before nnxscan's own files storage."""
     if name is None:
         yield
         return
-    original = _checkpointing.writer
-    _checkpointing.writer = functools.partial(_writer, name)
+    original = _checkpointing.open_checkpointer
+    _checkpointing.open_checkpointer = functools.partial(_checkpointer, name)
     try:
         yield
     finally:
-        _checkpointing.writer = original
+        _checkpointing.open_checkpointer = original
 
 
-def _writer(name, directory, *, max_to_keep=3, asynchronous=True):
+def _checkpointer(name, directory, *, max_to_keep=3, asynchronous=True):
     return Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name)
 
 

@@ -304,10 +304,10 @@ class Engine:
             return None, None
         directory = pathlib.Path(directory).resolve()
         _checkpointing.check_directory(directory)  # a file, or not writable: before compiling
-        writer = _checkpointing.writer(directory, asynchronous=asynchronous)
+        checkpointer = _checkpointing.open_checkpointer(directory, asynchronous=asynchronous)
         # The History goes to the run log beside the checkpoints, a line per save; the
         # checkpoint records where (its cost does not grow with the run).
-        run_log = _checkpointing.RunLog(writer)
+        run_log = _checkpointing.RunLog(checkpointer)
 
         def save(
             history: History,
@@ -316,12 +316,14 @@ class Engine:
             partial_aux: dict[str, np.ndarray] | None = None,
         ) -> None:
             owner = self.owner
-            if writer.newest_step() == owner.step and not owner.loaded_since_checkpoint:
+            if checkpointer.newest_step() == owner.step and not owner.loaded_since_checkpoint:
                 return  # this step is saved (save_with would keep it): no log line either
             run = run_log.record(history, partial, partial_aux)
-            _checkpointing.save_with(writer, owner, run, carry)
+            _checkpointing.save_with(checkpointer, owner, run, carry)
 
-        return directory, Checkpoints(every, every_steps, save, writer.close, run_log, writer.lock)
+        return directory, Checkpoints(
+            every, every_steps, save, checkpointer.close, run_log, checkpointer.lock
+        )
 
     def save(
         self, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""
