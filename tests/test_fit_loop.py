@@ -246,7 +246,7 @@ def test_the_write_back_puts_a_carry_into_the_users_variables_as_nnx_update_does
     """The owner's write-back swaps the carry's leaves into the user's own Variables (a carry of
     the structure it read); any other carry goes through nnx.update. The reference: fresh
     objects updated by nnx.update with the same carry."""
-    from nnxscan.adapters.nnx_optimizer import optimizer_state_writer
+    from nnxscan.adapters.nnx_optimizer import optimizer_state_builder
     from nnxscan.shell._engine.owner import ModelOwner
 
     def objects():
@@ -271,7 +271,7 @@ def test_the_write_back_puts_a_carry_into_the_users_variables_as_nnx_update_does
     ref_model, ref_tx = objects()
     nnx.update(ref_model, state)
     if with_optimizer:
-        nnx.update(ref_tx, optimizer_state_writer(ref_tx)(opt_state, jnp.uint32(5)))
+        nnx.update(ref_tx, optimizer_state_builder(ref_tx)(opt_state, jnp.uint32(5)))
     assert model.l1.kernel is kernel
     assert_trees_close(host_state(model), host_state(ref_model), exact=True)
     if with_optimizer:

@@ -29,7 +29,7 @@ from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
 from nnxscan.adapters.nnx_optimizer import (
     _is_variable,
     optax_state_from_optimizer,
-    optimizer_state_writer,
+    optimizer_state_builder,
 )
 from nnxscan.pure import Step, init_opt_state, split_wrt
 from nnxscan.pure.checks import check_transform
@@ -357,7 +357,7 @@ class ModelOwner:
 
             return write
 
-        build = optimizer_state_writer(self._synced)
+        build = optimizer_state_builder(self._synced)
         optimizer = self._synced
 
         def write_with_optimizer(leaves: list, treedef: Any, steps: int) -> None:
@@ -435,7 +435,7 @@ class ModelOwner:
             self._own_step = meta["step"]
         else:
             # Build the optimizer's update before touching the model: it can still raise.
-            update = optimizer_state_writer(self._synced)(
+            update = optimizer_state_builder(self._synced)(
                 tree["opt_state"], jnp.asarray(meta["step"], jnp.uint32)
             )
             nnx.update(self.node, tree["state"])
