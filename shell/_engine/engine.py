@@ -346,12 +346,6 @@ class Engine:
         """Checks fit's evaluation arguments (see ``_evaluation.fit_evaluation``)."""
         return _evaluation.fit_evaluation(self, data, metric_fn, every, eval_batch_size, batch_size)
 
-    def evaluator(self, metric_fn, metrics, update_metrics, batch_size, eval_mode) -> Callable:
-        """``run(data)`` of one evaluation (see ``_evaluation.evaluator``)."""
-        return _evaluation.evaluator(
-            self, metric_fn, metrics, update_metrics, batch_size, eval_mode
-        )
-
 
 def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:
     """The shape (and, on a mesh, sharding) of ONE model's leaf: a population's leaves lose
