@@ -36,7 +36,7 @@ from nnxscan.shell._engine.evaluation import evaluate
 from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.members import build_members
 from nnxscan.shell._engine.options import FitArguments
-from nnxscan.shell._engine.owner import check_companions
+from nnxscan.shell._engine.owner import check_rngs_and_metrics
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan, resolve_plan
 from nnxscan.shell._engine.programs import step_program, train_program
@@ -185,7 +185,7 @@ class Population(FrontDoor):
                 f"rngs must be an nnx.Rngs or a function seed -> nnx.Rngs, got "
                 f"{type(rngs).__name__}."
             )
-        check_companions(None, metrics)
+        check_rngs_and_metrics(None, metrics)
         explicit_plan = resolve_plan(execution)
         placement = Placement(
             mesh, data_axis, fsdp_min_size, member_axis, rules=shardings, tx=tx, wrt=wrt,

@@ -33,7 +33,7 @@ from nnxscan.adapters.nnx_optimizer import (
 )
 from nnxscan.pure import Step, init_opt_state, split_wrt
 from nnxscan.pure.checks import check_transform
-from nnxscan.pure.companions import node_of
+from nnxscan.pure.step_node import step_node
 from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._module_check import check_module
 
@@ -146,10 +146,10 @@ class ModelOwner:
         metrics: nnx.Metric | None = None,
     ):
         check_module(model)
-        check_companions(rngs, metrics)
+        check_rngs_and_metrics(rngs, metrics)
         self.model, self.rngs, self.metrics = model, rngs, metrics
         # What every compiled call carries: the model, or (model, rngs, metrics).
-        self.node = node_of(model, rngs, metrics)
+        self.node = step_node(model, rngs, metrics)
         self._hijax: bool | None = None  # whether it holds hijax Variables: learnt on a split
         self.optimizer: nnx.Optimizer | None = None
         # The nnx.Optimizer whose optax state and step the carry's opt_state mirrors (the
@@ -301,7 +301,7 @@ class ModelOwner:
     ) -> tuple[nnx.GraphDef, nnx.State]:
         """``(graphdef, state)`` an evaluation merges: the model alone (for a
         ``metric_fn``), or it with call-time ``rngs`` and the NNX ``metrics`` to feed."""
-        return self.split(self.model if model_only else node_of(self.model, rngs, metrics))
+        return self.split(self.model if model_only else step_node(self.model, rngs, metrics))
 
     def reset_metrics(self) -> None:
         """Starts the training metrics afresh (at the start of a fit)."""
@@ -477,7 +477,7 @@ def _swappable(state: nnx.State, optimizer: nnx.Optimizer | None) -> list | None
     return variables
 
 
-def check_companions(rngs: Any, metrics: Any) -> None:
+def check_rngs_and_metrics(rngs: Any, metrics: Any) -> None:
     """Call-time ``rngs`` must be an ``nnx.Rngs``, ``metrics`` an ``nnx.Metric`` (or None)."""
     if rngs is not None and not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}.")

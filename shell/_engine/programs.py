@@ -32,7 +32,7 @@ from nnxscan.pure import (
     step_outputs,
 )
 from nnxscan.pure.batching import constrain_sharding
-from nnxscan.pure.companions import unpack
+from nnxscan.pure.step_node import unpack_step_node
 from nnxscan.shell._engine.plans import StepTraits, step_traits
 from nnxscan.shell._engine.trace_notes import noting_batch
 
@@ -359,7 +359,7 @@ def member_metrics(graphdef: Any, with_rngs: bool, what: str) -> Callable:
     def build():
         def one(state):
             node = nnx.merge(graphdef, state)
-            metrics = unpack(node, with_rngs=with_rngs, with_metrics=True).metrics
+            metrics = unpack_step_node(node, with_rngs=with_rngs, with_metrics=True).metrics
             if what == "compute":
                 return metrics.compute()
             metrics.reset()
