@@ -56,7 +56,7 @@ def _is_key(dtype: Any) -> bool:
 
 @functools.cache
 def _dtype_kind(dtype: Any) -> tuple[str, str]:
-    # Cached: a save describes every leaf, and naming a dtype costs microseconds each.
+    # Cached: a save describes every leaf, and naming a dtype is not free.
     return ("key" if _is_key(dtype) else "array"), str(dtype)
 
 
@@ -261,10 +261,10 @@ def fill(layout: Layout, leaves: list) -> tuple[list[dict[str, Any]], dict[str, 
 
 
 def _to_host(arrays: list[Any], start: bool = True) -> list[np.ndarray]:
-    """``jax.device_get`` of a flat list, without its per-leaf tree walk (5x faster for a
-    hundred small arrays here): with ``start``, every transfer is started first (arrays on
-    an accelerator), then each is read (on the CPU a read is a view of the device buffer:
-    the caller copies before returning)."""
+    """``jax.device_get`` of a flat list, without its per-leaf tree walk (a save holds many
+    small arrays; docs/performance.md): with ``start``, every transfer is started first
+    (arrays on an accelerator), then each is read (on the CPU a read is a view of the device
+    buffer: the caller copies before returning)."""
     if start:
         for x in arrays:
             if isinstance(x, jax.Array):

@@ -145,8 +145,8 @@ class Checkpointer:
     Storage: a tree one process holds whole (every single-process run not sharded over
     devices) is written as nnxscan's own files: a raw file of packed buffers, the model
     state as an orbax item Flax's code restores, and a JSON manifest, every buffer with a
-    crc32 — a few ms of CPU, where orbax's own save costs tens of ms, CPU that a background
-    write takes from training. Arrays sharded over devices or processes go through one
+    crc32 — a fraction of the CPU orbax's own save costs (docs/checkpoints.md), CPU that a
+    background write takes from training. Arrays sharded over devices or processes go through one
     orbax ``CheckpointManager`` (each process writes its shards). ``storage="orbax"``
     writes every checkpoint through orbax. :func:`restore_checkpoint` reads both, and a
     directory may hold both.

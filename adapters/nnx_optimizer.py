@@ -64,8 +64,8 @@ def _optax_leaves(opt_state: Any) -> list:
     return jax.tree.leaves(opt_state)
 
 
-# Per optimizer: the structure tx.init gives for a params structure. Tracing tx.init costs
-# milliseconds, and the shell reads the optax state at every checkpoint.
+# Per optimizer: the structure tx.init gives for a params structure. Tracing tx.init is
+# not free, and the shell reads the optax state at every checkpoint.
 _STRUCTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

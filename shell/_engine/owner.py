@@ -53,7 +53,7 @@ class Owner(Protocol):
       epoch: the global index of the next epoch; ``epoch_step``: steps of that epoch trained
         when a run stopped inside it (0 at boundaries).
       restored_run: the run the last restored checkpoint carried (where its History is in
-        the run log, ``_checkpointing.RunLog``).
+        the run log, ``_edges.checkpointing.RunLog``).
       loaded_since_checkpoint: a state was loaded (EarlyStopping's best epoch) since the
         last checkpoint, so one at the current step is stale.
     """
@@ -280,7 +280,7 @@ class ModelOwner:
 
         The shell holds reads while it sets up one fit or ``scan_train`` call (checks, the
         plan's trace, the runner, the first carry): nothing changes the objects then, and
-        each walk of a module graph costs ~0.2 ms that a short call would feel. Released
+        each walk of a module graph is host time a short call would feel. Released
         before the first callback runs, since a callback may change the objects."""
         self._holding = True
         try:
@@ -324,9 +324,10 @@ class ModelOwner:
         per fit and use the result after every compiled call.
 
         The carry's leaves go straight into the Variables they were read from (a value swap
-        each, ~10x cheaper than ``nnx.update``'s graph walk: a fit writes back after every
-        compiled call). A carry of another structure, and Variables a swap cannot write
-        (hijax Variables, array refs), go through ``nnx.update``.
+        each, no graph walk as in ``nnx.update``: a fit writes back after every compiled
+        call; docs/performance.md measures both). A carry of another structure, and
+        Variables a swap cannot write (hijax Variables, array refs), go through
+        ``nnx.update``.
         """
         _, state, opt_state = self.read()
         # Hijax Variables were read as plain copies: writes must reach the user's own.
@@ -398,8 +399,8 @@ class ModelOwner:
         (where the fit's History so far is in the run log: what a resume needs to go on).
 
         ``carry``: fit's ``(state, opt_state)``, just written into the objects: the same
-        arrays, without reading them back out of the module and optimizer (milliseconds
-        a save). Ignored once a state was loaded into the model since (EarlyStopping)."""
+        arrays, without walking the module and optimizer again to read them back. Ignored
+        once a state was loaded into the model since (EarlyStopping)."""
         meta = {
             "epoch": self.epoch,
             "step": self.step,
