@@ -28,7 +28,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnxscan.shell import LambdaCallback, Trainer, _calls
+from nnxscan.shell import LambdaCallback, Trainer
+from nnxscan.shell._engine import calls as _calls
 from nnxscan.shell._engine.owner import ModelOwner
 from nnxscan.shell._engine.placement import Placement
 
