@@ -32,20 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from bench_epoch import MLP  # the small MLP of bench_epoch and bench_custom_step
 from flax import nnx
 
 from nnxscan.adapters.nnx_optimizer import optimizer_state_builder
 from nnxscan.shell._engine.owner import ModelOwner
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.l1 = nnx.Linear(64, 64, rngs=rngs)
-        self.l2 = nnx.Linear(64, 64, rngs=rngs)
-        self.l3 = nnx.Linear(64, 10, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l3(nnx.relu(self.l2(nnx.relu(self.l1(x)))))
 
 
 def _per_call(fn: Callable[[], object], reps: int) -> float:
