@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from nnxscan.pure import Step, hyperparam_names
+from nnxscan.pure.checks import check_count
 from nnxscan.shell._front_door import check_seed
 from nnxscan.shell._module_check import is_linen
 from nnxscan.shell._user_steps import check_pure_step
@@ -132,6 +133,44 @@ def check_step_of_members(train_step: Any) -> Step:
             f"as written: Trainer(model, optimizer, train_step=fn)."
         )
     raise TypeError(f"train_step must be a nnxscan.pure.Step, got {type(train_step).__name__}.")
+
+
+def check_member_indices(members: Any, num_members: int) -> list[int]:
+    """``freeze``'s and ``unfreeze``'s members: an index or a sequence of them."""
+    indices = [members] if isinstance(members, int | np.integer) else list(members)
+    return [check_count(i, "member index", 0, num_members - 1) for i in indices]
+
+
+def check_where(where: Any, num_members: int) -> Any:
+    """``load_state``'s mask: one bool per member, or None (every member)."""
+    if where is not None and np.shape(where) != (num_members,):
+        raise ValueError(
+            f"where must be one bool per member, shape ({num_members},); got shape "
+            f"{np.shape(where)}."
+        )
+    return where
+
+
+def check_best(metric: Any, mode: Any, latest: dict, num_members: int) -> np.ndarray:
+    """``best``'s values: one per member, given, or found by name in ``latest``."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode={mode!r}; use 'min' or 'max'.")
+    if isinstance(metric, str):
+        if metric not in latest:
+            raise ValueError(
+                f"no values named {metric!r} yet; known: {sorted(latest) or 'none'} (from "
+                f"the latest evaluate() and the latest epoch's logs). Pass the values "
+                f"themselves, or run evaluate(...) first."
+            )
+        metric = latest[metric]
+    values = np.asarray(metric, np.float64)
+    if values.shape != (num_members,):
+        raise ValueError(
+            f"best needs one value per member, shape ({num_members},); got shape {values.shape}."
+        )
+    if np.isnan(values).all():
+        raise ValueError("every member's value is NaN: there is no best member.")
+    return values
 
 
 def call_model_fn(model_fn: Callable, seed: int) -> nnx.Module:

@@ -1,14 +1,11 @@
-"""``Population``: N models of one architecture trained in one compiled program per epoch.
-
-A facade over the one fit engine ``Trainer`` uses: the same checks (``_front_door``), and an
-owner of the members' stacked state (``_engine.members.StackedOwner``) whose layout vmaps
-the step over them. The population owns that state (no user object is written to):
-``member(i)`` hands out a fresh, live ``nnx.Module`` holding member ``i``.
+"""``Population``: N models of one architecture trained in one compiled program per epoch:
+the one fit engine ``Trainer`` uses, after the same checks (``_front_door``), over an owner
+of the members' stacked state (``_engine.members.StackedOwner``). No user object is
+written to: ``member(i)`` hands out a fresh module holding member ``i``.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Unpack
 
@@ -27,12 +24,15 @@ from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._front_door import FrontDoor
 from nnxscan.shell._population_checks import (
+    check_best,
     check_hyperparam_names,
     check_hyperparams,
+    check_member_indices,
     check_member_rngs,
     check_model_fn,
     check_seeds,
     check_step_of_members,
+    check_where,
 )
 from nnxscan.shell.history import History
 
@@ -43,30 +43,27 @@ class Population(FrontDoor):
     """N models of one architecture, trained together in one compiled call per epoch.
 
     Member ``i`` is ``model_fn(nnx.Rngs(seeds[i]))``, shuffles by its own
-    ``epoch_order(seeds[i], epoch, n)`` and may have its own optax hyperparameters: it
-    trains what a ``Trainer`` of that model alone trains with ``seed=seeds[i]``, up to
-    float rounding (the vmapped step may sum in another order). Every argument is
-    described in docs/populations.md, "Population's arguments"; those ``Trainer`` takes
-    too mean what they mean there, per member.
-
-    Args:
-      model_fn: ``model_fn(rngs) -> nnx.Module``: one member from ``nnx.Rngs(seed)``.
-      tx, loss_fn: every member's optax transform (``optax.inject_hyperparams`` for
-        per-member values) and loss; or ``train_step``, a :class:`nnxscan.pure.Step`.
-      seeds: one int per member: its initialization and its shuffle.
-      hyperparams: ``{name: [one value per member]}`` for hyperparameters the injected
-        optax states hold (``learning_rate``, ``b1``...).
-      member_axis: the mesh axis the members spread over.
-      rngs: an ``nnx.Rngs`` every member starts from, or ``rngs(seed) -> nnx.Rngs``.
+    ``epoch_order(seeds[i], epoch, n)`` and may have its own optax hyperparameters
+    (``hyperparams={name: [one value per member]}``, set in the states that
+    ``optax.inject_hyperparams`` makes): it trains what a ``Trainer`` of that model alone
+    trains with ``seed=seeds[i]``, up to float rounding. ``tx`` and ``loss_fn``, or
+    ``train_step`` (a :class:`nnxscan.pure.Step`), and the other arguments mean what
+    they mean for ``Trainer``, per member; each is described in docs/populations.md,
+    "Population's arguments".
 
     Example:
-      >>> tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
-      >>> pop = Population(lambda rngs: MLP(rngs=rngs), tx, loss_fn, seeds=[0, 1, 2, 3],
-      ...                  hyperparams={"learning_rate": [1e-3, 3e-3, 1e-2, 3e-2]})
-      >>> history = pop.fit(data, epochs=5, batch_size=32)
-      >>> history.losses.shape        # (steps, members)
-      (160, 4)
-      >>> best_model = pop.member(pop.best("loss"))
+      >>> import numpy as np, optax
+      >>> from flax import nnx
+      >>> def loss_fn(model, batch):
+      ...     return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+      >>> data = {"x": np.ones((64, 2), np.float32), "y": np.zeros((64, 1), np.float32)}
+      >>> tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+      >>> pop = Population(lambda rngs: nnx.Linear(2, 1, rngs=rngs), tx, loss_fn,
+      ...                  seeds=[0, 1, 2], hyperparams={"learning_rate": [1e-3, 1e-2, 1e-1]})
+      >>> history = pop.fit(data, epochs=2, batch_size=16, progress=False)
+      >>> history.losses.shape  # (steps, members)
+      (8, 3)
+      >>> model = pop.member(pop.best("loss"))  # a fresh nnx.Module
     """
 
     _usage = (
@@ -108,7 +105,10 @@ class Population(FrontDoor):
             init_opt, wrt = check_step_of_members(train_step).init, None
         else:
             tx = check_transform(tx)
-            init_opt = functools.partial(_init_optax, tx, wrt)
+
+            def init_opt(graphdef: nnx.GraphDef, state: nnx.State) -> Any:
+                return init_opt_state(tx, state, wrt)  # the built-in step's, of one member
+
         seeds = check_seeds(seeds)
         hyperparams = check_hyperparams(hyperparams, len(seeds))
         check_member_rngs(rngs)
@@ -165,17 +165,14 @@ class Population(FrontDoor):
         return self._owner.active.copy()
 
     def freeze(self, members: int | Sequence[int]) -> None:
-        """Stops training these members from the next compiled call on (the others train
-        on inside it); their losses are still logged, at the frozen state. They stay
-        frozen across ``fit`` calls and checkpoints until :meth:`unfreeze`.
-        ``EarlyStopping`` freezes each member whose patience runs out.
+        """Stops training these members from the next compiled call on, across ``fit``
+        calls and checkpoints until :meth:`unfreeze` (their losses are still logged).
 
         Example:
-          >>> pop.freeze([0, 2])
-          >>> pop.active
+          >>> pop.freeze([0, 2]); pop.active
           array([False,  True, False,  True])
         """
-        self._owner.active[self._indices(members)] = False
+        self._owner.active[check_member_indices(members, len(self))] = False
 
     def unfreeze(self, members: int | Sequence[int] | None = None) -> None:
         """Lets frozen members train again (all of them by default).
@@ -183,36 +180,26 @@ class Population(FrontDoor):
         Example:
           >>> pop.unfreeze()
         """
-        self._owner.active[slice(None) if members is None else self._indices(members)] = True
-
-    def _indices(self, members: int | Sequence[int]) -> list[int]:
-        indices = [members] if isinstance(members, int | np.integer) else list(members)
-        return [check_count(i, "member index", 0, len(self) - 1) for i in indices]
+        indices = slice(None) if members is None else check_member_indices(members, len(self))
+        self._owner.active[indices] = True
 
     def load_state(self, state: nnx.State, *, where: Any = None) -> None:
-        """Replaces the members' model state with a stacked ``state`` of the same
-        structure (e.g. an earlier :attr:`state`): every member's, or only those where
-        the ``(N,)`` bool mask ``where`` is True. The optax states stay.
+        """Replaces the members' model state (every member's, or those where the ``(N,)``
+        mask ``where`` is True) with a stacked one such as an earlier :attr:`state`; their
+        optax states stay.
 
         Example:
-          >>> before = pop.state
-          >>> pop.fit(data, epochs=1, batch_size=32)
+          >>> before = pop.state; pop.fit(data, epochs=1, batch_size=32)
           >>> pop.load_state(before)
         """
-        if where is not None and np.shape(where) != (len(self),):
-            raise ValueError(
-                f"where must be one bool per member, shape ({len(self)},); got shape "
-                f"{np.shape(where)}."
-            )
-        self._owner.load(state, where)
+        self._owner.load(state, check_where(where, len(self)))
 
     def member(self, index: int) -> nnx.Module:
-        """A fresh, live ``nnx.Module`` holding member ``index``'s trained state; it shares
-        nothing with the population.
+        """A fresh ``nnx.Module`` holding member ``index``'s trained state (sharing nothing
+        with the population).
 
         Example:
-          >>> model = pop.member(2)
-          >>> Trainer(model, optax.adam(1e-4), loss_fn).fit(data, epochs=1, batch_size=32)
+          >>> Trainer(pop.member(2), optax.adam(1e-4), loss_fn).fit(data, epochs=1, batch_size=8)
         """
         return self._owner.member(check_count(index, "index", 0, len(self) - 1))
 
@@ -227,21 +214,7 @@ class Population(FrontDoor):
           >>> pop.best("accuracy", mode="max")
           2
         """
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode={mode!r}; use 'min' or 'max'.")
-        if isinstance(metric, str) and metric not in self._latest:
-            raise ValueError(
-                f"no values named {metric!r} yet; known: {sorted(self._latest) or 'none'} "
-                f"(from the latest evaluate() and the latest epoch's logs). Pass the "
-                f"values themselves, or run evaluate(...) first."
-            )
-        values = np.asarray(self._latest[metric] if isinstance(metric, str) else metric, float)
-        if values.shape != (len(self),):
-            raise ValueError(
-                f"best needs one value per member, shape ({len(self)},); got shape {values.shape}."
-            )
-        if np.isnan(values).all():
-            raise ValueError("every member's value is NaN: there is no best member.")
+        values = check_best(metric, mode, self._latest, len(self))
         return int(np.nanargmin(values) if mode == "min" else np.nanargmax(values))
 
     def plan_for(self, data: Any, batch_size: int, *, member_batches: bool = False) -> Plan:
@@ -277,11 +250,9 @@ class Population(FrontDoor):
         """
         run_keys = {"shared_order": bool(shared_order)}
         history = self._fit(data, epochs, options, run_keys, member_batches=member_batches)
-        if history.epochs:
-            logs = history.epochs[-1]
-            self._latest.update(
-                {k: v for k, v in logs.items() if isinstance(v, np.ndarray) and k != "active"}
-            )
+        logs = history.epochs[-1] if history.epochs else {}
+        per_member = {k: v for k, v in logs.items() if isinstance(v, np.ndarray)}
+        self._latest.update({k: v for k, v in per_member.items() if k != "active"})
         return history
 
     def evaluate(
@@ -304,8 +275,3 @@ class Population(FrontDoor):
         values = {k: np.asarray(v, np.float32) for k, v in values.items()}
         self._latest.update(values)
         return values
-
-
-def _init_optax(tx: Any, wrt: Any, graphdef: nnx.GraphDef, state: Any) -> Any:
-    """The built-in step's opt_state of one member: ``tx``'s state of its ``wrt`` part."""
-    return init_opt_state(tx, state, wrt)
