@@ -54,9 +54,9 @@ class Population(FrontDoor):
     Example:
       >>> import numpy as np, optax
       >>> from flax import nnx
-      >>> def loss_fn(model, batch):
-      ...     return ((model(batch["x"]) - batch["y"]) ** 2).mean()
-      >>> data = {"x": np.ones((64, 2), np.float32), "y": np.zeros((64, 1), np.float32)}
+      >>> x = np.random.default_rng(0).normal(size=(64, 2)).astype(np.float32)
+      >>> data = {"x": x, "y": x.sum(1, keepdims=True)}
+      >>> loss_fn = lambda model, batch: optax.l2_loss(model(batch["x"]), batch["y"]).mean()
       >>> tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
       >>> pop = Population(lambda rngs: nnx.Linear(2, 1, rngs=rngs), tx, loss_fn,
       ...                  seeds=[0, 1, 2], hyperparams={"learning_rate": [1e-3, 1e-2, 1e-1]})
