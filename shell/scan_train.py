@@ -21,11 +21,12 @@ from nnxscan.pure import Step, nnx_train_step
 from nnxscan.pure.checks import abstract_batch, check_batch_size, check_leading_size
 from nnxscan.shell._engine.calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine.engine import Engine
-from nnxscan.shell._engine.epochs import ArrayEpochs, EpochStats
+from nnxscan.shell._engine.epochs import ArrayEpochs
 from nnxscan.shell._engine.owner import ModelOwner
 from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.plans import Plan, resolve_plan
 from nnxscan.shell._engine.programs import TrainProgram, step_program, train_program
+from nnxscan.shell._engine.schedule import one_epoch
 from nnxscan.shell._module_check import check_module
 from nnxscan.shell._user_steps import check_loss_fn, refuse_loss_options, user_step_owner
 
@@ -177,11 +178,11 @@ def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> Any:
         execution = engine.execution(abstract_batch(batches, leading=batch_size), owner.layout)
         # The same cut as an unshuffled epoch of Trainer.fit.
         epoch_calls = ArrayEpochs(
-            execution.plan, batches, functools.partial(placement.put_data, device=device),
+            batches, functools.partial(placement.put_data, device=device),
             num_examples=num, batch_size=batch_size, seeds=(0,), shuffle=False,
             keep_tail=not drop_remainder and num % batch_size > 0,
         )  # fmt: skip
-        calls = epoch_calls(0, EpochStats())
+        calls = epoch_calls(one_epoch(epoch_calls, execution.plan))
     live = LiveState(state, opt_state, owner.writer(), placement, engine.make_runner(owner.layout))
     owner.release_reads()
     # No local keeps the owner's arrays: the first call counts who else references them.

@@ -132,26 +132,28 @@ def _status(
 
 
 class RunProgress:
-    """``with RunProgress(epochs, calls_per_epoch, enabled) as bar: bar.call_done(...)``.
+    """``with RunProgress(calls, enabled) as bar: bar.call_done(...)``.
 
-    ``calls_per_epoch=None`` (a stream of unknown length) shows a running count, no ETA.
-    ``layout``: one model's, or a population's (``Members``): the line then shows the
-    members' median and range (and each scalar log's median). ``log_names``: the scalar
-    logs to show, in order (None: every one the step reports).
+    ``calls``: the compiled calls the fit plans (its schedule's); None (a stream of unknown
+    length) shows a running count, no ETA. ``last_epoch``: the global index of the fit's
+    last epoch, whose line is always printed off a terminal. ``layout``: one model's, or a
+    population's (``Members``): the line then shows the members' median and range (and
+    each scalar log's median). ``log_names``: the scalar logs to show, in order (None:
+    every one the step reports).
     """
 
     def __init__(
         self,
-        epochs: int,
-        calls_per_epoch: int | None,
+        calls: int | None,
         enabled: bool,
         *,
+        last_epoch: int | None = None,
         has_aux: bool = False,
         console: Console | None = None,
         layout: Layout = ONE_MODEL,
         log_names: Sequence[str] | None = None,
     ):
-        # No console when nothing is shown: building rich's costs ~0.1 ms a fit.
+        # No console when nothing is shown: building rich's costs time on every fit.
         self._console = console or (Console() if enabled else None)
         self._enabled = enabled
         self._has_aux = has_aux
@@ -167,15 +169,14 @@ class RunProgress:
         self._steps = 0
         self._printed = -1.0
         self._compile_s = 0.0
-        self._last_epoch: int | None = None
+        self._last_epoch = last_epoch
         if not enabled or not self._console.is_terminal:
             return
-        total = None if calls_per_epoch is None else epochs * calls_per_epoch
         # Fixed-width columns, so that the status text can be fitted to what is left of the
         # line: rich would otherwise squeeze the bar, the count and the times out of it.
         time_column = (
             TimeElapsedColumn()
-            if total is None
+            if calls is None
             else TimeRemainingColumn(compact=True, elapsed_when_finished=True)
         )
         self._progress = Progress(
@@ -186,9 +187,9 @@ class RunProgress:
             time_column,
             console=self._console,
         )
-        self._count_width = 2 * len(str(total)) + 1 if total is not None else 12
+        self._count_width = 2 * len(str(calls)) + 1 if calls is not None else 12
         self._evals: list[str] = []
-        self._task = self._progress.add_task("fit", total=total, status="", epoch=0)
+        self._task = self._progress.add_task("fit", total=calls, status="", epoch=0)
 
     def _status_room(self, epoch: int) -> int:
         """Characters left for the status text on one line of the terminal."""
@@ -208,10 +209,6 @@ class RunProgress:
     ) -> None:
         if self._progress is not None:
             self._progress.__exit__(exc_type, exc, tb)
-
-    def set_last_epoch(self, epoch: int) -> None:
-        """The global index of the run's last epoch (always printed off a terminal)."""
-        self._last_epoch = epoch
 
     def call_done(self, epoch: int, steps: int, out: Any, compile_s: float = 0.0) -> None:
         """After a compiled call of ``steps`` steps whose outputs are ``out``;

@@ -7,8 +7,9 @@ members is the owner's layout (``_engine.layout``), which the engine refines wit
 fit's data and consults, never asking which it has.
 
 Everything else is written once, here and in ``fit``: the fit-time checks, the plan, the
-epoch source (arrays or streams), evaluation during fit, checkpoints, resume, and the
-call to the one :class:`~nnxscan.shell._engine.fit.FitLoop`.
+epoch source (arrays or streams), evaluation during fit, checkpoints, resume, the budget
+(a :class:`~nnxscan.shell._engine.schedule.Schedule`) and the call to the one
+:class:`~nnxscan.shell._engine.fit.FitLoop`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from nnxscan.shell._engine.owner import Owner
 from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._engine.programs import TrainProgram
+from nnxscan.shell._engine.schedule import Schedule
 from nnxscan.shell._engine.streaming import EpochSource, default_chunk_size, is_stream
 from nnxscan.shell.history import History
 
@@ -110,7 +112,7 @@ class Engine:
 
         def abstract_carry() -> tuple[Any, Any]:
             # Built only when the step is traced (the traits are cached per graphdef and
-            # batch): flattening and rebuilding an nnx.State costs ~0.3 ms a fit.
+            # batch): flattening and rebuilding an nnx.State costs time on every fit.
             shardings = placement.carry_shardings(state, opt_state)
             leaves, treedef = jax.tree.flatten((state, opt_state))
             if shardings is None:
@@ -147,7 +149,8 @@ class Engine:
     # -- fit --------------------------------------------------------------------------------
 
     def fit(self, data: Any, options: FitOptions) -> History:
-        """Trains ``options.epochs`` more epochs (the whole run's, with ``resume``).
+        """Trains ``options.epochs`` more epochs and at most ``options.max_steps`` more
+        steps (both the whole run's, with ``resume``).
 
         Every check runs and the step is traced before the owner changes: a fit that
         raises before training leaves everything as it was (a resume's restore aside,
@@ -168,44 +171,35 @@ class Engine:
                 checkpoints.close()  # the loop closed it already, unless fit failed before
 
     def _fit(self, data: Any, options: FitOptions) -> History:
-        epochs, run = options.epochs, {}
         layout = self.run_layout(data, options.member_batches)
-        if epochs is None and data is not None and is_stream(data):
+        stream = data is not None and is_stream(data)
+        if options.epochs is None and stream:
             raise ValueError(
                 "a stream's epochs have no length known before it is read: pass epochs= "
                 "with max_steps= (fit ends at whichever comes first)."
             )
-        stop_at = None if options.max_steps is None else self.owner.step + options.max_steps
-        if options.resume is not False:  # the last change to the objects before training
-            epochs, run = self._resume(options, data)
-            if options.max_steps is not None:  # the whole run's, as epochs counts
-                stop_at = options.max_steps
-            if epochs == 0 or (stop_at is not None and self.owner.step >= stop_at):
-                return _finished(run)
-        if stop_at is not None and stop_at <= self.owner.step:
-            return History(losses=empty_losses(layout))
+        owner, whole_run = self.owner, options.resume is not False
+        # The last change to the objects before training.
+        run = self._resume(options, data) if whole_run else {}
+        schedule = Schedule.of(options.epochs, options.max_steps, whole_run=whole_run,
+                               at=(owner.epoch, owner.epoch_step, owner.step))  # fmt: skip
+        if schedule.done:
+            return _finished(run, owner.layout)
         if data is None:
             epoch_calls, execution = self._steps(options, layout)
-        elif is_stream(data):
-            epoch_calls, execution = self._stream(data, epochs, options, layout)
-            if epoch_calls is None:
-                return History(losses=empty_losses(layout))
+        elif stream:
+            epoch_calls, execution = self._stream(data, schedule.epochs, options, layout)
         else:
             epoch_calls, execution = self._arrays(data, options, layout)
-        if stop_at is not None:  # the epochs the step budget reaches into
-            budget = stop_at - self.owner.step + self.owner.epoch_step
-            reached = -(-budget // epoch_calls.steps_per_epoch)
-            epochs = reached if epochs is None else min(epochs, reached)
-            run["stop_at"] = stop_at
-        self.owner.begin_run(options.run_keys)  # every input is known good now
+        owner.begin_run(options.run_keys)  # every input is known good now
         loop = FitLoop(
-            program=self.program, execution=execution, owner=self.owner,
+            program=self.program, execution=execution, owner=owner,
             placement=self.placement, make_runner=self.make_runner(layout),
             callbacks=CallbackList(options.callbacks, self.subject), progress=options.progress,
             progress_logs=options.progress_logs,
             evaluation=options.evaluation, checkpoints=options.checkpoints,
         )  # fmt: skip
-        return loop.run(epochs, epoch_calls, **run)
+        return loop.run(schedule, epoch_calls, **run)
 
     def _arrays(self, data, options: FitOptions, layout: Layout) -> tuple[Epochs, Execution]:
         if options.batch_size is None:
@@ -220,7 +214,7 @@ class Engine:
         execution = self.execution(layout.batch_shapes(data, batch_size), layout)
         plan = with_steps_per_call(execution.plan, options.steps_per_call)
         epoch_calls = ArrayEpochs(
-            plan, data, functools.partial(self.placement.put_data, device=device_of(state)),
+            data, functools.partial(self.placement.put_data, device=device_of(state)),
             num_examples=n, batch_size=batch_size, seeds=self.owner.run_seeds(options.run_keys),
             shuffle=options.shuffle,
             keep_tail=not options.drop_remainder and n % batch_size > 0, orders=self.orders,
@@ -233,16 +227,12 @@ class Engine:
         state = self.owner.read()[1]
         execution = self.execution(None, layout)
         plan = with_steps_per_call(execution.plan, options.steps_per_call)
-        epoch_calls = StepEpochs(
-            plan, options.steps_per_epoch,
-            functools.partial(self.placement.put_data, device=device_of(state)),
-        )  # fmt: skip
+        put = functools.partial(self.placement.put_data, device=device_of(state))
+        epoch_calls = StepEpochs(options.steps_per_epoch, put)
         return epoch_calls, execution._replace(plan=plan)
 
     def _stream(self, data, epochs: int, options: FitOptions, layout: Layout):
         source = EpochSource(data, epochs)
-        if epochs == 0:
-            return None, None
         state = self.owner.read()[1]
         first, first_epoch = peek_stream(source)
         one = layout.first_batch(first)
@@ -261,11 +251,10 @@ class Engine:
         )  # fmt: skip
         return epoch_calls, execution
 
-    def _resume(self, options: FitOptions, data: Any):
+    def _resume(self, options: FitOptions, data: Any) -> dict[str, Any]:
         """Restores the newest good checkpoint (or the one ``resume`` names), if any;
-        returns the epochs left and the run."""
-        empty = History(losses=empty_losses(self.owner.layout))
-        history, partial, partial_aux = empty, None, None
+        returns the run so far (``FitLoop.run``'s keywords)."""
+        history, partial, partial_aux = None, None, None
         directory = options.checkpoint_dir
         step = None if options.resume is True else options.resume
         if step is not None or _checkpointing.latest_step(directory) is not None:
@@ -276,8 +265,7 @@ class Engine:
             options.checkpoints.run_log.resumed(history, partial, where)
         if isinstance(data, GrainEpochs):
             data.epoch = self.owner.epoch  # grain draws each epoch's order from its index
-        left = None if options.epochs is None else max(options.epochs - self.owner.epoch, 0)
-        return left, {"history": history, "partial": partial, "partial_aux": partial_aux}
+        return {"history": history, "partial": partial, "partial_aux": partial_aux}
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -367,10 +355,13 @@ def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:
     )
 
 
-def _finished(run: dict[str, Any]) -> History:
-    """The History of a resumed run with nothing left to train; a run that ``max_steps``
-    ended inside an epoch keeps that epoch's losses (its logs were never written)."""
-    history, partial = run["history"], run.get("partial")
+def _finished(run: dict[str, Any], layout: Layout) -> History:
+    """The History of a fit with nothing left to train (a resumed run's so far); a run
+    that ``max_steps`` ended inside an epoch keeps that epoch's losses (its logs were never
+    written)."""
+    history, partial = run.get("history"), run.get("partial")
+    if history is None:
+        return History(losses=empty_losses(layout))
     if partial is not None and len(partial):
         history.losses = np.concatenate([history.losses, partial])
     return history

@@ -20,46 +20,39 @@ import numpy as np
 from nnxscan.adapters.data import to_numpy
 from nnxscan.pure import epoch_order
 from nnxscan.pure.batching import cut_batches
-from nnxscan.shell._engine.calls import Call, plan_calls
+from nnxscan.shell._engine.calls import Call
 from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._engine.plans import Plan
+from nnxscan.shell._engine.schedule import Stretch
 from nnxscan.shell._engine.streaming import BatchChecker, ChunkStream, EpochSource
 
 
 class EpochStats:
-    """What one epoch's calls report back: completeness and dropped examples."""
+    """What a stream's epoch reports back while its calls run: whether it ended, and the
+    examples it dropped."""
 
     def __init__(self) -> None:
-        self.expected_steps: int | None = None  # known for a data set
-        self.exhausted = False  # a stream ran to its end
+        self.exhausted = False  # the stream ran to its end
         self.at_end: Callable[[], bool] = lambda: False  # every chunk handed out
         self.dropped = 0
 
     def drop(self, count: int) -> None:
         self.dropped += count
 
-    def complete(self, steps_done: int) -> bool:
-        if self.expected_steps is not None:
-            return steps_done == self.expected_steps
+    def ended(self) -> bool:
         return self.exhausted or self.at_end()
 
 
 class Epochs(Protocol):
-    """An epoch source: ``source(epoch, stats, count=1, skip=0)`` yields the calls of
-    ``count`` consecutive epochs (fused, when ``fusable``) less their first ``skip`` steps
-    (trained before a resume)."""
+    """An epoch source: ``source(stretch, stats)`` yields the compiled calls of a
+    :class:`~nnxscan.shell._engine.schedule.Stretch` (the schedule says which steps)."""
 
-    #: Whether several epochs can run as one stretch of calls (same batch shapes).
-    fusable: bool
     #: Steps in one epoch, when known before it runs (a data set), else None.
     steps_per_epoch: int | None
+    #: Whether an epoch ends with a short batch of its own shape (never fused).
+    keep_tail: bool
 
-    def calls(self, count: int = 1) -> int | None:
-        """Compiled calls ``count`` fused epochs take (None: unknown, a stream)."""
-
-    def __call__(
-        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
-    ) -> Iterator[Call]: ...
+    def __call__(self, stretch: Stretch, stats: EpochStats) -> Iterator[Call]: ...
 
 
 def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
@@ -89,12 +82,12 @@ class EpochOrders:
     When the fit loop asks for a call after the last compiled call of a stretch of epochs
     (one, or several fused) was dispatched and its bookkeeping done, the device is still
     training it and the host waits: that is when the permutation of the epoch after the
-    stretch is drawn, one per distinct seed (0.5 ms for 64,000 examples: 1% of the small
-    MLP's 46 ms epoch, docs/performance.md). One per engine, so a loop of ``fit(epochs=1)``
-    calls gets them too, and the first epoch of any later stretch. An order is the same
-    whenever it is drawn: this changes when, never what (results never depend on timing).
-    Only that epoch's orders are held (a new draw replaces them), none past
-    ``AHEAD_MAX_ROWS`` indices; a stretch that stops early draws nothing.
+    stretch is drawn, one per distinct seed, so the next stretch does not wait for it (see
+    docs/performance.md). One per engine, so a loop of ``fit(epochs=1)`` calls gets them
+    too, and the first epoch of any later stretch. An order is the same whenever it is
+    drawn: this changes when, never what (results never depend on timing). Only that
+    epoch's orders are held (a new draw replaces them), none past ``AHEAD_MAX_ROWS``
+    indices; a stretch that stops early, or that ``max_steps`` cuts, draws nothing.
     """
 
     #: The most indices drawn ahead (64 MiB of int32): past that an unused order would cost
@@ -125,11 +118,9 @@ class ArrayEpochs:
 
     ``seeds`` holds one shuffle seed per model of the ``layout``: one model's (indices
     ``(steps, batch)``), or one per member (indices ``(steps, N, batch)``, member ``i`` in
-    the order ``epoch_order(seeds[i], epoch, n)``). ``count=k`` FUSES ``k`` consecutive
-    epochs: their orders are joined along the steps axis, so the scan plan trains them in
-    one compiled call (the same steps in the same order: bitwise what ``k`` separate epochs
-    train).
-    Fusing needs every epoch to have the same batch shape: not with a kept short batch.
+    the order ``epoch_order(seeds[i], epoch, n)``). A stretch of several epochs FUSES them:
+    their orders are joined along the steps axis, so the scan plan trains them in one
+    compiled call (the same steps in the same order: bitwise what separate epochs train).
 
     ``put`` places the index arrays next to the data (replicated on a mesh). ``orders``
     (the engine's, so that they outlive this fit) draws each order; the next call's are
@@ -138,7 +129,6 @@ class ArrayEpochs:
 
     def __init__(
         self,
-        plan: Plan,
         data: Any,
         put: Callable[[Any], Any],
         *,
@@ -150,16 +140,11 @@ class ArrayEpochs:
         orders: EpochOrders | None = None,
         layout: Layout = ONE_MODEL,
     ):
-        self.plan, self.data, self.put, self.layout = plan, data, put, layout
+        self.data, self.put, self.layout = data, put, layout
         self.orders = EpochOrders() if orders is None else orders
         self.num_examples, self.batch_size = num_examples, batch_size
         self.seeds, self.shuffle, self.keep_tail = seeds, shuffle, keep_tail
         self.steps_per_epoch = num_examples // batch_size + keep_tail
-        self.fusable = not keep_tail
-
-    def calls(self, count: int = 1) -> int:
-        full_steps = count * (self.num_examples // self.batch_size)
-        return len(self.plan.chunks(full_steps)) + self.keep_tail
 
     def _order(self, epoch: int) -> np.ndarray:
         def order(seed: int) -> np.ndarray:
@@ -168,76 +153,58 @@ class ArrayEpochs:
         unique = {seed: order(seed) for seed in dict.fromkeys(self.seeds)}  # shared_order
         return self.layout.orders([unique[seed] for seed in self.seeds])
 
-    def __call__(
-        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
-    ) -> Iterator[Call]:
-        if count > 1 and not self.fusable:
-            raise ValueError("epochs with a kept short batch cannot be fused")
+    def __call__(self, stretch: Stretch, stats: EpochStats | None = None) -> Iterator[Call]:
         fulls, tail = [], None
-        for e in range(epoch, epoch + count):
+        for e in range(stretch.epoch, stretch.epoch + stretch.epochs):
             # The core's cut of the same order make_epoch uses: a loop of make_epoch calls
             # fed epoch_order(seed, e, n) trains exactly what fit trains.
             full, tail = cut_batches(
                 self._order(e), self.batch_size, drop_remainder=not self.keep_tail
             )
             # Steps first, as make_epoch scans them: (N, steps, batch) -> (steps, N, batch).
-            full = self.layout.steps_first(full)
-            tail = None if tail is None else self.layout.steps_first(tail)
-            fulls.append(full)
-        full = fulls[0] if count == 1 else np.concatenate(fulls)
-        num_full = full.shape[0]
-        if skip > num_full + (tail is not None):
-            raise ValueError(f"cannot skip {skip} steps of a {self.steps_per_epoch}-step epoch")
-        if skip > num_full:  # every full batch and the tail were trained
-            tail = None
-        full = full[min(skip, num_full) :]
+            fulls.append(self.layout.steps_first(full))
+        tail = None if tail is None else self.layout.steps_first(tail)
+        full = fulls[0] if len(fulls) == 1 else np.concatenate(fulls)
+        # The index holds every step of the stretch's epochs left, the budget's cut too: a
+        # call's program depends on the index's length, not on where the budget ends.
+        full = full[min(stretch.skip, full.shape[0]) :]
         rows = None
         if not self.shuffle:
             # The stored order: each step may slice its batch by number, gathering nothing.
             full, rows = self.layout.batch_numbers(full, self.batch_size)
         full, tail = self.put((full, tail))
-        stats.expected_steps = count * self.steps_per_epoch - skip
-        if full.shape[0]:
-            yield from plan_calls(self.plan, self.data, full, full.shape[0], rows=rows)
-        if tail is not None:
-            # The short batch: one step of its own shape, unrolled (no loop), as the core's
-            # full_then_tail trains it.
-            yield Call(self.data, tail, 0, 1, unroll=True)
-        # Reached when the caller asks for a call after the last one was dispatched: the
-        # device is busy with it, the host is not.
-        self.orders.draw_ahead(self.seeds, epoch + count, self.num_examples, self.shuffle)
+        for start, length in stretch.calls:
+            if start < full.shape[0]:
+                yield Call(self.data, full, start, length, rows=rows)
+            else:  # the short batch: one step of its own shape, unrolled (no loop)
+                yield Call(self.data, tail, 0, 1, unroll=True)
+        if stretch.steps == stretch.ends:
+            # Reached when the caller asks for a call after the last one was dispatched:
+            # the device is busy with it, the host is not.
+            next_epoch = stretch.epoch + stretch.epochs
+            self.orders.draw_ahead(self.seeds, next_epoch, self.num_examples, self.shuffle)
 
 
 class StepEpochs:
     """The calls of epochs of a step that takes no data: ``steps_per_epoch`` steps each,
     every step's batch ``None`` (the step's ``opt_state`` carries what it samples from).
 
-    The calls scan a ``(steps,)`` index that selects nothing (``data`` is None); several
-    epochs fuse into longer calls like a data set's, and a resumed epoch runs only the
-    steps it has left.
+    The calls scan a ``(steps,)`` index that selects nothing (``data`` is None), one step
+    per step of the stretch's epochs left (the budget's cut too, as a data set's).
     """
 
-    fusable = True
+    keep_tail = False
 
-    def __init__(self, plan: Plan, steps_per_epoch: int, put: Callable[[Any], Any]):
-        self.plan, self.steps_per_epoch, self.put = plan, steps_per_epoch, put
+    def __init__(self, steps_per_epoch: int, put: Callable[[Any], Any]):
+        self.steps_per_epoch, self.put = steps_per_epoch, put
         self._placed: dict[int, Any] = {}
 
-    def calls(self, count: int = 1) -> int:
-        return len(self.plan.chunks(count * self.steps_per_epoch))
-
-    def __call__(
-        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
-    ) -> Iterator[Call]:
-        steps = count * self.steps_per_epoch - skip
-        if steps < 0:
-            raise ValueError(f"cannot skip {skip} steps of a {self.steps_per_epoch}-step epoch")
-        stats.expected_steps = steps
-        indices = self._placed.get(steps)
+    def __call__(self, stretch: Stretch, stats: EpochStats | None = None) -> Iterator[Call]:
+        indices = self._placed.get(stretch.ends)
         if indices is None:  # placed once per length
-            indices = self._placed[steps] = self.put(_arange(steps))
-        if steps:
-            yield from plan_calls(self.plan, None, indices, steps)
+            indices = self._placed[stretch.ends] = self.put(_arange(stretch.ends))
+        for start, length in stretch.calls:
+            yield Call(None, indices, start, length)
 
 
 def peek_stream(source: EpochSource) -> tuple[Any, Iterator]:
@@ -266,8 +233,8 @@ class StreamEpochs:
     iterator is never more than two chunks ahead of the last finished call.
     """
 
-    fusable = False
     steps_per_epoch = None
+    keep_tail = False
 
     def __init__(
         self,
@@ -295,9 +262,6 @@ class StreamEpochs:
             tail_divisor=tail_divisor,
         )  # fmt: skip
 
-    def calls(self, count: int = 1) -> None:
-        return None
-
     def _indices(self, length: int) -> Any:
         """The chunk's index array, placed next to the data once per chunk length."""
         cached = self._placed.get(length)
@@ -305,15 +269,13 @@ class StreamEpochs:
             cached = self._placed[length] = self.put_indices(_arange(length))
         return cached
 
-    def __call__(
-        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
-    ) -> Iterator[Call]:
-        assert count == 1, "stream epochs are never fused"
+    def __call__(self, stretch: Stretch, stats: EpochStats) -> Iterator[Call]:
         batches = self._pending.pop() if self._pending else self.source.epoch()
+        skip, left = stretch.skip, stretch.steps  # left: the budget's steps, None: no end
         if skip:  # a resumed epoch: the batches trained before the interruption
             batches = itertools.islice(batches, skip, None)
         stream = ChunkStream(
-            batches, checker=self.checker, epoch=epoch, on_dropped=stats.drop,
+            batches, checker=self.checker, epoch=stretch.epoch, on_dropped=stats.drop,
             resumed=bool(skip), **self.options,
         )  # fmt: skip
         stats.at_end = stream.at_end
@@ -323,6 +285,11 @@ class StreamEpochs:
                 sink: list = []
                 indices = self._indices(chunk.steps)
                 for start, length in self.plan.chunks(chunk.steps):
+                    if left is not None:  # the budget ends inside the epoch: cut there
+                        if left <= 0:
+                            return
+                        length = min(length, left)
+                        left -= length
                     yield Call(chunk.data, indices, start, length, sink=sink)
                 if previous is not None:
                     jax.block_until_ready(previous)
