@@ -1,15 +1,12 @@
 """Progress for a whole ``fit``: one bar, advanced per compiled call, never forcing a sync.
 
-In a terminal, a rich bar shows the epoch, the latest loss, the step's scalar logs, steps/s,
-the last epoch's eval metrics and the ETA (the elapsed time once done, or while the total is
-unknown), fitted to the terminal's width: scalar logs and eval metrics that do not fit are
-left out. The loss and the scalar logs shown are those of the newest call whose result is
-already on the host side (``is_ready``), so drawing the bar never waits for the device: the
-loss of its last step, and each scalar log (every aux leaf that is a scalar per step, e.g.
-a PPO step's ``episode_return``) averaged over its steps. On a short line the scalar logs
-come first, then steps/s, then the eval metrics. When stdout is not a terminal (CI
-logs), no bar is drawn: one plain line per epoch is printed instead (the epoch's logs), so
-logs are not flooded.
+In a terminal, a rich bar counts the calls the fit's schedule plans and shows the epoch,
+the latest loss, the step's scalar logs (aux leaves that are a scalar per step, e.g. a PPO
+step's ``episode_return``, averaged over the call), steps/s, the last epoch's eval metrics
+and the ETA, fitted to the terminal's width in that order of priority. What it shows comes
+from the newest call whose result is already on the host (``is_ready``): drawing never
+waits for the device. Off a terminal (CI logs) it prints the epochs' logs as plain lines
+instead, not flooding the log.
 """
 
 from __future__ import annotations
@@ -134,12 +131,10 @@ def _status(
 class RunProgress:
     """``with RunProgress(calls, enabled) as bar: bar.call_done(...)``.
 
-    ``calls``: the compiled calls the fit plans (its schedule's); None (a stream of unknown
-    length) shows a running count, no ETA. ``last_epoch``: the global index of the fit's
-    last epoch, whose line is always printed off a terminal. ``layout``: one model's, or a
-    population's (``Members``): the line then shows the members' median and range (and
-    each scalar log's median). ``log_names``: the scalar logs to show, in order (None:
-    every one the step reports).
+    ``calls``: the compiled calls planned (None, a stream's: a running count, no ETA).
+    ``last_epoch``: the fit's last epoch, whose line is always printed off a terminal.
+    ``layout``: a population's shows the members' median and range (and each scalar log's
+    median). ``log_names``: the scalar logs to show, in order (None: all the step reports).
     """
 
     def __init__(

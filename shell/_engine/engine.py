@@ -38,7 +38,6 @@ from nnxscan.shell._engine.epochs import (
     StepEpochs,
     StreamEpochs,
     peek_stream,
-    with_steps_per_call,
 )
 from nnxscan.shell._engine.fit import CallbackList, Checkpoints, FitLoop
 from nnxscan.shell._engine.layout import DataKind, Layout
@@ -47,7 +46,7 @@ from nnxscan.shell._engine.owner import Owner
 from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._engine.programs import TrainProgram
-from nnxscan.shell._engine.schedule import Schedule
+from nnxscan.shell._engine.schedule import Schedule, with_steps_per_call
 from nnxscan.shell._engine.streaming import EpochSource, default_chunk_size, is_stream
 from nnxscan.shell.history import History
 
@@ -181,16 +180,21 @@ class Engine:
         owner, whole_run = self.owner, options.resume is not False
         # The last change to the objects before training.
         run = self._resume(options, data) if whole_run else {}
+        run.setdefault("history", History(losses=empty_losses(owner.layout)))
         schedule = Schedule.of(options.epochs, options.max_steps, whole_run=whole_run,
                                at=(owner.epoch, owner.epoch_step, owner.step))  # fmt: skip
-        if schedule.done:
-            return _finished(run, owner.layout)
+        if schedule.spent(owner.epoch, owner.step):  # nothing left to train
+            return _finished(**run)
         if data is None:
             epoch_calls, execution = self._steps(options, layout)
         elif stream:
-            epoch_calls, execution = self._stream(data, schedule.epochs, options, layout)
+            epochs = schedule.end_epoch - owner.epoch  # a stream's end_epoch is known
+            epoch_calls, execution = self._stream(data, epochs, options, layout)
         else:
             epoch_calls, execution = self._arrays(data, options, layout)
+        execution = execution._replace(  # a data set's (a stream's chunks are its own)
+            plan=with_steps_per_call(execution.plan, options.steps_per_call)
+        )
         owner.begin_run(options.run_keys)  # every input is known good now
         loop = FitLoop(
             program=self.program, execution=execution, owner=owner,
@@ -212,7 +216,6 @@ class Engine:
         state = self.owner.read()[1]
         data = self.placement.put_data(data, state)
         execution = self.execution(layout.batch_shapes(data, batch_size), layout)
-        plan = with_steps_per_call(execution.plan, options.steps_per_call)
         epoch_calls = ArrayEpochs(
             data, functools.partial(self.placement.put_data, device=device_of(state)),
             num_examples=n, batch_size=batch_size, seeds=self.owner.run_seeds(options.run_keys),
@@ -220,16 +223,12 @@ class Engine:
             keep_tail=not options.drop_remainder and n % batch_size > 0, orders=self.orders,
             layout=layout,
         )  # fmt: skip
-        return epoch_calls, execution._replace(plan=plan)
+        return epoch_calls, execution
 
     def _steps(self, options: FitOptions, layout: Layout) -> tuple[Epochs, Execution]:
         """Epochs of ``steps_per_epoch`` steps of a step that takes no batch (``None``)."""
-        state = self.owner.read()[1]
-        execution = self.execution(None, layout)
-        plan = with_steps_per_call(execution.plan, options.steps_per_call)
-        put = functools.partial(self.placement.put_data, device=device_of(state))
-        epoch_calls = StepEpochs(options.steps_per_epoch, put)
-        return epoch_calls, execution._replace(plan=plan)
+        put = functools.partial(self.placement.put_data, device=device_of(self.owner.read()[1]))
+        return StepEpochs(options.steps_per_epoch, put), self.execution(None, layout)
 
     def _stream(self, data, epochs: int, options: FitOptions, layout: Layout):
         source = EpochSource(data, epochs)
@@ -239,12 +238,11 @@ class Engine:
         # Each process streams its own share of every batch: check the local size.
         self.placement.check_batch_size(jax.tree.leaves(one)[0].shape[0], local=True)
         execution = self.execution(abstract_batch(first), layout)
-        batch_size = options.batch_size
         epoch_calls = StreamEpochs(
             source, first_epoch, execution.plan,
             chunk_size=options.steps_per_call or default_chunk_size(first),
             put=functools.partial(self.placement.put_chunk, device=device_of(state), layout=layout),
-            batch_size=batch_size, drop_remainder=options.drop_remainder,
+            batch_size=options.batch_size, drop_remainder=options.drop_remainder,
             tail_divisor=self.placement.local_data_parallel(), prefetch=options.prefetch,
             batch_lead=layout.data_lead,
             put_indices=functools.partial(self.placement.put_data, device=device_of(state)),
@@ -254,7 +252,7 @@ class Engine:
     def _resume(self, options: FitOptions, data: Any) -> dict[str, Any]:
         """Restores the newest good checkpoint (or the one ``resume`` names), if any;
         returns the run so far (``FitLoop.run``'s keywords)."""
-        history, partial, partial_aux = None, None, None
+        run = {}
         directory = options.checkpoint_dir
         step = None if options.resume is True else options.resume
         if step is not None or _checkpointing.latest_step(directory) is not None:
@@ -263,9 +261,10 @@ class Engine:
                 self.owner, placement, directory, options.run_keys, step
             )
             options.checkpoints.run_log.resumed(history, partial, where)
+            run = {"history": history, "partial": partial, "partial_aux": partial_aux}
         if isinstance(data, GrainEpochs):
             data.epoch = self.owner.epoch  # grain draws each epoch's order from its index
-        return {"history": history, "partial": partial, "partial_aux": partial_aux}
+        return run
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -355,13 +354,10 @@ def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:
     )
 
 
-def _finished(run: dict[str, Any], layout: Layout) -> History:
+def _finished(history: History, partial: Any = None, partial_aux: Any = None) -> History:
     """The History of a fit with nothing left to train (a resumed run's so far); a run
     that ``max_steps`` ended inside an epoch keeps that epoch's losses (its logs were never
     written)."""
-    history, partial = run.get("history"), run.get("partial")
-    if history is None:
-        return History(losses=empty_losses(layout))
     if partial is not None and len(partial):
         history.losses = np.concatenate([history.losses, partial])
     return history

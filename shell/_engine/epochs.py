@@ -1,10 +1,13 @@
-"""Epoch sources: one epoch as a sequence of compiled calls, for a data set or a stream, for
-one model or for members.
+"""Epoch sources: a schedule's stretch (``schedule.Stretch``: epochs, and which of their
+steps) as compiled calls, for a data set, a step without data or a stream, for one model or
+for members.
 
-The fit loop asks a source for an epoch's calls and knows nothing else about the data. A
-data set's source cuts each epoch's order (one per member: ``epoch_order(seed_i, epoch,
-n)``) with the core's own primitive, so a loop of ``pure.make_epoch`` calls trains what
-``fit`` trains; a stream's source stacks the loader's batches into chunks.
+A source has ``steps_per_epoch`` (None: a stream's), ``keep_tail`` (whether an epoch ends
+with a short batch) and ``source(stretch, stats)``, the stretch's calls; the fit loop knows
+nothing else about the data. A data set's source cuts each epoch's order (one per member:
+``epoch_order(seed_i, epoch, n)``) with the core's own primitive, so a loop of
+``pure.make_epoch`` calls trains what ``fit`` trains; a stream's source stacks the
+loader's batches into chunks.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,29 +46,6 @@ class EpochStats:
         return self.exhausted or self.at_end()
 
 
-class Epochs(Protocol):
-    """An epoch source: ``source(stretch, stats)`` yields the compiled calls of a
-    :class:`~nnxscan.shell._engine.schedule.Stretch` (the schedule says which steps)."""
-
-    #: Steps in one epoch, when known before it runs (a data set), else None.
-    steps_per_epoch: int | None
-    #: Whether an epoch ends with a short batch of its own shape (never fused).
-    keep_tail: bool
-
-    def __call__(self, stretch: Stretch, stats: EpochStats) -> Iterator[Call]: ...
-
-
-def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
-    """The ``"scan"`` plan with calls of ``steps_per_call`` steps (a data set's epoch).
-
-    The ``"unrolled"`` and ``"step"`` plans keep their own call size: unrolling 100 steps
-    would take minutes to compile. ``Plan("unrolled", k)`` sets it.
-    """
-    if steps_per_call is None or plan.kind != "scan":
-        return plan
-    return plan._replace(steps_per_call=steps_per_call)
-
-
 @functools.cache
 def _arange(length: int) -> np.ndarray:
     # One index array per chunk length, made once: a stream's chunk is indexed 0..K-1 (a
@@ -79,15 +59,12 @@ def _arange(length: int) -> np.ndarray:
 class EpochOrders:
     """The epochs' orders (``epoch_order(seed, epoch, n)``), the next epoch's drawn AHEAD.
 
-    When the fit loop asks for a call after the last compiled call of a stretch of epochs
-    (one, or several fused) was dispatched and its bookkeeping done, the device is still
-    training it and the host waits: that is when the permutation of the epoch after the
-    stretch is drawn, one per distinct seed, so the next stretch does not wait for it (see
-    docs/performance.md). One per engine, so a loop of ``fit(epochs=1)`` calls gets them
-    too, and the first epoch of any later stretch. An order is the same whenever it is
-    drawn: this changes when, never what (results never depend on timing). Only that
-    epoch's orders are held (a new draw replaces them), none past ``AHEAD_MAX_ROWS``
-    indices; a stretch that stops early, or that ``max_steps`` cuts, draws nothing.
+    Drawn when the fit loop asks for a call after a stretch's last one was dispatched: the
+    device is busy with it, the host waits (see docs/performance.md). One per engine, so a
+    loop of ``fit(epochs=1)`` calls gets them too. An order is the same whenever it is
+    drawn: this changes when, never what. Only that epoch's orders are held (a new draw
+    replaces them), none past ``AHEAD_MAX_ROWS`` indices; a stretch that stops early, or
+    that ``max_steps`` cuts, draws nothing.
     """
 
     #: The most indices drawn ahead (64 MiB of int32): past that an unused order would cost
@@ -178,9 +155,7 @@ class ArrayEpochs:
                 yield Call(self.data, full, start, length, rows=rows)
             else:  # the short batch: one step of its own shape, unrolled (no loop)
                 yield Call(self.data, tail, 0, 1, unroll=True)
-        if stretch.steps == stretch.ends:
-            # Reached when the caller asks for a call after the last one was dispatched:
-            # the device is busy with it, the host is not.
+        if stretch.steps == stretch.ends:  # the device is busy with the last call
             next_epoch = stretch.epoch + stretch.epochs
             self.orders.draw_ahead(self.seeds, next_epoch, self.num_examples, self.shuffle)
 
@@ -196,13 +171,11 @@ class StepEpochs:
     keep_tail = False
 
     def __init__(self, steps_per_epoch: int, put: Callable[[Any], Any]):
-        self.steps_per_epoch, self.put = steps_per_epoch, put
-        self._placed: dict[int, Any] = {}
+        self.steps_per_epoch = steps_per_epoch
+        self._indices = functools.cache(lambda length: put(_arange(length)))  # placed once
 
     def __call__(self, stretch: Stretch, stats: EpochStats | None = None) -> Iterator[Call]:
-        indices = self._placed.get(stretch.ends)
-        if indices is None:  # placed once per length
-            indices = self._placed[stretch.ends] = self.put(_arange(stretch.ends))
+        indices = self._indices(stretch.ends)
         for start, length in stretch.calls:
             yield Call(None, indices, start, length)
 
@@ -252,22 +225,15 @@ class StreamEpochs:
         put_indices: Callable[[Any], Any] = lambda x: x,
     ):
         self.source, self.plan = source, plan
-        self.put_indices = put_indices
+        # A chunk's index array, placed next to the data once per chunk length.
+        self._indices = functools.cache(lambda length: put_indices(_arange(length)))
         self._pending = [first_epoch]
         # One checker for the whole fit: the step was traced on the first batch.
         self.checker = BatchChecker(batch_size, lead=batch_lead, hint=source.hint)
-        self._placed: dict[int, Any] = {}
         self.options = dict(
             prefetch=prefetch, chunk_size=chunk_size, keep_tail=not drop_remainder, put=put,
             tail_divisor=tail_divisor,
         )  # fmt: skip
-
-    def _indices(self, length: int) -> Any:
-        """The chunk's index array, placed next to the data once per chunk length."""
-        cached = self._placed.get(length)
-        if cached is None:
-            cached = self._placed[length] = self.put_indices(_arange(length))
-        return cached
 
     def __call__(self, stretch: Stretch, stats: EpochStats) -> Iterator[Call]:
         batches = self._pending.pop() if self._pending else self.source.epoch()
@@ -298,3 +264,7 @@ class StreamEpochs:
             stats.exhausted = True
         finally:
             stream.close()
+
+
+#: An epoch source (see the module's docstring).
+Epochs = ArrayEpochs | StepEpochs | StreamEpochs

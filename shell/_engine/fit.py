@@ -89,14 +89,13 @@ class Checkpoints(NamedTuple):
     partial_aux=None)`` writes a checkpoint of the owner's objects (``carry``: the state just
     written into them) with the run so far (``partial_aux``: the unfinished epoch's scalar
     aux logs per step, beside its losses); every ``every_epochs`` epochs, every
-    ``every_steps`` steps (at call boundaries; None: never mid-epoch), on SIGTERM or
-    SIGINT, and once more at the end when the last epoch was trained or a callback loaded a
-    state (EarlyStopping's best epoch) since the last save. A save may
-    return before its checkpoint is on disk (it is written in the background); ``close()``
-    waits for it, and fit calls it on every way out (the end, a preemption, an
-    exception). ``run_log``: where the saves put the History (``_checkpointing.RunLog``),
-    told by a resume where the restored run's lines end. ``lock()``: takes the directory's
-    writer lock (fit does, before it reads or trains anything; ``close()`` releases it)."""
+    ``every_steps`` steps (at call boundaries; None: never mid-epoch), on SIGTERM or SIGINT,
+    and at the end when the budget is spent or a callback loaded a state (EarlyStopping's
+    best epoch). A save may return before it is on disk; ``close()`` waits for it (fit calls
+    it on every way out). ``run_log``: where the saves put the History
+    (``_checkpointing.RunLog``; a resume tells it where the restored run's lines end).
+    ``lock()``: takes the directory's writer lock (fit does,
+    before it reads or trains anything; ``close()`` releases it)."""
 
     every_epochs: int
     every_steps: int | None
@@ -220,19 +219,18 @@ class FitLoop:
         schedule: Schedule,
         epoch_calls: Epochs,
         *,
-        history: History | None = None,
+        history: History,
         partial: np.ndarray | None = None,
         partial_aux: dict[str, np.ndarray] | None = None,
     ) -> History:
-        """Trains what ``schedule`` plans, in ``epoch_calls``' calls, from the owner's state.
+        """Trains what ``schedule`` plans, in ``epoch_calls``' calls, from the owner's state,
+        onto ``history`` (a resumed run's so far, else empty).
 
-        ``history``, ``partial`` and ``partial_aux`` carry on a resumed run: the History so
-        far, and the losses and scalar aux logs of the unfinished epoch's steps that were
-        trained before the interruption (``owner.epoch_step`` of them; ``partial_aux`` None
-        when the run log did not keep them).
-        """
+        ``partial`` and ``partial_aux`` carry on a resumed run: the losses and scalar aux
+        logs of the unfinished epoch's steps trained before the interruption
+        (``owner.epoch_step`` of them; ``partial_aux`` None when the run log did not keep
+        them)."""
         owner = self.owner
-        history = History(losses=empty_losses(self.layout)) if history is None else history
         # An epoch's train_<metric> logs cover exactly that epoch's steps: start afresh.
         owner.reset_metrics()
         # No local keeps the owner's arrays: the first call counts who else references

@@ -1,11 +1,8 @@
 """A fit's budget as compiled calls: the one place the engine counts epochs and steps.
 
-``fit``'s budget (``epochs``, ``max_steps``; the whole run's under ``resume``) starts where
-the owner stands: its next epoch, the steps of that epoch trained before (a resume, or a fit
-that ``max_steps`` ended inside it) and its global step. The schedule turns it into
-stretches, each one run of compiled calls: an epoch, or several fused when nothing needs the
-host between them, cut where ``max_steps`` ends. The same stretches give the fit loop its
-calls, the owner its place after each, and the progress bar its total.
+The budget (``epochs``, ``max_steps``) becomes stretches, each one run of compiled calls: an
+epoch, or several fused, cut where ``max_steps`` ends. The same stretches give the fit loop
+its calls, the owner its place after each, and the progress bar its total.
 """
 
 from __future__ import annotations
@@ -21,26 +18,28 @@ from nnxscan.shell._engine.plans import Plan
 FUSED_STEPS = 10_000
 
 
-class Stretch(NamedTuple):
-    """``epochs`` consecutive epochs from ``epoch``, less the first ``skip`` steps (trained
-    before), trained in one run of compiled calls.
+def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
+    """The ``"scan"`` plan with calls of ``steps_per_call`` steps (a data set's epoch).
 
-    Attributes:
-      steps: the steps it trains: to the end of its epochs or of the budget; a stream's
-        epoch: None (to its end) or the budget left.
-      ends: the steps from ``skip`` to the end of its epochs (None: a stream's epoch, whose
-        length shows when it ends).
-      calls: ``(start, length)`` of each compiled call, counted from ``skip``; a call that
-        starts past the epoch's full batches is its short batch. Empty for a stream (its
-        chunks make its calls).
-      per_epoch: steps in each of its epochs (None: a stream's).
+    The ``"unrolled"`` and ``"step"`` plans keep their own call size: unrolling 100 steps
+    would take minutes to compile. ``Plan("unrolled", k)`` sets it.
     """
+    if steps_per_call is None or plan.kind != "scan":
+        return plan
+    return plan._replace(steps_per_call=steps_per_call)
+
+
+class Stretch(NamedTuple):
+    """``epochs`` epochs from ``epoch`` less their first ``skip`` steps (trained before), in
+    one run of compiled calls. A stream's epoch has ``ends``, ``calls`` and ``per_epoch``
+    None or empty (its length shows when it ends, its chunks make its calls)."""
 
     epoch: int
     epochs: int
+    steps: int | None  # those it trains (a stream's: the budget left, or None)
     skip: int
-    steps: int | None
-    ends: int | None
+    ends: int | None  # the steps from ``skip`` to the end of its epochs
+    # (start, length) of each call, from ``skip``; one past the full batches: the short one
     calls: tuple[tuple[int, int], ...]
     per_epoch: int | None
 
@@ -49,9 +48,8 @@ class Stretch(NamedTuple):
         return ended() if self.ends is None else trained == self.ends
 
     def reached(self, trained: int, complete: bool) -> tuple[int, int]:
-        """The owner's ``(epoch, epoch_step)`` after ``trained`` of its steps: fused epochs
-        stopped between their calls count those they finished, and the next fit goes on
-        inside the one after."""
+        """The owner's ``(epoch, epoch_step)`` after ``trained`` of its steps: where the
+        next fit (or a resume) goes on."""
         if complete:
             return self.epoch + self.epochs, 0
         if self.per_epoch is None:
@@ -62,25 +60,17 @@ class Stretch(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """One fit's budget from where the owner stands, and how its epochs become calls.
-
-    Attributes:
-      epoch, skip, step: the owner's next epoch, the steps of it trained before, and its
-        global step, as the fit starts.
-      end_epoch: the epoch the fit ends before (None: ``max_steps`` alone decides).
-      stop_at: the global step the fit ends at (None: ``epochs`` alone decide).
-      per_epoch: steps in one epoch (None: a stream's, unknown until it ends).
-      tail: each epoch ends with a short batch, a call of its own (never fused).
-      plan: cuts a stretch's steps into compiled calls (needed once ``per_epoch`` is known).
-      fuse: consecutive whole epochs may run as one stretch (nothing needs the host
-        between them); stretches still end where evaluation runs, every ``every`` epochs.
-    """
+    """One fit's budget from where the owner stands (its next ``epoch``, the ``skip`` steps
+    of it trained before, its global ``step``), and how its epochs become calls: the
+    ``plan``'s, over epochs of ``per_epoch`` steps (None: a stream's) whose last may be a
+    short batch (``tail``: a call of its own, never fused). With ``fuse``, whole epochs run
+    as one stretch, ending where evaluation runs (every ``every`` epochs)."""
 
     epoch: int
     skip: int
     step: int
-    end_epoch: int | None
-    stop_at: int | None
+    end_epoch: int | None  # the epoch the fit ends before (None: max_steps decides)
+    stop_at: int | None  # the global step the fit ends at (None: epochs decide)
     per_epoch: int | None = None
     tail: bool = False
     plan: Plan | None = None
@@ -103,27 +93,15 @@ class Schedule:
         stop_at = None if max_steps is None else first_step + max_steps
         return cls(epoch, skip, step, end_epoch, stop_at)
 
-    @property
-    def done(self) -> bool:
-        """Nothing is left to train."""
-        return self.spent(self.epoch, self.step)
-
-    @property
-    def epochs(self) -> int | None:
-        """The epochs the fit trains into (None: ``max_steps`` decides)."""
-        return None if self.end_epoch is None else max(self.end_epoch - self.epoch, 0)
-
     def spent(self, epoch: int, step: int) -> bool:
-        """Whether an owner at ``epoch`` (at its start) and global ``step`` has trained the
-        whole budget."""
+        """Whether an owner at ``epoch`` and global ``step`` trained the whole budget."""
         return (self.end_epoch is not None and epoch >= self.end_epoch) or (
             self.stop_at is not None and step >= self.stop_at
         )
 
     def stretches(self, step_now: Callable[[], int] | None = None) -> Iterator[Stretch]:
-        """The stretches in order, each assumed to train all its steps; ``step_now()``
-        (the owner's global step as each starts) cuts a stream's epoch where the budget
-        ends."""
+        """The stretches in order, each assumed to train all its steps; ``step_now()``, the
+        owner's global step as each starts, cuts a stream's epoch where the budget ends."""
         epoch, skip, step = self.epoch, self.skip, self.step
         while not self.spent(epoch, step := step if step_now is None else step_now()):
             left = None if self.stop_at is None else self.stop_at - step
@@ -142,7 +120,7 @@ class Schedule:
     def _stretch(self, epoch: int, skip: int, left: int | None) -> Stretch:
         per = self.per_epoch
         if per is None:  # a stream's epoch
-            return Stretch(epoch, 1, skip, left, None, (), None)
+            return Stretch(epoch, 1, left, skip, None, (), None)
         epochs = 1
         if self.fuse and not self.tail and not skip:
             most = [FUSED_STEPS // per]
@@ -159,7 +137,7 @@ class Schedule:
         calls = [(a, min(n, steps - a)) for a, n in self.plan.chunks(full) if a < steps]
         if steps > full:  # the short batch: one step of its own shape, as the core trains it
             calls.append((full, 1))
-        return Stretch(epoch, epochs, skip, steps, ends, tuple(calls), per)
+        return Stretch(epoch, epochs, steps, skip, ends, tuple(calls), per)
 
 
 def one_epoch(source: Any, plan: Plan) -> Stretch:
