@@ -150,9 +150,7 @@ class RunProgress:
     ):
         # No console when nothing is shown: building rich's costs time on every fit.
         self._console = console or (Console() if enabled else None)
-        self._enabled = enabled
-        self._has_aux = has_aux
-        self._layout = layout
+        self._enabled, self._has_aux, self._layout = enabled, has_aux, layout
         self._progress = None
         self._loss: float | None = None
         # The step's scalar logs (their names, known from the first call's output shapes)
@@ -237,21 +235,19 @@ class RunProgress:
             )
         return [name for name in self._log_names if name in reported]
 
-    def _epoch_log_texts(self, logs: dict) -> list[str]:
-        """The epoch's means of the step's scalar logs, as the status shows them."""
-        return _log_texts({key: logs.get(key) for key in self._log_keys or ()})
-
     def epoch_done(self, epoch: int, logs: dict) -> None:
         if not self._enabled:
             return
         evals, rate = _eval_texts(logs), logs["steps_per_sec"]
+        # The epoch's means of the step's scalar logs (on the bar, they replace the call's).
+        means = {key: logs.get(key) for key in self._log_keys or ()}
         if self._progress is None:
             # Off a terminal (CI logs), at most a line every LINE_EVERY_S seconds, and the
             # last epoch's: a long run of short epochs must not flood the log.
             now = time.perf_counter()
             last = epoch == self._last_epoch
             if last or now - self._printed >= LINE_EVERY_S or self._printed < 0:
-                extras = "".join(f"  {text}" for text in [*self._epoch_log_texts(logs), *evals])
+                extras = "".join(f"  {text}" for text in [*_log_texts(means), *evals])
                 active = logs.get("active")
                 if active is not None:
                     extras += f"  {int(np.sum(active))} of {np.size(active)} training"
@@ -267,9 +263,7 @@ class RunProgress:
             loss = np.asarray(logs.get("loss", np.nan), np.float64)
             finite = loss[np.isfinite(loss)]
             self._loss = float(np.median(finite)) if finite.size else None
-            self._evals = evals
-            # The epoch's means replace the last call's: what the History logs.
-            self._logs = {key: logs.get(key) for key in self._log_keys or ()}
+            self._evals, self._logs = evals, means
             status = _status(self._loss, rate, evals, self._status_room(epoch),
                              _log_texts(self._logs))  # fmt: skip
             self._progress.update(self._task, epoch=epoch, status=status)

@@ -234,9 +234,9 @@ class Engine:
         source = EpochSource(data, epochs)
         state = self.owner.read()[1]
         first, first_epoch = peek_stream(source)
-        one = layout.first_batch(first)
         # Each process streams its own share of every batch: check the local size.
-        self.placement.check_batch_size(jax.tree.leaves(one)[0].shape[0], local=True)
+        examples = jax.tree.leaves(layout.first_batch(first))[0].shape[0]
+        self.placement.check_batch_size(examples, local=True)
         execution = self.execution(abstract_batch(first), layout)
         epoch_calls = StreamEpochs(
             source, first_epoch, execution.plan,

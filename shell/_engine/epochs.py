@@ -31,19 +31,15 @@ from nnxscan.shell._engine.streaming import BatchChecker, ChunkStream, EpochSour
 
 
 class EpochStats:
-    """What a stream's epoch reports back while its calls run: whether it ended, and the
-    examples it dropped."""
+    """What a stream's epoch reports while its calls run: ``ended()`` (it ran to its end, or
+    handed out every chunk), and the examples it ``dropped``."""
 
     def __init__(self) -> None:
-        self.exhausted = False  # the stream ran to its end
-        self.at_end: Callable[[], bool] = lambda: False  # every chunk handed out
+        self.ended: Callable[[], bool] = lambda: False
         self.dropped = 0
 
     def drop(self, count: int) -> None:
         self.dropped += count
-
-    def ended(self) -> bool:
-        return self.exhausted or self.at_end()
 
 
 @functools.cache
@@ -124,20 +120,17 @@ class ArrayEpochs:
         self.steps_per_epoch = num_examples // batch_size + keep_tail
 
     def _order(self, epoch: int) -> np.ndarray:
-        def order(seed: int) -> np.ndarray:
-            return self.orders.get(seed, epoch, self.num_examples, self.shuffle)
-
-        unique = {seed: order(seed) for seed in dict.fromkeys(self.seeds)}  # shared_order
+        n, shuffle = self.num_examples, self.shuffle
+        # One draw per distinct seed (a population's shared_order: one for all).
+        unique = {s: self.orders.get(s, epoch, n, shuffle) for s in dict.fromkeys(self.seeds)}
         return self.layout.orders([unique[seed] for seed in self.seeds])
 
     def __call__(self, stretch: Stretch, stats: EpochStats | None = None) -> Iterator[Call]:
-        fulls, tail = [], None
+        fulls, tail, drop = [], None, not self.keep_tail
         for e in range(stretch.epoch, stretch.epoch + stretch.epochs):
             # The core's cut of the same order make_epoch uses: a loop of make_epoch calls
             # fed epoch_order(seed, e, n) trains exactly what fit trains.
-            full, tail = cut_batches(
-                self._order(e), self.batch_size, drop_remainder=not self.keep_tail
-            )
+            full, tail = cut_batches(self._order(e), self.batch_size, drop_remainder=drop)
             # Steps first, as make_epoch scans them: (N, steps, batch) -> (steps, N, batch).
             fulls.append(self.layout.steps_first(full))
         tail = None if tail is None else self.layout.steps_first(tail)
@@ -237,31 +230,31 @@ class StreamEpochs:
 
     def __call__(self, stretch: Stretch, stats: EpochStats) -> Iterator[Call]:
         batches = self._pending.pop() if self._pending else self.source.epoch()
-        skip, left = stretch.skip, stretch.steps  # left: the budget's steps, None: no end
+        skip = stretch.skip
+        left = float("inf") if stretch.steps is None else stretch.steps  # the budget's steps
         if skip:  # a resumed epoch: the batches trained before the interruption
             batches = itertools.islice(batches, skip, None)
         stream = ChunkStream(
             batches, checker=self.checker, epoch=stretch.epoch, on_dropped=stats.drop,
             resumed=bool(skip), **self.options,
         )  # fmt: skip
-        stats.at_end = stream.at_end
+        stats.ended = stream.at_end
         previous: list | None = None
         try:
             for chunk in stream:
                 sink: list = []
                 indices = self._indices(chunk.steps)
                 for start, length in self.plan.chunks(chunk.steps):
-                    if left is not None:  # the budget ends inside the epoch: cut there
-                        if left <= 0:
-                            return
-                        length = min(length, left)
-                        left -= length
+                    if left <= 0:  # the budget ended inside the epoch
+                        return
+                    length = min(length, left)
+                    left -= length
                     yield Call(chunk.data, indices, start, length, sink=sink)
                 if previous is not None:
                     jax.block_until_ready(previous)
                     stream.finished()
                 previous = sink
-            stats.exhausted = True
+            stats.ended = lambda: True
         finally:
             stream.close()
 

@@ -94,8 +94,8 @@ class Checkpoints(NamedTuple):
     best epoch). A save may return before it is on disk; ``close()`` waits for it (fit calls
     it on every way out). ``run_log``: where the saves put the History
     (``_checkpointing.RunLog``; a resume tells it where the restored run's lines end).
-    ``lock()``: takes the directory's writer lock (fit does,
-    before it reads or trains anything; ``close()`` releases it)."""
+    ``lock()``: takes the directory's writer lock (fit does, before it reads or trains
+    anything; ``close()`` releases it)."""
 
     every_epochs: int
     every_steps: int | None
@@ -347,9 +347,9 @@ class FitLoop:
             # interrupt lands later (in the progress bar or the host sync).
             complete = stretch.complete(owner.step - first_step, stats.ended)
             owner.epoch, owner.epoch_step = stretch.reached(owner.step - first_step, complete)
-            finished = owner.epoch - epoch  # of fused epochs stopped between their calls
-            if not complete and finished and outs:  # logged in the History the error carries
-                self._log_finished(history, epoch, finished, stretch.per_epoch, outs, start)
+            finished = owner.epoch - epoch
+            if outs and finished and (not complete or self._signals):  # fit is ending
+                self._log_finished(history, stretch, finished, complete, outs, start)
         if self._signals:
             self._preempted(history, outs, complete)
         if not outs and not (skip and complete):  # stopped before the epoch's first call
@@ -371,15 +371,18 @@ class FitLoop:
                             injected, bar)  # fmt: skip
         return not self._stop_requested and self.layout.trains(owner)
 
-    def _log_finished(
-        self, history: History, epoch: int, finished: int, per_epoch: int, outs: list, start
-    ) -> None:
-        """Logs the ``finished`` first of fused epochs that stopped between their calls:
-        their losses and aux means (no hooks ran: none do between fused epochs)."""
+    def _log_finished(self, history, stretch, finished, complete, outs, start) -> None:
+        """Logs the ``finished`` first epochs of a stretch that an error or a signal ends
+        (fused epochs stopped between their calls, or an epoch a preemption completed):
+        their losses and aux means, in the History the error carries; no hooks run."""
         stacked, wall_time = host_outputs(outs, start)
-        stacked = jax.tree.map(lambda x: x[: finished * per_epoch], stacked)
+        if stretch.skip:  # the resumed epoch's first steps were trained before
+            stacked = prepend_losses(self._partial, stacked, self.program.has_aux,
+                                     self._partial_aux, self.layout)  # fmt: skip
+        if not complete:
+            stacked = jax.tree.map(lambda x: x[: finished * stretch.per_epoch], stacked)
         for i, piece in enumerate(split_steps(stacked, finished)):
-            logs, losses = self._logs(epoch + i, piece, wall_time / finished, EpochStats())
+            logs, losses = self._logs(stretch.epoch + i, piece, wall_time / finished, EpochStats())
             history._append(losses, logs)
 
     def _logs(
@@ -446,18 +449,9 @@ class FitLoop:
             owner.epoch_step = complete_epoch_step
 
     def _preempted(self, history: History, outs: list, complete: bool) -> None:
-        """A SIGTERM or SIGINT arrived: the current call finished; save, then raise."""
-        if complete:
-            partial, aux = empty_losses(self.layout), {}
-        else:
-            partial, aux = self._losses_so_far(outs)
-        if complete and outs:
-            # The epoch ended with the call: log it first, so the History holds it.
-            stacked, wall_time = host_outputs(outs, time.perf_counter())
-            stacked = prepend_losses(self._partial, stacked, self.program.has_aux,
-                                     self._partial_aux, self.layout)  # fmt: skip
-            logs, losses = self._logs(self.owner.epoch - 1, stacked, wall_time, EpochStats())
-            history._append(losses, logs)
+        """A SIGTERM or SIGINT arrived: the current call finished (an epoch it completed is
+        logged); save, then raise."""
+        partial, aux = (empty_losses(self.layout), {}) if complete else self._losses_so_far(outs)
         self.checkpoints.save(history, partial, None, aux)
         self.checkpoints.close()  # on disk before the process is told it may exit
         signum = self._signals[0]
@@ -490,13 +484,12 @@ class FitLoop:
         bar.epoch_done(epoch, logs)
         if complete:
             self.callbacks("on_epoch_end", epoch, logs)
-            checkpoints = self.checkpoints
-            if checkpoints is not None:  # what the run log cannot keep exactly: refused now
-                checkpoints.run_log.check(epoch, logs)
-            due = self._save_at_epoch_end
-            if checkpoints is not None and (due or (epoch + 1) % checkpoints.every_epochs == 0):
-                checkpoints.save(history, empty_losses(self.layout), written_carry(live))
+            checkpoints, due = self.checkpoints, self._save_at_epoch_end
             self._save_at_epoch_end = False
+            if checkpoints is not None:
+                checkpoints.run_log.check(epoch, logs)  # what it cannot keep: refused now
+                if due or (epoch + 1) % checkpoints.every_epochs == 0:
+                    checkpoints.save(history, empty_losses(self.layout), written_carry(live))
 
     def _nonfinite_error(self, history, epoch, first_step, stop, start, stats) -> Exception:
         stacked, wall_time = host_outputs(stop.outs, start)
