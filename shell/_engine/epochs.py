@@ -245,16 +245,18 @@ class StreamEpochs:
                 sink: list = []
                 indices = self._indices(chunk.steps)
                 for start, length in self.plan.chunks(chunk.steps):
-                    if left <= 0:  # the budget ended inside the epoch
-                        return
-                    length = min(length, left)
+                    if left < length:  # the budget ends before the epoch: so does the call
+                        stats.ended = lambda: False
+                        if left <= 0:
+                            return
+                    yield Call(chunk.data, indices, start, min(length, left), sink=sink)
                     left -= length
-                    yield Call(chunk.data, indices, start, length, sink=sink)
                 if previous is not None:
                     jax.block_until_ready(previous)
                     stream.finished()
                 previous = sink
-            stats.ended = lambda: True
+            if left >= 0:  # every batch trained (the budget may end with the epoch)
+                stats.ended = lambda: True
         finally:
             stream.close()
 
