@@ -296,12 +296,8 @@ class Engine:
         # checkpoint records where (its cost does not grow with the run).
         run_log = _checkpointing.RunLog(writer)
 
-        def save(
-            history: History,
-            partial: np.ndarray,
-            carry: tuple | None = None,
-            partial_aux: dict[str, np.ndarray] | None = None,
-        ) -> None:
+        def save(history: History, partial: np.ndarray, carry: tuple | None = None,
+                 partial_aux: dict[str, np.ndarray] | None = None) -> None:  # fmt: skip
             owner = self.owner
             if writer.newest_step() == owner.step and not owner.loaded_since_checkpoint:
                 return  # this step is saved (save_with would keep it): no log line either

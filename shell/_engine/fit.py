@@ -363,10 +363,8 @@ class FitLoop:
             stacked = prepend_losses(self._partial, stacked, self.program.has_aux,
                                      self._partial_aux, self.layout)  # fmt: skip
         self._partial, self._partial_aux = empty_losses(self.layout), {}
-        pieces = [stacked] if count == 1 else split_steps(stacked, count)
-        compile_time = (live.compile_s - compiled_before) / count
-        for i, piece in enumerate(pieces):
-            timing = (wall_time / count, compile_time)
+        timing = (wall_time / count, (live.compile_s - compiled_before) / count)
+        for i, piece in enumerate([stacked] if count == 1 else split_steps(stacked, count)):
             self._log_epoch(history, epoch + i, piece, timing, stats, complete, live,
                             injected, bar)  # fmt: skip
         return not self._stop_requested and self.layout.trains(owner)
