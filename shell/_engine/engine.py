@@ -55,7 +55,7 @@ class Engine:
     """Trains, evaluates, saves and restores what ``owner`` holds.
 
     Args:
-      program: the cached compiled pieces of the step (``_programs.train_program``).
+      program: the cached compiled pieces of the step (``programs.train_program``).
       owner: who holds the state (one model, or members stacked).
       placement: one device, or a mesh.
       explicit_plan: the plan the user asked for, or None for ``"auto"``.
@@ -324,11 +324,11 @@ class Engine:
     # -- evaluation -------------------------------------------------------------------------
 
     def evaluation(self, data, metric_fn, every, eval_batch_size, batch_size) -> Any:
-        """Checks fit's evaluation arguments (see ``_evaluation.fit_evaluation``)."""
+        """Checks fit's evaluation arguments (see ``evaluation.fit_evaluation``)."""
         return _evaluation.fit_evaluation(self, data, metric_fn, every, eval_batch_size, batch_size)
 
     def evaluator(self, metric_fn, metrics, update_metrics, batch_size, eval_mode) -> Callable:
-        """``run(data)`` of one evaluation (see ``_evaluation.evaluator``)."""
+        """``run(data)`` of one evaluation (see ``evaluation.evaluator``)."""
         return _evaluation.evaluator(
             self, metric_fn, metrics, update_metrics, batch_size, eval_mode
         )

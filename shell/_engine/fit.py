@@ -93,7 +93,7 @@ class Checkpoints(NamedTuple):
     and at the end when the budget is spent or a callback loaded a state (EarlyStopping's
     best epoch). A save may return before it is on disk; ``close()`` waits for it (fit calls
     it on every way out). ``run_log``: where the saves put the History
-    (``_checkpointing.RunLog``; a resume tells it where the restored run's lines end).
+    (``_edges.checkpointing.RunLog``; a resume tells it where the restored run's lines end).
     ``lock()``: takes the directory's writer lock (fit does, before it reads or trains
     anything; ``close()`` releases it)."""
 

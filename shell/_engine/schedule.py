@@ -21,8 +21,8 @@ FUSED_STEPS = 10_000
 def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
     """The ``"scan"`` plan with calls of ``steps_per_call`` steps (a data set's epoch).
 
-    The ``"unrolled"`` and ``"step"`` plans keep their own call size: unrolling 100 steps
-    would take minutes to compile. ``Plan("unrolled", k)`` sets it.
+    The ``"unrolled"`` and ``"step"`` plans keep their own call size: an unrolled call's
+    compile grows with its length. ``Plan("unrolled", k)`` sets it.
     """
     if steps_per_call is None or plan.kind != "scan":
         return plan
