@@ -35,7 +35,7 @@ class Layout(Protocol):
     """What the engine asks of one model or of members.
 
     Attributes:
-      num_members: what callbacks and writers are told (``subject.num_members``): None
+      num_members: what callbacks and writers are told (``trainer.num_members``): None
         for one model, N for members.
       shape: the shape of a value per model, ``()`` or ``(N,)``: a per-step log is
         ``(steps, *shape)``, an epoch's log ``shape``.
