@@ -91,12 +91,12 @@ class Layout(NamedTuple):
     on_host: bool  # every packed array is numpy or on a CPU device: readable in place
 
 
-# The layouts of the last few structures saved, newest first: shared by the writers of
-# successive fits (and save_checkpoint calls) that save the same model. Compared, not
+# The layouts of the last few structures saved, newest first: shared by the checkpointers
+# of successive fits (and save_checkpoint calls) that save the same model. Compared, not
 # hashed: a treedef's Variable metadata need not be hashable.
 _LAYOUTS: list[tuple[Any, Layout]] = []
 _KEPT_LAYOUTS = 8
-_LAYOUTS_LOCK = threading.Lock()  # writers may save from several threads
+_LAYOUTS_LOCK = threading.Lock()  # checkpointers may save from several threads
 
 
 def _signature(leaf: Any) -> Any:

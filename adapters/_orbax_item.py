@@ -177,7 +177,7 @@ def write_item(
 @functools.cache
 def _context() -> Any:
     """One tensorstore context for every item this process writes (its thread pools made
-    once), with its own fsyncs off: the checkpoint writer syncs the item's files itself,
+    once), with its own fsyncs off: the checkpointer syncs the item's files itself,
     with its own, before the rename that makes the checkpoint."""
     import tensorstore
 

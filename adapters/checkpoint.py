@@ -73,7 +73,7 @@ The run log keeps a save's cost flat as a run grows: what grows (a fit's History
 appended to the log, and a checkpoint's tree records only where its part of the log ends
 (:meth:`Checkpointer.append_log` returns that offset; :func:`read_log` reads a range
 back). A checkpoint never refers to bytes that are not on disk before it: appends are
-written and fsync'ed, in the writer's order, before the next checkpoint's files. With
+written and fsync'ed, in the order appended, before the next checkpoint's files. With
 several processes only process 0 writes the log; every process reads it.
 
 orbax-checkpoint ships with flax; it is imported only inside these functions, because
@@ -180,7 +180,7 @@ class Checkpointer:
         self.storage = storage
         self._manager: Any = None  # orbax's, opened by the first save that needs it
         self._thread: Any = None  # the background writer of our own files
-        self._in_flight: Any = None  # that writer's Future
+        self._in_flight: Any = None  # that thread's Future
         self._cleaned = False  # leftovers of killed processes removed (at the first save)
         # The steps on disk or being written, newest last: read from the directory once,
         # then kept by this checkpointer, so asking "is step N saved?" never waits for a write.

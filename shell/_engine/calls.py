@@ -106,7 +106,7 @@ class LiveState:
 
     def carry(self) -> tuple[nnx.State, Any]:
         """The newest ``(state, opt_state)`` as pytrees (the same arrays, no copy)."""
-        self._exposed = True  # the caller may keep them (a checkpoint writer does)
+        self._exposed = True  # the caller may keep them (a checkpointer does)
         return jax.tree.unflatten(self.treedef, self.leaves)
 
     def donatable(self) -> list:
