@@ -1,9 +1,9 @@
 """nnxscan's own checkpoint storage: one raw file of packed buffers and a JSON manifest.
 
-Used for the trees one process holds whole (after ``checkpoint._fill`` every array is a
+Used for the trees one process holds whole (after ``_checkpoint_layout.fill`` every array is a
 host buffer), which is every single-process run that is not sharded over several devices.
 Orbax is kept for the rest (arrays sharded over devices or processes), because it writes
-each process's shards; its fixed cost per save (tens of ms of CPU, mostly per array; see
+each process's shards; its fixed CPU cost per save (mostly per array; measured in
 docs/checkpoints.md) is what this storage avoids, so that a checkpoint written in the
 background does not take the CPU from training.
 
@@ -101,7 +101,7 @@ def write(
     """Writes checkpoint ``step`` under ``path`` atomically; returns ``<path>/<step>``.
 
     ``buffers``: name -> flat, contiguous host array that nobody else writes to while this
-    runs (``checkpoint._fill`` makes copies, never views of device buffers), packed into
+    runs (``_checkpoint_layout.fill`` makes copies, never views of device buffers), packed into
     ``arrays.bin``, each on a 64-byte boundary, its crc32 in the manifest (which carries
     its own: :func:`_checkpoint_manifest.dumps_checked`). ``item``: ``(leaves, arrays,
     files)`` of the model state's orbax item (``_orbax_item.write_item``), or None."""

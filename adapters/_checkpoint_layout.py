@@ -56,7 +56,7 @@ def _is_key(dtype: Any) -> bool:
 
 @functools.cache
 def _dtype_kind(dtype: Any) -> tuple[str, str]:
-    # Cached: a save describes every leaf, and naming a dtype costs microseconds each.
+    # Cached: a save describes every leaf, and naming a dtype is not free.
     return ("key" if _is_key(dtype) else "array"), str(dtype)
 
 
@@ -91,12 +91,12 @@ class Layout(NamedTuple):
     on_host: bool  # every packed array is numpy or on a CPU device: readable in place
 
 
-# The layouts of the last few structures saved, newest first: shared by the writers of
-# successive fits (and save_checkpoint calls) that save the same model. Compared, not
+# The layouts of the last few structures saved, newest first: shared by the checkpointers
+# of successive fits (and save_checkpoint calls) that save the same model. Compared, not
 # hashed: a treedef's Variable metadata need not be hashable.
 _LAYOUTS: list[tuple[Any, Layout]] = []
 _KEPT_LAYOUTS = 8
-_LAYOUTS_LOCK = threading.Lock()  # writers may save from several threads
+_LAYOUTS_LOCK = threading.Lock()  # checkpointers may save from several threads
 
 
 def _signature(leaf: Any) -> Any:
@@ -261,10 +261,10 @@ def fill(layout: Layout, leaves: list) -> tuple[list[dict[str, Any]], dict[str, 
 
 
 def _to_host(arrays: list[Any], start: bool = True) -> list[np.ndarray]:
-    """``jax.device_get`` of a flat list, without its per-leaf tree walk (5x faster for a
-    hundred small arrays here): with ``start``, every transfer is started first (arrays on
-    an accelerator), then each is read (on the CPU a read is a view of the device buffer:
-    the caller copies before returning)."""
+    """``jax.device_get`` of a flat list, without its per-leaf tree walk (a save holds many
+    small arrays; docs/performance.md): with ``start``, every transfer is started first
+    (arrays on an accelerator), then each is read (on the CPU a read is a view of the device
+    buffer: the caller copies before returning)."""
     if start:
         for x in arrays:
             if isinstance(x, jax.Array):

@@ -17,8 +17,8 @@ OCDBT key-value store of zarr v2 arrays; orbax reads every layout it ever wrote)
 
 Written through tensorstore's OCDBT driver in one transaction, committed while the rest of
 the checkpoint is written: a handful of files however many arrays (deleting an old
-checkpoint stays cheap), a few ms of the background writer's CPU where orbax's own save
-costs tens of ms (its per-array machinery). nnxscan itself reads
+checkpoint stays cheap), and far less of the background writer's CPU than orbax's own save
+(its per-array machinery; docs/checkpoints.md). nnxscan itself reads
 the model state from ``arrays.bin``, checked by its crc32; this item is for Flax's code.
 What orbax writes for the same tree is the reference (tests/test_checkpoint_trust.py).
 
@@ -177,7 +177,7 @@ def write_item(
 @functools.cache
 def _context() -> Any:
     """One tensorstore context for every item this process writes (its thread pools made
-    once), with its own fsyncs off: the checkpoint writer syncs the item's files itself,
+    once), with its own fsyncs off: the checkpointer syncs the item's files itself,
     with its own, before the rename that makes the checkpoint."""
     import tensorstore
 

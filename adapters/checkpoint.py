@@ -48,7 +48,7 @@ checkpoint by its step, so one listing, one ``max_to_keep`` and one reader serve
       <step>.nnxscan-superseded/        newer than the step a resume was told to start
                                         from; kept
       history.jsonl                     the run log (either storage's): bytes appended with
-                                        CheckpointWriter.append_log, each fsync'ed before
+                                        Checkpointer.append_log, each fsync'ed before
                                         the next checkpoint is renamed into place
 
 The manifest (JSON): format name and version, and per leaf in flattening order its path
@@ -71,9 +71,9 @@ returns only after the rename, so the checkpoint it reports is on disk.
 
 The run log keeps a save's cost flat as a run grows: what grows (a fit's History) is
 appended to the log, and a checkpoint's tree records only where its part of the log ends
-(:meth:`CheckpointWriter.append_log` returns that offset; :func:`read_log` reads a range
+(:meth:`Checkpointer.append_log` returns that offset; :func:`read_log` reads a range
 back). A checkpoint never refers to bytes that are not on disk before it: appends are
-written and fsync'ed, in the writer's order, before the next checkpoint's files. With
+written and fsync'ed, in the order appended, before the next checkpoint's files. With
 several processes only process 0 writes the log; every process reads it.
 
 orbax-checkpoint ships with flax; it is imported only inside these functions, because
@@ -101,7 +101,7 @@ from nnxscan.pure.checks import check_count
 
 __all__ = [
     "CheckpointLockedError",
-    "CheckpointWriter",
+    "Checkpointer",
     "CorruptCheckpointError",
     "all_steps",
     "latest_step",
@@ -129,7 +129,7 @@ def _orbax_state(state: Any) -> bool:
     return state is not None and all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(state))
 
 
-class CheckpointWriter:
+class Checkpointer:
     """Writes a run's checkpoints into ``directory``, by default in the background.
 
     With ``asynchronous`` (the default) a :meth:`save` returns once the arrays are copied
@@ -145,22 +145,22 @@ class CheckpointWriter:
     Storage: a tree one process holds whole (every single-process run not sharded over
     devices) is written as nnxscan's own files: a raw file of packed buffers, the model
     state as an orbax item Flax's code restores, and a JSON manifest, every buffer with a
-    crc32 — a few ms of CPU, where orbax's own save costs tens of ms, CPU that a background
-    write takes from training. Arrays sharded over devices or processes go through one
+    crc32 — a fraction of the CPU orbax's own save costs (docs/checkpoints.md), CPU that a
+    background write takes from training. Arrays sharded over devices or processes go through one
     orbax ``CheckpointManager`` (each process writes its shards). ``storage="orbax"``
     writes every checkpoint through orbax. :func:`restore_checkpoint` reads both, and a
     directory may hold both.
 
-    One writer per directory: the first save (or :meth:`lock`) takes an advisory lock on
-    the directory, :meth:`close` releases it; a second writer meanwhile gets a
+    One checkpointer per directory: the first save (or :meth:`lock`) takes an advisory lock
+    on the directory, :meth:`close` releases it; a second one meanwhile gets a
     :class:`CheckpointLockedError`. Nothing touches the disk before the first save or
     :meth:`lock`. Use it as a context manager, or call :meth:`close`.
 
     Example:
-      >>> with CheckpointWriter("runs/ckpt") as writer:
-      ...     writer.save(100, {"state": nnx.state(model), "meta": {"step": 100}})
+      >>> with Checkpointer("runs/ckpt") as checkpointer:
+      ...     checkpointer.save(100, {"state": nnx.state(model), "meta": {"step": 100}})
       ...     train_more()                 # while step 100 is written
-      ...     writer.save(200, tree)       # waits for step 100 first
+      ...     checkpointer.save(200, tree)       # waits for step 100 first
       PosixPath('/home/me/runs/ckpt/100')
     """
 
@@ -180,10 +180,10 @@ class CheckpointWriter:
         self.storage = storage
         self._manager: Any = None  # orbax's, opened by the first save that needs it
         self._thread: Any = None  # the background writer of our own files
-        self._in_flight: Any = None  # that writer's Future
+        self._in_flight: Any = None  # that thread's Future
         self._cleaned = False  # leftovers of killed processes removed (at the first save)
         # The steps on disk or being written, newest last: read from the directory once,
-        # then kept by this writer, so asking "is step N saved?" never waits for a write.
+        # then kept by this checkpointer, so asking "is step N saved?" never waits for a write.
         self._steps: list[int] | None = None
         # The run log's size once every append so far is written (read from the disk at
         # the first append), and the appends not yet handed to a write.
@@ -194,8 +194,8 @@ class CheckpointWriter:
 
     def lock(self) -> None:
         """Takes the directory's writer lock now (the first save or log append takes it
-        otherwise), creating the directory; :meth:`close` releases it. One writer per
-        directory: a second writer, in this process or another, gets a
+        otherwise), creating the directory; :meth:`close` releases it. One checkpointer per
+        directory: a second one, in this process or another, gets a
         :class:`CheckpointLockedError` naming the directory and the holder's process id,
         and the directory is left as it was. Only process 0 of a multi-process run locks
         (every process writes its shards into the same directory).
@@ -252,9 +252,9 @@ class CheckpointWriter:
         refers to bytes not on disk. ``append_log(b"")`` is the log's size now.
 
         Example:
-          >>> with CheckpointWriter("runs/ckpt") as writer:
-          ...     end = writer.append_log(b'{"epoch": 0}\\n')
-          ...     writer.save(100, {"meta": {"log_end": end}})
+          >>> with Checkpointer("runs/ckpt") as checkpointer:
+          ...     end = checkpointer.append_log(b'{"epoch": 0}\\n')
+          ...     checkpointer.save(100, {"meta": {"log_end": end}})
         """
         self.lock()
         if self._log_size is None:
@@ -386,7 +386,7 @@ class CheckpointWriter:
 
     def close(self) -> None:
         """Waits for the save in flight, writes what was appended to the run log since,
-        then releases the writer's threads and the directory's lock."""
+        then releases its threads and the directory's lock."""
         try:
             self.wait()
             log = self._take_log()
@@ -402,7 +402,7 @@ class CheckpointWriter:
             lock, self._lock, self._locked = self._lock, None, False
             _files.unlock(lock)
 
-    def __enter__(self) -> CheckpointWriter:
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -432,7 +432,7 @@ def save_checkpoint(
         half-written one).
       storage: ``"auto"`` writes a tree this process holds whole as nnxscan's own files
         and arrays sharded over devices or processes through orbax; ``"orbax"`` writes
-        everything through orbax (see :class:`CheckpointWriter`).
+        everything through orbax (see :class:`Checkpointer`).
 
     Returns:
       The checkpoint's own directory, ``<directory>/<step>``.
@@ -448,11 +448,11 @@ def save_checkpoint(
       >>> save_checkpoint("runs/ckpt", 200, tree)
       PosixPath('/home/me/runs/ckpt/200')
     """
-    # The writer checks every leaf before anything touches the disk.
-    with CheckpointWriter(
+    # The checkpointer checks every leaf before anything touches the disk.
+    with Checkpointer(
         directory, max_to_keep=max_to_keep, asynchronous=False, storage=storage
-    ) as writer:
-        return writer.save(step, tree, replace=replace)
+    ) as checkpointer:
+        return checkpointer.save(step, tree, replace=replace)
 
 
 def _pick_step(path: pathlib.Path, step: int | None) -> int:
@@ -594,7 +594,7 @@ def restore_checkpoint(
 
 
 def read_log(directory: str | os.PathLike[str], start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of the run log that :meth:`CheckpointWriter.append_log`
+    """Bytes ``[start, end)`` of the run log that :meth:`Checkpointer.append_log`
     wrote in ``directory``.
 
     Raises:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["optax_state_from_optimizer", "optimizer_state_writer"]
+__all__ = ["optax_state_from_optimizer", "optimizer_state_builder"]
 
 
 def _is_variable(x: Any) -> bool:
@@ -64,8 +64,8 @@ def _optax_leaves(opt_state: Any) -> list:
     return jax.tree.leaves(opt_state)
 
 
-# Per optimizer: the structure tx.init gives for a params structure. Tracing tx.init costs
-# milliseconds, and the shell reads the optax state at every checkpoint.
+# Per optimizer: the structure tx.init gives for a params structure. Tracing tx.init is
+# not free, and the shell reads the optax state at every checkpoint.
 _STRUCTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -86,7 +86,7 @@ def _expected_structure(optimizer: nnx.Optimizer, params: nnx.State) -> tuple[An
     return structure
 
 
-def optimizer_state_writer(optimizer: nnx.Optimizer) -> Callable[[Any, Any], nnx.State]:
+def optimizer_state_builder(optimizer: nnx.Optimizer) -> Callable[[Any, Any], nnx.State]:
     """Returns ``build(opt_state, step)``: the State that ``nnx.update(optimizer, ...)`` takes to
     hold the optax state ``opt_state`` and the step counter ``step``.
 
@@ -94,7 +94,7 @@ def optimizer_state_writer(optimizer: nnx.Optimizer) -> Callable[[Any, Any], nnx
     call: the shell writes back after every compiled call.
 
     Example:
-      >>> build = optimizer_state_writer(optimizer)
+      >>> build = optimizer_state_builder(optimizer)
       >>> nnx.update(optimizer, build(opt_state, jnp.uint32(10)))
     """
     position = {

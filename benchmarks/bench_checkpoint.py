@@ -31,7 +31,7 @@ import time
 import jax
 from _workloads import WORKLOADS
 
-from nnxscan.adapters.checkpoint import CheckpointWriter, all_steps
+from nnxscan.adapters.checkpoint import Checkpointer, all_steps
 from nnxscan.shell import LambdaCallback, Trainer
 from nnxscan.shell._edges import checkpointing as _checkpointing
 
@@ -109,23 +109,21 @@ VARIANTS = {
 
 @contextlib.contextmanager
 def storage(name: str | None):
-    """Every checkpoint writer fit opens writes through ``name`` (``None``: the default).
+    """Every checkpointer fit opens writes through ``name`` (``None``: the default).
     ``"orbax"`` is what every save went through before nnxscan's own files storage."""
     if name is None:
         yield
         return
-    original = _checkpointing.writer
-    _checkpointing.writer = functools.partial(_writer, name)
+    original = _checkpointing.open_checkpointer
+    _checkpointing.open_checkpointer = functools.partial(_checkpointer, name)
     try:
         yield
     finally:
-        _checkpointing.writer = original
+        _checkpointing.open_checkpointer = original
 
 
-def _writer(name, directory, *, max_to_keep=3, asynchronous=True):
-    return CheckpointWriter(
-        directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name
-    )
+def _checkpointer(name, directory, *, max_to_keep=3, asynchronous=True):
+    return Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name)
 
 
 def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) -> str:

@@ -37,8 +37,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from nnxscan.adapters import _log_values
 from nnxscan.adapters.checkpoint import all_steps
-from nnxscan.shell import Trainer, _checkpointing
+from nnxscan.shell import Trainer
+from nnxscan.shell._edges import checkpointing as _checkpointing
 
 
 class MLP(nnx.Module):
@@ -70,7 +72,7 @@ def inline_run_json(history, partial) -> str:
         "partial": np.asarray(partial, np.float64).tolist(),
         "events": history.events,
     }
-    return json.dumps(record, default=_checkpointing._plain)
+    return json.dumps(record, default=_log_values.plain)
 
 
 @contextlib.contextmanager
@@ -80,7 +82,9 @@ def history_kept(way: str):
         yield
         return
     original = _checkpointing.RunLog.record
-    _checkpointing.RunLog.record = lambda self, history, partial: inline_run_json(history, partial)
+    _checkpointing.RunLog.record = lambda self, history, partial, *aux: inline_run_json(
+        history, partial
+    )
     try:
         yield
     finally:
@@ -93,9 +97,9 @@ def timed_saves(seconds: list[float]):
     record, save_with = _checkpointing.RunLog.record, _checkpointing.save_with
     started: list[float] = []
 
-    def timed_record(self, history, partial):
+    def timed_record(self, history, partial, *aux):
         started.append(time.perf_counter())
-        return record(self, history, partial)
+        return record(self, history, partial, *aux)
 
     def timed_save_with(*args, **kwargs):
         try:

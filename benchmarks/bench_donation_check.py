@@ -28,7 +28,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnxscan.shell import LambdaCallback, Trainer, _calls
+from nnxscan.shell import LambdaCallback, Trainer
+from nnxscan.shell._engine import calls as _calls
 from nnxscan.shell._engine.owner import ModelOwner
 from nnxscan.shell._engine.placement import Placement
 
@@ -50,7 +51,7 @@ def check_cost(sizes: list[int], rounds: int, reps: int) -> tuple[int, float, fl
     """``(leaves, µs with the check, µs without)`` of ``donatable()``, medians of rounds."""
     model = MLP(sizes, nnx.Rngs(0))
     owner = ModelOwner(model, optax.adam(1e-3))
-    live = _calls.LiveState(*owner.read()[1:], owner.writer(), Placement())
+    live = _calls.LiveState(*owner.read()[1:], owner.make_write_back(), Placement())
     live.donatable()  # the first check, on the owner's originals
     with_check, without = [], []
     for _ in range(rounds):

@@ -27,7 +27,7 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
   ``optax.inject_hyperparams`` keeps in an optax state.
 - :mod:`nnxscan.pure.hyper`: networks run on generated weights.
 - :mod:`nnxscan.pure.batching` (orders cut into batches, the full-then-tail rule),
-  :mod:`nnxscan.pure.companions` (the model with its call-time Rngs and NNX metrics) and
+  :mod:`nnxscan.pure.step_node` (the model with its call-time Rngs and NNX metrics) and
   :mod:`nnxscan.pure.checks` (argument checks that raise before compiling): the pieces
   ``Trainer`` and ``Population`` are built from, for your own loop.
 

@@ -59,22 +59,6 @@ def injected_states(opt_state: Any) -> list[Any]:
     return [n for n in jax.tree.leaves(opt_state, is_leaf=is_injected) if is_injected(n)]
 
 
-def check_orders(orders: Any, members: int, n: int) -> None:
-    """``orders`` must be a signed int array of shape ``(members, n)``."""
-    dtype = getattr(orders, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.signedinteger):
-        raise TypeError(
-            f"orders must be a signed integer array of shape ({members}, {n}), e.g. "
-            f"np.stack([epoch_order(seed, epoch, {n}) for seed in seeds]); got "
-            f"{type(orders).__name__} with dtype {dtype}."
-        )
-    if tuple(np.shape(orders)) != (members, n):
-        raise ValueError(
-            f"orders has shape {tuple(np.shape(orders))}, but there are {members} members "
-            f"and {n} examples: pass one order per member, shape ({members}, {n})."
-        )
-
-
 def hyperparam_names(opt_state: Any) -> tuple[set[str], set[str]]:
     """``(settable, scheduled)`` injected hyperparameter names (see population.py)."""
     settable: set[str] = set()

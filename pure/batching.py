@@ -101,9 +101,9 @@ def take_batch(data: Any, indices: jax.Array, *, as_bytes: bool = False) -> Any:
     return jax.tree.map(lambda x: jnp.take(x, indices, axis=0), data)
 
 
-# XLA:CPU gathers rows of fewer than 128 elements 2-3x slower than rows of 128 or more
-# (benchmarks/bench_gather.py: 16 MiB of 64-float rows, 11.6 ms against 3.8 ms through
-# bytes); the same row viewed as bytes has itemsize times the elements. Bitwise the same.
+# XLA:CPU gathers rows of fewer than 128 elements slower than memory allows; the same row
+# viewed as bytes has itemsize times the elements, and gathers bitwise the same
+# (benchmarks/bench_gather.py; the numbers are in docs/performance.md).
 _NARROW_ROW_ELEMENTS = 128
 
 
@@ -124,7 +124,7 @@ def _gathers_as_bytes(x: Any) -> bool:
 
 def take_rows(x: Any, indices: Any) -> jax.Array:
     """``jnp.take(x, indices, axis=0)``, on the CPU through a byte view of ``x``'s rows when
-    a row has few elements (bitwise the same result, several times faster there).
+    a row has few elements (bitwise the same result, faster there: docs/performance.md).
 
     Args:
       x: an array with a leading rows axis.
@@ -318,7 +318,7 @@ def _chunk_steps(steps: int, most: int) -> int:
     """Steps per chunk when a call of ``steps`` steps is gathered in chunks of at most
     ``most``: a divisor of ``steps`` of at least ``most / 2`` when there is one, so the
     chunks are one loop. A rest of another length is a second loop of the step, which XLA
-    compiles again (~0.3 s for a small MLP's step, more for larger ones).
+    compiles again (docs/performance.md).
 
     Example:
       >>> _chunk_steps(2000, 1500)  # 2 chunks of 1,000 rather than 1,500 + 500

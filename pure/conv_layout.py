@@ -7,7 +7,7 @@ convolutions into that layout, but it visits only a program's entry computation,
 while-loop body. A forward ``nnx.Conv`` (NHWC input, HWIO kernel) is already canonical; the
 weight- and input-gradient convolutions JAX's transpose rules emit are not (the weight
 gradient's "batch" is the channel axis), so inside a ``lax.scan`` they fall back to XLA's
-generic loop code, ~30x slower (jax#12868).
+generic loop code, many times slower (jax#12868; docs/performance.md).
 
 :func:`canonical_conv_layout` does the pass's rewrite before XLA sees the program: every
 non-canonical ``conv_general_dilated`` of a traced function becomes transposes into the
@@ -54,8 +54,8 @@ def canonical_conv_layout(fn: F) -> F:
 
     This is what XLA:CPU's own passes do to a program's entry computation. Those passes
     skip while-loop bodies: inside ``lax.scan`` the weight- and input-gradient convolutions
-    of a training step otherwise take XLA's generic code, ~30x slower (jax#12868); wrapped,
-    they run the fast kernels of the per-step program.
+    of a training step otherwise take XLA's generic code, many times slower (jax#12868);
+    wrapped, they run the fast kernels of the per-step program.
 
     What it promises, on every CPU: the wrapped step computes the step's values to float
     rounding (a scan of it gives the per-step loop's results to rounding), and a program

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure import _loops, batching, checks, companions
+from nnxscan.pure import _loops, batching, checks
+from nnxscan.pure.step_node import call_loss, unpack_step_node
 
 __all__ = ["make_eval_step", "make_evaluate", "make_evaluate_metrics"]
 
@@ -145,8 +146,8 @@ def make_evaluate_metrics(
 
     def update(graphdef, state, batch):
         node = nnx.merge(graphdef, state, copy=True)
-        parts = companions.unpack(node, with_rngs=with_rngs, with_metrics=True)
-        loss, aux = companions.call_loss(loss_fn, parts, batch, has_aux)
+        parts = unpack_step_node(node, with_rngs=with_rngs, with_metrics=True)
+        loss, aux = call_loss(loss_fn, parts, batch, has_aux)
         update_metrics(parts.metrics, loss, aux, batch)
         return nnx.state(node)
 
@@ -155,7 +156,7 @@ def make_evaluate_metrics(
         # A private copy: eval mode (a static attribute, so in the graphdef) and reset
         # metrics, never the caller's.
         node = nnx.merge(graphdef, state, copy=True)
-        parts = companions.unpack(node, with_rngs=with_rngs, with_metrics=True)
+        parts = unpack_step_node(node, with_rngs=with_rngs, with_metrics=True)
         if eval_mode:
             parts.model.eval()
         parts.metrics.reset()
@@ -173,6 +174,6 @@ def make_evaluate_metrics(
 
         state, _ = batching.full_then_tail(scan, state, full, tail)
         node = nnx.merge(graphdef, state)
-        return companions.unpack(node, with_rngs=with_rngs, with_metrics=True).metrics.compute()
+        return unpack_step_node(node, with_rngs=with_rngs, with_metrics=True).metrics.compute()
 
     return evaluate

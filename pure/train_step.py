@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnxscan.pure import checks, companions
+from nnxscan.pure import checks
 from nnxscan.pure.nonfinite import all_finite, tree_select
 from nnxscan.pure.step import Step
+from nnxscan.pure.step_node import call_loss, unpack_step_node
 
 __all__ = ["init_opt_state", "make_train_step", "split_wrt"]
 
@@ -151,10 +152,10 @@ def make_train_step(
             # copy=True: merging without a copy breaks Dropout under grad outside jit
             # (flax#5050), and copying is free under jit.
             node = nnx.merge(graphdef, params, rest, copy=True)
-            parts = companions.unpack(
+            parts = unpack_step_node(
                 node, with_rngs=with_rngs, with_metrics=update_metrics is not None
             )
-            loss, aux = companions.call_loss(loss_fn, parts, batch, has_aux)
+            loss, aux = call_loss(loss_fn, parts, batch, has_aux)
             if update_metrics is not None:
                 stopped = jax.lax.stop_gradient((loss, aux))
                 update_metrics(parts.metrics, *stopped, batch)
@@ -170,10 +171,8 @@ def make_train_step(
     def loss_of(graphdef, rest, params, batch):
         """The loss of given params on a batch (what linesearches and SAM evaluate)."""
         node = nnx.merge(graphdef, params, rest, copy=True)
-        parts = companions.unpack(
-            node, with_rngs=with_rngs, with_metrics=update_metrics is not None
-        )
-        return companions.call_loss(loss_fn, parts, batch, has_aux)[0]
+        parts = unpack_step_node(node, with_rngs=with_rngs, with_metrics=update_metrics is not None)
+        return call_loss(loss_fn, parts, batch, has_aux)[0]
 
     def value_fn_of(graphdef, rest, batch):
         """``value_fn(params)``: the batch's loss (the micro-batches' mean)."""

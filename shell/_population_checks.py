@@ -8,14 +8,28 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 
 from nnxscan.pure import Step, hyperparam_names
 from nnxscan.pure.checks import check_count
+from nnxscan.shell._front_door import check_seed
 from nnxscan.shell._module_check import is_linen
-from nnxscan.shell._user_steps import check_pure_step, refuse_loss_options
+from nnxscan.shell._user_steps import check_pure_step
 
-_MAX_SEED = 2**31 - 1  # as Trainer: the seed enters numpy's generator as an int32
+
+def check_model_fn(model_fn: Any) -> None:
+    if not callable(model_fn):
+        raise TypeError(
+            f"model_fn must be callable as model_fn(rngs) -> nnx.Module, got "
+            f"{type(model_fn).__name__}."
+        )
+
+
+def check_member_rngs(rngs: Any) -> None:
+    """Call-time Rngs: one every member starts from, or ``rngs(seed)`` for each."""
+    if rngs is not None and not (isinstance(rngs, nnx.Rngs) or callable(rngs)):
+        raise TypeError(
+            f"rngs must be an nnx.Rngs or a function seed -> nnx.Rngs, got {type(rngs).__name__}."
+        )
 
 
 def check_seeds(seeds: Any) -> tuple[int, ...]:
@@ -26,7 +40,7 @@ def check_seeds(seeds: Any) -> tuple[int, ...]:
         )
     if len(seeds) == 0:
         raise ValueError("seeds is empty: give one seed per member, e.g. seeds=[0, 1, 2, 3].")
-    return tuple(check_count(s, f"seeds[{i}]", 0, _MAX_SEED) for i, s in enumerate(seeds))
+    return tuple(check_seed(s, f"seeds[{i}]") for i, s in enumerate(seeds))
 
 
 def check_hyperparams(hyperparams: Any, members: int) -> dict[str, tuple]:
@@ -100,11 +114,9 @@ def check_hyperparam_names(
             )
 
 
-def check_user_step(train_step: Any, given: list[str]) -> Step:
+def check_step_of_members(train_step: Any) -> Step:
     """``Population(model_fn, train_step=S, ...)``: ``S`` must be a pure
-    :class:`~nnxscan.pure.Step`, and nothing meant for the built-in step (``given``: the
-    names of such options passed) may come with it."""
-    refuse_loss_options(given)
+    :class:`~nnxscan.pure.Step` (a population has no objects a stateful step could mutate)."""
     if isinstance(train_step, Step):
         check_pure_step(train_step, None, (), "Population(model_fn, train_step=step, seeds=...)")
         return train_step
@@ -123,44 +135,42 @@ def check_user_step(train_step: Any, given: list[str]) -> Step:
     raise TypeError(f"train_step must be a nnxscan.pure.Step, got {type(train_step).__name__}.")
 
 
-def mesh_axes(
-    mesh: Mesh | None, member_axis: str | None, data_axis: str | None, members: int
-) -> tuple[str | None, str | None]:
-    """The ``(member_axis, data_axis)`` a population uses on ``mesh``: each when the mesh
-    has it. Every other mesh axis, a mesh with neither, and members that do not divide
-    over the member axis are refused."""
-    if mesh is None:
-        return None, None
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    names = tuple(mesh.axis_names)
-    if member_axis is not None and member_axis == data_axis:
+def check_member_indices(members: Any, num_members: int) -> list[int]:
+    """``freeze``'s and ``unfreeze``'s members: an index or a sequence of them."""
+    indices = [members] if isinstance(members, int | np.integer) else list(members)
+    return [check_count(i, "member index", 0, num_members - 1) for i in indices]
+
+
+def check_where(where: Any, num_members: int) -> Any:
+    """``load_state``'s mask: one bool per member, or None (every member)."""
+    if where is not None and np.shape(where) != (num_members,):
         raise ValueError(
-            f"member_axis and data_axis are both {member_axis!r}: the members spread over one "
-            f"mesh axis and each member's batches over another (or none: data_axis=None)."
+            f"where must be one bool per member, shape ({num_members},); got shape "
+            f"{np.shape(where)}."
         )
-    used = [axis if axis in names else None for axis in (member_axis, data_axis)]
-    if used == [None, None]:
+    return where
+
+
+def check_best(metric: Any, mode: Any, latest: dict, num_members: int) -> np.ndarray:
+    """``best``'s values: one per member, given, or found by name in ``latest``."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode={mode!r}; use 'min' or 'max'.")
+    if isinstance(metric, str):
+        if metric not in latest:
+            raise ValueError(
+                f"no values named {metric!r} yet; known: {sorted(latest) or 'none'} (from "
+                f"the latest evaluate() and the latest epoch's logs). Pass the values "
+                f"themselves, or run evaluate(...) first."
+            )
+        metric = latest[metric]
+    values = np.asarray(metric, np.float64)
+    if values.shape != (num_members,):
         raise ValueError(
-            f"the mesh's axes {names} include neither member_axis={member_axis!r} nor "
-            f"data_axis={data_axis!r}: name the mesh axis to spread the members over as "
-            f"member_axis= (and the one to split each batch over as data_axis=)."
+            f"best needs one value per member, shape ({num_members},); got shape {values.shape}."
         )
-    other = [name for name in names if name not in used and mesh.shape[name] > 1]
-    if other:
-        raise ValueError(
-            f"mesh axis {other[0]!r} (size {mesh.shape[other[0]]}) is neither member_axis "
-            f"{member_axis!r} nor data_axis {data_axis!r}: a population spreads its members "
-            f"over one axis and each batch over another; build the mesh from those."
-        )
-    member_axis, data_axis = used
-    if member_axis is not None and members % mesh.shape[member_axis]:
-        size = mesh.shape[member_axis]
-        raise ValueError(
-            f"{members} members do not divide over the {size} devices of mesh axis "
-            f"{member_axis!r}: use a multiple of {size} seeds."
-        )
-    return member_axis, data_axis
+    if np.isnan(values).all():
+        raise ValueError("every member's value is NaN: there is no best member.")
+    return values
 
 
 def call_model_fn(model_fn: Callable, seed: int) -> nnx.Module:

@@ -1,8 +1,9 @@
-"""The checks every front door makes of a user's step, written once.
+"""The checks every front door makes of a user's functions, written once.
 
 ``Trainer``, ``scan_train`` and ``Population`` take ``train_step=``: a pure
 :class:`~nnxscan.pure.Step`, or a stateful NNX function ``fn(model, [optimizer], *extras,
-batch)``. Each checks it here, before anything is read from the user's objects or compiled.
+batch)``; or a ``loss_fn``. Each checks it here, before anything is read from the user's
+objects or compiled.
 """
 
 from __future__ import annotations
@@ -114,11 +115,19 @@ def _check_arity(fn: Callable, names: list[str], front: str) -> None:
         ) from None
 
 
-def loss_arguments(loss_fn: Callable, model: Any, rngs: Any) -> dict[str, Any]:
-    """The NNX objects a loss is called with, ``loss_fn(model, batch[, rngs])``, by the
-    names its signature gives them."""
-    names = parameter_names(loss_fn, ["model", "batch"] + (["rngs"] if rngs is not None else []))
-    return {names[0]: model} | ({names[2]: rngs} if rngs is not None else {})
+def check_loss_fn(loss_fn: Any, model: Any = None, rngs: Any = None) -> None:
+    """``loss_fn(model, batch[, rngs])`` is callable and captures no NNX object. ``model``
+    and ``rngs``: the objects it is called with (when known), so that capturing one of
+    them is told apart: the fix is then to use the argument."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    arguments = None
+    if model is not None:
+        names = parameter_names(
+            loss_fn, ["model", "batch"] + (["rngs"] if rngs is not None else [])
+        )
+        arguments = {names[0]: model} | ({names[2]: rngs} if rngs is not None else {})
+    check_no_captured_nnx(loss_fn, "loss_fn", arguments=arguments)
 
 
 def user_step_owner(
@@ -130,15 +139,15 @@ def user_step_owner(
     pure_call: str,
     stateful_front: str,
     init: Callable | None = None,
-) -> tuple[Any, bool]:
+) -> Any:
     """The owner of a user's step (``Trainer``'s and ``scan_train``'s one way of taking
-    it), after its checks; and whether the step is a pure ``Step`` (else a stateful NNX
-    function). ``init`` replaces a pure step's ``init`` (``scan_train(opt_state=...)``)."""
+    it: a pure ``Step``, or a stateful NNX function), after its checks. ``init`` replaces
+    a pure step's ``init`` (``scan_train(opt_state=...)``)."""
     from nnxscan.shell._engine.owner import ModelOwner
 
     if isinstance(train_step, Step):
         check_pure_step(train_step, optimizer, extras, pure_call)
         step = train_step if init is None else train_step._replace(init=init)
-        return ModelOwner.of_step(model, step), True
+        return ModelOwner.of_step(model, step)
     check_stateful_step(train_step, model, optimizer, extras, stateful_front)
-    return ModelOwner.of_step(model, optimizer=optimizer, extras=extras), False
+    return ModelOwner.of_step(model, optimizer=optimizer, extras=extras)

@@ -18,25 +18,17 @@ import numpy as np
 from flax import nnx
 
 from nnxscan.pure import Step, nnx_train_step
-from nnxscan.pure.checks import (
-    abstract_batch,
-    check_batch_size,
-    check_leading_size,
-    check_no_captured_nnx,
-)
+from nnxscan.pure.checks import abstract_batch, check_batch_size, check_leading_size
 from nnxscan.shell._engine.calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine.engine import Engine
-from nnxscan.shell._engine.epochs import ArrayEpochs, EpochStats
+from nnxscan.shell._engine.epochs import ArrayEpochs
 from nnxscan.shell._engine.owner import ModelOwner
 from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.plans import Plan, resolve_plan
 from nnxscan.shell._engine.programs import TrainProgram, step_program, train_program
+from nnxscan.shell._engine.schedule import one_epoch
 from nnxscan.shell._module_check import check_module
-from nnxscan.shell._user_steps import (
-    loss_arguments,
-    refuse_loss_options,
-    user_step_owner,
-)
+from nnxscan.shell._user_steps import check_loss_fn, refuse_loss_options, user_step_owner
 
 __all__ = ["scan_train"]
 
@@ -137,7 +129,7 @@ def scan_train(
         )
     if train_step is None:
         _check_builtin(optimizer, loss_fn, extras, opt_state)
-        check_no_captured_nnx(loss_fn, "loss_fn", arguments=loss_arguments(loss_fn, model, rngs))
+        check_loss_fn(loss_fn, model, rngs)
     num = check_leading_size(batches, "batches")
     if batch_size is None:
         _check_steps_axis(batches)
@@ -186,12 +178,14 @@ def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> Any:
         execution = engine.execution(abstract_batch(batches, leading=batch_size), owner.layout)
         # The same cut as an unshuffled epoch of Trainer.fit.
         epoch_calls = ArrayEpochs(
-            execution.plan, batches, functools.partial(placement.put_data, device=device),
+            batches, functools.partial(placement.put_data, device=device),
             num_examples=num, batch_size=batch_size, seeds=(0,), shuffle=False,
             keep_tail=not drop_remainder and num % batch_size > 0,
         )  # fmt: skip
-        calls = epoch_calls(0, EpochStats())
-    live = LiveState(state, opt_state, owner.writer(), placement, engine.make_runner(owner.layout))
+        calls = epoch_calls(one_epoch(epoch_calls, execution.plan))
+    live = LiveState(
+        state, opt_state, owner.make_write_back(), placement, engine.make_runner(owner.layout)
+    )
     owner.release_reads()
     # No local keeps the owner's arrays: the first call counts who else references them.
     del state, opt_state
@@ -230,8 +224,6 @@ def _check_builtin(optimizer: Any, loss_fn: Any, extras: Sequence[Any], opt_stat
             "stateful NNX fn(model, optimizer, batch), or scan_train(model, batches=xs, "
             "train_step=step) with a nnxscan.pure.Step."
         )
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
     if extras:
         raise TypeError(
             "extras= goes with a stateful train_step=fn (the NNX objects it mutates); a "
@@ -265,11 +257,11 @@ def _user_step(
         )
     # The owner's opt_state is the caller's, when given, not init's.
     init = None if opt_state is None else _given(train_step, model, opt_state)
-    owner, pure = user_step_owner(
+    owner = user_step_owner(
         model, optimizer, train_step, extras, init=init, stateful_front="scan_train",
         pure_call="scan_train(model, batches=xs, train_step=step)",
     )  # fmt: skip
-    if pure:
+    if isinstance(train_step, Step):
         return owner, step_program(train_step), _outputs_and_opt_state
     return owner, _outputs_program(train_step), _stateful_outputs
 

@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from nnxscan.adapters.checkpoint import CheckpointWriter, all_steps, restore_checkpoint
+from nnxscan.adapters.checkpoint import Checkpointer, all_steps, restore_checkpoint
 from nnxscan.shell import LambdaCallback, Trainer
 
 from conftest import MLP, assert_trees_close, make_data, state_arrays, xent
@@ -29,10 +29,10 @@ def test_a_save_returns_before_its_write_and_survives_its_arrays_being_donated(t
 
     saved = {"w": np.arange(12.0, dtype=np.float32).reshape(3, 4), "meta": {"step": 5}}
     live = {"w": jnp.asarray(saved["w"]), "meta": {"step": 5}}
-    with CheckpointWriter(tmp_path, asynchronous=True) as writer:
-        path = writer.save(5, live)
+    with Checkpointer(tmp_path, asynchronous=True) as checkpointer:
+        path = checkpointer.save(5, live)
         live["w"].delete()  # what donating it to the next call does
-        assert writer.latest_step() == 5  # waits for the write in flight
+        assert checkpointer.latest_step() == 5  # waits for the write in flight
     like = {"w": jax.ShapeDtypeStruct((3, 4), np.float32), "meta": {"step": 0}}
     tree, step = restore_checkpoint(tmp_path, like)
     assert step == 5 and path.name == "5" and tree["meta"]["step"] == 5
@@ -40,11 +40,11 @@ def test_a_save_returns_before_its_write_and_survives_its_arrays_being_donated(t
 
 
 def test_the_next_save_waits_for_the_one_in_flight_and_steps_still_must_increase(tmp_path):
-    with CheckpointWriter(tmp_path, max_to_keep=2) as writer:
+    with Checkpointer(tmp_path, max_to_keep=2) as checkpointer:
         for step in (1, 2, 3):
-            writer.save(step, {"x": np.full((2,), step, np.float32)})
+            checkpointer.save(step, {"x": np.full((2,), step, np.float32)})
         with pytest.raises(ValueError, match="older than the latest checkpoint 3"):
-            writer.save(1, {"x": np.zeros((2,), np.float32)})  # deleted by max_to_keep
+            checkpointer.save(1, {"x": np.zeros((2,), np.float32)})  # deleted by max_to_keep
     assert all_steps(tmp_path) == [2, 3]  # max_to_keep applied once each write finished
 
 

@@ -15,7 +15,7 @@ import pytest
 from nnxscan.adapters import _checkpoint_files, _checkpoint_layout
 from nnxscan.adapters._checkpoint_files import LOCK
 from nnxscan.adapters.checkpoint import (
-    CheckpointWriter,
+    Checkpointer,
     CorruptCheckpointError,
     all_steps,
     restore_checkpoint,
@@ -93,13 +93,13 @@ def test_both_storages_restore_the_same_bits(tmp_path):
 
 
 def test_one_directory_may_hold_both_and_max_to_keep_counts_both(tmp_path):
-    with CheckpointWriter(tmp_path, max_to_keep=3, storage="orbax") as writer:
+    with Checkpointer(tmp_path, max_to_keep=3, storage="orbax") as checkpointer:
         for step in (1, 2):
-            writer.save(step, every_kind(step))
-    with CheckpointWriter(tmp_path, max_to_keep=3) as writer:
-        writer.save(3, every_kind(3))
-        writer.save(4, every_kind(4))  # deletes orbax's step 1
-        assert writer.latest_step() == 4
+            checkpointer.save(step, every_kind(step))
+    with Checkpointer(tmp_path, max_to_keep=3) as checkpointer:
+        checkpointer.save(3, every_kind(3))
+        checkpointer.save(4, every_kind(4))  # deletes orbax's step 1
+        assert checkpointer.latest_step() == 4
     assert all_steps(tmp_path) == [2, 3, 4]
     listing = sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK)
     assert listing == ["2", "3", "4"], listing  # nothing half-deleted or temporary left
@@ -107,8 +107,8 @@ def test_one_directory_may_hold_both_and_max_to_keep_counts_both(tmp_path):
         tree, got = restore_checkpoint(tmp_path, every_kind(0), step=step)
         assert got == step
         assert_same(tree, every_kind(step))
-    with CheckpointWriter(tmp_path, max_to_keep=3, storage="orbax") as writer:
-        writer.save(5, every_kind(5))  # orbax deletes our step 2
+    with Checkpointer(tmp_path, max_to_keep=3, storage="orbax") as checkpointer:
+        checkpointer.save(5, every_kind(5))  # orbax deletes our step 2
     assert all_steps(tmp_path) == [3, 4, 5]
 
 
@@ -116,16 +116,16 @@ def test_a_failed_background_write_raises_at_the_next_wait_and_lists_nothing(tmp
     def broken_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    with CheckpointWriter(tmp_path) as writer:
-        writer.save(1, every_kind(1))
-        writer.wait()
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(1, every_kind(1))
+        checkpointer.wait()
         monkeypatch.setattr(_checkpoint_files, "write", broken_disk)
-        writer.save(2, every_kind(2))  # returns: the write fails in the background
+        checkpointer.save(2, every_kind(2))  # returns: the write fails in the background
         with pytest.raises(OSError, match="No space left"):
-            writer.wait()
-        assert writer.newest_step() == 1  # the failed save is not counted as saved
+            checkpointer.wait()
+        assert checkpointer.newest_step() == 1  # the failed save is not counted as saved
         monkeypatch.undo()
-        writer.save(2, every_kind(2))  # the same step again, now that the disk works
+        checkpointer.save(2, every_kind(2))  # the same step again, now that the disk works
     assert all_steps(tmp_path) == [1, 2]
     assert_same(restore_checkpoint(tmp_path, every_kind(0))[0], every_kind(2))
 
@@ -145,8 +145,8 @@ def test_leftovers_of_a_killed_process_are_never_listed_and_are_cleaned(tmp_path
         (tmp_path / leftover).mkdir()
         (tmp_path / leftover / "arrays.bin").write_bytes(b"half")
     assert all_steps(tmp_path) == [1]
-    with CheckpointWriter(tmp_path, asynchronous=asynchronous) as writer:
-        writer.save(2, every_kind(2))
+    with Checkpointer(tmp_path, asynchronous=asynchronous) as checkpointer:
+        checkpointer.save(2, every_kind(2))
     # Ours are gone; orbax's temporary folder is orbax's to clean.
     listing = sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK)
     assert listing == ["1", "2", "3.orbax-checkpoint-tmp-99"]
@@ -155,7 +155,7 @@ def test_leftovers_of_a_killed_process_are_never_listed_and_are_cleaned(tmp_path
 
 def test_storage_must_be_known():
     with pytest.raises(ValueError, match="storage must be one of"):
-        CheckpointWriter("anywhere", storage="zarr")
+        Checkpointer("anywhere", storage="zarr")
 
 
 def test_a_save_reusing_a_known_layout_writes_what_a_fresh_layout_writes(tmp_path, monkeypatch):

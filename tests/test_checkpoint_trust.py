@@ -23,8 +23,8 @@ from flax import nnx
 
 from nnxscan.adapters import _checkpoint_manifest
 from nnxscan.adapters.checkpoint import (
+    Checkpointer,
     CheckpointLockedError,
-    CheckpointWriter,
     CorruptCheckpointError,
     all_steps,
     restore_checkpoint,
@@ -333,7 +333,7 @@ def test_a_second_writer_of_a_directory_is_refused_before_it_trains(tmp_path):
     import os
 
     directory = tmp_path / "busy"
-    with CheckpointWriter(directory) as holder:
+    with Checkpointer(directory) as holder:
         holder.lock()
         trainer = new_trainer()
         before = state_arrays(trainer.model)
@@ -348,9 +348,9 @@ def test_a_second_writer_of_a_directory_is_refused_before_it_trains(tmp_path):
 _HOLD_THE_LOCK = textwrap.dedent(
     """
     import sys
-    from nnxscan.adapters.checkpoint import CheckpointWriter
-    writer = CheckpointWriter(sys.argv[1])
-    writer.lock()
+    from nnxscan.adapters.checkpoint import Checkpointer
+    checkpointer = Checkpointer(sys.argv[1])
+    checkpointer.lock()
     print("locked", flush=True)
     sys.stdin.readline()
     """

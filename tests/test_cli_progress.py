@@ -93,7 +93,8 @@ def _terminal_frames(width: int, *, calls_per_epoch: int | None, rate: float, lo
     """Every frame a RunProgress draws in a terminal ``width`` columns wide, as plain text."""
     out = io.StringIO()
     console = Console(width=width, force_terminal=True, file=out)
-    with RunProgress(30, calls_per_epoch, True, console=console) as bar:
+    calls = None if calls_per_epoch is None else 30 * calls_per_epoch
+    with RunProgress(calls, True, console=console) as bar:
         for epoch in (11, 12):
             for _ in range(calls_per_epoch or 5):
                 bar.call_done(epoch, 10, jnp.array([0.5, loss]))
@@ -125,8 +126,7 @@ def test_terminal_progress_line_shows_eval_metrics_where_they_fit():
 def test_plain_epoch_lines_off_a_terminal_fit_80_columns():
     out = io.StringIO()
     console = Console(width=200, force_terminal=False, file=out)
-    with RunProgress(100, 10, True, console=console) as bar:
-        bar.set_last_epoch(12)
+    with RunProgress(1000, True, last_epoch=12, console=console) as bar:
         for epoch in (11, 12):  # the first line, then the last epoch's
             bar.epoch_done(epoch, {**EPOCH_LOGS, "steps_per_sec": 12_345.0})
     lines = out.getvalue().splitlines()
@@ -168,7 +168,7 @@ def test_the_terminal_line_shows_each_calls_mean_of_the_steps_scalar_logs():
         out = io.StringIO()
         console = Console(width=width, force_terminal=True, file=out)
         # The PPO demo's bar: 61 epochs of 16 calls.
-        with RunProgress(61, 16, True, has_aux=True, console=console) as bar:
+        with RunProgress(61 * 16, True, has_aux=True, console=console) as bar:
             for call in range(2):
                 aux = {"episode_return": jnp.asarray(returns[call]), "per_env": jnp.zeros((3, 4))}
                 bar.call_done(0, 3, (jnp.asarray(losses[call]), aux))
@@ -185,8 +185,8 @@ def test_the_terminal_line_shows_each_calls_mean_of_the_steps_scalar_logs():
 def test_the_epoch_line_off_a_terminal_shows_the_epochs_scalar_logs():
     out = io.StringIO()
     console = Console(width=80, force_terminal=False, file=out)
-    with RunProgress(2, 1, True, has_aux=True, console=console, layout=Members(2)) as bar:
-        bar.set_last_epoch(0)
+    layout = Members(2)
+    with RunProgress(2, True, last_epoch=0, has_aux=True, console=console, layout=layout) as bar:
         aux = {"episode_return": jnp.zeros((3, 2)), "per_env": jnp.zeros((3, 2, 4))}
         bar.call_done(0, 3, (jnp.zeros((3, 2)), aux))
         logs = {"loss": np.array([0.5, 0.25]), "episode_return": np.array([10.0, 30.0, 50.0])}
@@ -208,7 +208,7 @@ def test_log_names_choose_the_scalar_logs_of_the_line_in_their_order():
     for names in (None, ["episode_return"]):
         out = io.StringIO()
         console = Console(width=80, force_terminal=True, file=out)
-        with RunProgress(61, 16, True, has_aux=True, console=console, log_names=names) as bar:
+        with RunProgress(61 * 16, True, has_aux=True, console=console, log_names=names) as bar:
             bar.call_done(0, 3, (jnp.asarray([26.5, 26.5, 26.47]), aux))
             bar._progress.refresh()  # draw this call's frame now
             shown[names is None] = re.split(r"[\r\n]", ANSI.sub("", out.getvalue()))[-1]

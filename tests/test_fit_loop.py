@@ -243,10 +243,10 @@ def test_steps_per_sec_is_the_steady_rate_with_the_compile_logged_apart(data, ca
 def test_the_write_back_puts_a_carry_into_the_users_variables_as_nnx_update_does(
     with_optimizer, carry_kind, monkeypatch
 ):
-    """The owner's writer swaps the carry's leaves into the user's own Variables (a carry of
+    """The owner's write-back swaps the carry's leaves into the user's own Variables (a carry of
     the structure it read); any other carry goes through nnx.update. The reference: fresh
     objects updated by nnx.update with the same carry."""
-    from nnxscan.adapters.nnx_optimizer import optimizer_state_writer
+    from nnxscan.adapters.nnx_optimizer import optimizer_state_builder
     from nnxscan.shell._engine.owner import ModelOwner
 
     def objects():
@@ -261,7 +261,7 @@ def test_the_write_back_puts_a_carry_into_the_users_variables_as_nnx_update_does
     if carry_kind == "pure dict":
         state = nnx.to_pure_dict(state)
     leaves, treedef = jax.tree.flatten((state, opt_state))
-    write = owner.writer()
+    write = owner.make_write_back()
     if carry_kind == "same structure":  # written by swapping values, no graph walk
         monkeypatch.setattr(nnx, "update", lambda *args: pytest.fail("nnx.update called"))
     write(leaves, treedef, 3)
@@ -271,7 +271,7 @@ def test_the_write_back_puts_a_carry_into_the_users_variables_as_nnx_update_does
     ref_model, ref_tx = objects()
     nnx.update(ref_model, state)
     if with_optimizer:
-        nnx.update(ref_tx, optimizer_state_writer(ref_tx)(opt_state, jnp.uint32(5)))
+        nnx.update(ref_tx, optimizer_state_builder(ref_tx)(opt_state, jnp.uint32(5)))
     assert model.l1.kernel is kernel
     assert_trees_close(host_state(model), host_state(ref_model), exact=True)
     if with_optimizer:

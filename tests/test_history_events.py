@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-from nnxscan.adapters.checkpoint import CheckpointWriter
+from nnxscan.adapters.checkpoint import Checkpointer
 from nnxscan.shell import EarlyStopping, History, Population, Trainer
 from nnxscan.shell._edges.checkpointing import RunLog
 
@@ -123,8 +123,8 @@ def test_the_run_log_keeps_events_and_an_inline_run_without_them_reads_as_none(t
     history = History()
     history._append(np.ones(4, np.float32), {"epoch": 0, "steps": 4, "loss": 1.0})
     history.events.append({"epoch": 0, "step": 4, "what": "early_stopping_stopped", "member": 2})
-    with CheckpointWriter(tmp_path) as writer:
-        where = RunLog(writer).record(history, np.zeros(0, np.float32))
+    with Checkpointer(tmp_path) as checkpointer:
+        where = RunLog(checkpointer).record(history, np.zeros(0, np.float32))
     back, partial, *_ = RunLog.read(tmp_path, where)
     assert back.events == history.events and partial.size == 0
     # A checkpoint written before the run log held its History inline, maybe without events.

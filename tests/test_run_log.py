@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from nnxscan.adapters import _checkpoint_files as files
-from nnxscan.adapters.checkpoint import CheckpointWriter, all_steps, read_log
+from nnxscan.adapters.checkpoint import Checkpointer, all_steps, read_log
 from nnxscan.shell import History, Trainer
 from nnxscan.shell._edges.checkpointing import RunLog
 
@@ -161,13 +161,13 @@ def test_a_missing_log_raises_before_anything_changes(tmp_path):
 def test_the_log_is_on_disk_before_the_checkpoint_that_names_it_in_both_storages(tmp_path, storage):
     history = History()
     log_of = {}
-    with CheckpointWriter(tmp_path, max_to_keep=2, storage=storage) as writer:
-        run_log = RunLog(writer)
+    with Checkpointer(tmp_path, max_to_keep=2, storage=storage) as checkpointer:
+        run_log = RunLog(checkpointer)
         for epoch in range(4):
             losses = np.full(3, epoch, np.float32)
             history._append(losses, {"epoch": epoch, "steps": 3, "loss": float(epoch)})
             where = run_log.record(history, np.zeros(0, np.float32))
-            writer.save(3 * (epoch + 1), {"meta": {"run": where}})
+            checkpointer.save(3 * (epoch + 1), {"meta": {"run": where}})
             log_of[3 * (epoch + 1)] = where
     assert all_steps(tmp_path) == [9, 12]  # max_to_keep deletes checkpoints, never the log
     for step in (9, 12):

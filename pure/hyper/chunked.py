@@ -303,8 +303,8 @@ class ChunkedHeads(nnx.Module):
         for t, leaf in enumerate(self.leaves):
             # Each tensor from only the chunks it overlaps, not a slice of the whole flat
             # vector: the backward pass then never pads a tensor's gradient to the full
-            # (..., spec.size) (2.5x slower training steps when measured); chunks shared
-            # by two tensors are computed twice (at most two extra per tensor).
+            # (..., spec.size) (docs/hypernetworks.md measures it); chunks shared by two
+            # tensors are computed twice (at most two extra per tensor).
             # The gain and offset go into the small shared layer (gain·W_o, gain·b_o +
             # offset), not onto the generated entries: same values, no extra passes over
             # the (..., spec.size) output in either direction.

@@ -30,21 +30,19 @@ def _adapter() -> Any:
     return checkpoint
 
 
-def writer(
+def open_checkpointer(
     directory: str | os.PathLike[str], *, max_to_keep: int = 3, asynchronous: bool = True
 ) -> Any:
-    """The one checkpoint writer of a fit (``adapters.checkpoint.CheckpointWriter``):
+    """The one checkpointer of a fit (``adapters.checkpoint.Checkpointer``):
     saves return once the arrays are on the host and are written in the background."""
-    return _adapter().CheckpointWriter(
-        directory, max_to_keep=max_to_keep, asynchronous=asynchronous
-    )
+    return _adapter().Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
 
 
 def save(
     owner: Owner, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""
 ) -> pathlib.Path:
     """Saves the owner's objects and counters now, durable on return (``save()``)."""
-    with writer(directory, max_to_keep=max_to_keep, asynchronous=False) as synchronous:
+    with open_checkpointer(directory, max_to_keep=max_to_keep, asynchronous=False) as synchronous:
         return save_with(synchronous, owner, run)
 
 
@@ -53,7 +51,7 @@ def save_with(
 ) -> pathlib.Path:
     """Saves the owner's objects and counters (and ``run``, where the History so far is in
     the run log: :meth:`RunLog.record`) as
-    checkpoint number ``owner.step`` through ``checkpoints`` (a ``CheckpointWriter``);
+    checkpoint number ``owner.step`` through ``checkpoints`` (a ``Checkpointer``);
     ``carry`` is fit's ``(state, opt_state)`` when it was just written into the objects.
 
     Saving again at a step that already has a checkpoint keeps that one (e.g. ``save()``
@@ -198,8 +196,8 @@ class RunLog:
     after the restored checkpoint, and appends after them (:meth:`resumed`).
     """
 
-    def __init__(self, writer: Any):
-        self.writer = writer
+    def __init__(self, checkpointer: Any):
+        self.checkpointer = checkpointer
         self.start: int | None = None  # where this fit's lines start in the log
         self.steps = 0  # losses logged: the completed epochs', then the unfinished one's
         self.epochs = 0  # epochs of the History looked at (logged, unless stopped)
@@ -223,13 +221,13 @@ class RunLog:
             new_epochs, done, losses = self._since(history, partial)
             fresh = losses is None
         if fresh:  # the first save of this fit (or a History that shrank): lines anew
-            self.start = self.writer.append_log(b"")
+            self.start = self.checkpointer.append_log(b"")
             self.steps = self.epochs = self.logged_epochs = self.done = self.events = 0
             new_epochs, done, losses = self._since(history, partial)
         first = self.logged_epochs
         line = {
             # Where this line starts: a line read elsewhere was torn or interleaved.
-            "at": self.writer.append_log(b""),
+            "at": self.checkpointer.append_log(b""),
             "losses": np.asarray(losses, np.float64).tolist(),
             "epochs": [
                 _log_values.to_exact_json(logs, f"History.epochs[{first + i}]")
@@ -245,7 +243,7 @@ class RunLog:
                 key: {"dtype": np.asarray(v).dtype.name, "values": np.asarray(v).tolist()}
                 for key, v in partial_aux.items()
             }
-        end = self.writer.append_log(_checkpoint_manifest.dumps_checked(line) + b"\n")
+        end = self.checkpointer.append_log(_checkpoint_manifest.dumps_checked(line) + b"\n")
         self.steps += len(losses)
         self.epochs, self.logged_epochs = len(epochs), self.logged_epochs + len(new_epochs)
         self.done, self.events = done, len(history.events)
@@ -348,7 +346,7 @@ class RunLog:
         what a killed process appended after them is cut off."""
         if not where:
             return  # nothing logged (an old checkpoint, or a save() outside fit)
-        self.writer.truncate_log(where["end"])
+        self.checkpointer.truncate_log(where["end"])
         self.start, self.steps = where["start"], where["steps"]
         self.epochs = self.logged_epochs = len(history.epochs)
         self.done, self.events = len(history.losses), len(history.events)

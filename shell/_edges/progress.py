@@ -1,15 +1,12 @@
 """Progress for a whole ``fit``: one bar, advanced per compiled call, never forcing a sync.
 
-In a terminal, a rich bar shows the epoch, the latest loss, the step's scalar logs, steps/s,
-the last epoch's eval metrics and the ETA (the elapsed time once done, or while the total is
-unknown), fitted to the terminal's width: scalar logs and eval metrics that do not fit are
-left out. The loss and the scalar logs shown are those of the newest call whose result is
-already on the host side (``is_ready``), so drawing the bar never waits for the device: the
-loss of its last step, and each scalar log (every aux leaf that is a scalar per step, e.g.
-a PPO step's ``episode_return``) averaged over its steps. On a short line the scalar logs
-come first, then steps/s, then the eval metrics. When stdout is not a terminal (CI
-logs), no bar is drawn: one plain line per epoch is printed instead (the epoch's logs), so
-logs are not flooded.
+In a terminal, a rich bar counts the calls the fit's schedule plans and shows the epoch,
+the latest loss, the step's scalar logs (aux leaves that are a scalar per step, e.g. a PPO
+step's ``episode_return``, averaged over the call), steps/s, the last epoch's eval metrics
+and the ETA, fitted to the terminal's width in that order of priority. What it shows comes
+from the newest call whose result is already on the host (``is_ready``): drawing never
+waits for the device. Off a terminal (CI logs) it prints the epochs' logs as plain lines
+instead, not flooding the log.
 """
 
 from __future__ import annotations
@@ -132,30 +129,28 @@ def _status(
 
 
 class RunProgress:
-    """``with RunProgress(epochs, calls_per_epoch, enabled) as bar: bar.call_done(...)``.
+    """``with RunProgress(calls, enabled) as bar: bar.call_done(...)``.
 
-    ``calls_per_epoch=None`` (a stream of unknown length) shows a running count, no ETA.
-    ``layout``: one model's, or a population's (``Members``): the line then shows the
-    members' median and range (and each scalar log's median). ``log_names``: the scalar
-    logs to show, in order (None: every one the step reports).
+    ``calls``: the compiled calls planned (None, a stream's: a running count, no ETA).
+    ``last_epoch``: the fit's last epoch, whose line is always printed off a terminal.
+    ``layout``: a population's shows the members' median and range (and each scalar log's
+    median). ``log_names``: the scalar logs to show, in order (None: all the step reports).
     """
 
     def __init__(
         self,
-        epochs: int,
-        calls_per_epoch: int | None,
+        calls: int | None,
         enabled: bool,
         *,
+        last_epoch: int | None = None,
         has_aux: bool = False,
         console: Console | None = None,
         layout: Layout = ONE_MODEL,
         log_names: Sequence[str] | None = None,
     ):
-        # No console when nothing is shown: building rich's costs ~0.1 ms a fit.
+        # No console when nothing is shown: building rich's costs time on every fit.
         self._console = console or (Console() if enabled else None)
-        self._enabled = enabled
-        self._has_aux = has_aux
-        self._layout = layout
+        self._enabled, self._has_aux, self._layout = enabled, has_aux, layout
         self._progress = None
         self._loss: float | None = None
         # The step's scalar logs (their names, known from the first call's output shapes)
@@ -167,15 +162,14 @@ class RunProgress:
         self._steps = 0
         self._printed = -1.0
         self._compile_s = 0.0
-        self._last_epoch: int | None = None
+        self._last_epoch = last_epoch
         if not enabled or not self._console.is_terminal:
             return
-        total = None if calls_per_epoch is None else epochs * calls_per_epoch
         # Fixed-width columns, so that the status text can be fitted to what is left of the
         # line: rich would otherwise squeeze the bar, the count and the times out of it.
         time_column = (
             TimeElapsedColumn()
-            if total is None
+            if calls is None
             else TimeRemainingColumn(compact=True, elapsed_when_finished=True)
         )
         self._progress = Progress(
@@ -186,9 +180,9 @@ class RunProgress:
             time_column,
             console=self._console,
         )
-        self._count_width = 2 * len(str(total)) + 1 if total is not None else 12
+        self._count_width = 2 * len(str(calls)) + 1 if calls is not None else 12
         self._evals: list[str] = []
-        self._task = self._progress.add_task("fit", total=total, status="", epoch=0)
+        self._task = self._progress.add_task("fit", total=calls, status="", epoch=0)
 
     def _status_room(self, epoch: int) -> int:
         """Characters left for the status text on one line of the terminal."""
@@ -208,10 +202,6 @@ class RunProgress:
     ) -> None:
         if self._progress is not None:
             self._progress.__exit__(exc_type, exc, tb)
-
-    def set_last_epoch(self, epoch: int) -> None:
-        """The global index of the run's last epoch (always printed off a terminal)."""
-        self._last_epoch = epoch
 
     def call_done(self, epoch: int, steps: int, out: Any, compile_s: float = 0.0) -> None:
         """After a compiled call of ``steps`` steps whose outputs are ``out``;
@@ -245,21 +235,19 @@ class RunProgress:
             )
         return [name for name in self._log_names if name in reported]
 
-    def _epoch_log_texts(self, logs: dict) -> list[str]:
-        """The epoch's means of the step's scalar logs, as the status shows them."""
-        return _log_texts({key: logs.get(key) for key in self._log_keys or ()})
-
     def epoch_done(self, epoch: int, logs: dict) -> None:
         if not self._enabled:
             return
         evals, rate = _eval_texts(logs), logs["steps_per_sec"]
+        # The epoch's means of the step's scalar logs (on the bar, they replace the call's).
+        means = {key: logs.get(key) for key in self._log_keys or ()}
         if self._progress is None:
             # Off a terminal (CI logs), at most a line every LINE_EVERY_S seconds, and the
             # last epoch's: a long run of short epochs must not flood the log.
             now = time.perf_counter()
             last = epoch == self._last_epoch
             if last or now - self._printed >= LINE_EVERY_S or self._printed < 0:
-                extras = "".join(f"  {text}" for text in [*self._epoch_log_texts(logs), *evals])
+                extras = "".join(f"  {text}" for text in [*_log_texts(means), *evals])
                 active = logs.get("active")
                 if active is not None:
                     extras += f"  {int(np.sum(active))} of {np.size(active)} training"
@@ -275,9 +263,7 @@ class RunProgress:
             loss = np.asarray(logs.get("loss", np.nan), np.float64)
             finite = loss[np.isfinite(loss)]
             self._loss = float(np.median(finite)) if finite.size else None
-            self._evals = evals
-            # The epoch's means replace the last call's: what the History logs.
-            self._logs = {key: logs.get(key) for key in self._log_keys or ()}
+            self._evals, self._logs = evals, means
             status = _status(self._loss, rate, evals, self._status_room(epoch),
                              _log_texts(self._logs))  # fmt: skip
             self._progress.update(self._task, epoch=epoch, status=status)

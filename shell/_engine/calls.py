@@ -66,10 +66,10 @@ class LiveState:
     """The newest ``(state, opt_state)`` of one run of calls, kept as flat leaves: the carry
     in flight between the owner's reads and writes.
 
-    ``write(leaves, treedef, steps)`` (an owner's writer) puts it into the owner's objects
+    ``write(leaves, treedef, steps)`` (an owner's write-back) puts it into the owner's objects
     and receives the number of steps trained since the last write. ``make_runner(carry_def,
     carry_shardings, donate)`` builds the compiled runner for this carry (see
-    ``_programs.TrainProgram.runner``).
+    ``programs.TrainProgram.runner``).
     """
 
     def __init__(
@@ -82,7 +82,7 @@ class LiveState:
     ):
         self.placement = placement or Placement()
         leaves, self.treedef = jax.tree.flatten((state, opt_state))
-        # Decided once per run of calls, from the model (see _placement): pinned in and out.
+        # Decided once per run of calls, from the model (see placement.py): pinned in and out.
         self.shardings = self.placement.carry_shardings(state, opt_state)
         self.leaves = _unaliased(self.placement.put_carry(leaves, self.shardings), key=_buffer_key)
         # The owner's own arrays, until the first call has checked who else holds them:
@@ -106,7 +106,7 @@ class LiveState:
 
     def carry(self) -> tuple[nnx.State, Any]:
         """The newest ``(state, opt_state)`` as pytrees (the same arrays, no copy)."""
-        self._exposed = True  # the caller may keep them (a checkpoint writer does)
+        self._exposed = True  # the caller may keep them (a checkpointer does)
         return jax.tree.unflatten(self.treedef, self.leaves)
 
     def donatable(self) -> list:

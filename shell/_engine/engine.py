@@ -7,8 +7,9 @@ members is the owner's layout (``_engine.layout``), which the engine refines wit
 fit's data and consults, never asking which it has.
 
 Everything else is written once, here and in ``fit``: the fit-time checks, the plan, the
-epoch source (arrays or streams), evaluation during fit, checkpoints, resume, and the
-call to the one :class:`~nnxscan.shell._engine.fit.FitLoop`.
+epoch source (arrays or streams), evaluation during fit, checkpoints, resume, the budget
+(a :class:`~nnxscan.shell._engine.schedule.Schedule`) and the call to the one
+:class:`~nnxscan.shell._engine.fit.FitLoop`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from nnxscan.shell._engine.epochs import (
     StepEpochs,
     StreamEpochs,
     peek_stream,
-    with_steps_per_call,
 )
 from nnxscan.shell._engine.fit import CallbackList, Checkpoints, FitLoop
 from nnxscan.shell._engine.layout import DataKind, Layout
@@ -46,6 +46,7 @@ from nnxscan.shell._engine.owner import Owner
 from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._engine.programs import TrainProgram
+from nnxscan.shell._engine.schedule import Schedule, with_steps_per_call
 from nnxscan.shell._engine.streaming import EpochSource, default_chunk_size, is_stream
 from nnxscan.shell.history import History
 
@@ -54,7 +55,7 @@ class Engine:
     """Trains, evaluates, saves and restores what ``owner`` holds.
 
     Args:
-      program: the cached compiled pieces of the step (``_programs.train_program``).
+      program: the cached compiled pieces of the step (``programs.train_program``).
       owner: who holds the state (one model, or members stacked).
       placement: one device, or a mesh.
       explicit_plan: the plan the user asked for, or None for ``"auto"``.
@@ -110,7 +111,7 @@ class Engine:
 
         def abstract_carry() -> tuple[Any, Any]:
             # Built only when the step is traced (the traits are cached per graphdef and
-            # batch): flattening and rebuilding an nnx.State costs ~0.3 ms a fit.
+            # batch): flattening and rebuilding an nnx.State costs time on every fit.
             shardings = placement.carry_shardings(state, opt_state)
             leaves, treedef = jax.tree.flatten((state, opt_state))
             if shardings is None:
@@ -147,7 +148,8 @@ class Engine:
     # -- fit --------------------------------------------------------------------------------
 
     def fit(self, data: Any, options: FitOptions) -> History:
-        """Trains ``options.epochs`` more epochs (the whole run's, with ``resume``).
+        """Trains ``options.epochs`` more epochs and at most ``options.max_steps`` more
+        steps (both the whole run's, with ``resume``).
 
         Every check runs and the step is traced before the owner changes: a fit that
         raises before training leaves everything as it was (a resume's restore aside,
@@ -168,44 +170,40 @@ class Engine:
                 checkpoints.close()  # the loop closed it already, unless fit failed before
 
     def _fit(self, data: Any, options: FitOptions) -> History:
-        epochs, run = options.epochs, {}
         layout = self.run_layout(data, options.member_batches)
-        if epochs is None and data is not None and is_stream(data):
+        stream = data is not None and is_stream(data)
+        if options.epochs is None and stream:
             raise ValueError(
                 "a stream's epochs have no length known before it is read: pass epochs= "
                 "with max_steps= (fit ends at whichever comes first)."
             )
-        stop_at = None if options.max_steps is None else self.owner.step + options.max_steps
-        if options.resume is not False:  # the last change to the objects before training
-            epochs, run = self._resume(options, data)
-            if options.max_steps is not None:  # the whole run's, as epochs counts
-                stop_at = options.max_steps
-            if epochs == 0 or (stop_at is not None and self.owner.step >= stop_at):
-                return _finished(run)
-        if stop_at is not None and stop_at <= self.owner.step:
-            return History(losses=empty_losses(layout))
+        owner, whole_run = self.owner, options.resume is not False
+        # The last change to the objects before training.
+        run = self._resume(options, data) if whole_run else {}
+        run.setdefault("history", History(losses=empty_losses(owner.layout)))
+        schedule = Schedule.of(options.epochs, options.max_steps, whole_run=whole_run,
+                               at=(owner.epoch, owner.epoch_step, owner.step))  # fmt: skip
+        if schedule.spent(owner.epoch, owner.step):  # nothing left to train
+            return _finished(**run)
         if data is None:
             epoch_calls, execution = self._steps(options, layout)
-        elif is_stream(data):
+        elif stream:
+            epochs = schedule.end_epoch - owner.epoch  # a stream's end_epoch is known
             epoch_calls, execution = self._stream(data, epochs, options, layout)
-            if epoch_calls is None:
-                return History(losses=empty_losses(layout))
         else:
             epoch_calls, execution = self._arrays(data, options, layout)
-        if stop_at is not None:  # the epochs the step budget reaches into
-            budget = stop_at - self.owner.step + self.owner.epoch_step
-            reached = -(-budget // epoch_calls.steps_per_epoch)
-            epochs = reached if epochs is None else min(epochs, reached)
-            run["stop_at"] = stop_at
-        self.owner.begin_run(options.run_keys)  # every input is known good now
+        execution = execution._replace(  # a data set's (a stream's chunks are its own)
+            plan=with_steps_per_call(execution.plan, options.steps_per_call)
+        )
+        owner.begin_run(options.run_keys)  # every input is known good now
         loop = FitLoop(
-            program=self.program, execution=execution, owner=self.owner,
+            program=self.program, execution=execution, owner=owner,
             placement=self.placement, make_runner=self.make_runner(layout),
             callbacks=CallbackList(options.callbacks, self.subject), progress=options.progress,
             progress_logs=options.progress_logs,
             evaluation=options.evaluation, checkpoints=options.checkpoints,
         )  # fmt: skip
-        return loop.run(epochs, epoch_calls, **run)
+        return loop.run(schedule, epoch_calls, **run)
 
     def _arrays(self, data, options: FitOptions, layout: Layout) -> tuple[Epochs, Execution]:
         if options.batch_size is None:
@@ -218,54 +216,43 @@ class Engine:
         state = self.owner.read()[1]
         data = self.placement.put_data(data, state)
         execution = self.execution(layout.batch_shapes(data, batch_size), layout)
-        plan = with_steps_per_call(execution.plan, options.steps_per_call)
         epoch_calls = ArrayEpochs(
-            plan, data, functools.partial(self.placement.put_data, device=device_of(state)),
+            data, functools.partial(self.placement.put_data, device=device_of(state)),
             num_examples=n, batch_size=batch_size, seeds=self.owner.run_seeds(options.run_keys),
             shuffle=options.shuffle,
             keep_tail=not options.drop_remainder and n % batch_size > 0, orders=self.orders,
             layout=layout,
         )  # fmt: skip
-        return epoch_calls, execution._replace(plan=plan)
+        return epoch_calls, execution
 
     def _steps(self, options: FitOptions, layout: Layout) -> tuple[Epochs, Execution]:
         """Epochs of ``steps_per_epoch`` steps of a step that takes no batch (``None``)."""
-        state = self.owner.read()[1]
-        execution = self.execution(None, layout)
-        plan = with_steps_per_call(execution.plan, options.steps_per_call)
-        epoch_calls = StepEpochs(
-            plan, options.steps_per_epoch,
-            functools.partial(self.placement.put_data, device=device_of(state)),
-        )  # fmt: skip
-        return epoch_calls, execution._replace(plan=plan)
+        put = functools.partial(self.placement.put_data, device=device_of(self.owner.read()[1]))
+        return StepEpochs(options.steps_per_epoch, put), self.execution(None, layout)
 
     def _stream(self, data, epochs: int, options: FitOptions, layout: Layout):
         source = EpochSource(data, epochs)
-        if epochs == 0:
-            return None, None
         state = self.owner.read()[1]
         first, first_epoch = peek_stream(source)
-        one = layout.first_batch(first)
         # Each process streams its own share of every batch: check the local size.
-        self.placement.check_batch_size(jax.tree.leaves(one)[0].shape[0], local=True)
+        examples = jax.tree.leaves(layout.first_batch(first))[0].shape[0]
+        self.placement.check_batch_size(examples, local=True)
         execution = self.execution(abstract_batch(first), layout)
-        batch_size = options.batch_size
         epoch_calls = StreamEpochs(
             source, first_epoch, execution.plan,
             chunk_size=options.steps_per_call or default_chunk_size(first),
             put=functools.partial(self.placement.put_chunk, device=device_of(state), layout=layout),
-            batch_size=batch_size, drop_remainder=options.drop_remainder,
+            batch_size=options.batch_size, drop_remainder=options.drop_remainder,
             tail_divisor=self.placement.local_data_parallel(), prefetch=options.prefetch,
             batch_lead=layout.data_lead,
             put_indices=functools.partial(self.placement.put_data, device=device_of(state)),
         )  # fmt: skip
         return epoch_calls, execution
 
-    def _resume(self, options: FitOptions, data: Any):
+    def _resume(self, options: FitOptions, data: Any) -> dict[str, Any]:
         """Restores the newest good checkpoint (or the one ``resume`` names), if any;
-        returns the epochs left and the run."""
-        empty = History(losses=empty_losses(self.owner.layout))
-        history, partial, partial_aux = empty, None, None
+        returns the run so far (``FitLoop.run``'s keywords)."""
+        run = {}
         directory = options.checkpoint_dir
         step = None if options.resume is True else options.resume
         if step is not None or _checkpointing.latest_step(directory) is not None:
@@ -274,10 +261,10 @@ class Engine:
                 self.owner, placement, directory, options.run_keys, step
             )
             options.checkpoints.run_log.resumed(history, partial, where)
+            run = {"history": history, "partial": partial, "partial_aux": partial_aux}
         if isinstance(data, GrainEpochs):
             data.epoch = self.owner.epoch  # grain draws each epoch's order from its index
-        left = None if options.epochs is None else max(options.epochs - self.owner.epoch, 0)
-        return left, {"history": history, "partial": partial, "partial_aux": partial_aux}
+        return run
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -304,24 +291,22 @@ class Engine:
             return None, None
         directory = pathlib.Path(directory).resolve()
         _checkpointing.check_directory(directory)  # a file, or not writable: before compiling
-        writer = _checkpointing.writer(directory, asynchronous=asynchronous)
+        checkpointer = _checkpointing.open_checkpointer(directory, asynchronous=asynchronous)
         # The History goes to the run log beside the checkpoints, a line per save; the
         # checkpoint records where (its cost does not grow with the run).
-        run_log = _checkpointing.RunLog(writer)
+        run_log = _checkpointing.RunLog(checkpointer)
 
-        def save(
-            history: History,
-            partial: np.ndarray,
-            carry: tuple | None = None,
-            partial_aux: dict[str, np.ndarray] | None = None,
-        ) -> None:
+        def save(history: History, partial: np.ndarray, carry: tuple | None = None,
+                 partial_aux: dict[str, np.ndarray] | None = None) -> None:  # fmt: skip
             owner = self.owner
-            if writer.newest_step() == owner.step and not owner.loaded_since_checkpoint:
+            if checkpointer.newest_step() == owner.step and not owner.loaded_since_checkpoint:
                 return  # this step is saved (save_with would keep it): no log line either
             run = run_log.record(history, partial, partial_aux)
-            _checkpointing.save_with(writer, owner, run, carry)
+            _checkpointing.save_with(checkpointer, owner, run, carry)
 
-        return directory, Checkpoints(every, every_steps, save, writer.close, run_log, writer.lock)
+        return directory, Checkpoints(
+            every, every_steps, save, checkpointer.close, run_log, checkpointer.lock
+        )
 
     def save(
         self, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""
@@ -341,14 +326,8 @@ class Engine:
     # -- evaluation -------------------------------------------------------------------------
 
     def evaluation(self, data, metric_fn, every, eval_batch_size, batch_size) -> Any:
-        """Checks fit's evaluation arguments (see ``_evaluation.fit_evaluation``)."""
+        """Checks fit's evaluation arguments (see ``evaluation.fit_evaluation``)."""
         return _evaluation.fit_evaluation(self, data, metric_fn, every, eval_batch_size, batch_size)
-
-    def evaluator(self, metric_fn, metrics, update_metrics, batch_size, eval_mode) -> Callable:
-        """``run(data)`` of one evaluation (see ``_evaluation.evaluator``)."""
-        return _evaluation.evaluator(
-            self, metric_fn, metrics, update_metrics, batch_size, eval_mode
-        )
 
 
 def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:
@@ -367,10 +346,10 @@ def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:
     )
 
 
-def _finished(run: dict[str, Any]) -> History:
-    """The History of a resumed run with nothing left to train; a run that ``max_steps``
-    ended inside an epoch keeps that epoch's losses (its logs were never written)."""
-    history, partial = run["history"], run.get("partial")
+def _finished(history: History, partial: Any = None, partial_aux: Any = None) -> History:
+    """The History of a fit with nothing left to train (a resumed run's so far); a run
+    that ``max_steps`` ended inside an epoch keeps that epoch's losses (its logs were never
+    written)."""
     if partial is not None and len(partial):
         history.losses = np.concatenate([history.losses, partial])
     return history

@@ -1,10 +1,13 @@
-"""Epoch sources: one epoch as a sequence of compiled calls, for a data set or a stream, for
-one model or for members.
+"""Epoch sources: a schedule's stretch (``schedule.Stretch``: epochs, and which of their
+steps) as compiled calls, for a data set, a step without data or a stream, for one model or
+for members.
 
-The fit loop asks a source for an epoch's calls and knows nothing else about the data. A
-data set's source cuts each epoch's order (one per member: ``epoch_order(seed_i, epoch,
-n)``) with the core's own primitive, so a loop of ``pure.make_epoch`` calls trains what
-``fit`` trains; a stream's source stacks the loader's batches into chunks.
+A source has ``steps_per_epoch`` (None: a stream's), ``keep_tail`` (whether an epoch ends
+with a short batch) and ``source(stretch, stats)``, the stretch's calls; the fit loop knows
+nothing else about the data. A data set's source cuts each epoch's order (one per member:
+``epoch_order(seed_i, epoch, n)``) with the core's own primitive, so a loop of
+``pure.make_epoch`` calls trains what ``fit`` trains; a stream's source stacks the
+loader's batches into chunks.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,57 +23,23 @@ import numpy as np
 from nnxscan.adapters.data import to_numpy
 from nnxscan.pure import epoch_order
 from nnxscan.pure.batching import cut_batches
-from nnxscan.shell._engine.calls import Call, plan_calls
+from nnxscan.shell._engine.calls import Call
 from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._engine.plans import Plan
+from nnxscan.shell._engine.schedule import Stretch
 from nnxscan.shell._engine.streaming import BatchChecker, ChunkStream, EpochSource
 
 
 class EpochStats:
-    """What one epoch's calls report back: completeness and dropped examples."""
+    """What a stream's epoch reports while its calls run: ``ended()`` (it ran to its end, or
+    handed out every chunk), and the examples it ``dropped``."""
 
     def __init__(self) -> None:
-        self.expected_steps: int | None = None  # known for a data set
-        self.exhausted = False  # a stream ran to its end
-        self.at_end: Callable[[], bool] = lambda: False  # every chunk handed out
+        self.ended: Callable[[], bool] = lambda: False
         self.dropped = 0
 
     def drop(self, count: int) -> None:
         self.dropped += count
-
-    def complete(self, steps_done: int) -> bool:
-        if self.expected_steps is not None:
-            return steps_done == self.expected_steps
-        return self.exhausted or self.at_end()
-
-
-class Epochs(Protocol):
-    """An epoch source: ``source(epoch, stats, count=1, skip=0)`` yields the calls of
-    ``count`` consecutive epochs (fused, when ``fusable``) less their first ``skip`` steps
-    (trained before a resume)."""
-
-    #: Whether several epochs can run as one stretch of calls (same batch shapes).
-    fusable: bool
-    #: Steps in one epoch, when known before it runs (a data set), else None.
-    steps_per_epoch: int | None
-
-    def calls(self, count: int = 1) -> int | None:
-        """Compiled calls ``count`` fused epochs take (None: unknown, a stream)."""
-
-    def __call__(
-        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
-    ) -> Iterator[Call]: ...
-
-
-def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
-    """The ``"scan"`` plan with calls of ``steps_per_call`` steps (a data set's epoch).
-
-    The ``"unrolled"`` and ``"step"`` plans keep their own call size: unrolling 100 steps
-    would take minutes to compile. ``Plan("unrolled", k)`` sets it.
-    """
-    if steps_per_call is None or plan.kind != "scan":
-        return plan
-    return plan._replace(steps_per_call=steps_per_call)
 
 
 @functools.cache
@@ -86,15 +55,12 @@ def _arange(length: int) -> np.ndarray:
 class EpochOrders:
     """The epochs' orders (``epoch_order(seed, epoch, n)``), the next epoch's drawn AHEAD.
 
-    When the fit loop asks for a call after the last compiled call of a stretch of epochs
-    (one, or several fused) was dispatched and its bookkeeping done, the device is still
-    training it and the host waits: that is when the permutation of the epoch after the
-    stretch is drawn, one per distinct seed (0.5 ms for 64,000 examples: 1% of the small
-    MLP's 46 ms epoch, docs/performance.md). One per engine, so a loop of ``fit(epochs=1)``
-    calls gets them too, and the first epoch of any later stretch. An order is the same
-    whenever it is drawn: this changes when, never what (results never depend on timing).
-    Only that epoch's orders are held (a new draw replaces them), none past
-    ``AHEAD_MAX_ROWS`` indices; a stretch that stops early draws nothing.
+    Drawn when the fit loop asks for a call after a stretch's last one was dispatched: the
+    device is busy with it, the host waits (see docs/performance.md). One per engine, so a
+    loop of ``fit(epochs=1)`` calls gets them too. An order is the same whenever it is
+    drawn: this changes when, never what. Only that epoch's orders are held (a new draw
+    replaces them), none past ``AHEAD_MAX_ROWS`` indices; a stretch that stops early, or
+    that ``max_steps`` cuts, draws nothing.
     """
 
     #: The most indices drawn ahead (64 MiB of int32): past that an unused order would cost
@@ -125,11 +91,9 @@ class ArrayEpochs:
 
     ``seeds`` holds one shuffle seed per model of the ``layout``: one model's (indices
     ``(steps, batch)``), or one per member (indices ``(steps, N, batch)``, member ``i`` in
-    the order ``epoch_order(seeds[i], epoch, n)``). ``count=k`` FUSES ``k`` consecutive
-    epochs: their orders are joined along the steps axis, so the scan plan trains them in
-    one compiled call (the same steps in the same order: bitwise what ``k`` separate epochs
-    train).
-    Fusing needs every epoch to have the same batch shape: not with a kept short batch.
+    the order ``epoch_order(seeds[i], epoch, n)``). A stretch of several epochs FUSES them:
+    their orders are joined along the steps axis, so the scan plan trains them in one
+    compiled call (the same steps in the same order: bitwise what separate epochs train).
 
     ``put`` places the index arrays next to the data (replicated on a mesh). ``orders``
     (the engine's, so that they outlive this fit) draws each order; the next call's are
@@ -138,7 +102,6 @@ class ArrayEpochs:
 
     def __init__(
         self,
-        plan: Plan,
         data: Any,
         put: Callable[[Any], Any],
         *,
@@ -150,94 +113,64 @@ class ArrayEpochs:
         orders: EpochOrders | None = None,
         layout: Layout = ONE_MODEL,
     ):
-        self.plan, self.data, self.put, self.layout = plan, data, put, layout
+        self.data, self.put, self.layout = data, put, layout
         self.orders = EpochOrders() if orders is None else orders
         self.num_examples, self.batch_size = num_examples, batch_size
         self.seeds, self.shuffle, self.keep_tail = seeds, shuffle, keep_tail
         self.steps_per_epoch = num_examples // batch_size + keep_tail
-        self.fusable = not keep_tail
-
-    def calls(self, count: int = 1) -> int:
-        full_steps = count * (self.num_examples // self.batch_size)
-        return len(self.plan.chunks(full_steps)) + self.keep_tail
 
     def _order(self, epoch: int) -> np.ndarray:
-        def order(seed: int) -> np.ndarray:
-            return self.orders.get(seed, epoch, self.num_examples, self.shuffle)
-
-        unique = {seed: order(seed) for seed in dict.fromkeys(self.seeds)}  # shared_order
+        n, shuffle = self.num_examples, self.shuffle
+        # One draw per distinct seed (a population's shared_order: one for all).
+        unique = {s: self.orders.get(s, epoch, n, shuffle) for s in dict.fromkeys(self.seeds)}
         return self.layout.orders([unique[seed] for seed in self.seeds])
 
-    def __call__(
-        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
-    ) -> Iterator[Call]:
-        if count > 1 and not self.fusable:
-            raise ValueError("epochs with a kept short batch cannot be fused")
-        fulls, tail = [], None
-        for e in range(epoch, epoch + count):
+    def __call__(self, stretch: Stretch, stats: EpochStats | None = None) -> Iterator[Call]:
+        fulls, tail, drop = [], None, not self.keep_tail
+        for e in range(stretch.epoch, stretch.epoch + stretch.epochs):
             # The core's cut of the same order make_epoch uses: a loop of make_epoch calls
             # fed epoch_order(seed, e, n) trains exactly what fit trains.
-            full, tail = cut_batches(
-                self._order(e), self.batch_size, drop_remainder=not self.keep_tail
-            )
+            full, tail = cut_batches(self._order(e), self.batch_size, drop_remainder=drop)
             # Steps first, as make_epoch scans them: (N, steps, batch) -> (steps, N, batch).
-            full = self.layout.steps_first(full)
-            tail = None if tail is None else self.layout.steps_first(tail)
-            fulls.append(full)
-        full = fulls[0] if count == 1 else np.concatenate(fulls)
-        num_full = full.shape[0]
-        if skip > num_full + (tail is not None):
-            raise ValueError(f"cannot skip {skip} steps of a {self.steps_per_epoch}-step epoch")
-        if skip > num_full:  # every full batch and the tail were trained
-            tail = None
-        full = full[min(skip, num_full) :]
+            fulls.append(self.layout.steps_first(full))
+        tail = None if tail is None else self.layout.steps_first(tail)
+        full = fulls[0] if len(fulls) == 1 else np.concatenate(fulls)
+        # The index holds every step of the stretch's epochs left, the budget's cut too: a
+        # call's program depends on the index's length, not on where the budget ends.
+        full = full[min(stretch.skip, full.shape[0]) :]
         rows = None
         if not self.shuffle:
             # The stored order: each step may slice its batch by number, gathering nothing.
             full, rows = self.layout.batch_numbers(full, self.batch_size)
         full, tail = self.put((full, tail))
-        stats.expected_steps = count * self.steps_per_epoch - skip
-        if full.shape[0]:
-            yield from plan_calls(self.plan, self.data, full, full.shape[0], rows=rows)
-        if tail is not None:
-            # The short batch: one step of its own shape, unrolled (no loop), as the core's
-            # full_then_tail trains it.
-            yield Call(self.data, tail, 0, 1, unroll=True)
-        # Reached when the caller asks for a call after the last one was dispatched: the
-        # device is busy with it, the host is not.
-        self.orders.draw_ahead(self.seeds, epoch + count, self.num_examples, self.shuffle)
+        for start, length in stretch.calls:
+            if start < full.shape[0]:
+                yield Call(self.data, full, start, length, rows=rows)
+            else:  # the short batch: one step of its own shape, unrolled (no loop)
+                yield Call(self.data, tail, 0, 1, unroll=True)
+        if stretch.steps == stretch.ends:  # the device is busy with the last call
+            next_epoch = stretch.epoch + stretch.epochs
+            self.orders.draw_ahead(self.seeds, next_epoch, self.num_examples, self.shuffle)
 
 
 class StepEpochs:
     """The calls of epochs of a step that takes no data: ``steps_per_epoch`` steps each,
     every step's batch ``None`` (the step's ``opt_state`` carries what it samples from).
 
-    The calls scan a ``(steps,)`` index that selects nothing (``data`` is None); several
-    epochs fuse into longer calls like a data set's, and a resumed epoch runs only the
-    steps it has left.
+    The calls scan a ``(steps,)`` index that selects nothing (``data`` is None), one step
+    per step of the stretch's epochs left (the budget's cut too, as a data set's).
     """
 
-    fusable = True
+    keep_tail = False
 
-    def __init__(self, plan: Plan, steps_per_epoch: int, put: Callable[[Any], Any]):
-        self.plan, self.steps_per_epoch, self.put = plan, steps_per_epoch, put
-        self._placed: dict[int, Any] = {}
+    def __init__(self, steps_per_epoch: int, put: Callable[[Any], Any]):
+        self.steps_per_epoch = steps_per_epoch
+        self._indices = functools.cache(lambda length: put(_arange(length)))  # placed once
 
-    def calls(self, count: int = 1) -> int:
-        return len(self.plan.chunks(count * self.steps_per_epoch))
-
-    def __call__(
-        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
-    ) -> Iterator[Call]:
-        steps = count * self.steps_per_epoch - skip
-        if steps < 0:
-            raise ValueError(f"cannot skip {skip} steps of a {self.steps_per_epoch}-step epoch")
-        stats.expected_steps = steps
-        indices = self._placed.get(steps)
-        if indices is None:  # placed once per length
-            indices = self._placed[steps] = self.put(_arange(steps))
-        if steps:
-            yield from plan_calls(self.plan, None, indices, steps)
+    def __call__(self, stretch: Stretch, stats: EpochStats | None = None) -> Iterator[Call]:
+        indices = self._indices(stretch.ends)
+        for start, length in stretch.calls:
+            yield Call(None, indices, start, length)
 
 
 def peek_stream(source: EpochSource) -> tuple[Any, Iterator]:
@@ -266,8 +199,8 @@ class StreamEpochs:
     iterator is never more than two chunks ahead of the last finished call.
     """
 
-    fusable = False
     steps_per_epoch = None
+    keep_tail = False
 
     def __init__(
         self,
@@ -285,49 +218,48 @@ class StreamEpochs:
         put_indices: Callable[[Any], Any] = lambda x: x,
     ):
         self.source, self.plan = source, plan
-        self.put_indices = put_indices
+        # A chunk's index array, placed next to the data once per chunk length.
+        self._indices = functools.cache(lambda length: put_indices(_arange(length)))
         self._pending = [first_epoch]
         # One checker for the whole fit: the step was traced on the first batch.
         self.checker = BatchChecker(batch_size, lead=batch_lead, hint=source.hint)
-        self._placed: dict[int, Any] = {}
         self.options = dict(
             prefetch=prefetch, chunk_size=chunk_size, keep_tail=not drop_remainder, put=put,
             tail_divisor=tail_divisor,
         )  # fmt: skip
 
-    def calls(self, count: int = 1) -> None:
-        return None
-
-    def _indices(self, length: int) -> Any:
-        """The chunk's index array, placed next to the data once per chunk length."""
-        cached = self._placed.get(length)
-        if cached is None:
-            cached = self._placed[length] = self.put_indices(_arange(length))
-        return cached
-
-    def __call__(
-        self, epoch: int, stats: EpochStats, count: int = 1, skip: int = 0
-    ) -> Iterator[Call]:
-        assert count == 1, "stream epochs are never fused"
+    def __call__(self, stretch: Stretch, stats: EpochStats) -> Iterator[Call]:
         batches = self._pending.pop() if self._pending else self.source.epoch()
+        skip = stretch.skip
+        left = float("inf") if stretch.steps is None else stretch.steps  # the budget's steps
         if skip:  # a resumed epoch: the batches trained before the interruption
             batches = itertools.islice(batches, skip, None)
         stream = ChunkStream(
-            batches, checker=self.checker, epoch=epoch, on_dropped=stats.drop,
+            batches, checker=self.checker, epoch=stretch.epoch, on_dropped=stats.drop,
             resumed=bool(skip), **self.options,
         )  # fmt: skip
-        stats.at_end = stream.at_end
+        stats.ended = stream.at_end
         previous: list | None = None
         try:
             for chunk in stream:
                 sink: list = []
                 indices = self._indices(chunk.steps)
                 for start, length in self.plan.chunks(chunk.steps):
-                    yield Call(chunk.data, indices, start, length, sink=sink)
+                    if left < length:  # the budget ends before the epoch: so does the call
+                        stats.ended = lambda: False
+                        if left <= 0:
+                            return
+                    yield Call(chunk.data, indices, start, min(length, left), sink=sink)
+                    left -= length
                 if previous is not None:
                     jax.block_until_ready(previous)
                     stream.finished()
                 previous = sink
-            stats.exhausted = True
+            if left >= 0:  # every batch trained (the budget may end with the epoch)
+                stats.ended = lambda: True
         finally:
             stream.close()
+
+
+#: An epoch source (see the module's docstring).
+Epochs = ArrayEpochs | StepEpochs | StreamEpochs

@@ -50,11 +50,11 @@ def fit_evaluation(
     size = check_batch_size(
         min(check_count(size, "eval_batch_size", 1), n), n, drop_remainder=False
     )
-    run = evaluator(engine, metric_fn, None, None, size, True)
+    run = make_evaluate_fn(engine, metric_fn, None, None, size, True)
     return Evaluation(every, lambda: run(data))
 
 
-def evaluator(
+def make_evaluate_fn(
     engine: Any,
     metric_fn: Callable | None,
     metrics: nnx.Metric | None,
@@ -93,14 +93,14 @@ def _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode):
     def program(batch_sharding: Any) -> Callable:
         # Looked up per call (cached): the batch sharding is the mesh's of this call.
         if metric_fn is not None:
-            run = _programs.evaluator(metric_fn, batch_size, eval_mode, batch_sharding)
+            run = _programs.jit_evaluate(metric_fn, batch_size, eval_mode, batch_sharding)
         else:
-            run = _programs.metrics_evaluator(
+            run = _programs.jit_evaluate_metrics(
                 loss_fn, update_metrics, batch_size, has_aux=has_aux,
                 with_rngs=rngs is not None, eval_mode=eval_mode,
                 batch_sharding=batch_sharding,
             )  # fmt: skip
-        return layout.evaluator(run)
+        return layout.evaluate(run)
 
     # What an error while tracing names (with the batch's leaves): the user's functions.
     traced = metric_fn or {"loss_fn": loss_fn, "update_metrics": update_metrics}
@@ -139,5 +139,5 @@ def evaluate(
     """``evaluate`` of a front-end: every example of ``data``, checked before compiling."""
     n = check_leading_size(data, "data")
     batch_size = check_batch_size(batch_size, n, drop_remainder=False)
-    run = engine.evaluator(metric_fn, metrics, update_metrics, batch_size, bool(eval_mode))
+    run = make_evaluate_fn(engine, metric_fn, metrics, update_metrics, batch_size, bool(eval_mode))
     return run(data)

@@ -1,19 +1,21 @@
-"""The one fit loop: epochs of compiled calls, callbacks, evaluation, checkpoints,
-preemption and progress, for a Trainer and a Population alike.
+"""The one fit loop: the schedule's stretches of compiled calls, callbacks, evaluation,
+checkpoints, preemption and progress, for a Trainer and a Population alike.
 
 Per compiled call it does no host sync (the progress bar shows the newest loss already on
 the host side); per epoch it makes one: reading the epoch's losses for the logs.
 
 :class:`FitLoop` gets narrow inputs: the compiled program and how to execute it, the
 :class:`~nnxscan.shell._engine.owner.Owner` (one model, or members stacked), the runner factory,
-the callbacks, the progress switch, the evaluation and the checkpoints. It never reads the
-Trainer or the Population; the only object it shares with the callbacks is the ``subject``
-they receive, whose public ``stop_training`` flag it sets (False, as fit starts) and reads.
+the callbacks, the progress switch, the evaluation and the checkpoints; what to train comes
+from a :class:`~nnxscan.shell._engine.schedule.Schedule`. It never reads the Trainer or the
+Population; the only object it shares with the callbacks is the ``trainer`` they receive,
+whose public ``stop_training`` flag it sets (False, as fit starts) and reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import threading
 import time
@@ -40,30 +42,29 @@ from nnxscan.shell._engine.epochs import Epochs, EpochStats
 from nnxscan.shell._engine.owner import Owner
 from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.programs import TrainProgram
+from nnxscan.shell._engine.schedule import Schedule, Stretch
 from nnxscan.shell.history import History
 
-# At most this many steps in one fused call of several epochs: the progress bar still
-# moves, and a Ctrl-C (held while a call runs) is still answered within seconds.
-FUSED_STEPS = 10_000
 _HOOKS = ("on_train_begin", "on_epoch_begin", "on_call_end", "on_epoch_end", "on_train_end")
 
 
 class CallbackList:
-    """Calls each hook on every callback that has it, in order, with ``subject`` first."""
+    """Calls each hook on every callback that has it, in order, with ``trainer`` first (the
+    Trainer or the Population that runs the fit)."""
 
-    def __init__(self, callbacks: Sequence[Any], subject: Any):
+    def __init__(self, callbacks: Sequence[Any], trainer: Any):
         # Every hook is optional (an object with none is a valid, silent callback).
         self._hooks = {
             hook: [getattr(cb, hook) for cb in callbacks if hasattr(cb, hook)] for hook in _HOOKS
         }
-        self.subject = subject
+        self.trainer = trainer
         self.callbacks = list(callbacks)
         self.has_call_hooks = bool(self._hooks["on_call_end"])
         self.has_epoch_hooks = bool(self._hooks["on_epoch_begin"] or self._hooks["on_epoch_end"])
 
     def __call__(self, hook: str, *args: Any) -> None:
         for method in self._hooks[hook]:
-            method(self.subject, *args)
+            method(self.trainer, *args)
 
     def close(self) -> None:
         """Closes every callback that can be closed (writers' files), ignoring failures:
@@ -88,14 +89,13 @@ class Checkpoints(NamedTuple):
     partial_aux=None)`` writes a checkpoint of the owner's objects (``carry``: the state just
     written into them) with the run so far (``partial_aux``: the unfinished epoch's scalar
     aux logs per step, beside its losses); every ``every_epochs`` epochs, every
-    ``every_steps`` steps (at call boundaries; None: never mid-epoch), on SIGTERM or
-    SIGINT, and once more at the end when the last epoch was trained or a callback loaded a
-    state (EarlyStopping's best epoch) since the last save. A save may
-    return before its checkpoint is on disk (it is written in the background); ``close()``
-    waits for it, and fit calls it on every way out (the end, a preemption, an
-    exception). ``run_log``: where the saves put the History (``_checkpointing.RunLog``),
-    told by a resume where the restored run's lines end. ``lock()``: takes the directory's
-    writer lock (fit does, before it reads or trains anything; ``close()`` releases it)."""
+    ``every_steps`` steps (at call boundaries; None: never mid-epoch), on SIGTERM or SIGINT,
+    and at the end when the budget is spent or a callback loaded a state (EarlyStopping's
+    best epoch). A save may return before it is on disk; ``close()`` waits for it (fit calls
+    it on every way out). ``run_log``: where the saves put the History
+    (``_edges.checkpointing.RunLog``; a resume tells it where the restored run's lines end).
+    ``lock()``: takes the directory's writer lock (fit does, before it reads or trains
+    anything; ``close()`` releases it)."""
 
     every_epochs: int
     every_steps: int | None
@@ -108,16 +108,6 @@ class Checkpoints(NamedTuple):
 def written_carry(live: LiveState) -> tuple | None:
     """The carry when the owner's objects hold it (everything flushed), else None."""
     return None if live.unwritten else live.carry()
-
-
-def _within(calls: Any, left: Callable[[], int]) -> Any:
-    """``calls`` up to the step budget: ``left()`` steps remain before each call; the call
-    that reaches it is cut short (one more program, of its length), the rest never run."""
-    for call in calls:
-        remaining = left()
-        if remaining <= 0:
-            return
-        yield call if call.length <= remaining else call._replace(length=remaining)
 
 
 class NonFiniteLossWarning(UserWarning):
@@ -173,7 +163,8 @@ def caught_signals(enabled: bool) -> Iterator[list[int]]:
 
 
 class FitLoop:
-    """Trains epochs of compiled calls on the owner's objects and returns their History.
+    """Trains a schedule's stretches of compiled calls on the owner's objects and returns
+    their History.
 
     ``make_runner(carry_def, carry_shardings, donate)`` builds the compiled runner (one
     model, or members vmapped): the loop never asks which.
@@ -218,61 +209,56 @@ class FitLoop:
         self._active_mask = self.layout.active_masks(
             owner, lambda mask: self.placement.put_data(mask, device=self._device)
         )
-        self._stop_at: int | None = None  # max_steps: the global step fit ends at
 
     @property
     def _stop_requested(self) -> bool:
-        return bool(getattr(self.callbacks.subject, "stop_training", False))
+        return bool(getattr(self.callbacks.trainer, "stop_training", False))
 
     def run(
         self,
-        epochs: int,
+        schedule: Schedule,
         epoch_calls: Epochs,
         *,
-        history: History | None = None,
+        history: History,
         partial: np.ndarray | None = None,
         partial_aux: dict[str, np.ndarray] | None = None,
-        stop_at: int | None = None,
     ) -> History:
-        """Trains ``epochs`` epochs of ``epoch_calls`` from the owner's state, ending at
-        global step ``stop_at`` if that comes first (``max_steps``: mid-epoch, the last
-        call cut short).
+        """Trains what ``schedule`` plans, in ``epoch_calls``' calls, from the owner's state,
+        onto ``history`` (a resumed run's so far, else empty).
 
-        ``history``, ``partial`` and ``partial_aux`` carry on a resumed run: the History so
-        far, and the losses and scalar aux logs of the unfinished epoch's steps that were
-        trained before the interruption (``owner.epoch_step`` of them; ``partial_aux`` None
-        when the run log did not keep them).
-        """
-        self._stop_at = stop_at
+        ``partial`` and ``partial_aux`` carry on a resumed run: the losses and scalar aux
+        logs of the unfinished epoch's steps trained before the interruption
+        (``owner.epoch_step`` of them; ``partial_aux`` None when the run log did not keep
+        them)."""
         owner = self.owner
-        history = History(losses=empty_losses(self.layout)) if history is None else history
-        if epochs == 0:
-            return history
         # An epoch's train_<metric> logs cover exactly that epoch's steps: start afresh.
         owner.reset_metrics()
         # No local keeps the owner's arrays: the first call counts who else references
-        # them (see _calls.LiveState.donatable).
-        live = LiveState(*owner.read()[1:], owner.writer(), self.placement, self.make_runner)
+        # them (see calls.LiveState.donatable).
+        live = LiveState(
+            *owner.read()[1:], owner.make_write_back(), self.placement, self.make_runner
+        )
         owner.release_reads()  # from here on callbacks may change the objects
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
         injected = learning_rate(live.carry()[1], self.layout) is not None
-        groups = self._fused_groups(owner.epoch, epochs, epoch_calls, injected)
-        last_epoch = owner.epoch + epochs
+        schedule = dataclasses.replace(
+            schedule, per_epoch=epoch_calls.steps_per_epoch, tail=epoch_calls.keep_tail,
+            plan=self.execution.plan, fuse=self._may_fuse(injected),
+            every=None if self.evaluation is None else self.evaluation.every,
+        )  # fmt: skip
         if partial is not None:
             self._partial, self._partial_aux = partial, partial_aux
-        self.callbacks.subject.stop_training = False
-        counts = [epoch_calls.calls(count) for count in groups]
-        total = None if None in counts else sum(counts)
-        bar = RunProgress(1, total, self.progress, has_aux=self.program.has_aux,
+        self.callbacks.trainer.stop_training = False
+        total, last_epoch = schedule.progress()
+        bar = RunProgress(total, self.progress, last_epoch=last_epoch, has_aux=self.program.has_aux,
                           layout=self.layout, log_names=self.progress_logs)  # fmt: skip
-        bar.set_last_epoch(owner.epoch + epochs - 1)
         try:
             with caught_signals(self.checkpoints is not None) as self._signals, bar:
                 self.callbacks("on_train_begin")
-                for count in groups:
+                for stretch in schedule.stretches(lambda: owner.step):
                     if self._stop_requested or not self.layout.trains(owner):
                         break
-                    if not self._epochs(history, live, epoch_calls, count, bar, injected):
+                    if not self._train(history, live, epoch_calls, stretch, bar, injected):
                         break
         except BaseException as error:
             # The epochs trained so far stay reachable, files the callbacks opened are
@@ -285,11 +271,9 @@ class FitLoop:
             raise
         self.callbacks("on_train_end", history)
         if self.checkpoints is not None:
-            finished = owner.epoch == last_epoch and not owner.epoch_step
-            finished = finished or (stop_at is not None and owner.step >= stop_at)
-            if owner.loaded_since_checkpoint or finished:
+            if owner.loaded_since_checkpoint or schedule.spent(owner.epoch, owner.step):
                 # EarlyStopping put the best epoch's weights back: the checkpoint holds them
-                # and the History's events. A run that trained all its epochs ends saved
+                # and the History's events. A run that trained its whole budget ends saved
                 # whatever checkpoint_every is, so its rerun trains nothing (no-op when
                 # the last epoch was saved already).
                 self.checkpoints.save(history, empty_losses(self.layout))
@@ -306,39 +290,24 @@ class FitLoop:
 
         return on_halt
 
-    def _fused_groups(self, first: int, epochs: int, epoch_calls: Epochs, injected: bool) -> list:
-        """How many epochs each compiled stretch trains: 1, or several fused into one call
-        when nothing needs the host between them (see ``docs/performance.md``)."""
-        hooks = self.callbacks.has_epoch_hooks or self.callbacks.has_call_hooks
-        if (
-            not epoch_calls.fusable
-            or hooks
+    def _may_fuse(self, injected: bool) -> bool:
+        """Whether whole epochs may run fused into one stretch: when nothing needs the host
+        between them (see ``docs/performance.md``)."""
+        return not (
+            self.callbacks.has_epoch_hooks
+            or self.callbacks.has_call_hooks
             or injected  # the learning rate is logged per epoch
             or self.owner.metrics is not None  # train_<metric> is computed per epoch
             or self.program.halts  # the non-finite stop names its epoch
             or not self.execution.donate  # host callbacks: a failure keeps the last epoch
             or self.checkpoints is not None  # saves at epoch boundaries (and within)
-            or self._stop_at is not None  # max_steps may end inside an epoch
-        ):
-            return [1] * epochs
-        if self.owner.epoch_step and first == self.owner.epoch:  # an unfinished epoch: alone
-            return [1, *self._fused_groups(first + 1, epochs - 1, epoch_calls, injected)]
-        most = max(1, FUSED_STEPS // max(epoch_calls.steps_per_epoch or 1, 1))
-        every = self.evaluation.every if self.evaluation is not None else None
-        groups, epoch, end = [], first, first + epochs
-        while epoch < end:
-            # A group ends where evaluation runs, and at most FUSED_STEPS steps long.
-            stop = end if every is None else min(end, (epoch // every + 1) * every)
-            count = min(stop - epoch, most)
-            groups.append(count)
-            epoch += count
-        return groups
+        )
 
-    def _epochs(self, history, live, epoch_calls, count, bar, injected) -> bool:
-        """Trains ``count`` epochs (one compiled stretch); False when fit should end."""
+    def _train(self, history, live, epoch_calls, stretch: Stretch, bar, injected) -> bool:
+        """Trains one stretch of the schedule; False when fit should end."""
         owner, callbacks, checkpoints = self.owner, self.callbacks, self.checkpoints
-        epoch, first_step, stats = owner.epoch, owner.step, EpochStats()
-        skip = owner.epoch_step  # steps of this epoch a resumed run trained already
+        epoch, count, skip = stretch.epoch, stretch.epochs, stretch.skip
+        first_step, stats = owner.step, EpochStats()
         callbacks("on_epoch_begin", epoch)
         if self._stop_requested:
             return False
@@ -354,8 +323,7 @@ class FitLoop:
                 # At the first call boundary at or after each multiple of every_steps
                 # (before the hooks: a hook that raises finds the call saved). A call that
                 # ends the epoch leaves the save to the epoch's end, once it is counted.
-                expected = stats.expected_steps
-                if expected is not None and owner.step - first_step >= expected:
+                if stretch.ends is not None and owner.step - first_step >= stretch.ends:
                     self._save_at_epoch_end = True
                 else:
                     self._save_mid_epoch(history, outs, skip + owner.step - first_step, live)
@@ -367,12 +335,9 @@ class FitLoop:
 
         self._device = device_of(live.leaves)
         compiled_before = live.compile_s
-        calls = epoch_calls(epoch, stats, count, skip)
-        if self._stop_at is not None:
-            calls = _within(calls, lambda: self._stop_at - owner.step - live.unwritten_steps)
         try:
             run_calls(
-                self.program, self.execution, live, calls, on_call,
+                self.program, self.execution, live, epoch_calls(stretch, stats), on_call,
                 lambda: self._stop_requested or bool(self._signals),
                 write_every_call=callbacks.has_call_hooks or every_steps is not None,
                 active=self._active_mask, on_halt=self._on_halt(live),
@@ -382,19 +347,11 @@ class FitLoop:
         finally:
             # The epochs count as soon as all their steps are in the model, even if an
             # interrupt lands later (in the progress bar or the host sync).
-            complete = stats.complete(owner.step - first_step)
-            if complete:
-                owner.epoch, owner.epoch_step = epoch + count, 0
-            else:
-                # Fused epochs stopped between their calls (a Ctrl-C): the epochs they
-                # finished count, and the next fit resumes inside the one after.
-                trained, finished = skip + owner.step - first_step, 0
-                per_epoch = epoch_calls.steps_per_epoch
-                if count > 1 and per_epoch:
-                    finished, trained = divmod(trained, per_epoch)
-                owner.epoch, owner.epoch_step = epoch + finished, trained
-                if finished and outs:  # their logs reach the History the error carries
-                    self._log_finished(history, epoch, finished, per_epoch, outs, start)
+            complete = stretch.complete(owner.step - first_step, stats.ended)
+            owner.epoch, owner.epoch_step = stretch.reached(owner.step - first_step, complete)
+            finished = owner.epoch - epoch
+            if outs and finished and (not complete or self._signals):  # fit is ending
+                self._log_finished(history, stretch, finished, complete, outs, start)
         if self._signals:
             self._preempted(history, outs, complete)
         if not outs and not (skip and complete):  # stopped before the epoch's first call
@@ -408,23 +365,24 @@ class FitLoop:
             stacked = prepend_losses(self._partial, stacked, self.program.has_aux,
                                      self._partial_aux, self.layout)  # fmt: skip
         self._partial, self._partial_aux = empty_losses(self.layout), {}
-        pieces = [stacked] if count == 1 else split_steps(stacked, count)
-        compile_time = (live.compile_s - compiled_before) / count
-        for i, piece in enumerate(pieces):
-            timing = (wall_time / count, compile_time)
+        timing = (wall_time / count, (live.compile_s - compiled_before) / count)
+        for i, piece in enumerate([stacked] if count == 1 else split_steps(stacked, count)):
             self._log_epoch(history, epoch + i, piece, timing, stats, complete, live,
                             injected, bar)  # fmt: skip
         return not self._stop_requested and self.layout.trains(owner)
 
-    def _log_finished(
-        self, history: History, epoch: int, finished: int, per_epoch: int, outs: list, start
-    ) -> None:
-        """Logs the ``finished`` first of fused epochs that stopped between their calls:
-        their losses and aux means (no hooks ran: none do between fused epochs)."""
+    def _log_finished(self, history, stretch, finished, complete, outs, start) -> None:
+        """Logs the ``finished`` first epochs of a stretch that an error or a signal ends
+        (fused epochs stopped between their calls, or an epoch a preemption completed):
+        their losses and aux means, in the History the error carries; no hooks run."""
         stacked, wall_time = host_outputs(outs, start)
-        stacked = jax.tree.map(lambda x: x[: finished * per_epoch], stacked)
+        if stretch.skip:  # the resumed epoch's first steps were trained before
+            stacked = prepend_losses(self._partial, stacked, self.program.has_aux,
+                                     self._partial_aux, self.layout)  # fmt: skip
+        if not complete:
+            stacked = jax.tree.map(lambda x: x[: finished * stretch.per_epoch], stacked)
         for i, piece in enumerate(split_steps(stacked, finished)):
-            logs, losses = self._logs(epoch + i, piece, wall_time / finished, EpochStats())
+            logs, losses = self._logs(stretch.epoch + i, piece, wall_time / finished, EpochStats())
             history._append(losses, logs)
 
     def _logs(
@@ -491,18 +449,9 @@ class FitLoop:
             owner.epoch_step = complete_epoch_step
 
     def _preempted(self, history: History, outs: list, complete: bool) -> None:
-        """A SIGTERM or SIGINT arrived: the current call finished; save, then raise."""
-        if complete:
-            partial, aux = empty_losses(self.layout), {}
-        else:
-            partial, aux = self._losses_so_far(outs)
-        if complete and outs:
-            # The epoch ended with the call: log it first, so the History holds it.
-            stacked, wall_time = host_outputs(outs, time.perf_counter())
-            stacked = prepend_losses(self._partial, stacked, self.program.has_aux,
-                                     self._partial_aux, self.layout)  # fmt: skip
-            logs, losses = self._logs(self.owner.epoch - 1, stacked, wall_time, EpochStats())
-            history._append(losses, logs)
+        """A SIGTERM or SIGINT arrived: the current call finished (an epoch it completed is
+        logged); save, then raise."""
+        partial, aux = (empty_losses(self.layout), {}) if complete else self._losses_so_far(outs)
         self.checkpoints.save(history, partial, None, aux)
         self.checkpoints.close()  # on disk before the process is told it may exit
         signum = self._signals[0]
@@ -535,13 +484,12 @@ class FitLoop:
         bar.epoch_done(epoch, logs)
         if complete:
             self.callbacks("on_epoch_end", epoch, logs)
-            checkpoints = self.checkpoints
-            if checkpoints is not None:  # what the run log cannot keep exactly: refused now
-                checkpoints.run_log.check(epoch, logs)
-            due = self._save_at_epoch_end
-            if checkpoints is not None and (due or (epoch + 1) % checkpoints.every_epochs == 0):
-                checkpoints.save(history, empty_losses(self.layout), written_carry(live))
+            checkpoints, due = self.checkpoints, self._save_at_epoch_end
             self._save_at_epoch_end = False
+            if checkpoints is not None:
+                checkpoints.run_log.check(epoch, logs)  # what it cannot keep: refused now
+                if due or (epoch + 1) % checkpoints.every_epochs == 0:
+                    checkpoints.save(history, empty_losses(self.layout), written_carry(live))
 
     def _nonfinite_error(self, history, epoch, first_step, stop, start, stats) -> Exception:
         stacked, wall_time = host_outputs(stop.outs, start)

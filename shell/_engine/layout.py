@@ -35,7 +35,7 @@ class Layout(Protocol):
     """What the engine asks of one model or of members.
 
     Attributes:
-      num_members: what callbacks and writers are told (``subject.num_members``): None
+      num_members: what callbacks and writers are told (``trainer.num_members``): None
         for one model, N for members.
       shape: the shape of a value per model, ``()`` or ``(N,)``: a per-step log is
         ``(steps, *shape)``, an epoch's log ``shape``.
@@ -56,7 +56,7 @@ class Layout(Protocol):
       step(step), enter(opt_state, active), leave(opt_state), gathered(data, indices):
         (traced) the step the runner scans, the owner's opt_state as that step carries it
         and back, and the data and indices each step's batch is gathered from.
-      evaluator(evaluate): ``evaluate(graphdef, state, data)`` over what the owner holds.
+      evaluate(evaluate): ``evaluate(graphdef, state, data)`` over what the owner holds.
       members_axis(mesh, name): the mesh axis the members spread over (checked), or None;
         carry_spec(axis), batch_spec(axis): the ``PartitionSpec`` entries before a carry
         leaf's own axes and before a step's batch axis.
@@ -87,7 +87,7 @@ class Layout(Protocol):
     def enter(self, opt_state: Any, active: Any) -> Any: ...
     def leave(self, opt_state: Any) -> Any: ...
     def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]: ...
-    def evaluator(self, evaluate: Callable) -> Callable: ...
+    def evaluate(self, evaluate: Callable) -> Callable: ...
     def members_axis(self, mesh: Any, name: str | None) -> str | None: ...
     def carry_spec(self, member_axis: str | None) -> tuple: ...
     def batch_spec(self, member_axis: str | None) -> tuple: ...
@@ -147,7 +147,7 @@ class OneModel:
     def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]:
         return data, indices
 
-    def evaluator(self, evaluate: Callable) -> Callable:
+    def evaluate(self, evaluate: Callable) -> Callable:
         return evaluate
 
     def members_axis(self, mesh: Any, name: str | None) -> None:
@@ -288,8 +288,8 @@ class Members:
         offsets = (jnp.arange(members, dtype=indices.dtype) * n).reshape(1, members, 1)
         return data, indices + offsets
 
-    def evaluator(self, evaluate: Callable) -> Callable:
-        return _vmapped_evaluator(evaluate)
+    def evaluate(self, evaluate: Callable) -> Callable:
+        return _vmapped_evaluate(evaluate)
 
     def members_axis(self, mesh: Any, name: str | None) -> str | None:
         if name not in mesh.axis_names:
@@ -349,9 +349,9 @@ class Members:
 
 
 @functools.lru_cache(maxsize=32)
-def _vmapped_evaluator(evaluate: Callable) -> Callable:
+def _vmapped_evaluate(evaluate: Callable) -> Callable:
     """``evaluate(graphdef, state, data)`` vmapped over a population's stacked states (the
-    data shared): every value gains a leading members axis. One per evaluator (itself
+    data shared): every value gains a leading members axis. One per ``evaluate`` (itself
     cached by ``programs``), so a second evaluation compiles nothing."""
 
     def run(graphdef: Any, states: Any, data: Any) -> Any:

@@ -25,9 +25,9 @@ from nnxscan.pure import (
     stack_states,
     with_hyperparams,
 )
-from nnxscan.pure.companions import node_of, unpack
+from nnxscan.pure.step_node import step_node, unpack_step_node
 from nnxscan.shell._engine.layout import Members
-from nnxscan.shell._engine.owner import Writer, check_meta_ints, metric_logs, split_plain
+from nnxscan.shell._engine.owner import WriteBack, check_meta_ints, metric_logs, split_plain
 from nnxscan.shell._engine.programs import member_metrics
 from nnxscan.shell._population_checks import call_model_fn
 
@@ -115,7 +115,9 @@ class StackedOwner:
         state = _take_member(self._carry[0], index)
         state = jax.device_put(state, jax.devices()[0])
         node = nnx.merge(self.graphdef, state)
-        return unpack(node, with_rngs=self.with_rngs, with_metrics=self.metrics is not None).model
+        return unpack_step_node(
+            node, with_rngs=self.with_rngs, with_metrics=self.metrics is not None
+        ).model
 
     def _parts_state(self, state: Any, part: str) -> Any:
         if not (self.with_rngs or self.metrics is not None):
@@ -141,7 +143,7 @@ class StackedOwner:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def writer(self) -> Writer:
+    def make_write_back(self) -> WriteBack:
         def write(leaves: list, treedef: Any, steps: int) -> None:
             self._carry = jax.tree.unflatten(treedef, leaves)
             self.step += steps
@@ -271,7 +273,7 @@ def build_members(
             raise TypeError(
                 f"rngs(seed) must return an nnx.Rngs, got {type(member_rngs).__name__}."
             )
-        member_graphdef, state = split_plain(node_of(model, member_rngs, metrics))
+        member_graphdef, state = split_plain(step_node(model, member_rngs, metrics))
         if graphdef is None:
             graphdef, model_graphdef = member_graphdef, nnx.split(model)[0]
         elif member_graphdef != graphdef:

@@ -29,17 +29,17 @@ from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
 from nnxscan.adapters.nnx_optimizer import (
     _is_variable,
     optax_state_from_optimizer,
-    optimizer_state_writer,
+    optimizer_state_builder,
 )
 from nnxscan.pure import Step, init_opt_state, split_wrt
 from nnxscan.pure.checks import check_transform
-from nnxscan.pure.companions import node_of
+from nnxscan.pure.step_node import step_node
 from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._module_check import check_module
 
 # ``write(leaves, treedef, steps)``: the carry ``(state, opt_state)`` as ``jax.tree.flatten``
 # gives it, and the number of steps trained since the last write.
-Writer = Callable[[list, Any, int], None]
+WriteBack = Callable[[list, Any, int], None]
 
 
 class Owner(Protocol):
@@ -53,7 +53,7 @@ class Owner(Protocol):
       epoch: the global index of the next epoch; ``epoch_step``: steps of that epoch trained
         when a run stopped inside it (0 at boundaries).
       restored_run: the run the last restored checkpoint carried (where its History is in
-        the run log, ``_checkpointing.RunLog``).
+        the run log, ``_edges.checkpointing.RunLog``).
       loaded_since_checkpoint: a state was loaded (EarlyStopping's best epoch) since the
         last checkpoint, so one at the current step is stale.
     """
@@ -71,7 +71,7 @@ class Owner(Protocol):
     def read_state(self) -> nnx.State: ...
     def reads_held(self) -> contextlib.AbstractContextManager: ...
     def release_reads(self) -> None: ...
-    def writer(self) -> Writer: ...
+    def make_write_back(self) -> WriteBack: ...
     def reset_metrics(self) -> None: ...
     def take_metrics(self) -> dict[str, Any]: ...
     def load(self, state: nnx.State, where: Any = None) -> None: ...
@@ -146,10 +146,10 @@ class ModelOwner:
         metrics: nnx.Metric | None = None,
     ):
         check_module(model)
-        check_companions(rngs, metrics)
+        check_rngs_and_metrics(rngs, metrics)
         self.model, self.rngs, self.metrics = model, rngs, metrics
         # What every compiled call carries: the model, or (model, rngs, metrics).
-        self.node = node_of(model, rngs, metrics)
+        self.node = step_node(model, rngs, metrics)
         self._hijax: bool | None = None  # whether it holds hijax Variables: learnt on a split
         self.optimizer: nnx.Optimizer | None = None
         # The nnx.Optimizer whose optax state and step the carry's opt_state mirrors (the
@@ -280,7 +280,7 @@ class ModelOwner:
 
         The shell holds reads while it sets up one fit or ``scan_train`` call (checks, the
         plan's trace, the runner, the first carry): nothing changes the objects then, and
-        each walk of a module graph costs ~0.2 ms that a short call would feel. Released
+        each walk of a module graph is host time a short call would feel. Released
         before the first callback runs, since a callback may change the objects."""
         self._holding = True
         try:
@@ -301,7 +301,7 @@ class ModelOwner:
     ) -> tuple[nnx.GraphDef, nnx.State]:
         """``(graphdef, state)`` an evaluation merges: the model alone (for a
         ``metric_fn``), or it with call-time ``rngs`` and the NNX ``metrics`` to feed."""
-        return self.split(self.model if model_only else node_of(self.model, rngs, metrics))
+        return self.split(self.model if model_only else step_node(self.model, rngs, metrics))
 
     def reset_metrics(self) -> None:
         """Starts the training metrics afresh (at the start of a fit)."""
@@ -318,15 +318,16 @@ class ModelOwner:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def writer(self) -> Writer:
+    def make_write_back(self) -> WriteBack:
         """``write(leaves, treedef, steps)``: puts a trained carry into the user's objects and
         advances the step counter by ``steps``. Its maps are built once, here: call it once
         per fit and use the result after every compiled call.
 
         The carry's leaves go straight into the Variables they were read from (a value swap
-        each, ~10x cheaper than ``nnx.update``'s graph walk: a fit writes back after every
-        compiled call). A carry of another structure, and Variables a swap cannot write
-        (hijax Variables, array refs), go through ``nnx.update``.
+        each, no graph walk as in ``nnx.update``: a fit writes back after every compiled
+        call; docs/performance.md measures both). A carry of another structure, and
+        Variables a swap cannot write (hijax Variables, array refs), go through
+        ``nnx.update``.
         """
         _, state, opt_state = self.read()
         # Hijax Variables were read as plain copies: writes must reach the user's own.
@@ -357,7 +358,7 @@ class ModelOwner:
 
             return write
 
-        build = optimizer_state_writer(self._synced)
+        build = optimizer_state_builder(self._synced)
         optimizer = self._synced
 
         def write_with_optimizer(leaves: list, treedef: Any, steps: int) -> None:
@@ -398,8 +399,8 @@ class ModelOwner:
         (where the fit's History so far is in the run log: what a resume needs to go on).
 
         ``carry``: fit's ``(state, opt_state)``, just written into the objects: the same
-        arrays, without reading them back out of the module and optimizer (milliseconds
-        a save). Ignored once a state was loaded into the model since (EarlyStopping)."""
+        arrays, without walking the module and optimizer again to read them back. Ignored
+        once a state was loaded into the model since (EarlyStopping)."""
         meta = {
             "epoch": self.epoch,
             "step": self.step,
@@ -435,7 +436,7 @@ class ModelOwner:
             self._own_step = meta["step"]
         else:
             # Build the optimizer's update before touching the model: it can still raise.
-            update = optimizer_state_writer(self._synced)(
+            update = optimizer_state_builder(self._synced)(
                 tree["opt_state"], jnp.asarray(meta["step"], jnp.uint32)
             )
             nnx.update(self.node, tree["state"])
@@ -477,7 +478,7 @@ def _swappable(state: nnx.State, optimizer: nnx.Optimizer | None) -> list | None
     return variables
 
 
-def check_companions(rngs: Any, metrics: Any) -> None:
+def check_rngs_and_metrics(rngs: Any, metrics: Any) -> None:
     """Call-time ``rngs`` must be an ``nnx.Rngs``, ``metrics`` an ``nnx.Metric`` (or None)."""
     if rngs is not None and not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}.")

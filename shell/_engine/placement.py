@@ -21,7 +21,7 @@ An optax leaf takes a path rule matching its ``opt_state/...`` path, else the sh
 its array carries or its ``optimizer_sharding`` annotation when that differs from its
 parameter's own (what the user chose, as Flax's cookbook does), else its parameter's
 (``optax.tree_utils.tree_map_params``); scalar counters are replicated (the rules for one
-leaf live in ``_specs``). A population's leaves carry a leading members axis, sharded over
+leaf live in ``specs``). A population's leaves carry a leading members axis, sharded over
 ``member_axis``; each member's own dimensions follow the rule above. Batches are split over
 the data axes (``data_axis``: a name or a tuple; by default the mesh's ``"data"`` axis when
 it has one, else none: batches replicated). XLA partitions the step itself (GSPMD); the
@@ -388,8 +388,9 @@ def _put(x: Any, sharding: Any) -> Any:
 
 def _commit(tree: Any, device: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
-    # Arrays already committed to the device pass through: device_put costs ~20 µs a leaf
-    # even when it has nothing to do, and fit calls this every time. Arrays the user
+    # Arrays already committed to the device pass through: device_put costs host time per
+    # leaf even when it has nothing to do (docs/performance.md), and fit calls this every
+    # time. Arrays the user
     # sharded over several devices keep their sharding.
     placed = [
         x

@@ -10,15 +10,15 @@ Three plans:
 The ``"auto"`` rule is deterministic (no timing race, so every process picks the same plan
 and a run is reproducible): ``"scan"``, with consecutive epochs fused into one call when
 nothing needs the host between them, on every backend and for every model. It minimizes the
-WHOLE run, compile included. CNNs on the CPU used to be the exception: XLA:CPU runs a
-training step's gradient convolutions ~30x slower inside a loop body (jax#12868), because it
-canonicalizes convolution layouts only in a program's entry computation. The compiled
-programs now rewrite every convolution into that layout themselves
-(:func:`nnxscan.pure.canonical_conv_layout`, see ``_programs.chunk_runner``), so a scanned
-CNN step runs as fast as the per-step program (with the same bits, in the cases tested).
-Unrolled chunks run as
-fast per step as single steps but compile several times longer, which a run of a few
-thousand steps never pays back. The measurements behind it are in ``docs/performance.md``.
+WHOLE run, compile included. CNNs on the CPU scan too: XLA:CPU canonicalizes convolution
+layouts only in a program's entry computation, so inside a loop body a training step's
+gradient convolutions would run its slow generic code (jax#12868); the compiled programs
+rewrite every convolution into that layout themselves
+(:func:`nnxscan.pure.canonical_conv_layout`, see ``programs.chunk_runner``), so a scanned
+CNN step runs the per-step program's kernels (with the same bits, in the cases tested).
+Unrolled chunks run as fast per step as single steps but compile several times longer,
+which a run of a few thousand steps never pays back. The measurements behind it are in
+``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import jax
 
 from nnxscan.pure.checks import abstract_batch, check_count
 
-# Chunks of 4 unrolled steps measured best for the NNX MNIST tutorial CNN on this CPU before
-# convolutions were canonicalized (1.07 ms/step vs 1.48 for 8 and 1.65 for one step a call).
+# Chunks of 4 unrolled steps measured best for the NNX MNIST tutorial CNN, against 8 and
+# one step a call (docs/performance.md).
 UNROLLED_STEPS_PER_CALL = 4
 _KINDS = ("scan", "unrolled", "step")
 # Host callbacks can fail inside a compiled call, after its inputs were donated.

@@ -3,7 +3,7 @@
 A compiled function rebuilt from a fresh closure on every call recompiles every time, which
 throws the speed of scanning away. So the shell builds one program per
 step (a user's :class:`~nnxscan.pure.Step` or function, or the one of ``(loss_fn, tx, wrt,
-has_aux, ...)``) and one evaluator per ``(metric_fn, batch_size)``, keeps the
+has_aux, ...)``) and one evaluation per ``(metric_fn, batch_size)``, keeps the
 most recent ones, and lets ``jax.jit``'s own cache handle shapes and graphdefs: a second
 ``fit`` or ``scan_train`` with the same objects and shapes compiles nothing.
 """
@@ -32,7 +32,7 @@ from nnxscan.pure import (
     step_outputs,
 )
 from nnxscan.pure.batching import constrain_sharding
-from nnxscan.pure.companions import unpack
+from nnxscan.pure.step_node import unpack_step_node
 from nnxscan.shell._engine.plans import StepTraits, step_traits
 from nnxscan.shell._engine.trace_notes import noting_batch
 
@@ -319,16 +319,17 @@ def nnx_step_program(fn: Callable, on_nonfinite: str = "ignore") -> TrainProgram
     return _lookup(_TRAIN, ("nnx_step", _identity_key(fn), on_nonfinite), build)
 
 
-def evaluator(
+def jit_evaluate(
     metric_fn: Callable, batch_size: int, eval_mode: bool = True, batch_sharding: Any = None
 ) -> Callable:
-    """The cached, jitted ``evaluate(graphdef, state, data) -> dict`` for ``metric_fn``."""
+    """The cached, jitted ``pure.make_evaluate(metric_fn, ...)``:
+    ``evaluate(graphdef, state, data) -> dict``."""
     options = dict(batch_size=batch_size, eval_mode=eval_mode, batch_sharding=batch_sharding)
     key = (_identity_key(metric_fn), *options.items())
     return _lookup(_EVAL, key, lambda: jax.jit(make_evaluate(metric_fn, **options)))
 
 
-def metrics_evaluator(
+def jit_evaluate_metrics(
     loss_fn: Callable,
     update_metrics: Callable,
     batch_size: int,
@@ -338,7 +339,8 @@ def metrics_evaluator(
     eval_mode: bool = True,
     batch_sharding: Any = None,
 ) -> Callable:
-    """The cached, jitted ``evaluate(graphdef, state, data) -> metrics.compute()``."""
+    """The cached, jitted ``pure.make_evaluate_metrics(loss_fn, update_metrics, ...)``:
+    ``evaluate(graphdef, state, data) -> metrics.compute()``."""
     options = dict(
         batch_size=batch_size, has_aux=has_aux, with_rngs=with_rngs, eval_mode=eval_mode,
         batch_sharding=batch_sharding,
@@ -357,7 +359,7 @@ def member_metrics(graphdef: Any, with_rngs: bool, what: str) -> Callable:
     def build():
         def one(state):
             node = nnx.merge(graphdef, state)
-            metrics = unpack(node, with_rngs=with_rngs, with_metrics=True).metrics
+            metrics = unpack_step_node(node, with_rngs=with_rngs, with_metrics=True).metrics
             if what == "compute":
                 return metrics.compute()
             metrics.reset()

@@ -1,4 +1,4 @@
-"""The rules that give one leaf of the carry its ``PartitionSpec`` (see ``_placement``):
+"""The rules that give one leaf of the carry its ``PartitionSpec`` (see ``placement``):
 path rules, the FSDP rule, annotations read as ``nnx.get_partition_spec`` reads them, and
 which optax leaf belongs to which parameter.
 """

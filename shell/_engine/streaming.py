@@ -26,8 +26,9 @@ import numpy as np
 
 from nnxscan.adapters.data import to_numpy
 
-# Batches per chunk for a stream: long enough that a call's fixed cost (~0.1 ms) vanishes
-# next to 100 steps, short enough that the progress bar moves (and see CHUNK_BYTES).
+# Batches per chunk for a stream: long enough that a call's fixed cost (its dispatch, the
+# write-back) vanishes next to 100 steps, short enough that the progress bar moves (and see
+# CHUNK_BYTES).
 STREAM_STEPS_PER_CALL = 100
 _SLOTS = 2  # chunks the producer may hold beyond the last finished call
 # A chunk of big batches must stay small in memory: K shrinks to fit this many bytes.

@@ -151,8 +151,8 @@ def gae(
 
     start = (jnp.zeros_like(last_value), last_value)
     steps = (rewards, values, dones.astype(values.dtype))
-    # PureJaxRL unrolls this scan 16 times; on the CPU that only lengthens the compile (~1.5 s
-    # of the whole run) without speeding up the 128 tiny steps.
+    # PureJaxRL unrolls this scan 16 times; on the CPU that only lengthens the compile
+    # without speeding up the 128 tiny steps (docs/performance.md).
     _, advantages = jax.lax.scan(backwards, start, steps, reverse=True)
     return advantages, advantages + values
 
@@ -442,7 +442,8 @@ def make_ppo_step(env: Any, env_params: Any, config: PPOConfig | None = None) ->
         return start(_run_key(state), state)
 
     # One compiled program: the shell calls init eagerly, where the resets' and optax's
-    # small ops dispatched one by one took ~0.5 s (inside a traced train it is inlined).
+    # small ops would each be dispatched (and compiled) alone (inside a traced train it is
+    # inlined).
     @jax.jit
     def start(run_key: jax.Array, state: nnx.State) -> PPOState:
         reset_key, key = jax.random.split(run_key)

@@ -45,12 +45,13 @@ __all__ = [
 
 ENV_NAME = "CartPole-v1"
 #: Updates per epoch of the shell's runs (at most): an epoch is a compiled call, a
-#: checkpoint and a line of logs; 16 updates of CartPole take ~0.3 s on 2 CPU cores.
+#: checkpoint and a line of logs; 16 updates of CartPole are a fraction of a second.
 UPDATES_PER_EPOCH = 16
 #: Updates between the shell's checkpoints (at least): counted in updates, never in time,
 #: so where a run is saved does not depend on the machine. With 16 updates an epoch, a
 #: checkpoint every 8 epochs and one at the end: 8 saves in the default 976-update run (a
-#: save after every epoch cost ~8% of it on 2 CPU cores); a kill loses at most 128 updates.
+#: save after every epoch costs more: docs/performance.md); a kill loses at most 128
+#: updates.
 CHECKPOINT_EVERY_UPDATES = 128
 #: What the progress line shows besides the loss: the mean episode return (of each call on
 #: a terminal, of each epoch off one); the other scalars the step reports (actor and value

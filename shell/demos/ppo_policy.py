@@ -62,7 +62,7 @@ def orthogonal_kernels(
         if len(shape) != 2:
             raise ValueError(f"orthogonal() initializes 2-D kernels, got shape {shape}.")
     # One compiled program (built once per shapes): run eagerly, its few hundred small ops
-    # each dispatched (and compiled) alone took ~2 s of building a policy on a 2-core CPU.
+    # would each be dispatched (and compiled) alone (docs/performance.md).
     shapes = tuple(tuple(int(n) for n in shape) for shape in shapes)
     return list(_orthogonal_kernels(list(keys), shapes, tuple(scales), dtype))
 
@@ -95,7 +95,7 @@ def _gaussians(
     vmapped call: with jax's default partitionable threefry each element's bits hash its
     flat index, so a shape's draw is the first ``prod(shape)`` elements of a longer flat
     draw from the same key. Each separate ``normal`` is its own threefry and ``erf_inv`` in
-    the program: six of them took ~1 s of the PPO run's compile on a 2-core CPU."""
+    the program, and six of them lengthen the PPO run's compile (docs/performance.md)."""
     if not jax.config.jax_threefry_partitionable:  # the counters then depend on the shape
         return [jax.random.normal(k, shape, dtype) for k, shape in zip(keys, shapes, strict=True)]
     sizes = [int(np.prod(shape)) for shape in shapes]
@@ -151,8 +151,8 @@ class ActorCritic(nnx.Module):
 
         def zeros(shape, dtype):
             # Put from the host, not computed: built eagerly (the shell's Trainer), each
-            # jnp.zeros of a new shape is an XLA program compiled alone (~30 ms each on 2
-            # CPU cores). Inside a traced run they are constants either way.
+            # jnp.zeros of a new shape is an XLA program compiled alone. Inside a traced
+            # run they are constants either way.
             return jax.device_put(np.zeros(shape, dtype))
 
         def dense(fan_in: int, fan_out: int) -> nnx.Linear:

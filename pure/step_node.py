@@ -1,4 +1,5 @@
-"""What a step's ``graphdef`` describes: the model alone, or the model and its companions.
+"""The step node: what a step's ``graphdef`` describes, the model alone or the model with
+its call-time Rngs and NNX metrics.
 
 A loss written for Flax's own loops takes call-time ``nnx.Rngs`` (``loss_fn(model, batch,
 rngs)``) and updates NNX metrics next to the gradient. Both are NNX objects whose state
@@ -8,14 +9,15 @@ in that order, and the step unpacks what it merged. ``make_train_step(..., with_
 update_metrics=fn)``, ``make_evaluate_metrics`` and the shell all build and read that
 tuple here.
 
-- :func:`node_of`: the node to split, the model or the tuple.
-- :func:`unpack`: a merged node back into :class:`Parts` (model, rngs, metrics).
+- :func:`step_node`: the node to split, the model or the tuple.
+- :func:`unpack_step_node`: a merged node back into :class:`StepNodeParts` (model, rngs,
+  metrics).
 - :func:`call_loss`: ``loss_fn`` on those parts, its output checked.
 
 Example:
-  >>> from nnxscan.pure.companions import node_of, unpack
-  >>> graphdef, state = nnx.split(node_of(model, rngs=nnx.Rngs(dropout=0)))
-  >>> parts = unpack(nnx.merge(graphdef, state), with_rngs=True, with_metrics=False)
+  >>> from nnxscan.pure.step_node import step_node, unpack_step_node
+  >>> graphdef, state = nnx.split(step_node(model, rngs=nnx.Rngs(dropout=0)))
+  >>> parts = unpack_step_node(nnx.merge(graphdef, state), with_rngs=True, with_metrics=False)
   >>> loss = loss_fn(parts.model, batch, parts.rngs)
 """
 
@@ -27,14 +29,14 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Parts", "call_loss", "node_of", "unpack"]
+__all__ = ["StepNodeParts", "call_loss", "step_node", "unpack_step_node"]
 
 
-class Parts(NamedTuple):
-    """The merged objects: the model, and the companions that are present (else None).
+class StepNodeParts(NamedTuple):
+    """A merged step node's objects: the model, and the rngs and metrics (None if absent).
 
     Example:
-      >>> parts = unpack(nnx.merge(graphdef, state), with_rngs=True, with_metrics=False)
+      >>> parts = unpack_step_node(nnx.merge(graphdef, state), with_rngs=True, with_metrics=False)
       >>> parts.model, parts.rngs, parts.metrics  # metrics is None
     """
 
@@ -43,8 +45,8 @@ class Parts(NamedTuple):
     metrics: Any
 
 
-def node_of(model: Any, rngs: nnx.Rngs | None = None, metrics: Any = None) -> Any:
-    """The graph node a step with these companions splits: ``model`` or a tuple.
+def step_node(model: Any, rngs: nnx.Rngs | None = None, metrics: Any = None) -> Any:
+    """The graph node a step with these call-time objects splits: ``model`` or a tuple.
 
     Args:
       model: the ``nnx.Module`` to train.
@@ -57,24 +59,24 @@ def node_of(model: Any, rngs: nnx.Rngs | None = None, metrics: Any = None) -> An
       the absent ones, in that order.
 
     Example:
-      >>> node_of(model) is model
+      >>> step_node(model) is model
       True
-      >>> graphdef, state = nnx.split(node_of(model, metrics=nnx.metrics.Average()))
+      >>> graphdef, state = nnx.split(step_node(model, metrics=nnx.metrics.Average()))
     """
-    companions = tuple(x for x in (rngs, metrics) if x is not None)
-    return (model, *companions) if companions else model
+    present = tuple(x for x in (rngs, metrics) if x is not None)
+    return (model, *present) if present else model
 
 
-def unpack(node: Any, *, with_rngs: bool, with_metrics: bool) -> Parts:
+def unpack_step_node(node: Any, *, with_rngs: bool, with_metrics: bool) -> StepNodeParts:
     """Splits a merged node back into model, rngs and metrics (the absent ones None).
 
     Args:
-      node: ``nnx.merge(graphdef, state)`` of a state split from :func:`node_of`'s node.
+      node: ``nnx.merge(graphdef, state)`` of a state split from :func:`step_node`'s node.
       with_rngs: whether the node carries ``nnx.Rngs``.
       with_metrics: whether it carries metrics.
 
     Returns:
-      :class:`Parts`.
+      :class:`StepNodeParts`.
 
     Raises:
       ValueError: the node is not the tuple these flags describe (say, the model alone was
@@ -83,10 +85,10 @@ def unpack(node: Any, *, with_rngs: bool, with_metrics: bool) -> Parts:
 
     Example:
       >>> node = nnx.merge(graphdef, state)  # of nnx.split((model, rngs))
-      >>> rngs = unpack(node, with_rngs=True, with_metrics=False).rngs
+      >>> rngs = unpack_step_node(node, with_rngs=True, with_metrics=False).rngs
     """
     if not (with_rngs or with_metrics):
-        return Parts(node, None, None)
+        return StepNodeParts(node, None, None)
     expected = 1 + with_rngs + with_metrics
     if not isinstance(node, tuple) or len(node) != expected:
         names = ["model", *(["rngs"] if with_rngs else []), *(["metrics"] if with_metrics else [])]
@@ -99,16 +101,18 @@ def unpack(node: Any, *, with_rngs: bool, with_metrics: bool) -> Parts:
     metrics = node[-1] if with_metrics else None
     if with_rngs and not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"the node's second entry must be an nnx.Rngs, got {type(rngs).__name__}.")
-    return Parts(node[0], rngs, metrics)
+    return StepNodeParts(node[0], rngs, metrics)
 
 
-def call_loss(loss_fn: Callable, parts: Parts, batch: Any, has_aux: bool) -> tuple[Any, Any]:
+def call_loss(
+    loss_fn: Callable, parts: StepNodeParts, batch: Any, has_aux: bool
+) -> tuple[Any, Any]:
     """``loss_fn`` on the merged parts; returns ``(loss, aux)`` after checking their form.
 
     Args:
       loss_fn: ``loss_fn(model, batch)``, or ``loss_fn(model, batch, rngs)`` when
         ``parts.rngs`` is set; returns a scalar, or ``(loss, aux)`` with ``has_aux``.
-      parts: from :func:`unpack`.
+      parts: from :func:`unpack_step_node`.
       batch: one batch.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
@@ -120,8 +124,8 @@ def call_loss(loss_fn: Callable, parts: Parts, batch: Any, has_aux: bool) -> tup
         match ``has_aux`` (the message says which to pass).
 
     Example:
-      >>> loss, aux = call_loss(loss_fn, unpack(node, with_rngs=False, with_metrics=False),
-      ...                       batch, has_aux=False)
+      >>> parts = unpack_step_node(node, with_rngs=False, with_metrics=False)
+      >>> loss, aux = call_loss(loss_fn, parts, batch, has_aux=False)
     """
     if parts.rngs is None:
         out = loss_fn(parts.model, batch)

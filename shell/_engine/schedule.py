@@ -1,0 +1,146 @@
+"""A fit's budget as compiled calls: the one place the engine counts epochs and steps.
+
+The budget (``epochs``, ``max_steps``) becomes stretches, each one run of compiled calls: an
+epoch, or several fused, cut where ``max_steps`` ends. The same stretches give the fit loop
+its calls, the owner its place after each, and the progress bar its total.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from nnxscan.shell._engine.plans import Plan
+
+# At most this many steps in one fused stretch: the progress bar still moves, and a Ctrl-C
+# (held while a call runs) is still answered soon.
+FUSED_STEPS = 10_000
+
+
+def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
+    """The ``"scan"`` plan with calls of ``steps_per_call`` steps (a data set's epoch).
+
+    The ``"unrolled"`` and ``"step"`` plans keep their own call size: an unrolled call's
+    compile grows with its length. ``Plan("unrolled", k)`` sets it.
+    """
+    if steps_per_call is None or plan.kind != "scan":
+        return plan
+    return plan._replace(steps_per_call=steps_per_call)
+
+
+class Stretch(NamedTuple):
+    """``epochs`` epochs from ``epoch`` less their first ``skip`` steps (trained before), in
+    one run of compiled calls. A stream's epoch has ``ends``, ``calls`` and ``per_epoch``
+    None or empty (its length shows when it ends, its chunks make its calls)."""
+
+    epoch: int
+    epochs: int
+    steps: int | None  # those it trains (a stream's: the budget left, or None)
+    skip: int
+    ends: int | None  # the steps from ``skip`` to the end of its epochs
+    # (start, length) of each call, from ``skip``; one past the full batches: the short one
+    calls: tuple[tuple[int, int], ...]
+    per_epoch: int | None
+
+    def complete(self, trained: int, ended: Callable[[], bool]) -> bool:
+        """Whether ``trained`` steps finish its epochs (a stream's: whether it ``ended()``)."""
+        return ended() if self.ends is None else trained == self.ends
+
+    def reached(self, trained: int, complete: bool) -> tuple[int, int]:
+        """The owner's ``(epoch, epoch_step)`` after ``trained`` of its steps: where the
+        next fit (or a resume) goes on."""
+        if complete:
+            return self.epoch + self.epochs, 0
+        if self.per_epoch is None:
+            return self.epoch, self.skip + trained
+        finished, into = divmod(self.skip + trained, self.per_epoch)
+        return self.epoch + finished, into
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One fit's budget from where the owner stands (its next ``epoch``, the ``skip`` steps
+    of it trained before, its global ``step``), and how its epochs become calls: the
+    ``plan``'s, over epochs of ``per_epoch`` steps (None: a stream's) whose last may be a
+    short batch (``tail``: a call of its own, never fused). With ``fuse``, whole epochs run
+    as one stretch, ending where evaluation runs (every ``every`` epochs)."""
+
+    epoch: int
+    skip: int
+    step: int
+    end_epoch: int | None  # the epoch the fit ends before (None: max_steps decides)
+    stop_at: int | None  # the global step the fit ends at (None: epochs decide)
+    per_epoch: int | None = None
+    tail: bool = False
+    plan: Plan | None = None
+    fuse: bool = False
+    every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.per_epoch is not None and self.skip > self.per_epoch:
+            raise ValueError(f"cannot skip {self.skip} steps of a {self.per_epoch}-step epoch")
+
+    @classmethod
+    def of(
+        cls, epochs: int | None, max_steps: int | None, *, whole_run: bool, at: tuple[int, ...]
+    ) -> Schedule:
+        """``epochs`` and ``max_steps`` more from ``at``, the owner's ``(epoch, epoch_step,
+        step)``; with ``whole_run`` (a resume), both count the whole run."""
+        epoch, skip, step = at
+        first_epoch, first_step = (0, 0) if whole_run else (epoch, step)
+        end_epoch = None if epochs is None else first_epoch + epochs
+        stop_at = None if max_steps is None else first_step + max_steps
+        return cls(epoch, skip, step, end_epoch, stop_at)
+
+    def spent(self, epoch: int, step: int) -> bool:
+        """Whether an owner at ``epoch`` and global ``step`` trained the whole budget."""
+        return (self.end_epoch is not None and epoch >= self.end_epoch) or (
+            self.stop_at is not None and step >= self.stop_at
+        )
+
+    def stretches(self, step_now: Callable[[], int] | None = None) -> Iterator[Stretch]:
+        """The stretches in order, each assumed to train all its steps; ``step_now()``, the
+        owner's global step as each starts, cuts a stream's epoch where the budget ends."""
+        epoch, skip, step = self.epoch, self.skip, self.step
+        while not self.spent(epoch, step := step if step_now is None else step_now()):
+            left = None if self.stop_at is None else self.stop_at - step
+            stretch = self._stretch(epoch, skip, left)
+            yield stretch
+            epoch, skip = epoch + stretch.epochs, 0
+            step += 0 if stretch.ends is None else stretch.steps
+
+    def progress(self) -> tuple[int | None, int | None]:
+        """The compiled calls planned (None: a stream's, unknown) and the last epoch."""
+        planned = list(self.stretches())
+        total = None if self.per_epoch is None else sum(len(s.calls) for s in planned)
+        last = planned[-1].epoch + planned[-1].epochs - 1 if planned else None
+        return total, last
+
+    def _stretch(self, epoch: int, skip: int, left: int | None) -> Stretch:
+        per = self.per_epoch
+        if per is None:  # a stream's epoch
+            return Stretch(epoch, 1, left, skip, None, (), None)
+        epochs = 1
+        if self.fuse and not self.tail and not skip:
+            most = [FUSED_STEPS // per]
+            if self.end_epoch is not None:
+                most.append(self.end_epoch - epoch)
+            if self.every is not None:  # evaluation runs after the stretch's last epoch
+                most.append(self.every - epoch % self.every)
+            if left is not None:  # whole epochs only: the budget's last one runs alone
+                most.append(left // per)
+            epochs = max(1, min(most))
+        ends = epochs * per - skip
+        steps = ends if left is None else min(ends, left)
+        full = max(epochs * (per - self.tail) - skip, 0)
+        calls = [(a, min(n, steps - a)) for a, n in self.plan.chunks(full) if a < steps]
+        if steps > full:  # the short batch: one step of its own shape, as the core trains it
+            calls.append((full, 1))
+        return Stretch(epoch, epochs, steps, skip, ends, tuple(calls), per)
+
+
+def one_epoch(source: Any, plan: Plan) -> Stretch:
+    """The whole of epoch 0 of ``source`` (an epoch source) in ``plan``'s calls."""
+    shape = dict(per_epoch=source.steps_per_epoch, tail=source.keep_tail, plan=plan)
+    return next(Schedule(0, 0, 0, 1, None, **shape).stretches())
