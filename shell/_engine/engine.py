@@ -59,7 +59,7 @@ class Engine:
       owner: who holds the state (one model, or members stacked).
       placement: one device, or a mesh.
       explicit_plan: the plan the user asked for, or None for ``"auto"``.
-      subject: the object callbacks receive (the Trainer or the Population).
+      trainer: the object callbacks receive (the Trainer or the Population).
       loss_fn, has_aux, update_metrics, rngs: what NNX metrics are fed with when an
         evaluation uses them (the front-end's own).
     """
@@ -71,7 +71,7 @@ class Engine:
         owner: Owner,
         placement: Placement,
         explicit_plan: Plan | None,
-        subject: Any,
+        trainer: Any,
         loss_fn: Callable,
         has_aux: bool,
         update_metrics: Callable | None = None,
@@ -80,7 +80,7 @@ class Engine:
         self.program, self.owner = program, owner
         # As configured; ``placement`` is it bound to the mesh of the call in progress.
         self.configured = self.placement = placement
-        self.explicit_plan, self.subject = explicit_plan, subject
+        self.explicit_plan, self.trainer = explicit_plan, trainer
         self.feed = dict(loss_fn=loss_fn, has_aux=has_aux, rngs=rngs)
         self.update_metrics = update_metrics
         self.orders = EpochOrders()  # the next epochs' orders, drawn while the device works
@@ -199,7 +199,7 @@ class Engine:
         loop = FitLoop(
             program=self.program, execution=execution, owner=owner,
             placement=self.placement, make_runner=self.make_runner(layout),
-            callbacks=CallbackList(options.callbacks, self.subject), progress=options.progress,
+            callbacks=CallbackList(options.callbacks, self.trainer), progress=options.progress,
             progress_logs=options.progress_logs,
             evaluation=options.evaluation, checkpoints=options.checkpoints,
         )  # fmt: skip
@@ -277,7 +277,7 @@ class Engine:
         asynchronous: bool = True,
     ) -> tuple[pathlib.Path | None, Checkpoints | None]:
         """Checks fit's checkpoint arguments; returns the directory and when to save (one
-        writer for the fit, asynchronous unless asked otherwise; nothing touches the disk
+        checkpointer for the fit, asynchronous unless asked otherwise; nothing touches the disk
         before the first save)."""
         every = check_count(every, "checkpoint_every", 1)
         if every_steps is not None:
