@@ -98,12 +98,8 @@ class Engine:
         return self.owner.layout.for_run(kind, member_batches, self.placement.member_axis)
 
     def execution(self, batch: Any, layout: Layout) -> Execution:
-        """Traces ONE model's step on the shapes of ``batch`` (one step's, as ``layout``
-        lays it out) with no compile: the plan and whether the carry may be donated. Bad
-        data raises here, before anything compiles.
-
-        On a mesh the shapes carry the shardings the compiled calls give them (on an
-        Explicit mesh they are part of the types the model's code sees)."""
+        """Traces ONE model's step on the shapes of ``batch`` (one step's, as ``layout`` lays it
+        out) with no compile: the plan and whether the carry may be donated."""
         placement = self.placement
         graphdef, state, opt_state = self.owner.read()
         members = len(layout.shape)  # the carry's leading members axes
@@ -148,13 +144,8 @@ class Engine:
     # -- fit --------------------------------------------------------------------------------
 
     def fit(self, data: Any, options: FitOptions) -> History:
-        """Trains ``options.epochs`` more epochs and at most ``options.max_steps`` more
-        steps (both the whole run's, with ``resume``).
-
-        Every check runs and the step is traced before the owner changes: a fit that
-        raises before training leaves everything as it was (a resume's restore aside,
-        which is itself checked first).
-        """
+        """Trains ``options.epochs`` more epochs and at most ``options.max_steps`` more steps (both
+        the whole run's, with ``resume``)."""
         checkpoints = options.checkpoints
         try:
             if checkpoints is not None:
@@ -331,10 +322,8 @@ class Engine:
 
 
 def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:
-    """The shape (and, on a mesh, sharding) of ONE model's leaf: a population's leaves lose
-    their ``axes`` leading members axes (and ``spec_axes`` entries of the sharding). A
-    weakly typed leaf stays weak: the compiled call sees it so, and a probe traced with
-    another type would miss jit's trace cache and trace the whole step a second time."""
+    """The shape (and, on a mesh, sharding) of ONE model's leaf: a population's leaves lose their
+    ``axes`` leading members axes (and ``spec_axes`` entries of the sharding)."""
     shape = tuple(np.shape(x))[axes:]
     dtype = jax.numpy.result_type(x) if not hasattr(x, "dtype") else x.dtype
     weak = bool(getattr(x, "weak_type", False))
@@ -347,9 +336,8 @@ def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:
 
 
 def _finished(history: History, partial: Any = None, partial_aux: Any = None) -> History:
-    """The History of a fit with nothing left to train (a resumed run's so far); a run
-    that ``max_steps`` ended inside an epoch keeps that epoch's losses (its logs were never
-    written)."""
+    """The History of a fit with nothing left to train (a resumed run's so far); a run that
+    ``max_steps`` ended inside an epoch keeps that epoch's losses (its logs were never written)."""
     if partial is not None and len(partial):
         history.losses = np.concatenate([history.losses, partial])
     return history
