@@ -82,11 +82,8 @@ class FrontDoor:
         extras: tuple = (),
         model: Any = None,
     ) -> None:
-        """Checks a user's ``train_step`` XOR the step built from ``tx`` and ``loss_fn``
-        with its options, the non-finite policy and the plan; keeps what the program is
-        built from. ``tx``: what the built-in step would train with (None where it is
-        not such an option: a Trainer's optimizer with a user's step). ``model``: the
-        module a loss is called with, to tell a captured copy of it apart."""
+        """Checks a user's ``train_step`` XOR the step built from ``tx`` and ``loss_fn`` with its
+        options, the non-finite policy and the plan; keeps what the program is built from."""
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(NONFINITE_POLICIES)}."
@@ -141,7 +138,7 @@ class FrontDoor:
         self._owner = owner
         self._engine = Engine(
             program=program, owner=owner, placement=placement, explicit_plan=self._plan,
-            subject=self, loss_fn=c["loss_fn"], has_aux=program.has_aux,
+            trainer=self, loss_fn=c["loss_fn"], has_aux=program.has_aux,
             update_metrics=c["update_metrics"], rngs=rngs,
         )  # fmt: skip
         #: Set by a callback (``EarlyStopping``) to end ``fit`` after the current call.

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure import Step, hyperparam_names
+from nnxscan.pure import Step, hyperparam_names, with_hyperparams
 from nnxscan.pure.checks import check_count
 from nnxscan.shell._front_door import check_seed
 from nnxscan.shell._module_check import is_linen
@@ -100,18 +100,12 @@ def check_hyperparam_names(
             f"optax.inject_hyperparams, e.g. optax.inject_hyperparams(optax.adam)"
             f"(learning_rate=1e-3); this tx holds no injected hyperparameters."
         )
-    for name in hyperparams:
-        if name in scheduled:
-            raise ValueError(
-                f"hyperparams[{name!r}]: {owner} computes {name!r} from a schedule every "
-                f"step, so per-member values would have no effect. Pass a number for "
-                f"it to inject_hyperparams."
-            )
-        if name not in settable:
-            raise ValueError(
-                f"hyperparams[{name!r}]: {name!r} is not a hyperparameter of {owner}; its "
-                f"injected hyperparameters are {sorted(settable)}."
-            )
+    try:  # the name rules are pure's (with_hyperparams), checked on shapes only
+        jax.eval_shape(
+            lambda o: with_hyperparams(o, **dict.fromkeys(hyperparams, 0.0)), abstract_opt
+        )
+    except ValueError as e:
+        raise ValueError(f"hyperparams ({owner}): {e}") from None
 
 
 def check_step_of_members(train_step: Any) -> Step:

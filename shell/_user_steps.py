@@ -116,9 +116,7 @@ def _check_arity(fn: Callable, names: list[str], front: str) -> None:
 
 
 def check_loss_fn(loss_fn: Any, model: Any = None, rngs: Any = None) -> None:
-    """``loss_fn(model, batch[, rngs])`` is callable and captures no NNX object. ``model``
-    and ``rngs``: the objects it is called with (when known), so that capturing one of
-    them is told apart: the fix is then to use the argument."""
+    """``loss_fn(model, batch[, rngs])`` is callable and captures no NNX object."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
     arguments = None
@@ -140,9 +138,8 @@ def user_step_owner(
     stateful_front: str,
     init: Callable | None = None,
 ) -> Any:
-    """The owner of a user's step (``Trainer``'s and ``scan_train``'s one way of taking
-    it: a pure ``Step``, or a stateful NNX function), after its checks. ``init`` replaces
-    a pure step's ``init`` (``scan_train(opt_state=...)``)."""
+    """The owner of a user's step (``Trainer``'s and ``scan_train``'s one way of taking it: a pure
+    ``Step``, or a stateful NNX function), after its checks."""
     from nnxscan.shell._engine.owner import ModelOwner
 
     if isinstance(train_step, Step):

@@ -230,9 +230,8 @@ class EarlyStopping:
     def _rule(
         self, values: np.ndarray, best: np.ndarray, wait: np.ndarray, alive: np.ndarray, epoch: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The one rule, for N watched values at once (one model: N = 1): which improved
-        on their best (NaN: none yet), which ran out of patience, and the new waits.
-        Only ``alive`` entries count (a frozen member is left alone)."""
+        """The one rule, for N watched values at once (one model: N = 1): which improved on their
+        best (NaN: none yet), which ran out of patience, and the new waits."""
         wait = wait + alive
         finite = np.isfinite(values)
         with np.errstate(invalid="ignore"):

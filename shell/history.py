@@ -154,11 +154,7 @@ _LEGEND_MEMBERS = 10
 
 
 def _smoothing_window(smooth: float | int, n_steps: int) -> int:
-    """How many steps ``smooth`` averages over, at most a tenth of ``n_steps``.
-
-    A float ``w`` gets the window that removes as much noise as an EMA of weight ``w``
-    (whose output variance is ``(1 - w) / (1 + w)`` of the input's): ``(1 + w) / (1 - w)``.
-    """
+    """How many steps ``smooth`` averages over, at most a tenth of ``n_steps``."""
     if isinstance(smooth, numbers.Integral) and not isinstance(smooth, bool) and smooth >= 1:
         window = int(smooth)
     elif isinstance(smooth, numbers.Real) and not isinstance(smooth, bool) and 0 <= smooth < 1:
@@ -169,16 +165,7 @@ def _smoothing_window(smooth: float | int, n_steps: int) -> int:
 
 
 def _smooth(losses: np.ndarray, window: int) -> np.ndarray:
-    """The smoothed loss curve: each step's mean over a window centred on it.
-
-    The window spans ``window // 2`` steps on either side of step ``k``, but at most
-    ``k // 3`` early on, where losses fall fastest. Centred, it does not lag: a falling loss
-    is not dragged up by the older, higher losses a trailing average or an EMA holds on to.
-    In the last steps, whose window reaches fewer steps ahead than behind, the value is a
-    least-squares line through the window read at ``k``, clipped to the window's losses, so
-    the curve keeps following the trend to the end. Non-finite losses are left out; NaN
-    where a window holds none.
-    """
+    """The smoothed loss curve: each step's mean over a window centred on it."""
     n = losses.size
     finite = np.isfinite(losses)
     steps = np.arange(n)
@@ -230,10 +217,9 @@ def _epoch_end_steps(epochs: list[dict[str, Any]], n_steps: int) -> np.ndarray:
 def _eval_series(
     epochs: list[dict[str, Any]], ends: np.ndarray, *, per_member: bool = False
 ) -> dict[tuple[str, int | None], tuple[list[float], list[float]]]:
-    """Each ``eval_*`` key's (end step, value) pairs over the epochs that logged it, keyed
-    ``(key, None)``; a population's per-member values (``per_member``: its History's losses
-    are ``(steps, N)``) are keyed ``(key, member)``. Other array metrics (per class) are
-    not drawn."""
+    """Each ``eval_*`` key's (end step, value) pairs over the epochs that logged it, keyed ``(key,
+    None)``; a population's per-member values (``per_member``: its History's losses are ``(steps,
+    N)``) are keyed ``(key, member)``."""
     series: dict[tuple[str, int | None], tuple[list[float], list[float]]] = {}
     for end, logs in zip(ends.tolist(), epochs, strict=True):
         for key, value in logs.items():

@@ -147,7 +147,7 @@ def scan_train(
     placement = Placement(mesh, data_axis, rules=shardings, tx=owner.tx, wrt=owner.wrt)
     engine = Engine(
         program=program, owner=owner, placement=placement, explicit_plan=explicit,
-        subject=None, loss_fn=loss_fn, has_aux=program.has_aux,
+        trainer=None, loss_fn=loss_fn, has_aux=program.has_aux,
     )  # fmt: skip
     placement = engine.bind()
     # One walk of the objects serves set-up's reads (released before the first call).
@@ -273,11 +273,7 @@ _OUTPUTS = "outputs"
 
 
 def _outputs_program(fn: Callable) -> TrainProgram:
-    """The cached program of a stateful ``fn`` that reports whatever ``fn`` returns.
-
-    ``nnx_train_step`` reads a dict without a ``"loss"`` as "no loss" and passes it on as
-    the aux, so wrapping ``fn``'s output in one carries it out of the scan unchanged,
-    whatever pytree it is (a loss, a tuple, a dict, nothing)."""
+    """The cached program of a stateful ``fn`` that reports whatever ``fn`` returns."""
     try:
         key: Hashable = (fn, hash(fn))
     except TypeError:
@@ -298,11 +294,8 @@ def _outputs_program(fn: Callable) -> TrainProgram:
 
 
 def _given(step: Step, model: nnx.Module, opt_state: Any) -> Callable[..., Any]:
-    """An ``init`` that returns the caller's ``opt_state``, once checked against the
-    structure, shapes and dtypes ``step.init`` gives (traced only, nothing computed).
-
-    The owner gets a copy (made without compiling anything), which the call may donate:
-    the caller's own arrays stay valid."""
+    """An ``init`` that returns the caller's ``opt_state``, once checked against the structure,
+    shapes and dtypes ``step.init`` gives (traced only, nothing computed)."""
     graphdef, state = nnx.split(model)
     expected = jax.eval_shape(lambda state: step.init(graphdef, state), state)
     if jax.tree.structure(opt_state) != jax.tree.structure(expected):

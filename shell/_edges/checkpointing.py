@@ -73,13 +73,7 @@ def restore(
     step: int | None,
     run_keys: dict[str, Any] | None = None,
 ) -> int:
-    """Restores a checkpoint into the owner's objects and counters; returns the epoch.
-
-    ``step=None``: the newest good checkpoint (a damaged newer one is skipped with a
-    warning, and left where it is). Everything is read and checked (against ``run_keys``
-    too, for a resumed fit) before the first object is written, so a failed restore
-    changes nothing.
-    """
+    """Restores a checkpoint into the owner's objects and counters; returns the epoch."""
     template = _template(owner, placement)
     if step is None:
         tree, _, _ = _adapter().newest_good(
@@ -98,16 +92,9 @@ def resume(
     run_keys: dict[str, Any],
     step: int | None = None,
 ) -> tuple[History, np.ndarray, dict[str, Any], dict[str, np.ndarray] | None]:
-    """Restores the newest good checkpoint (or ``step``) for a resumed fit; returns its
-    run's History, the partial losses of its unfinished epoch, where they are in the run
-    log, and the unfinished epoch's scalar aux logs per step (see :meth:`RunLog.read`).
-
-    A checkpoint whose files or run-log lines are damaged is skipped (newest first, with a
-    warning); once the owner holds the one restored, the newer ones are moved aside
-    (``<step>.nnxscan-corrupt``, or ``<step>.nnxscan-superseded`` for good ones newer than
-    a chosen ``step``), never deleted, so the run goes on writing steps after it. The
-    History is read before the first object is written: a log that does not hold it
-    raises and changes nothing."""
+    """Restores the newest good checkpoint (or ``step``) for a resumed fit; returns its run's
+    History, the partial losses of its unfinished epoch, where they are in the run log, and the
+    unfinished epoch's scalar aux logs per step (see :meth:`RunLog.read`)."""
     template = _template(owner, placement)
 
     def read(at: int) -> tuple[dict[str, Any], Any]:
@@ -279,12 +266,11 @@ class RunLog:
     def read(
         directory: str | os.PathLike[str], text: str, shape: tuple[int, ...] = ()
     ) -> tuple[History, np.ndarray, dict[str, Any], dict[str, np.ndarray] | None]:
-        """``(History, partial losses, where, partial aux)`` of the run a checkpoint's meta
-        ``text`` names ("" gives an empty History): losses of shape ``(steps, *shape)``
-        (``shape``: the layout's, ``(N,)`` for N members); logs that were arrays are numpy
-        arrays again; the partial aux: the unfinished epoch's scalar aux logs per step, in
-        their dtypes (None when the log did not keep them). Only reads: a log missing or not holding
-        what the checkpoint recorded raises ValueError."""
+        """``(History, partial losses, where, partial aux)`` of the run a checkpoint's meta ``text``
+        names ("" gives an empty History): losses of shape ``(steps, *shape)`` (``shape``: the
+        layout's, ``(N,)`` for N members); logs that were arrays are numpy arrays again; the partial
+        aux: the unfinished epoch's scalar aux logs per step, in their dtypes (None when the log did
+        not keep them)."""
         shape = (-1, *shape)
         if not text:
             empty = np.zeros((0,), np.float32).reshape(shape)

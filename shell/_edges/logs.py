@@ -49,9 +49,8 @@ def _mean(values: np.ndarray, skipping: bool) -> np.ndarray:
 
 
 def scalar_aux(aux: Any, layout: Layout) -> dict[str, Any]:
-    """The aux leaves that are a scalar per step (per member): ``(steps, *layout.shape)``,
-    keyed by their log name (their path; a name that would shadow one of fit's own logs
-    gets ``aux/``). Reads only shapes: the leaves stay where they are."""
+    """The aux leaves that are a scalar per step (per member): ``(steps, *layout.shape)``, keyed by
+    their log name (their path; a name that would shadow one of fit's own logs gets ``aux/``)."""
     per_step = 1 + len(layout.shape)
     leaves = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
@@ -81,12 +80,7 @@ def epoch_logs(
     dropped: int = 0,
     compile_time: float = 0.0,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """The epoch's logs and its per-step losses (``(steps, *layout.shape)``).
-
-    ``wall_time`` is the epoch's seconds from its first call to its outputs on the host;
-    ``compile_time`` the part of it spent compiling (the first epoch's calls);
-    ``steps_per_sec`` counts the steps over the rest: the steady rate, compile excluded.
-    """
+    """The epoch's logs and its per-step losses (``(steps, *layout.shape)``)."""
     losses, aux = stacked if has_aux else (stacked, None)
     losses = np.asarray(losses, np.float32)
     logs: dict[str, Any] = {"epoch": epoch}
@@ -115,8 +109,7 @@ _OPTAX_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparams
 
 def learning_rate(opt_state: Any, layout: Layout) -> Any:
     """The current learning rate (an ``(N,)`` array for members), when ``tx`` came from
-    ``optax.inject_hyperparams``; else None. The first injected state holding one is used
-    (e.g. inside an ``optax.chain``); one host read."""
+    ``optax.inject_hyperparams``; else None."""
 
     def injected(node: Any) -> bool:
         return isinstance(node, _OPTAX_INJECTED)
@@ -150,10 +143,9 @@ def prepend_losses(
     partial_aux: dict[str, np.ndarray] | None,
     layout: Layout,
 ) -> Any:
-    """The resumed epoch's outputs with those of the steps trained before the interruption
-    first: their losses, and (``partial_aux``, from :func:`partial_scalar_aux`) their
-    scalar aux logs, so the epoch's logs average every step of it. ``partial_aux=None``
-    (a run log written without it): the aux logs average the steps after the resume."""
+    """The resumed epoch's outputs with those of the steps trained before the interruption first:
+    their losses, and (``partial_aux``, from :func:`partial_scalar_aux`) their scalar aux logs, so
+    the epoch's logs average every step of it."""
     if not has_aux:
         return np.concatenate([partial, np.asarray(stacked, np.float32)])
     losses, aux = stacked

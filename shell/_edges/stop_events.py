@@ -27,14 +27,7 @@ def _step_after(history: Any, epoch: int, last_step: int) -> int:
 
 
 def record_one_model(stop: Any, trainer: Any, history: Any) -> None:
-    """Appends ``stop``'s events of this ``fit`` on one model to ``history.events``.
-
-    Called first in ``EarlyStopping.on_train_end``, before it restores anything: it reads
-    the callback's record (``stopped_epoch``, ``best_epoch`` and the kept best state) and
-    writes an event only for what happened: a stop, and a restore that changed the model
-    (none when the last epoch trained was the best). A ``history`` without ``events`` (a
-    test driving the callback by hand) is left alone.
-    """
+    """Appends ``stop``'s events of this ``fit`` on one model to ``history.events``."""
     events = getattr(history, "events", None)
     if events is None:
         return

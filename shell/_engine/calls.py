@@ -138,9 +138,8 @@ class LiveState:
         return leaves if out is None else out
 
     def reload_state(self, state: nnx.State) -> None:
-        """Carries on from a module state read anew from the owner (after it was changed
-        between calls, e.g. metrics reset); the optax state, which nothing changed, stays.
-        Every write must be flushed."""
+        """Carries on from a module state read anew from the owner (after it was changed between
+        calls, e.g. metrics reset); the optax state, which nothing changed, stays."""
         assert not self.unwritten, "reload would lose unwritten steps"
         leaves, treedef = jax.tree.flatten((state, self.carry()[1]))
         assert treedef == self.treedef, "the carry's structure changed"
@@ -170,11 +169,7 @@ class LiveState:
 
 @contextlib.contextmanager
 def held_interrupts() -> Iterator[Callable[[], bool]]:
-    """Holds SIGINT inside the block; yields ``received()`` to ask whether one came.
-
-    Only in the main thread, and only when Python's default handler is installed: a host
-    program's own SIGINT handler is left alone.
-    """
+    """Holds SIGINT inside the block; yields ``received()`` to ask whether one came."""
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
@@ -214,11 +209,7 @@ def _copy(leaf: Any) -> Any:
 
 
 def _unaliased(leaves: list, key: Callable[[Any], Any] = id) -> list:
-    """``leaves`` with every repeated buffer replaced by a copy (donation needs distinct).
-
-    Per call the cheap ``id`` check suffices: a compiled call's outputs are fresh buffers.
-    On entry, ``_buffer_key`` also catches distinct Array objects over one buffer.
-    """
+    """``leaves`` with every repeated buffer replaced by a copy (donation needs distinct)."""
     seen: set[Any] = set()
     out = None
     for i, leaf in enumerate(leaves):
@@ -283,17 +274,7 @@ def run_calls(
     active: Callable[[], Any] | None = None,
     on_halt: HaltPolicy | None = None,
 ) -> list[Any]:
-    """Runs the compiled calls in order; returns each call's stacked outputs.
-
-    ``on_call(steps, out)`` runs after each call (the owner written back, except under the
-    per-step plan without ``write_every_call``); when ``should_stop()`` then says so, the
-    remaining calls are skipped. ``active()`` gives the members' freezing mask for the next
-    call (None: all train). Under ``on_nonfinite="stop"``, ``on_halt(halted, losses,
-    length)`` (the layout's policy, ``Layout.halted_steps``) says how many steps of a halted
-    call count; fewer than the call's raise :class:`NonFiniteStop`.
-    The owner holds the final state when this returns, and the last completed state when
-    it raises (whether the call, the data source or an interrupt raised).
-    """
+    """Runs the compiled calls in order; returns each call's stacked outputs."""
     plan, donate = execution
     # The per-step plan writes back once per stretch of calls (per-step Python would cost
     # more than the step) unless something looks at the objects after every call.

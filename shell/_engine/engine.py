@@ -59,7 +59,7 @@ class Engine:
       owner: who holds the state (one model, or members stacked).
       placement: one device, or a mesh.
       explicit_plan: the plan the user asked for, or None for ``"auto"``.
-      subject: the object callbacks receive (the Trainer or the Population).
+      trainer: the object callbacks receive (the Trainer or the Population).
       loss_fn, has_aux, update_metrics, rngs: what NNX metrics are fed with when an
         evaluation uses them (the front-end's own).
     """
@@ -71,7 +71,7 @@ class Engine:
         owner: Owner,
         placement: Placement,
         explicit_plan: Plan | None,
-        subject: Any,
+        trainer: Any,
         loss_fn: Callable,
         has_aux: bool,
         update_metrics: Callable | None = None,
@@ -80,7 +80,7 @@ class Engine:
         self.program, self.owner = program, owner
         # As configured; ``placement`` is it bound to the mesh of the call in progress.
         self.configured = self.placement = placement
-        self.explicit_plan, self.subject = explicit_plan, subject
+        self.explicit_plan, self.trainer = explicit_plan, trainer
         self.feed = dict(loss_fn=loss_fn, has_aux=has_aux, rngs=rngs)
         self.update_metrics = update_metrics
         self.orders = EpochOrders()  # the next epochs' orders, drawn while the device works
@@ -98,12 +98,8 @@ class Engine:
         return self.owner.layout.for_run(kind, member_batches, self.placement.member_axis)
 
     def execution(self, batch: Any, layout: Layout) -> Execution:
-        """Traces ONE model's step on the shapes of ``batch`` (one step's, as ``layout``
-        lays it out) with no compile: the plan and whether the carry may be donated. Bad
-        data raises here, before anything compiles.
-
-        On a mesh the shapes carry the shardings the compiled calls give them (on an
-        Explicit mesh they are part of the types the model's code sees)."""
+        """Traces ONE model's step on the shapes of ``batch`` (one step's, as ``layout`` lays it
+        out) with no compile: the plan and whether the carry may be donated."""
         placement = self.placement
         graphdef, state, opt_state = self.owner.read()
         members = len(layout.shape)  # the carry's leading members axes
@@ -148,13 +144,8 @@ class Engine:
     # -- fit --------------------------------------------------------------------------------
 
     def fit(self, data: Any, options: FitOptions) -> History:
-        """Trains ``options.epochs`` more epochs and at most ``options.max_steps`` more
-        steps (both the whole run's, with ``resume``).
-
-        Every check runs and the step is traced before the owner changes: a fit that
-        raises before training leaves everything as it was (a resume's restore aside,
-        which is itself checked first).
-        """
+        """Trains ``options.epochs`` more epochs and at most ``options.max_steps`` more steps (both
+        the whole run's, with ``resume``)."""
         checkpoints = options.checkpoints
         try:
             if checkpoints is not None:
@@ -199,7 +190,7 @@ class Engine:
         loop = FitLoop(
             program=self.program, execution=execution, owner=owner,
             placement=self.placement, make_runner=self.make_runner(layout),
-            callbacks=CallbackList(options.callbacks, self.subject), progress=options.progress,
+            callbacks=CallbackList(options.callbacks, self.trainer), progress=options.progress,
             progress_logs=options.progress_logs,
             evaluation=options.evaluation, checkpoints=options.checkpoints,
         )  # fmt: skip
@@ -277,7 +268,7 @@ class Engine:
         asynchronous: bool = True,
     ) -> tuple[pathlib.Path | None, Checkpoints | None]:
         """Checks fit's checkpoint arguments; returns the directory and when to save (one
-        writer for the fit, asynchronous unless asked otherwise; nothing touches the disk
+        checkpointer for the fit, asynchronous unless asked otherwise; nothing touches the disk
         before the first save)."""
         every = check_count(every, "checkpoint_every", 1)
         if every_steps is not None:
@@ -331,10 +322,8 @@ class Engine:
 
 
 def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:
-    """The shape (and, on a mesh, sharding) of ONE model's leaf: a population's leaves lose
-    their ``axes`` leading members axes (and ``spec_axes`` entries of the sharding). A
-    weakly typed leaf stays weak: the compiled call sees it so, and a probe traced with
-    another type would miss jit's trace cache and trace the whole step a second time."""
+    """The shape (and, on a mesh, sharding) of ONE model's leaf: a population's leaves lose their
+    ``axes`` leading members axes (and ``spec_axes`` entries of the sharding)."""
     shape = tuple(np.shape(x))[axes:]
     dtype = jax.numpy.result_type(x) if not hasattr(x, "dtype") else x.dtype
     weak = bool(getattr(x, "weak_type", False))
@@ -347,9 +336,8 @@ def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:
 
 
 def _finished(history: History, partial: Any = None, partial_aux: Any = None) -> History:
-    """The History of a fit with nothing left to train (a resumed run's so far); a run
-    that ``max_steps`` ended inside an epoch keeps that epoch's losses (its logs were never
-    written)."""
+    """The History of a fit with nothing left to train (a resumed run's so far); a run that
+    ``max_steps`` ended inside an epoch keeps that epoch's losses (its logs were never written)."""
     if partial is not None and len(partial):
         history.losses = np.concatenate([history.losses, partial])
     return history

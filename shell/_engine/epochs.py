@@ -174,11 +174,7 @@ class StepEpochs:
 
 
 def peek_stream(source: EpochSource) -> tuple[Any, Iterator]:
-    """The first epoch's first batch (as numpy), and that epoch's iterator with it put back.
-
-    The plan depends on the step's jaxpr, and the chunk size on the batch's bytes: both
-    need a batch before the stream starts.
-    """
+    """The first epoch's first batch (as numpy), and that epoch's iterator with it put back."""
     first_epoch = source.epoch()
     first = next(first_epoch, None)
     if first is None:

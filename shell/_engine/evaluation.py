@@ -62,12 +62,7 @@ def make_evaluate_fn(
     batch_size: int,
     eval_mode: bool,
 ) -> Callable[[Any], dict[str, Any]]:
-    """Checks the evaluation arguments (before anything compiles); returns ``run(data)``.
-
-    ``metric_fn(model, batch)``, or NNX ``metrics`` fed by ``update_metrics`` with the
-    training ``loss_fn`` (defaults: the front-end's own). For members, both run vmapped
-    and every value gains a leading members axis.
-    """
+    """Checks the evaluation arguments (before anything compiles); returns ``run(data)``."""
     if metric_fn is not None:
         if metrics is not None or update_metrics is not None:
             raise ValueError("pass either metric_fn or metrics/update_metrics, not both.")

@@ -140,12 +140,8 @@ class Preempted(Exception):
 
 @contextlib.contextmanager
 def caught_signals(enabled: bool) -> Iterator[list[int]]:
-    """While active, SIGINT and SIGTERM are recorded in the yielded list instead of
-    interrupting (the fit loop stops after the call in flight and saves).
-
-    Only in the main thread, and only for signals whose handler is Python's default: a host
-    program's own handlers are left alone.
-    """
+    """While active, SIGINT and SIGTERM are recorded in the yielded list instead of interrupting
+    (the fit loop stops after the call in flight and saves)."""
     received: list[int] = []
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield received
@@ -223,13 +219,8 @@ class FitLoop:
         partial: np.ndarray | None = None,
         partial_aux: dict[str, np.ndarray] | None = None,
     ) -> History:
-        """Trains what ``schedule`` plans, in ``epoch_calls``' calls, from the owner's state,
-        onto ``history`` (a resumed run's so far, else empty).
-
-        ``partial`` and ``partial_aux`` carry on a resumed run: the losses and scalar aux
-        logs of the unfinished epoch's steps trained before the interruption
-        (``owner.epoch_step`` of them; ``partial_aux`` None when the run log did not keep
-        them)."""
+        """Trains what ``schedule`` plans, in ``epoch_calls``' calls, from the owner's state, onto
+        ``history`` (a resumed run's so far, else empty)."""
         owner = self.owner
         # An epoch's train_<metric> logs cover exactly that epoch's steps: start afresh.
         owner.reset_metrics()

@@ -350,9 +350,8 @@ class Members:
 
 @functools.lru_cache(maxsize=32)
 def _vmapped_evaluate(evaluate: Callable) -> Callable:
-    """``evaluate(graphdef, state, data)`` vmapped over a population's stacked states (the
-    data shared): every value gains a leading members axis. One per ``evaluate`` (itself
-    cached by ``programs``), so a second evaluation compiles nothing."""
+    """``evaluate(graphdef, state, data)`` vmapped over a population's stacked states (the data
+    shared): every value gains a leading members axis."""
 
     def run(graphdef: Any, states: Any, data: Any) -> Any:
         return jax.vmap(lambda state: evaluate(graphdef, state, data))(states)

@@ -257,14 +257,9 @@ def build_members(
     rngs: Any = None,
     metrics: nnx.Metric | None = None,
 ) -> StackedOwner:
-    """Builds every member (``model_fn(nnx.Rngs(seed))``, its node with call-time Rngs and
-    metrics, its opt_state ``init_opt(graphdef, state)`` on its own split, with its
-    hyperparameters) and stacks them in an owner.
-
-    ``init_opt`` is the built-in step's ``init_opt_state(tx, state, wrt)``, or a user's
-    ``Step.init``. ``rngs`` is an ``nnx.Rngs`` every member starts from, or
-    ``rngs(seed) -> nnx.Rngs``.
-    """
+    """Builds every member (``model_fn(nnx.Rngs(seed))``, its node with call-time Rngs and metrics,
+    its opt_state ``init_opt(graphdef, state)`` on its own split, with its hyperparameters) and
+    stacks them in an owner."""
     graphdef, model_graphdef, states, opt_states = None, None, [], []
     for i, seed in enumerate(seeds):
         model = call_model_fn(model_fn, seed)

@@ -173,11 +173,7 @@ def fit_options(
     member_batches: bool = False,
     front_end: str = "fit",
 ) -> FitOptions:
-    """Checks ``fit``'s arguments, the same for every front-end, before anything compiles.
-
-    ``options`` are the keyword arguments a front-end's ``fit`` received (see
-    :class:`FitArguments`); an unknown name raises TypeError with the closest known ones.
-    """
+    """Checks ``fit``'s arguments, the same for every front-end, before anything compiles."""
     unknown = sorted(set(options) - set(FIT_DEFAULTS))
     if unknown:
         name = unknown[0]

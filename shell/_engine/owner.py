@@ -107,9 +107,8 @@ def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
 
 
 def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...], where: str = "") -> None:
-    """A restored checkpoint's counters must be non-negative ints (a corrupted or crafted
-    one raises before anything is written, and changes nothing); ``where``: the checkpoint,
-    for the message."""
+    """A restored checkpoint's counters must be non-negative ints (a corrupted or crafted one raises
+    before anything is written, and changes nothing); ``where``: the checkpoint, for the message."""
     for name in names:
         value = meta[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -183,13 +182,10 @@ class ModelOwner:
         optimizer: nnx.Optimizer | None = None,
         extras: tuple = (),
     ) -> ModelOwner:
-        """The owner of a user's step: a pure :class:`~nnxscan.pure.Step` (``step``; its
-        ``init`` makes the opt_state kept here), or a stateful NNX step (``step=None``)
-        that mutates ``(model, optimizer, *extras)``, all carried as one node (every
-        state lives in the objects; the carry's opt_state is ``()``).
-
-        The step counter is the owner's own (a stateful step may call no optimizer, or
-        several): steps trained, saved and restored with checkpoints."""
+        """The owner of a user's step: a pure :class:`~nnxscan.pure.Step` (``step``; its ``init``
+        makes the opt_state kept here), or a stateful NNX step (``step=None``) that mutates
+        ``(model, optimizer, *extras)``, all carried as one node (every state lives in the objects;
+        the carry's opt_state is ``()``)."""
         check_module(model)
         owner = cls.__new__(cls)
         owner.model, owner.optimizer, owner._synced = model, optimizer, None
@@ -416,11 +412,7 @@ class ModelOwner:
         return {"state": state, "opt_state": opt_state, "meta": meta}
 
     def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None:
-        """Writes a checkpoint tree (as :meth:`checkpoint_tree` made it) into the objects.
-
-        The tree is checked first (and, for a resumed fit, against its ``run_keys``: the
-        same seed): a bad one raises and changes nothing.
-        """
+        """Writes a checkpoint tree (as :meth:`checkpoint_tree` made it) into the objects."""
         self.release_reads()
         meta = tree["meta"]
         check_meta_ints(meta, ("epoch", "step", "seed", "epoch_step"))

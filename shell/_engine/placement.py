@@ -107,9 +107,8 @@ class Placement:
     # -- the mesh of this call ----------------------------------------------------------------
 
     def bound(self) -> Placement:
-        """This placement on the mesh of the current call: ``mesh=``, else the one
-        ``jax.set_mesh`` put in context (none: one device). Raises ValueError for a
-        ``mesh=`` that differs from the context's, or axes the mesh lacks."""
+        """This placement on the mesh of the current call: ``mesh=``, else the one ``jax.set_mesh``
+        put in context (none: one device)."""
         context = context_mesh()
         mesh = self._mesh if self._mesh is not None else context
         if self._mesh is not None and context is not None and context != self._mesh:
@@ -232,9 +231,8 @@ class Placement:
         return shardings, given
 
     def carry_shardings(self, state: Any, opt_state: Any) -> tuple | None:
-        """One sharding per leaf of ``(state, opt_state)`` (flattened as a compiled call's
-        carry); None off a mesh. An optax leaf keeps what a path rule, its array or its
-        ``optimizer_sharding`` annotation gives it; else a moment takes its parameter's."""
+        """One sharding per leaf of ``(state, opt_state)`` (flattened as a compiled call's carry);
+        None off a mesh."""
         if self.mesh is None:
             return None
         state_shardings, given = self._state_specs(state)
@@ -355,10 +353,9 @@ class Placement:
         return [_put(x, s) for x, s in zip(leaves, shardings, strict=True)]
 
     def put_data(self, tree: Any, like: Any = None, *, device: Any = None) -> Any:
-        """A whole data set: next to the model (``like``'s device, or ``device``), or
-        replicated over the mesh — a full copy on every device (each step's batch is then
-        gathered and sharded over the data axes inside the compiled call). For a data set
-        too big for that, stream it: a stream's chunks are sharded."""
+        """A whole data set: next to the model (``like``'s device, or ``device``), or replicated
+        over the mesh — a full copy on every device (each step's batch is then gathered and sharded
+        over the data axes inside the compiled call)."""
         if self.mesh is None:
             return _commit(tree, device if device is not None else device_of(like))
         return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
@@ -403,11 +400,7 @@ def _commit(tree: Any, device: Any) -> Any:
 
 
 def to_host(tree: Any) -> Any:
-    """``jax.device_get`` that also reads replicated arrays spanning several processes.
-
-    Such an array is not fully addressable from one process; every process holds a full
-    copy, so the local one is read.
-    """
+    """``jax.device_get`` that also reads replicated arrays spanning several processes."""
 
     def get(x: Any) -> Any:
         if isinstance(x, jax.Array) and not x.is_fully_addressable:

@@ -64,10 +64,7 @@ class Plan(NamedTuple):
 
 
 def resolve_plan(execution: str | Plan) -> Plan | None:
-    """Turns the user's ``execution=`` into a Plan; ``None`` for ``"auto"``.
-
-    Raises ValueError on an unknown plan name or a bad ``steps_per_call``.
-    """
+    """Turns the user's ``execution=`` into a Plan; ``None`` for ``"auto"``."""
     if isinstance(execution, Plan):
         plan = execution
     elif execution == "auto":
@@ -128,10 +125,7 @@ def choose_plan(traits: StepTraits, backend: str) -> Plan:
 
 
 def step_traits(step: Any, graphdef: Any, state: Any, opt_state: Any, batch: Any) -> StepTraits:
-    """Traces (does not compile) a jitted ``step`` on these inputs and reports its traits.
-
-    The trace lands in jit's cache, so the compiled call that runs the step reuses it.
-    """
+    """Traces (does not compile) a jitted ``step`` on these inputs and reports its traits."""
     jaxpr = jax.make_jaxpr(step)(graphdef, state, opt_state, abstract_batch(batch))
     names = primitive_names(jaxpr)
     return StepTraits(

@@ -210,17 +210,10 @@ def chunk_runner(
     batch_sharding: Any,
     donate: bool,
 ) -> Callable:
-    """The jitted ``run(leaves, data, indices, active, start, length=, unroll=, rows=) ->
-    (leaves, outs, halted)`` of every training call: it trains the steps
-    ``start:start+length`` of ``indices`` (batch numbers of ``rows`` stored examples each
-    when ``rows`` is given) with ``scan_indexed_steps``, and keeps the new carry where it
-    was placed (``carry_shardings``).
-
-    ``step`` is the program's step with its wrappers: ``halt_after_nonfinite`` for
-    ``"stop"``, the layout's (``vmap_members`` for members). The owner's ``opt_state``
-    crosses the call bare; the wrappers' states are built around it here (nothing halted
-    yet; the layout's, with the members' ``active`` mask) and taken off again: ``halted``
-    is a bool of the layout's shape, ``(N,)`` for members."""
+    """The jitted ``run(leaves, data, indices, active, start, length=, unroll=, rows=) -> (leaves,
+    outs, halted)`` of every training call: it trains the steps ``start:start+length`` of
+    ``indices`` (batch numbers of ``rows`` stored examples each when ``rows`` is given) with
+    ``scan_indexed_steps``, and keeps the new carry where it was placed (``carry_shardings``)."""
 
     def run(leaves, data, indices, active, start, *, length, unroll, rows=None):
         state, opt_state = jax.tree.unflatten(carry_def, leaves)

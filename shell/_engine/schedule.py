@@ -19,11 +19,7 @@ FUSED_STEPS = 10_000
 
 
 def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
-    """The ``"scan"`` plan with calls of ``steps_per_call`` steps (a data set's epoch).
-
-    The ``"unrolled"`` and ``"step"`` plans keep their own call size: an unrolled call's
-    compile grows with its length. ``Plan("unrolled", k)`` sets it.
-    """
+    """The ``"scan"`` plan with calls of ``steps_per_call`` steps (a data set's epoch)."""
     if steps_per_call is None or plan.kind != "scan":
         return plan
     return plan._replace(steps_per_call=steps_per_call)

@@ -56,12 +56,7 @@ _END = object()
 
 
 def is_stream(data: Any) -> bool:
-    """Whether ``fit`` should stream ``data`` batch by batch rather than index into it.
-
-    A zero-argument callable, a ``list`` (of batches), an iterator or any other iterable
-    that is not a pytree container (a DataLoader) is a stream. Arrays, dicts, tuples and
-    NamedTuples are pytrees of arrays: the whole data set.
-    """
+    """Whether ``fit`` should stream ``data`` batch by batch rather than index into it."""
     if callable(data) and not hasattr(data, "__array__"):
         return True
     if isinstance(data, list):
@@ -231,12 +226,7 @@ def _chunks(
     on_dropped: Callable[[int], None],
     resumed: bool = False,
 ) -> Iterator[Chunk]:
-    """Pulls, checks, stacks and transfers (``put``) chunks of ``chunk_size`` batches.
-
-    ``resumed``: the iterator starts past batches trained before a resume, so it may hold
-    none at all (the interruption came after the epoch's last batch). Members' batches
-    ``(N, batch, ...)`` stack into ``(K, N, batch, ...)``, steps first as every chunk.
-    """
+    """Pulls, checks, stacks and transfers (``put``) chunks of ``chunk_size`` batches."""
     index, pending = 0, []
     _stack = _stack_batches
 

@@ -33,11 +33,7 @@ def qualified_name(fn: Any) -> str:
 
 
 def describe_batch(batch: Any, batch_size: int | None = None) -> list[str]:
-    """One line per leaf of ``batch``: its path, shape and dtype, aligned in columns.
-
-    With ``batch_size`` the leaves are a whole data set cut into batches: each leading
-    dimension is shown as the first batch's, ``min(batch_size, n)``.
-    """
+    """One line per leaf of ``batch``: its path, shape and dtype, aligned in columns."""
     rows = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = tuple(np.shape(leaf))
