@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from nnxscan.pure.batching import shard_batch
@@ -68,6 +69,19 @@ def scan_batches(
     batch_sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[nnx.State, Any, Any]:
     """The one training loop body: ``step`` on ``batch_of(x)`` for each entry ``x`` of ``xs``."""
+    body = loop_body(step, graphdef, batch_of, batch_sharding)
+    (state, opt_state), outs = scan_loop(body, (state, opt_state), xs, unroll=unroll)
+    return state, opt_state, outs
+
+
+def loop_body(
+    step: StepFn,
+    graphdef: nnx.GraphDef,
+    batch_of: Callable[[Any], Any],
+    batch_sharding: jax.sharding.Sharding | None = None,
+) -> Callable[[Any, Any], tuple[Any, Any]]:
+    """``body((state, opt_state), x) -> ((state, opt_state), out)``: one step on
+    ``batch_of(x)``, the body of every training loop."""
 
     def body(carry, x):
         state, opt_state = carry
@@ -76,5 +90,27 @@ def scan_batches(
         state, opt_state = keep_carry_types(new[:2], carry)
         return (state, opt_state), new[2]
 
-    (state, opt_state), outs = scan_loop(body, (state, opt_state), xs, unroll=unroll)
-    return state, opt_state, outs
+    return body
+
+
+def loop_first(body: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any, count: Any):
+    """``body`` over the first ``count`` entries of ``xs`` (a traced count: a while loop with
+    that trip count), as ``lax.scan`` runs it over all of them; the outputs of the entries
+    not run are zeros. Chunks of one length whose last trains fewer steps then share ONE
+    loop body, where a scan of the rest would be a second copy of the step to compile."""
+    length = jax.tree.leaves(xs)[0].shape[0]
+    first = jax.tree.map(lambda x: x[0], xs)
+    shapes = jax.eval_shape(lambda c, x: body(c, x)[1], carry, first)
+    outs = jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), shapes)
+
+    def one(i, both):
+        carry, outs = both
+        carry, out = body(
+            carry, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), xs)
+        )
+        outs = jax.tree.map(
+            lambda buf, y: jax.lax.dynamic_update_index_in_dim(buf, y, i, 0), outs, out
+        )
+        return carry, outs
+
+    return jax.lax.fori_loop(0, count, one, (carry, outs))

@@ -189,6 +189,10 @@ def scan_indexed_steps(
     # The same rule per chunk: a chunk that reads most of the data (fused epochs of a data
     # set within the budget) gathers through bytes too.
     as_bytes = 2 * chunk * per_step >= data_bytes
+    if steps % chunk and (unroll is False or (type(unroll) is int and unroll == 1)):
+        return _chunks_with_rest(
+            step, graphdef, (state, opt_state), data, indices, chunk, as_bytes, batch_sharding
+        )
     head = indices[: num_chunks * chunk].reshape(num_chunks, chunk, *indices.shape[1:])
     carry, outs = jax.lax.scan(
         lambda carry, idx: run_chunk(carry, idx, as_bytes), (state, opt_state), head
@@ -197,6 +201,29 @@ def scan_indexed_steps(
     if steps > num_chunks * chunk:
         carry, rest = run_chunk(carry, indices[num_chunks * chunk :], as_bytes)
         outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, rest)
+    return (*carry, outs)
+
+
+def _chunks_with_rest(step, graphdef, carry, data, indices, chunk, as_bytes, batch_sharding):
+    """Chunks of ``chunk`` steps whose last is short, in ONE loop of the step: every chunk
+    gathers ``chunk`` batches (the last padded with the call's last batch, never trained) and
+    trains its first steps, as many as it holds. A scan of the rest would compile the step
+    a second time."""
+    steps = indices.shape[0]
+    num_chunks = -(-steps // chunk)
+    pad = jnp.broadcast_to(indices[-1:], (num_chunks * chunk - steps, *indices.shape[1:]))
+    chunks = jnp.concatenate([indices, pad]).reshape(num_chunks, chunk, *indices.shape[1:])
+    counts = np.minimum(chunk, steps - chunk * np.arange(num_chunks)).astype(np.int32)
+    body = _loops.loop_body(step, graphdef, lambda b: b, batch_sharding)
+
+    def run_chunk(carry, chunk_and_count):
+        idx, count = chunk_and_count
+        return _loops.loop_first(
+            body, carry, batching.take_batch(data, idx, as_bytes=as_bytes), count
+        )
+
+    carry, outs = jax.lax.scan(run_chunk, carry, (chunks, counts))
+    outs = jax.tree.map(lambda x: x.reshape(num_chunks * chunk, *x.shape[2:])[:steps], outs)
     return (*carry, outs)
 
 

@@ -165,7 +165,7 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
     """An epoch whose batches exceed the gather budget runs as chunks of steps, each
     gathered once (a chunk that reads half the data or more through bytes, where the rows
     allow it): bitwise the epoch gathered whole, the chunks' steps being the same loop body
-    (to rounding where a rest of one step runs outside the loop, and against the per-step
+    (a short last chunk too: it runs the same loop body; to rounding against the per-step
     reference: other programs)."""
     from nnxscan.pure import batching, scan_indexed_steps
 
@@ -197,12 +197,19 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
     whole7 = jax.jit(
         lambda s, o: scan_indexed_steps(step, graphdef, s, o, data, first7, gather_budget=10**9)
     )(state, opt_state)
-    chunked7 = jax.jit(
-        lambda s, o: scan_indexed_steps(
-            step, graphdef, s, o, data, first7, gather_budget=3 * per_step
-        )
-    )(state, opt_state)
-    assert_trees_close(chunked7, whole7)  # the rest of 1 step is no loop: to rounding
+
+    def chunked(s, o):
+        return scan_indexed_steps(step, graphdef, s, o, data, first7, gather_budget=3 * per_step)
+
+    chunked7 = jax.jit(chunked)(state, opt_state)
+    # The chunks of 3, 3 and 1 steps run ONE loop body (the step once in the program, as in
+    # the whole call's): the same body in a loop, bitwise.
+    assert_trees_close(chunked7, whole7, exact=True)
+    assert str(jax.make_jaxpr(chunked)(state, opt_state)).count("dot_general") == str(
+        jax.make_jaxpr(
+            lambda s, o: scan_indexed_steps(step, graphdef, s, o, data, first7, gather_budget=10**9)
+        )(state, opt_state)
+    ).count("dot_general")
     model = MLP(din, rngs=nnx.Rngs(0))  # the plain per-step NNX loop on the same batches
     optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
     reference_loop(model, optimizer, xent, epoch_batches(data, BS, 3, 0))

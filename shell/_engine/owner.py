@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -360,7 +359,7 @@ class ModelOwner:
         def write_with_optimizer(leaves: list, treedef: Any, steps: int) -> None:
             self.release_reads()
             new_step = self.step + steps
-            step_array = jnp.asarray(new_step, jnp.uint32)
+            step_array = _step_array(new_step)
             if direct(leaves, treedef):
                 optimizer.step.set_raw_value(step_array)
             else:
@@ -429,7 +428,7 @@ class ModelOwner:
         else:
             # Build the optimizer's update before touching the model: it can still raise.
             update = optimizer_state_builder(self._synced)(
-                tree["opt_state"], jnp.asarray(meta["step"], jnp.uint32)
+                tree["opt_state"], _step_array(meta["step"])
             )
             nnx.update(self.node, tree["state"])
             nnx.update(self._synced, update)
@@ -437,6 +436,12 @@ class ModelOwner:
         self.epoch, self.seed = meta["epoch"], meta["seed"]
         self.epoch_step, self.restored_run = meta["epoch_step"], meta["run"]
         self.loaded_since_checkpoint = False
+
+
+def _step_array(step: int) -> jax.Array:
+    """An optimizer's step counter as a uint32 array, placed from the host: ``jnp.asarray``
+    would compile a conversion of its own, a program the run does not otherwise need."""
+    return jax.device_put(np.asarray(step, np.uint32))
 
 
 def holds_hijax(state: nnx.State) -> bool:
