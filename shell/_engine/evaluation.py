@@ -51,7 +51,7 @@ def fit_evaluation(
         min(check_count(size, "eval_batch_size", 1), n), n, drop_remainder=False
     )
     run = make_evaluate_fn(engine, metric_fn, None, None, size, True)
-    return Evaluation(every, lambda: run(data))
+    return Evaluation(every, lambda: run(data), lambda: run.lowered(data))
 
 
 def make_evaluate_fn(
@@ -105,19 +105,31 @@ def _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode):
         with placement.context():
             return logs(placement, data)
 
-    def logs(placement: Placement, data: Any) -> dict[str, Any]:
+    def inputs(placement: Placement, data: Any) -> tuple[Callable, tuple]:
         graphdef, state = owner.evaluation_node(metric_fn is not None, rngs, metrics)
         leaves, treedef = jax.tree.flatten(state)
         placed = placement.put_carry(leaves, placement.state_shardings(state))
         state = jax.tree.unflatten(treedef, placed)
-        data = placement.put_data(data, state)
-        evaluate = program(placement.batch_sharding)
-        with noting_batch("evaluation", traced, data, batch_size=batch_size):
-            values = to_host(evaluate(graphdef, state, data))
+        return program(placement.batch_sharding), (graphdef, state, placement.put_data(data, state))
+
+    def logs(placement: Placement, data: Any) -> dict[str, Any]:
+        evaluate, args = inputs(placement, data)
+        with noting_batch("evaluation", traced, args[2], batch_size=batch_size):
+            values = to_host(evaluate(*args))
         if metric_fn is None:
             return metric_logs(values, metrics)
         return {k: layout.metric(v) for k, v in values.items()}
 
+    def lowered(data: Any) -> Any:
+        """The program ``run(data)`` will call, traced and lowered on the owner's state as
+        it is now (the same shapes as every later call's): ``.compile()`` compiles what
+        that call would, filling jit's cache."""
+        placement = engine.bind()
+        with placement.context():
+            evaluate, args = inputs(placement, data)
+            return evaluate.lower(*args)
+
+    run.lowered = lowered
     return run
 
 

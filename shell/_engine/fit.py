@@ -78,10 +78,40 @@ class CallbackList:
 
 class Evaluation(NamedTuple):
     """``fit``'s held-out evaluation: ``run()`` every ``every`` epochs, logged as
-    ``eval_<name>``."""
+    ``eval_<name>``; ``lowered()``, the program ``run()`` calls, lowered (not compiled)."""
 
     every: int
     run: Callable[[], dict[str, float]]
+    lowered: Callable[[], Any] | None = None
+
+
+def compile_ahead(lower: Callable[[], Any]) -> Callable[[], None]:
+    """Lowers a program the run will surely call (``lower()``: its ``jax.stages.Lowered``)
+    and compiles it on a thread while this one goes on (XLA compiles without the GIL: the
+    first training call's compile and this one share the cores); returns ``wait()``, to
+    call before the program's first call. The compiled program is the one the call would
+    compile (jit's cache keeps it), so this changes when it compiles, never what runs. A
+    failure is left for the call itself to raise, where it always did."""
+    try:
+        lowered = lower()
+    except Exception:
+        return lambda: None
+
+    def compile_quietly() -> None:
+        with contextlib.suppress(Exception):
+            lowered.compile()
+
+    thread = threading.Thread(target=compile_quietly, name="nnxscan-compile", daemon=True)
+    thread.start()
+    return thread.join
+
+
+def _after(wait: Callable[[], None], run: Callable[[], Any]) -> Callable[[], Any]:
+    def waited() -> Any:
+        wait()
+        return run()
+
+    return waited
 
 
 class Checkpoints(NamedTuple):
@@ -224,6 +254,13 @@ class FitLoop:
         owner = self.owner
         # An epoch's train_<metric> logs cover exactly that epoch's steps: start afresh.
         owner.reset_metrics()
+        if self.evaluation is not None and self.evaluation.lowered is not None:
+            # Before the carry is read: what lowering placed is gone when the first call
+            # counts who holds the state's arrays.
+            evaluation_ready = compile_ahead(self.evaluation.lowered)
+            self.evaluation = self.evaluation._replace(
+                run=_after(evaluation_ready, self.evaluation.run), lowered=None
+            )
         # No local keeps the owner's arrays: the first call counts who else references
         # them (see calls.LiveState.donatable).
         live = LiveState(
