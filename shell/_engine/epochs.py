@@ -126,11 +126,23 @@ class ArrayEpochs:
         return self.layout.orders([unique[seed] for seed in self.seeds])
 
     def __call__(self, stretch: Stretch, stats: EpochStats | None = None) -> Iterator[Call]:
+        yield from self._calls(stretch, self._order)
+        if stretch.steps == stretch.ends:  # the device is busy with the last call
+            next_epoch = stretch.epoch + stretch.epochs
+            self.orders.draw_ahead(self.seeds, next_epoch, self.num_examples, self.shuffle)
+
+    def placeholder_calls(self, stretch: Stretch) -> Iterator[Call]:
+        """The stretch's calls as ``__call__`` makes them, but every epoch in the stored
+        order: the same shapes and places, so the same programs (to compile them ahead)."""
+        stored = np.arange(self.num_examples)
+        return self._calls(stretch, lambda epoch: self.layout.orders([stored] * len(self.seeds)))
+
+    def _calls(self, stretch: Stretch, order: Callable[[int], np.ndarray]) -> Iterator[Call]:
         fulls, tail, drop = [], None, not self.keep_tail
         for e in range(stretch.epoch, stretch.epoch + stretch.epochs):
             # The core's cut of the same order make_epoch uses: a loop of make_epoch calls
             # fed epoch_order(seed, e, n) trains exactly what fit trains.
-            full, tail = cut_batches(self._order(e), self.batch_size, drop_remainder=drop)
+            full, tail = cut_batches(order(e), self.batch_size, drop_remainder=drop)
             # Steps first, as make_epoch scans them: (N, steps, batch) -> (steps, N, batch).
             fulls.append(self.layout.steps_first(full))
         tail = None if tail is None else self.layout.steps_first(tail)
@@ -148,9 +160,6 @@ class ArrayEpochs:
                 yield Call(self.data, full, start, length, rows=rows)
             else:  # the short batch: one step of its own shape, unrolled (no loop)
                 yield Call(self.data, tail, 0, 1, unroll=True)
-        if stretch.steps == stretch.ends:  # the device is busy with the last call
-            next_epoch = stretch.epoch + stretch.epochs
-            self.orders.draw_ahead(self.seeds, next_epoch, self.num_examples, self.shuffle)
 
 
 class StepEpochs:

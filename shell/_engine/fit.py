@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import threading
 import time
@@ -85,33 +86,34 @@ class Evaluation(NamedTuple):
     lowered: Callable[[], Any] | None = None
 
 
-def compile_ahead(lower: Callable[[], Any]) -> Callable[[], None]:
-    """Lowers a program the run will surely call (``lower()``: its ``jax.stages.Lowered``)
-    and compiles it on a thread while this one goes on (XLA compiles without the GIL: the
-    first training call's compile and this one share the cores); returns ``wait()``, to
-    call before the program's first call. The compiled program is the one the call would
-    compile (jit's cache keeps it), so this changes when it compiles, never what runs. A
-    failure is left for the call itself to raise, where it always did."""
+def lowered_or_none(lower: Callable[[], Any] | None) -> Any:
+    """``lower()`` (a program, traced and lowered), or None where that fails: the call
+    itself then raises the error, where it always did."""
     try:
-        lowered = lower()
+        return None if lower is None else lower()
     except Exception:
+        return None
+
+
+def compile_ahead(programs: Sequence[Any]) -> Callable[[], None]:
+    """Compiles lowered programs (``jax.stages.Lowered``, None skipped) that the run will
+    surely call, in order, on one thread while this one goes on: XLA compiles without the
+    GIL, so the first training call's compile and these share the cores. Returns
+    ``wait()``. A call of a program being compiled waits for that compile (jit's cache),
+    and runs what it would have compiled itself: this changes when programs compile,
+    never what runs."""
+    programs = [p for p in programs if p is not None]
+    if not programs:
         return lambda: None
 
-    def compile_quietly() -> None:
-        with contextlib.suppress(Exception):
-            lowered.compile()
+    def compile_all() -> None:
+        for program in programs:
+            with contextlib.suppress(Exception):  # the call itself raises it
+                program.compile()
 
-    thread = threading.Thread(target=compile_quietly, name="nnxscan-compile", daemon=True)
+    thread = threading.Thread(target=compile_all, name="nnxscan-compile", daemon=True)
     thread.start()
     return thread.join
-
-
-def _after(wait: Callable[[], None], run: Callable[[], Any]) -> Callable[[], Any]:
-    def waited() -> Any:
-        wait()
-        return run()
-
-    return waited
 
 
 class Checkpoints(NamedTuple):
@@ -254,13 +256,9 @@ class FitLoop:
         owner = self.owner
         # An epoch's train_<metric> logs cover exactly that epoch's steps: start afresh.
         owner.reset_metrics()
-        if self.evaluation is not None and self.evaluation.lowered is not None:
-            # Before the carry is read: what lowering placed is gone when the first call
-            # counts who holds the state's arrays.
-            evaluation_ready = compile_ahead(self.evaluation.lowered)
-            self.evaluation = self.evaluation._replace(
-                run=_after(evaluation_ready, self.evaluation.run), lowered=None
-            )
+        # Lowered before the carry is read: what lowering placed is gone when the first
+        # call counts who holds the state's arrays.
+        evaluation = lowered_or_none(getattr(self.evaluation, "lowered", None))
         # No local keeps the owner's arrays: the first call counts who else references
         # them (see calls.LiveState.donatable).
         live = LiveState(
@@ -277,6 +275,8 @@ class FitLoop:
         if partial is not None:
             self._partial, self._partial_aux = partial, partial_aux
         self.callbacks.trainer.stop_training = False
+        ahead = self._lowered_ahead(schedule, epoch_calls, live)
+        wait = compile_ahead([*ahead[:1], evaluation, *ahead[1:]])
         total, last_epoch = schedule.progress()
         bar = RunProgress(total, self.progress, last_epoch=last_epoch, has_aux=self.program.has_aux,
                           layout=self.layout, log_names=self.progress_logs)  # fmt: skip
@@ -288,7 +288,9 @@ class FitLoop:
                         break
                     if not self._train(history, live, epoch_calls, stretch, bar, injected):
                         break
+                wait()  # compiled by now, unless fit stopped early
         except BaseException as error:
+            wait()  # no compile outlives the fit
             # The epochs trained so far stay reachable, files the callbacks opened are
             # closed, a checkpoint in flight is finished: an exception loses no record.
             error.history = history
@@ -308,6 +310,32 @@ class FitLoop:
             self.checkpoints.close()  # every checkpoint is on disk when fit returns
         self._warn_nonfinite()
         return history
+
+    def _lowered_ahead(self, schedule: Schedule, epoch_calls: Epochs, live: LiveState) -> list:
+        """The training programs of the schedule's calls after its first (a call of another
+        length: a stretch cut by evaluation, ``max_steps`` or ``FUSED_STEPS``; a short
+        last batch), lowered: the first stretch's, then the others'. Only when epochs fuse:
+        then nothing but an error stops the schedule early, so each will surely run."""
+        placeholder_calls = getattr(epoch_calls, "placeholder_calls", None)
+        run = live.runner(self.execution.donate)
+        if not schedule.fuse or placeholder_calls is None or not hasattr(run, "lower"):
+            return []
+        seen_stretches, seen, lowered = set(), set(), []
+        mask = None if self._active_mask is None else self._active_mask()
+        for stretch in schedule.stretches():
+            shape = (stretch.epochs, stretch.skip, stretch.steps, stretch.calls)
+            if shape in seen_stretches:
+                continue
+            seen_stretches.add(shape)
+            for call in placeholder_calls(stretch):
+                unroll = self.execution.plan.unroll if call.unroll is None else call.unroll
+                options = dict(length=call.length, unroll=unroll, rows=call.rows)
+                key = (call.indices.shape, call.start, *options.values())
+                if key not in seen and seen:  # the first call compiles as it runs
+                    args = (live.leaves, call.data, call.indices, mask, call.start)
+                    lowered.append(functools.partial(run.lower, *args, **options))
+                seen.add(key)
+        return [lowered_or_none(lower) for lower in lowered]
 
     def _on_halt(self, live: LiveState) -> Callable[[Any, Any, int], int]:
         """``on_nonfinite="stop"``: the layout's policy for a call that halted."""
