@@ -1,10 +1,16 @@
 """What a second fit compiles (docs/training.md): nothing with the same shapes and epochs;
-one program per new count of fused epochs; nothing when epochs are not fused."""
+one program per new count of fused epochs; nothing when epochs are not fused. What one fit
+compiles: each program it calls once, those after the first while the first compiles."""
 
 from __future__ import annotations
 
+import threading
+
+import jax
+import jax.monitoring
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from nnxscan.shell import LambdaCallback, Trainer
@@ -41,3 +47,43 @@ def test_epochs_that_are_not_fused_compile_nothing_for_another_count(data, compi
         fused.fit(data, epochs=epochs, batch_size=16, progress=False)
     for a, b in zip(state_arrays(fused.model), state_arrays(apart.model), strict=True):
         np.testing.assert_array_equal(a, b)  # fused or not, the same bits
+
+
+def _compiles_during(run) -> list[tuple[str, str]]:
+    """``run()``'s XLA compiles: ``(program name, thread name)`` each."""
+    compiles = []
+
+    def on_event(event: str, secs: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append((str(kwargs.get("fun_name")), threading.current_thread().name))
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    return compiles
+
+
+@pytest.mark.parametrize("tail", [False, True], ids=["cut_stretch", "short_batch"])
+def test_programs_of_later_calls_compile_ahead_and_once(data, tail):
+    """The programs a fit will surely call after its first (the 2-epoch stretch that
+    evaluation every 4 of 10 epochs leaves, or each epoch's short last batch, and the
+    evaluation) compile on a thread while the first call compiles: each program once, no
+    program the run does not call, and the same bits as epochs run one call each."""
+    hidden = 13 if tail else 11  # shapes no other test compiled
+    options = dict(batch_size=24 if tail else 16, drop_remainder=not tail, progress=False)
+    evaluation = dict(eval_every=4, eval_data=data, metric_fn=lambda m, b: {"loss": xent(m, b)})
+    ahead = Trainer(MLP(hidden=hidden, rngs=nnx.Rngs(0)), TX, xent)
+    compiles = _compiles_during(lambda: ahead.fit(data, epochs=10, **options, **evaluation))
+    main = [name for name, thread in compiles if thread == "MainThread"]
+    assert main == ["jit(run)"]  # the first call's; every other one was compiled ahead
+    assert sorted(name for name, thread in compiles if thread == "nnxscan-compile") == [
+        "jit(evaluate)",
+        "jit(run)",
+    ]
+    apart = Trainer(MLP(hidden=hidden, rngs=nnx.Rngs(0)), TX, xent)
+    callback = LambdaCallback(on_epoch_end=lambda t, epoch, logs: None)  # no fusing
+    apart.fit(data, epochs=10, callbacks=[callback], **options)
+    for a, b in zip(state_arrays(ahead.model), state_arrays(apart.model), strict=True):
+        np.testing.assert_array_equal(a, b)
