@@ -105,3 +105,15 @@ def test_a_stream_is_planned_an_epoch_at_a_time_and_cut_at_the_budget_as_it_goes
 def test_a_resume_past_an_epochs_length_is_refused():
     with pytest.raises(ValueError, match="cannot skip 9 steps of a 8-step epoch"):
         Schedule(0, 9, 9, 1, None, per_epoch=8)
+
+
+@pytest.mark.parametrize(
+    ("epochs", "lengths"),
+    [(300, [150, 150]), (1000, [200] * 5), (227, [227]), (301, [151, 150])],
+)
+def test_fused_stretches_past_fused_steps_share_one_length(epochs, lengths):
+    """Epochs past FUSED_STEPS run as the fewest stretches of one length where up to twice
+    as many share them evenly (each length is a program to compile)."""
+    per = FUSED_STEPS // 227  # 44 steps: at most 227 epochs a stretch
+    schedule = Schedule(0, 0, 0, epochs, None, per_epoch=per, plan=Plan("scan"), fuse=True)
+    assert [s.epochs for s in schedule.stretches()] == lengths

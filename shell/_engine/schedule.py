@@ -119,14 +119,15 @@ class Schedule:
             return Stretch(epoch, 1, left, skip, None, (), None)
         epochs = 1
         if self.fuse and not self.tail and not skip:
-            most = [FUSED_STEPS // per]
+            most = []
             if self.end_epoch is not None:
                 most.append(self.end_epoch - epoch)
             if self.every is not None:  # evaluation runs after the stretch's last epoch
                 most.append(self.every - epoch % self.every)
             if left is not None:  # whole epochs only: the budget's last one runs alone
                 most.append(left // per)
-            epochs = max(1, min(most))
+            cap = max(1, FUSED_STEPS // per)
+            epochs = max(1, even_share(min(most), cap) if most else cap)
         ends = epochs * per - skip
         steps = ends if left is None else min(ends, left)
         full = max(epochs * (per - self.tail) - skip, 0)
@@ -134,6 +135,25 @@ class Schedule:
         if steps > full:  # the short batch: one step of its own shape, as the core trains it
             calls.append((full, 1))
         return Stretch(epoch, epochs, steps, skip, ends, tuple(calls), per)
+
+
+def even_share(epochs: int, cap: int) -> int:
+    """The epochs of each of the fewest stretches of at most ``cap`` epochs that share
+    ``epochs`` evenly: all of one length where up to twice the fewest do (one program
+    compiled, not two: 300 epochs in 2 of 150 rather than 227 + 73, 12 in 3 of 4 rather
+    than 5 + 5 + 2), else the fewest stretches, as even as they come (151 + 150).
+
+    Example:
+      >>> even_share(300, 227), even_share(301, 227), even_share(12, 5)
+      (150, 151, 4)
+    """
+    if epochs <= cap:
+        return epochs
+    fewest = -(-epochs // cap)
+    for count in range(fewest, 2 * fewest + 1):
+        if epochs % count == 0:
+            return epochs // count
+    return -(-epochs // fewest)
 
 
 def one_epoch(source: Any, plan: Plan) -> Stretch:
