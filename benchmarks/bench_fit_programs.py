@@ -8,6 +8,7 @@ turn, ``--reps`` times, and the report gives medians and after ÷ before.
 
     python benchmarks/bench_fit_programs.py
     python benchmarks/bench_fit_programs.py --python ../base/.venv/bin/python,.venv/bin/python
+    python benchmarks/bench_fit_programs.py --compile-cache /tmp/cache   # a second run
 
 Scenarios (MLPs on random data, adam):
 
@@ -32,8 +33,13 @@ import time
 SCENARIOS = ("digits_30", "compute_rest", "digits_300", "eval_every", "notebook")
 
 
-def run_scenario(name: str) -> dict:
-    """Runs one scenario in this process; returns its counts and seconds."""
+def run_scenario(name: str, cache: str | None = None) -> dict:
+    """Runs one scenario in this process (with JAX's persistent compilation cache in
+    ``cache``, if given); returns its counts and seconds."""
+    if cache:
+        from nnxscan.shell import enable_compilation_cache
+
+        enable_compilation_cache(cache)
     import jax
     import jax.monitoring
     import numpy as np
@@ -116,22 +122,30 @@ def main() -> None:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--python", default=sys.executable, help="comma-separated interpreters")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="every process with the persistent compilation cache in DIR (one per checkout: "
+        "DIR/0, DIR/1, ...); the first repetition fills it, the report is of the others",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's scenario
+    parser.add_argument("--cache", help=argparse.SUPPRESS)  # a child process's cache
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_scenario(args.one)))
+        print(json.dumps(run_scenario(args.one, args.cache)))
         return
     pythons = args.python.split(",")
     results: dict = {}
-    for _ in range(args.reps):
+    for rep in range(args.reps + bool(args.compile_cache)):
         for name in args.scenarios.split(","):
-            for python in pythons:
-                out = subprocess.run(
-                    [python, __file__, "--one", name], capture_output=True, text=True, check=True
-                )
-                results.setdefault((name, python), []).append(
-                    json.loads(out.stdout.splitlines()[-1])
-                )
+            for i, python in enumerate(pythons):
+                command = [python, __file__, "--one", name]
+                if args.compile_cache:
+                    command += ["--cache", f"{args.compile_cache}/{i}"]
+                out = subprocess.run(command, capture_output=True, text=True, check=True)
+                if rep or not args.compile_cache:  # a cache's first run fills it
+                    run = json.loads(out.stdout.splitlines()[-1])
+                    results.setdefault((name, python), []).append(run)
     print(
         "| scenario | checkout | programs | XLA compile s | whole fit s | ÷ first | steady s "
         "| ÷ first |"
