@@ -321,7 +321,8 @@ class FitLoop:
         if not schedule.fuse or placeholder_calls is None or not hasattr(run, "lower"):
             return []
         seen_stretches, seen, lowered = set(), set(), []
-        mask = None if self._active_mask is None else self._active_mask()
+        self._device = device_of(live.leaves)  # where the members' mask goes
+        mask = self._active_mask()
         for stretch in schedule.stretches():
             shape = (stretch.epochs, stretch.skip, stretch.steps, stretch.calls)
             if shape in seen_stretches:
@@ -330,7 +331,7 @@ class FitLoop:
             for call in placeholder_calls(stretch):
                 unroll = self.execution.plan.unroll if call.unroll is None else call.unroll
                 options = dict(length=call.length, unroll=unroll, rows=call.rows)
-                key = (call.indices.shape, call.start, *options.values())
+                key = (call.indices.shape, *options.values())  # start is an operand
                 if key not in seen and seen:  # the first call compiles as it runs
                     args = (live.leaves, call.data, call.indices, mask, call.start)
                     lowered.append(functools.partial(run.lower, *args, **options))
