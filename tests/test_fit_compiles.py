@@ -87,3 +87,22 @@ def test_programs_of_later_calls_compile_ahead_and_once(data, tail):
     apart.fit(data, epochs=10, callbacks=[callback], **options)
     for a, b in zip(state_arrays(ahead.model), state_arrays(apart.model), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_only_an_evaluation_the_run_reaches_compiles_ahead(data):
+    """The evaluation compiles ahead when the fit surely reaches one (with callbacks that
+    could stop it, only when the first epoch ends in one), and not at all when none falls
+    within the fit's epochs."""
+    evaluation = dict(eval_data=data, metric_fn=lambda m, b: {"loss": xent(m, b)})
+    options = dict(batch_size=16, progress=False)
+    never = Trainer(MLP(hidden=17, rngs=nnx.Rngs(0)), TX, xent)
+    compiles = _compiles_during(
+        lambda: never.fit(data, epochs=3, eval_every=5, **options, **evaluation)
+    )
+    assert [name for name, _ in compiles] == ["jit(run)"]  # epochs 0-2: no evaluation
+    hooked = Trainer(MLP(hidden=19, rngs=nnx.Rngs(0)), TX, xent)
+    callback = LambdaCallback(on_epoch_end=lambda t, epoch, logs: None)  # epochs apart
+    compiles = _compiles_during(
+        lambda: hooked.fit(data, epochs=2, callbacks=[callback], **options, **evaluation)
+    )
+    assert sorted(compiles) == [("jit(evaluate)", "nnxscan-compile"), ("jit(run)", "MainThread")]

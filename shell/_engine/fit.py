@@ -256,9 +256,6 @@ class FitLoop:
         owner = self.owner
         # An epoch's train_<metric> logs cover exactly that epoch's steps: start afresh.
         owner.reset_metrics()
-        # Lowered before the carry is read: what lowering placed is gone when the first
-        # call counts who holds the state's arrays.
-        evaluation = lowered_or_none(getattr(self.evaluation, "lowered", None))
         # No local keeps the owner's arrays: the first call counts who else references
         # them (see calls.LiveState.donatable).
         live = LiveState(
@@ -276,6 +273,7 @@ class FitLoop:
             self._partial, self._partial_aux = partial, partial_aux
         self.callbacks.trainer.stop_training = False
         ahead = self._lowered_ahead(schedule, epoch_calls, live)
+        evaluation = self._evaluation_ahead(schedule)
         wait = compile_ahead([*ahead[:1], evaluation, *ahead[1:]])
         total, last_epoch = schedule.progress()
         bar = RunProgress(total, self.progress, last_epoch=last_epoch, has_aux=self.program.has_aux,
@@ -337,6 +335,22 @@ class FitLoop:
                     lowered.append(functools.partial(run.lower, *args, **options))
                 seen.add(key)
         return [lowered_or_none(lower) for lower in lowered]
+
+    def _evaluation_ahead(self, schedule: Schedule) -> Any:
+        """The evaluation's program, lowered, when the schedule surely reaches an
+        evaluation: one within its epochs, and in its first stretch unless nothing but an
+        error stops the schedule early (its epochs may fuse)."""
+        if self.evaluation is None or self.evaluation.lowered is None:
+            return None
+        planned = list(schedule.stretches())
+        if not planned:
+            return None
+        first, every = planned[0], self.evaluation.every
+        evaluated = first.epoch + (-(first.epoch + 1)) % every  # (epoch + 1) % every == 0
+        last = planned[-1].epoch + planned[-1].epochs - 1
+        if evaluated > last or not (schedule.fuse or evaluated < first.epoch + first.epochs):
+            return None
+        return lowered_or_none(self.evaluation.lowered)
 
     def _on_halt(self, live: LiveState) -> Callable[[Any, Any, int], int]:
         """``on_nonfinite="stop"``: the layout's policy for a call that halted."""
