@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
 from nnxscan.adapters.nnx_optimizer import (
@@ -34,6 +35,7 @@ from nnxscan.pure import Step, init_opt_state, split_wrt
 from nnxscan.pure.checks import check_transform
 from nnxscan.pure.step_node import step_node
 from nnxscan.shell._engine.layout import ONE_MODEL, Layout
+from nnxscan.shell._engine.placement import context_mesh
 from nnxscan.shell._module_check import check_module
 
 # ``write(leaves, treedef, steps)``: the carry ``(state, opt_state)`` as ``jax.tree.flatten``
@@ -439,9 +441,13 @@ class ModelOwner:
 
 
 def _step_array(step: int) -> jax.Array:
-    """An optimizer's step counter as a uint32 array, placed from the host: ``jnp.asarray``
-    would compile a conversion of its own, a program the run does not otherwise need."""
-    return jax.device_put(np.asarray(step, np.uint32))
+    """An optimizer's step counter as a uint32 array where ``jnp.asarray`` puts one
+    (replicated over the context's mesh, else the default device), placed from the host:
+    ``jnp.asarray`` would compile a conversion of its own, a program the run does not
+    otherwise need."""
+    mesh = context_mesh()
+    where = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    return jax.device_put(np.asarray(step, np.uint32), where)
 
 
 def holds_hijax(state: nnx.State) -> bool:
