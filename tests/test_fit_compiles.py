@@ -20,16 +20,22 @@ from conftest import MLP, state_arrays, xent
 TX = optax.adam(1e-2)
 
 
-def test_fused_epochs_compile_once_per_epoch_count(data, compile_count):
-    trainer = Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
-    trainer.fit(data, epochs=1, batch_size=16, progress=False)  # the one-epoch call
-    new = []
-    for epochs in (1, 5, 5, 3, 7, 3):
-        before = compile_count()
+def test_fused_epochs_compile_once_per_stretch_length(data, compile_count, stretch_count):
+    trainer = Trainer(MLP(hidden=23, rngs=nnx.Rngs(0)), TX, xent)
+    new, calls = [], []
+    for epochs in (5, 3, 10, 6, 7, 3):
+        before, first = compile_count(), stretch_count()
         trainer.fit(data, epochs=epochs, batch_size=16, progress=False)
         new.append(compile_count() - before)
-    # One fused call of epochs x 4 steps: a count not trained before is one new program.
-    assert new == [0, 1, 0, 1, 1, 0]
+        calls.append(stretch_count() - first)
+    # One fused call of epochs x 4 steps, a new program per count; unless a length compiled
+    # before divides the epochs: 10 = 2 calls of 5, 6 = 2 of 3 (compiling nothing).
+    assert new == [1, 1, 0, 0, 1, 0]
+    assert calls == [1, 1, 2, 2, 1, 1]
+    straight = Trainer(MLP(hidden=23, rngs=nnx.Rngs(0)), TX, xent)
+    straight.fit(data, epochs=34, batch_size=16, progress=False)  # the same 34 epochs
+    for a, b in zip(state_arrays(trainer.model), state_arrays(straight.model), strict=True):
+        np.testing.assert_array_equal(a, b)  # however they are cut into calls
 
 
 def test_epochs_that_are_not_fused_compile_nothing_for_another_count(data, compile_count):

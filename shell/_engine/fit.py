@@ -20,7 +20,7 @@ import functools
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -84,6 +84,17 @@ class Evaluation(NamedTuple):
     every: int
     run: Callable[[], dict[str, float]]
     lowered: Callable[[], Any] | None = None
+
+
+def call_shape(run: Callable, epoch_calls: Any) -> Hashable:
+    """What a fit's calls' programs depend on besides a fused stretch's length: the runner
+    (step, carry, placement), the epoch's steps and short batch, and the data's shapes."""
+    data = getattr(epoch_calls, "data", None)
+    shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(data))
+    return (
+        run, epoch_calls.steps_per_epoch, epoch_calls.keep_tail, jax.tree.structure(data),
+        shapes, getattr(epoch_calls, "batch_size", None), getattr(epoch_calls, "shuffle", None),
+    )  # fmt: skip
 
 
 def lowered_or_none(lower: Callable[[], Any] | None) -> Any:
@@ -264,11 +275,17 @@ class FitLoop:
         owner.release_reads()  # from here on callbacks may change the objects
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
         injected = learning_rate(live.carry()[1], self.layout) is not None
+        lengths = self.program.compiled_lengths(
+            call_shape(live.runner(self.execution.donate), epoch_calls)
+        )
         schedule = dataclasses.replace(
             schedule, per_epoch=epoch_calls.steps_per_epoch, tail=epoch_calls.keep_tail,
             plan=self.execution.plan, fuse=self._may_fuse(injected),
             every=None if self.evaluation is None else self.evaluation.every,
+            compiled=frozenset(lengths),
         )  # fmt: skip
+        # Compiled by this fit (the first as it runs, the others ahead): whole epochs.
+        lengths.update(s.epochs for s in schedule.stretches() if not s.skip and s.steps == s.ends)
         if partial is not None:
             self._partial, self._partial_aux = partial, partial_aux
         self.callbacks.trainer.stop_training = False

@@ -121,6 +121,7 @@ class TrainProgram:
         self.skips_nonfinite = on_nonfinite == "skip"
         self._traits: OrderedDict[Hashable, StepTraits] = OrderedDict()
         self._runners: OrderedDict[Hashable, Callable] = OrderedDict()
+        self._stretch_lengths: OrderedDict[Hashable, set[int]] = OrderedDict()
 
     def runner(
         self,
@@ -180,6 +181,12 @@ class TrainProgram:
                 return step_traits(self.jitted_step(graphdef), graphdef, state, opt_state, batch)
 
         return _lookup(self._traits, key, build)
+
+    def compiled_lengths(self, call_shape: Hashable) -> set[int]:
+        """The stretch lengths (epochs) compiled for fits whose calls have this shape
+        (``fit.call_shape``), to add to: a later fit runs one of them rather than compile
+        another (``schedule.Schedule.compiled``)."""
+        return _lookup(self._stretch_lengths, call_shape, set)
 
     def jitted_step(self, graphdef: Any) -> Callable:
         """The step for this graphdef under ``jax.jit`` (XLA inlines it in the compiled

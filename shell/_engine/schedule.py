@@ -16,6 +16,9 @@ from nnxscan.shell._engine.plans import Plan
 # At most this many steps in one fused stretch: the progress bar still moves, and a Ctrl-C
 # (held while a call runs) is still answered soon.
 FUSED_STEPS = 10_000
+# At most this many calls of a compiled stretch length in place of compiling a new one: a
+# call costs the host ~0.25 ms, a small program's compile ~0.3 s (docs/performance.md).
+REUSED_CALLS = 64
 
 
 def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
@@ -72,6 +75,10 @@ class Schedule:
     plan: Plan | None = None
     fuse: bool = False
     every: int | None = None
+    # Fused stretch lengths (epochs) whose program is compiled already: one that divides
+    # the epochs to the next boundary into at most REUSED_CALLS calls is run again rather
+    # than a new length compiled (fit(epochs=1), then fit(epochs=5): five calls of one).
+    compiled: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.per_epoch is not None and self.skip > self.per_epoch:
@@ -128,6 +135,11 @@ class Schedule:
                 most.append(left // per)
             cap = max(1, FUSED_STEPS // per)
             epochs = max(1, even_share(min(most), cap) if most else cap)
+            if most and epochs not in self.compiled:
+                run = min(most)
+                fits = [k for k in self.compiled if k < epochs and run % k == 0]
+                if fits and run // max(fits) <= REUSED_CALLS:
+                    epochs = max(fits)
         ends = epochs * per - skip
         steps = ends if left is None else min(ends, left)
         full = max(epochs * (per - self.tail) - skip, 0)
