@@ -173,11 +173,18 @@ def run_nnxscan(
         return regularized(t, learner)
 
     start = time.perf_counter()
-    rngs = nnx.Rngs(seed + 1)
-    trunk = nnx.Sequential(
-        nnx.Linear(EMBEDDING, HIDDEN[0], rngs=rngs), nnx.relu,
-        nnx.Linear(HIDDEN[0], HIDDEN[1], rngs=rngs), nnx.relu,
-    )  # fmt: skip
+
+    def build():
+        rngs = nnx.Rngs(seed + 1)
+        trunk = nnx.Sequential(
+            nnx.Linear(EMBEDDING, HIDDEN[0], rngs=rngs), nnx.relu,
+            nnx.Linear(HIDDEN[0], HIDDEN[1], rngs=rngs), nnx.relu,
+        )  # fmt: skip
+        return ContinualLearner(hyper.ConditionalHypernetwork(
+            Target(nnx.Rngs(seed)), trunk, HIDDEN[1], num_conditions=NUM_TASKS,
+            embedding_features=EMBEDDING, rngs=nnx.Rngs(seed + 2), **heads,
+        ))  # fmt: skip
+
     heads = {
         "nnxscan-heads": {},
         # Chunk embeddings of 8 as ChunkedHMLP's, one set per task (the default), and a chunk
@@ -193,13 +200,12 @@ def run_nnxscan(
             "chunk_hidden_features": 38,
         },
     }[setup]
-    hnet = hyper.ConditionalHypernetwork(
-        Target(nnx.Rngs(seed)), trunk, HIDDEN[1], num_conditions=NUM_TASKS,
-        embedding_features=EMBEDDING, rngs=nnx.Rngs(seed + 2), **heads,
-    )  # fmt: skip
-    weights = sum(x.size for x in jax.tree.leaves(nnx.state(hnet, nnx.Param)))
+    # Every initializer in one compiled call: built eagerly, each jax.random draw and
+    # scaling of a new shape compiles its own small program.
+    learner = nnx.jit(build)()
+    weights = sum(x.size for x in jax.tree.leaves(nnx.state(learner.hnet, nnx.Param)))
     acc = train_tasks(
-        ContinualLearner(hnet), optax.adam(LEARNING_RATE), data, loss_for_task,
+        learner, optax.adam(LEARNING_RATE), data, loss_for_task,
         lambda j: hypernetwork_accuracy, epochs=epochs, batch_size=BATCH_SIZE, seed=seed,
         progress=False,
     )  # fmt: skip
