@@ -136,7 +136,7 @@ def run_nnxscan(
     import optax
     from flax import nnx
 
-    from nnxscan.pure import hyper
+    from nnxscan.pure import build_compiled, hyper
     from nnxscan.shell import train_tasks
     from nnxscan.shell.demos.hypernet_cl import (
         ContinualLearner,
@@ -202,7 +202,7 @@ def run_nnxscan(
     }[setup]
     # Every initializer in one compiled call: built eagerly, each jax.random draw and
     # scaling of a new shape compiles its own small program.
-    learner = nnx.jit(build)()
+    learner = build_compiled(build)
     weights = sum(x.size for x in jax.tree.leaves(nnx.state(learner.hnet, nnx.Param)))
     acc = train_tasks(
         learner, optax.adam(LEARNING_RATE), data, loss_for_task,
