@@ -127,8 +127,9 @@ def hypernetwork_losses(beta: float):
         ids = jnp.arange(hnet.num_conditions)
         # Every task's weights, generated once: the earlier rows are regularized and the
         # current task's row runs the target (one generator in the program, not two).
-        now = hyper.generated_vectors(hnet.generate, ids)
-        params = hnet.spec.unravel(now[batch["task"][0]])
+        generated_tree = jax.vmap(hnet.generate)(ids)
+        now = jax.vmap(hyper.ravel)(generated_tree)
+        params = jax.tree.map(lambda x: x[batch["task"][0]], generated_tree)
         task_loss = cross_entropy(hyper.call(hnet.spec, params, batch["x"]), batch["y"])
         # The task's first step takes the snapshot: the weights generated before any of
         # its updates, inside the same program (no program of its own, no host round trip).
