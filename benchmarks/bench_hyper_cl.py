@@ -33,6 +33,10 @@ Setups (the hypernetwork's own weights in brackets, task embeddings included):
   (MIP: theta = theta0 + delta, both learned; ``encoding=None`` so the input is the task
   embedding itself), 5 learned task embeddings of 8 beside it, the same regularizer.
 
+nnxscan's learner is built with ``nnxscan.pure.build_compiled`` (its initializers in one
+compiled program) and trained with the ``hypernet-cl`` demo's loss (every task's weights
+generated once a step, the snapshot taken in each task's first step).
+
 Timing: each run is a fresh process (so compiling is part of nnxscan's whole run), runs
 are interleaved (the order of setups rotates with the round) and the table gives medians
 over ``--seeds`` (3 by default). "whole run" is building the hypernetwork to the last
