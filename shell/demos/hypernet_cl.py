@@ -130,6 +130,8 @@ def hypernetwork_losses(beta: float):
         generated_tree = jax.vmap(hnet.generate)(ids)
         now = jax.vmap(hyper.ravel)(generated_tree)
         params = jax.tree.map(lambda x: x[batch["task"][0]], generated_tree)
+        # hyper.call returns the output only: fine for these targets, whose forward changes
+        # no state of their own (a BatchNorm target would run through hnet instead).
         task_loss = cross_entropy(hyper.call(hnet.spec, params, batch["x"]), batch["y"])
         # The task's first step takes the snapshot: the weights generated before any of
         # its updates, inside the same program (no program of its own, no host round trip).
