@@ -33,6 +33,10 @@ Setups (the hypernetwork's own weights in brackets, task embeddings included):
   (MIP: theta = theta0 + delta, both learned; ``encoding=None`` so the input is the task
   embedding itself), 5 learned task embeddings of 8 beside it, the same regularizer.
 
+nnxscan's learner is built with ``nnxscan.pure.build_compiled`` (its initializers in one
+compiled program) and trained with the ``hypernet-cl`` demo's loss (every task's weights
+generated once a step, the snapshot taken in each task's first step).
+
 Timing: each run is a fresh process (so compiling is part of nnxscan's whole run), runs
 are interleaved (the order of setups rotates with the round) and the table gives medians
 over ``--seeds`` (3 by default). "whole run" is building the hypernetwork to the last
@@ -136,7 +140,7 @@ def run_nnxscan(
     import optax
     from flax import nnx
 
-    from nnxscan.pure import hyper
+    from nnxscan.pure import build_compiled, hyper
     from nnxscan.shell import train_tasks
     from nnxscan.shell.demos.hypernet_cl import (
         ContinualLearner,
@@ -173,11 +177,18 @@ def run_nnxscan(
         return regularized(t, learner)
 
     start = time.perf_counter()
-    rngs = nnx.Rngs(seed + 1)
-    trunk = nnx.Sequential(
-        nnx.Linear(EMBEDDING, HIDDEN[0], rngs=rngs), nnx.relu,
-        nnx.Linear(HIDDEN[0], HIDDEN[1], rngs=rngs), nnx.relu,
-    )  # fmt: skip
+
+    def build():
+        rngs = nnx.Rngs(seed + 1)
+        trunk = nnx.Sequential(
+            nnx.Linear(EMBEDDING, HIDDEN[0], rngs=rngs), nnx.relu,
+            nnx.Linear(HIDDEN[0], HIDDEN[1], rngs=rngs), nnx.relu,
+        )  # fmt: skip
+        return ContinualLearner(hyper.ConditionalHypernetwork(
+            Target(nnx.Rngs(seed)), trunk, HIDDEN[1], num_conditions=NUM_TASKS,
+            embedding_features=EMBEDDING, rngs=nnx.Rngs(seed + 2), **heads,
+        ))  # fmt: skip
+
     heads = {
         "nnxscan-heads": {},
         # Chunk embeddings of 8 as ChunkedHMLP's, one set per task (the default), and a chunk
@@ -193,13 +204,12 @@ def run_nnxscan(
             "chunk_hidden_features": 38,
         },
     }[setup]
-    hnet = hyper.ConditionalHypernetwork(
-        Target(nnx.Rngs(seed)), trunk, HIDDEN[1], num_conditions=NUM_TASKS,
-        embedding_features=EMBEDDING, rngs=nnx.Rngs(seed + 2), **heads,
-    )  # fmt: skip
-    weights = sum(x.size for x in jax.tree.leaves(nnx.state(hnet, nnx.Param)))
+    # Every initializer in one compiled call: built eagerly, each jax.random draw and
+    # scaling of a new shape compiles its own small program.
+    learner = build_compiled(build)
+    weights = sum(x.size for x in jax.tree.leaves(nnx.state(learner.hnet, nnx.Param)))
     acc = train_tasks(
-        ContinualLearner(hnet), optax.adam(LEARNING_RATE), data, loss_for_task,
+        learner, optax.adam(LEARNING_RATE), data, loss_for_task,
         lambda j: hypernetwork_accuracy, epochs=epochs, batch_size=BATCH_SIZE, seed=seed,
         progress=False,
     )  # fmt: skip

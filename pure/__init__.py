@@ -25,6 +25,8 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
   :func:`member_state`, :func:`select_members`: one member, or members chosen by a mask;
   :func:`hyperparam_names`, :func:`hyperparam_value`: the hyperparameters
   ``optax.inject_hyperparams`` keeps in an optax state.
+- :func:`build_compiled`: a module built in one compiled call (its initializers compile
+  once, together, not op by op).
 - :mod:`nnxscan.pure.hyper`: networks run on generated weights.
 - :mod:`nnxscan.pure.batching` (orders cut into batches, the full-then-tail rule),
   :mod:`nnxscan.pure.step_node` (the model with its call-time Rngs and NNX metrics) and
@@ -39,6 +41,7 @@ Example:
   ...     step, graphdef, state, opt_state, batches)
 """
 
+from nnxscan.pure.build import build_compiled
 from nnxscan.pure.conv_layout import canonical_conv_layout
 from nnxscan.pure.epoch import epoch_order, make_epoch
 from nnxscan.pure.evaluation import make_eval_step, make_evaluate, make_evaluate_metrics
@@ -69,6 +72,7 @@ __all__ = [
     "MembersState",
     "Step",
     "all_finite",
+    "build_compiled",
     "canonical_conv_layout",
     "epoch_order",
     "halt_after_nonfinite",

@@ -93,9 +93,10 @@ def build_hypernetwork(seed: int) -> hyper.ConditionalHypernetwork:
 class ContinualLearner(nnx.Module):
     """A conditional hypernetwork, and what it generated for the earlier tasks, as state.
 
-    ``stored`` holds a row per task (``(num_conditions, spec.size)``) and ``num_earlier``
-    how many of them are snapshots of earlier tasks: both are plain ``nnx.Variable`` (not
-    trained, not closed over by the loss), so every task's training step has the same
+    ``stored`` holds a row per task (``(num_conditions, spec.size)``), ``num_earlier``
+    how many of them are snapshots of earlier tasks, and ``snapshot`` whether the next
+    training step is a task's first, which takes the snapshot: all plain ``nnx.Variable``
+    (not trained, not closed over by the loss), so every task's training step has the same
     shapes and one compiled program serves them all.
     """
 
@@ -104,12 +105,7 @@ class ContinualLearner(nnx.Module):
         size = hnet.spec.size
         self.stored = nnx.Variable(jnp.zeros((hnet.num_conditions, size), jnp.float32))
         self.num_earlier = nnx.Variable(jnp.zeros((), jnp.int32))
-
-
-@nnx.jit
-def generate_all(hnet: hyper.ConditionalHypernetwork) -> jax.Array:
-    """Every task's generated weights, ``(num_conditions, spec.size)``, compiled once."""
-    return hyper.snapshot_generated(hnet.generate, jnp.arange(hnet.num_conditions))
+        self.snapshot = nnx.Variable(jnp.ones((), bool))
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -119,23 +115,40 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 def hypernetwork_losses(beta: float):
     """``loss_for_task`` for :func:`train_tasks`: the task's loss plus the regularizer.
 
-    Before task ``t`` trains, it writes the snapshot of every task's generated weights and
-    ``t`` into the learner's state; the loss it returns is the same function for every
-    task (the task id comes with the batch), so the Trainer compiles it once.
+    Before task ``t`` trains, it writes ``t`` and "take the snapshot" into the learner's
+    state; the task's first step then stores every task's generated weights (rows ``>= t``
+    are masked out) before its update. The loss it returns is the same function for every
+    task (the task id comes with the batch), so the Trainer compiles it once, and each
+    step generates every task's weights once, for the regularizer and the task's forward.
     """
 
     def loss_fn(learner: ContinualLearner, batch: dict[str, jax.Array]) -> jax.Array:
         hnet = learner.hnet
-        task_loss = cross_entropy(hnet(batch["task"][0], batch["x"]), batch["y"])
         ids = jnp.arange(hnet.num_conditions)
+        # Every task's weights, generated once: the earlier rows are regularized and the
+        # current task's row runs the target (one generator in the program, not two).
+        generated_tree = jax.vmap(hnet.generate)(ids)
+        now = jax.vmap(hyper.ravel)(generated_tree)
+        params = jax.tree.map(lambda x: x[batch["task"][0]], generated_tree)
+        # hyper.call returns the output only: fine for these targets, whose forward changes
+        # no state of their own (a BatchNorm target would run through hnet instead).
+        task_loss = cross_entropy(hyper.call(hnet.spec, params, batch["x"]), batch["y"])
+        # The task's first step takes the snapshot: the weights generated before any of
+        # its updates, inside the same program (no program of its own, no host round trip).
+        stored = jnp.where(learner.snapshot[...], jax.lax.stop_gradient(now), learner.stored[...])
+        learner.stored[...] = stored
+        learner.snapshot[...] = jnp.zeros((), bool)
         earlier = ids < learner.num_earlier[...]
-        stored = learner.stored[...]
-        return task_loss + hyper.output_regularizer(hnet.generate, ids, stored, beta, where=earlier)
+
+        def generated(i: jax.Array) -> dict[str, jax.Array]:  # the rows generated above
+            return {"theta": now[i]}
+
+        return task_loss + hyper.output_regularizer(generated, ids, stored, beta, where=earlier)
 
     def loss_for_task(t: int, learner: ContinualLearner):
-        if t > 0:  # rows >= t are masked out: task 0 needs no snapshot
-            learner.stored[...] = generate_all(learner.hnet)
-        learner.num_earlier[...] = jnp.int32(t)
+        # set_value, not `[...] =`: outside a trace that would compile a scatter.
+        learner.snapshot.set_value(jnp.asarray(True))
+        learner.num_earlier.set_value(jnp.asarray(t, jnp.int32))
         return loss_fn
 
     return loss_for_task
