@@ -4,8 +4,9 @@ Built eagerly, a module's initializers run op by op, and every ``jax.random`` dr
 scaling of a new shape compiles a small program of its own (an MLP of three layers compiles
 a dozen; a truncated-normal draw is among the slowest programs XLA:CPU compiles). Traced
 under one ``jax.jit`` they compile once, together. The program runs once, so it is compiled
-for compile time (LLVM's ``-O1`` instead of ``-O2``): its values are the same bits as the
-eager ones (the tests check a hypernetwork's), it only compiles sooner.
+for compile time (LLVM's ``-O1`` instead of ``-O2``): its values are the eager ones to float
+rounding (one fused program against many small ones; the same bits on the CPUs tested, which
+no one promises across programs), it only compiles sooner.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def build_compiled(constructor: Callable[[], M]) -> M:
         cannot be advanced inside the compiled call).
 
     Returns:
-      The module, with the same values as ``constructor()`` built eagerly.
+      The module, with the values of ``constructor()`` built eagerly (keys and integers
+      exactly, floats to float rounding).
 
     Raises:
       TypeError: ``constructor`` is not callable, does not return an NNX module, or

@@ -1,4 +1,4 @@
-"""build_compiled: a module built in one compiled call has the eagerly built module's bits."""
+"""build_compiled: a module built in one compiled call has the eagerly built module's values."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from flax import nnx
 
 from nnxscan.pure import build_compiled, hyper
 
+from conftest import ACROSS_PROGRAMS
 from hyper_models import MLP
 
 
@@ -38,14 +39,18 @@ def _bits(x):
 def test_a_compiled_build_has_the_eager_builds_values_and_structure(index):
     constructor = _build_hypernetworks()[index]
     eager, compiled = constructor(), build_compiled(constructor)
-    # The same initializers in one program: the same bits on the CPU (a program that runs
-    # once is compiled at -O1, which reorders no floating-point arithmetic).
+    # The same initializers, but one fused program against many eager ones: keys and
+    # integers exactly, floats to float32 rounding (other programs may differ in the last
+    # bit on another CPU or XLA; ACROSS_PROGRAMS in conftest.py).
     eager_def, eager_state = nnx.split(eager)
     compiled_def, compiled_state = nnx.split(compiled)
     assert compiled_def == eager_def
     for a, b in zip(jax.tree.leaves(eager_state), jax.tree.leaves(compiled_state), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        if np.issubdtype(_bits(a).dtype, np.floating):
+            np.testing.assert_allclose(_bits(b), _bits(a), **ACROSS_PROGRAMS)
+        else:
+            np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def test_build_compiled_rejects_what_it_cannot_build():
