@@ -1,8 +1,5 @@
-"""``Population``: N models of one architecture trained in one compiled program per epoch:
-the one fit engine ``Trainer`` uses, after the same checks (``_front_door``), over an owner
-of the members' stacked state (``_engine.members.StackedOwner``). No user object is
-written to: ``member(i)`` hands out a fresh module holding member ``i``.
-"""
+"""``Population``: ``Trainer``'s front door and engine over the members' stacked state
+(``_engine.members.StackedOwner``); ``member(i)`` hands out a fresh module."""
 
 from __future__ import annotations
 
@@ -16,6 +13,7 @@ from jax.sharding import Mesh
 
 from nnxscan.pure import Step, init_opt_state
 from nnxscan.pure.checks import check_count, check_transform
+from nnxscan.shell import _population_checks as checks
 from nnxscan.shell._config import Config
 from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.members import build_members
@@ -23,17 +21,6 @@ from nnxscan.shell._engine.options import FitArguments
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._front_door import FrontDoor
-from nnxscan.shell._population_checks import (
-    check_best,
-    check_hyperparam_names,
-    check_hyperparams,
-    check_member_indices,
-    check_member_rngs,
-    check_model_fn,
-    check_seeds,
-    check_step_of_members,
-    check_where,
-)
 from nnxscan.shell.history import History
 
 __all__ = ["Population"]
@@ -95,23 +82,23 @@ class Population(FrontDoor):
         metrics: nnx.Metric | None = None,
         update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
     ):
-        check_model_fn(model_fn)
+        checks.check_model_fn(model_fn)
         self._check_step(
             train_step, tx, loss_fn, on_nonfinite=on_nonfinite, execution=execution,
             wrt=wrt, has_aux=has_aux, accumulate=accumulate, rngs=rngs, metrics=metrics,
             update_metrics=update_metrics,
         )  # fmt: skip
         if train_step is not None:
-            init_opt, wrt = check_step_of_members(train_step).init, None
+            init_opt, wrt = checks.check_step_of_members(train_step).init, None
         else:
             tx = check_transform(tx)
 
             def init_opt(graphdef: nnx.GraphDef, state: nnx.State) -> Any:
                 return init_opt_state(tx, state, wrt)  # the built-in step's, of one member
 
-        seeds = check_seeds(seeds)
-        hyperparams = check_hyperparams(hyperparams, len(seeds))
-        check_member_rngs(rngs)
+        seeds = checks.check_seeds(seeds)
+        hyperparams = checks.check_hyperparams(hyperparams, len(seeds))
+        checks.check_member_rngs(rngs)
         placement = Placement(
             mesh, data_axis, fsdp_min_size, member_axis, rules=shardings, tx=tx, wrt=wrt,
             layout=Members(len(seeds)),
@@ -119,7 +106,7 @@ class Population(FrontDoor):
         # Members are built on the mesh they train on: a layer annotated with
         # with_partitioning is sharded as it is created, which needs the mesh in context.
         with placement.bound().context():
-            check_hyperparam_names(
+            checks.check_hyperparam_names(
                 model_fn, init_opt, seeds[0], hyperparams, step=train_step is not None
             )
             owner = build_members(
@@ -172,7 +159,7 @@ class Population(FrontDoor):
           >>> pop.freeze([0, 2]); pop.active
           array([False,  True, False,  True])
         """
-        self._owner.active[check_member_indices(members, len(self))] = False
+        self._owner.active[checks.check_member_indices(members, len(self))] = False
 
     def unfreeze(self, members: int | Sequence[int] | None = None) -> None:
         """Lets frozen members train again (all of them by default).
@@ -180,7 +167,9 @@ class Population(FrontDoor):
         Example:
           >>> pop.unfreeze()
         """
-        indices = slice(None) if members is None else check_member_indices(members, len(self))
+        indices = (
+            slice(None) if members is None else checks.check_member_indices(members, len(self))
+        )
         self._owner.active[indices] = True
 
     def load_state(self, state: nnx.State, *, where: Any = None) -> None:
@@ -192,7 +181,7 @@ class Population(FrontDoor):
           >>> before = pop.state; pop.fit(data, epochs=1, batch_size=32)
           >>> pop.load_state(before)
         """
-        self._owner.load(state, check_where(where, len(self)))
+        self._owner.load(state, checks.check_where(where, len(self)))
 
     def member(self, index: int) -> nnx.Module:
         """A fresh ``nnx.Module`` holding member ``index``'s trained state (sharing nothing
@@ -214,7 +203,7 @@ class Population(FrontDoor):
           >>> pop.best("accuracy", mode="max")
           2
         """
-        values = check_best(metric, mode, self._latest, len(self))
+        values = checks.check_best(metric, mode, self._latest, len(self))
         return int(np.nanargmin(values) if mode == "min" else np.nanargmax(values))
 
     def plan_for(self, data: Any, batch_size: int, *, member_batches: bool = False) -> Plan:
@@ -255,23 +244,7 @@ class Population(FrontDoor):
         self._latest.update({k: v for k, v in per_member.items() if k != "active"})
         return history
 
-    def evaluate(
-        self,
-        data: Any,
-        metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
-        *,
-        batch_size: int,
-        eval_mode: bool = True,
-    ) -> dict[str, np.ndarray]:
-        """Evaluates every member over EVERY example of ``data``, as ``Trainer.evaluate``
-        (``metric_fn``, else the population's NNX metrics fed by its loss), the members
-        vmapped in one compiled call: ``{name: values (N,)}``.
-
-        Example:
-          >>> pop.evaluate(test, accuracy, batch_size=256)
-          {'accuracy': array([0.95, 0.97, 0.96, 0.91], dtype=float32)}
-        """
-        values = super().evaluate(data, metric_fn, batch_size=batch_size, eval_mode=eval_mode)
+    def _evaluated(self, values: dict[str, Any]) -> dict[str, np.ndarray]:
         values = {k: np.asarray(v, np.float32) for k, v in values.items()}
         self._latest.update(values)
         return values
