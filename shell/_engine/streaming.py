@@ -98,8 +98,7 @@ class EpochSource:
         self._data = data
         #: Ends the messages about a bad batch (see :func:`stream_hint`).
         self.hint = stream_hint(data)
-        single_use = isinstance(data, Iterator)
-        if single_use and epochs > 1:
+        if isinstance(data, Iterator) and epochs > 1:
             raise ValueError(
                 f"data is a single-use iterator ({type(data).__name__}), so it can't give "
                 f"{epochs} epochs. Pass a zero-argument callable that returns a fresh "
@@ -212,6 +211,10 @@ class _Stopped(Exception):
     pass
 
 
+def _stack(batches: list) -> Any:
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+
+
 def _chunks(
     iterator: Iterator,
     *,
@@ -228,7 +231,6 @@ def _chunks(
 ) -> Iterator[Chunk]:
     """Pulls, checks, stacks and transfers (``put``) chunks of ``chunk_size`` batches."""
     index, pending = 0, []
-    _stack = _stack_batches
 
     def pull() -> Any:
         check_stop()  # a stopped fit takes nothing more from the user's iterator
@@ -272,10 +274,6 @@ def _chunks(
         yield Chunk(put(_stack(pending)), len(pending))
 
 
-def _stack_batches(batches: list) -> Any:
-    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
-
-
 class ChunkStream:
     """One epoch's chunks, produced ahead by a thread (or inline without ``prefetch``).
 
@@ -293,16 +291,13 @@ class ChunkStream:
         self._producer_done = False
         self._thread = None
 
-        def acquire() -> None:
-            if not prefetch:
-                return
-            while not self._slots.acquire(timeout=0.05):
-                if self._stop.is_set():
-                    raise _Stopped
-
         def check_stop() -> None:
             if self._stop.is_set():
                 raise _Stopped
+
+        def acquire() -> None:
+            while prefetch and not self._slots.acquire(timeout=0.05):
+                check_stop()
 
         self._chunks = _chunks(iterator, acquire=acquire, check_stop=check_stop, **options)
         if prefetch:
