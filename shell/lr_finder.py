@@ -4,11 +4,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -33,7 +33,7 @@ DEFAULT_TOLERANCE = 0.1
 DIVERGENCE_FACTOR = 4.0
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LRFinderResult:
     """What :func:`find_learning_rate` measured: one column per learning rate.
 
@@ -333,10 +333,11 @@ def find_learning_rate(
     start = losses[0]  # the same for every rate: the same weights on the same first batch
     blown = final > start + (DIVERGENCE_FACTOR - 1) * np.abs(start)
     diverged = after.any(axis=0) | ~population.active | blown
-    result = _with_suggestion(LRFinderResult(
+    result = LRFinderResult(
         learning_rates=rates, losses=losses, final_losses=final, diverged=diverged,
         window=window, tolerance=tolerance, suggestion=None,
-    ))  # fmt: skip
+    )  # fmt: skip
+    result = dataclasses.replace(result, suggestion=result.suggest())
     edge = _at_an_end(result)
     if edge is not None:
         warnings.warn(edge, UserWarning, stacklevel=2)
@@ -380,10 +381,6 @@ def _trailing_mean(losses: np.ndarray, window: int) -> np.ndarray:
     ahead = np.concatenate([np.zeros((window, losses.shape[1])), sums[:-window]])[: len(sums)]
     counts = np.minimum(np.arange(1, len(losses) + 1), window)[:, None]
     return (sums - ahead) / counts
-
-
-def _with_suggestion(result: LRFinderResult) -> LRFinderResult:
-    return LRFinderResult(**{**result.__dict__, "suggestion": result.suggest()})
 
 
 def _trainer_batches(data: Any, n: int, batch_size: int, seed: int, steps: int) -> Callable:
