@@ -1,15 +1,10 @@
 """Streaming batches from host iterators into scanned calls, with bounded prefetch.
 
-A loader yields one batch at a time; scanning still pays off when K consecutive batches are
-stacked into one chunk ``(K, batch, ...)`` and trained in one compiled call. A background
-thread pulls, checks, converts and stacks the next chunk, and starts its transfer to the
-device, while the current chunk trains.
-
-Memory stays bounded whatever the data set's size: the producer takes a slot before it
-pulls a chunk and the trainer frees one when a chunk's call has FINISHED on the device
-(not merely been dispatched), with two slots in all, so the iterator is never more than two
-chunks (2·K batches) ahead of the last finished call. Meanwhile one call runs and the next
-waits in the device queue, so the device never idles for the host.
+A background thread pulls, checks, converts and stacks the next chunk of K batches
+``(K, batch, ...)`` and starts its transfer while the current chunk trains. Memory stays
+bounded: the producer takes one of two slots before it pulls a chunk, and the trainer frees
+one when a chunk's call has FINISHED on the device (not merely been dispatched), so the
+iterator is never more than two chunks ahead of the last finished call.
 """
 
 from __future__ import annotations
