@@ -234,18 +234,13 @@ class FrontDoor:
           {'accuracy': 0.975}
           >>> trainer.evaluate(test_data, batch_size=500)  # the trainer's NNX metrics
           {'accuracy': 0.975, 'loss': 0.08}
-          >>> pop.evaluate(test_data, accuracy, batch_size=256)  # members vmapped: (N,) each
-          {'accuracy': array([0.95, 0.97, 0.96, 0.91], dtype=float32)}
         """
         if metric_fn is None:
             self._needs_metric_fn("evaluate")
-        return self._evaluated(evaluate(
+        return evaluate(
             self._engine, data, metric_fn, batch_size=batch_size, eval_mode=eval_mode,
             metrics=metrics, update_metrics=update_metrics,
-        ))  # fmt: skip
-
-    def _evaluated(self, values: dict[str, Any]) -> dict[str, Any]:
-        return values  # a Population records them for best()
+        )  # fmt: skip
 
     def _needs_metric_fn(self, what: str) -> None:
         """A user's step has no NNX metrics fed by a loss: only a metric_fn evaluates it."""

@@ -18,7 +18,7 @@ from flax import nnx
 
 from nnxscan.adapters._extras import require_extra
 from nnxscan.pure import epoch_order
-from nnxscan.pure.checks import check_batch_size, check_count, check_leading_size
+from nnxscan.pure.checks import check_count, check_leading_size
 from nnxscan.shell._engine.streaming import CHUNK_BYTES, is_stream
 from nnxscan.shell._population_checks import check_model_fn
 from nnxscan.shell._user_steps import check_loss_fn
@@ -292,7 +292,12 @@ def find_learning_rate(
     check_model_fn(model_fn)
     check_loss_fn(loss_fn)
     n = _check_data(data)
-    batch_size = check_batch_size(batch_size, n, drop_remainder=True)
+    batch_size = check_count(batch_size, "batch_size", 1)
+    if batch_size > n:
+        raise ValueError(
+            f"batch_size {batch_size} is larger than the number of examples {n}: no full "
+            f"batch to train on. Use batch_size <= {n}."
+        )
     num = check_count(num, "num", 2)
     steps = check_count(steps, "steps", 1)
     seed = check_count(seed, "seed", 0)

@@ -11,8 +11,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnxscan.pure import Step, init_opt_state
-from nnxscan.pure.checks import check_count, check_transform
+from nnxscan.pure import Step
+from nnxscan.pure.checks import check_count
 from nnxscan.shell import _population_checks as checks
 from nnxscan.shell._config import Config
 from nnxscan.shell._engine.layout import Members
@@ -88,14 +88,7 @@ class Population(FrontDoor):
             wrt=wrt, has_aux=has_aux, accumulate=accumulate, rngs=rngs, metrics=metrics,
             update_metrics=update_metrics,
         )  # fmt: skip
-        if train_step is not None:
-            init_opt, wrt = checks.check_step_of_members(train_step).init, None
-        else:
-            tx = check_transform(tx)
-
-            def init_opt(graphdef: nnx.GraphDef, state: nnx.State) -> Any:
-                return init_opt_state(tx, state, wrt)  # the built-in step's, of one member
-
+        init_opt, tx, wrt = checks.member_init(train_step, tx, wrt)
         seeds = checks.check_seeds(seeds)
         hyperparams = checks.check_hyperparams(hyperparams, len(seeds))
         checks.check_member_rngs(rngs)
@@ -128,8 +121,6 @@ class Population(FrontDoor):
         """The per-member hyperparameters the population was built with (a copy)."""
         return {k: list(v) for k, v in self._config["hyperparams"].items()}
 
-    # -- what the population holds --------------------------------------------------------
-
     @property
     def graphdef(self) -> nnx.GraphDef:
         """The ``nnx.GraphDef`` of one member's model (what :attr:`state` merges with)."""
@@ -137,8 +128,7 @@ class Population(FrontDoor):
 
     @property
     def state(self) -> nnx.State:
-        """The members' stacked model ``nnx.State`` (leading axis: members), a copy that
-        later ``fit`` calls (which donate the population's buffers) leave intact."""
+        """A copy of the members' stacked model ``nnx.State`` (leading axis: members)."""
         return self._owner.model_state()
 
     @property
@@ -184,8 +174,7 @@ class Population(FrontDoor):
         self._owner.load(state, checks.check_where(where, len(self)))
 
     def member(self, index: int) -> nnx.Module:
-        """A fresh ``nnx.Module`` holding member ``index``'s trained state (sharing nothing
-        with the population).
+        """A fresh ``nnx.Module`` holding member ``index``'s state (sharing no buffer with it).
 
         Example:
           >>> Trainer(pop.member(2), optax.adam(1e-4), loss_fn).fit(data, epochs=1, batch_size=8)
@@ -207,11 +196,8 @@ class Population(FrontDoor):
         return int(np.nanargmin(values) if mode == "min" else np.nanargmax(values))
 
     def plan_for(self, data: Any, batch_size: int, *, member_batches: bool = False) -> Plan:
-        """The execution plan ``fit`` uses for this data and batch size, as
-        ``Trainer.plan_for`` (``member_batches``: as for :meth:`fit`)."""
+        """``Trainer.plan_for``'s plan for the members (``member_batches``: as for :meth:`fit`)."""
         return self._engine.plan_for(data, batch_size, member_batches)
-
-    # -- training and evaluation ----------------------------------------------------------
 
     def fit(
         self,
@@ -244,7 +230,21 @@ class Population(FrontDoor):
         self._latest.update({k: v for k, v in per_member.items() if k != "active"})
         return history
 
-    def _evaluated(self, values: dict[str, Any]) -> dict[str, np.ndarray]:
+    def evaluate(
+        self,
+        data: Any,
+        metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
+        *,
+        batch_size: int,
+        eval_mode: bool = True,
+    ) -> dict[str, np.ndarray]:
+        """``Trainer.evaluate`` of every member, vmapped in one call: ``{name: values (N,)}``.
+
+        Example:
+          >>> pop.evaluate(test, accuracy, batch_size=256)
+          {'accuracy': array([0.95, 0.97, 0.96, 0.91], dtype=float32)}
+        """
+        values = super().evaluate(data, metric_fn, batch_size=batch_size, eval_mode=eval_mode)
         values = {k: np.asarray(v, np.float32) for k, v in values.items()}
         self._latest.update(values)
         return values
