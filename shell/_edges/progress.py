@@ -255,9 +255,7 @@ class RunProgress:
                 self._console.print(line, highlight=False, markup=False, soft_wrap=True)
                 self._printed = now
         else:
-            loss = np.asarray(logs.get("loss", np.nan), np.float64)
-            finite = loss[np.isfinite(loss)]
-            self._loss = float(np.median(finite)) if finite.size else None
+            self._loss = _median(logs.get("loss", np.nan))
             self._evals, self._logs = evals, means
             status = _status(self._loss, rate, evals, self._status_room(epoch),
                              _log_texts(self._logs))  # fmt: skip
