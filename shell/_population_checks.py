@@ -9,8 +9,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure import Step, hyperparam_names, with_hyperparams
-from nnxscan.pure.checks import check_count
+from nnxscan.pure import Step, hyperparam_names, init_opt_state, with_hyperparams
+from nnxscan.pure.checks import check_count, check_transform
 from nnxscan.shell._front_door import check_seed
 from nnxscan.shell._module_check import is_linen
 from nnxscan.shell._user_steps import check_pure_step
@@ -127,6 +127,19 @@ def check_step_of_members(train_step: Any) -> Step:
             f"as written: Trainer(model, optimizer, train_step=fn)."
         )
     raise TypeError(f"train_step must be a nnxscan.pure.Step, got {type(train_step).__name__}.")
+
+
+def member_init(train_step: Any, tx: Any, wrt: Any) -> tuple[Callable, Any, Any]:
+    """``(init_opt, tx, wrt)``: each member's ``init_opt(graphdef, state)``, a user's
+    ``Step``'s (no tx, no wrt) or the built-in step's, after checking either."""
+    if train_step is not None:
+        return check_step_of_members(train_step).init, None, None
+    tx = check_transform(tx)
+
+    def init_opt(graphdef: nnx.GraphDef, state: nnx.State) -> Any:
+        return init_opt_state(tx, state, wrt)
+
+    return init_opt, tx, wrt
 
 
 def check_member_indices(members: Any, num_members: int) -> list[int]:

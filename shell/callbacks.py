@@ -177,9 +177,8 @@ class EarlyStopping:
         self._best_state: nnx.State | None = None
         self._best_step: int | None = None
 
-    def _is_improvement(self, value: float, reference: float | None) -> bool:
-        if reference is None:
-            return True
+    def _better(self, value: Any, reference: Any) -> Any:
+        """Whether ``value`` improves on ``reference`` by more than ``min_delta`` (arrays too)."""
         if self.mode == "min":
             return value + self.min_delta < reference
         return value - self.min_delta > reference
@@ -235,18 +234,8 @@ class EarlyStopping:
         wait = wait + alive
         finite = np.isfinite(values)
         with np.errstate(invalid="ignore"):
-            if self.mode == "min":
-                better = np.isnan(best) | (values + self.min_delta < best)
-            else:
-                better = np.isnan(best) | (values - self.min_delta > best)
-            improved = alive & finite & better
-            beats_baseline = (
-                np.ones_like(improved)
-                if self.baseline is None
-                else (values + self.min_delta < self.baseline)
-                if self.mode == "min"
-                else (values - self.min_delta > self.baseline)
-            )
+            improved = alive & finite & (np.isnan(best) | self._better(values, best))
+            beats_baseline = self.baseline is None or self._better(values, self.baseline)
         wait = np.where(improved & beats_baseline, 0, wait)
         exhausted = alive & ~improved & (wait >= self.patience) & (epoch > 0)
         return improved, exhausted, wait
@@ -347,7 +336,7 @@ class EarlyStopping:
         if self.best is None:
             return f"{name} was not finite for {epochs}"
         best = f"best {self.best:.6g} at epoch {self.best_epoch}"
-        if self.baseline is not None and not self._is_improvement(self.best, self.baseline):
+        if self.baseline is not None and not self._better(self.best, self.baseline):
             return f"{name} did not beat the baseline {self.baseline:.6g} in {epochs} ({best})"
         return f"{name} did not improve for {epochs} ({best})"
 

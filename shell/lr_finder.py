@@ -1,21 +1,14 @@
-"""A learning-rate range test as a population: N rates trained side by side, one program.
-
-:func:`find_learning_rate` builds a :class:`~nnxscan.shell.Population` of N copies of one
-model, every copy from the same initial weights and fed the same batches, each with its own
-learning rate (``optax.inject_hyperparams``), and trains them all for a few hundred steps in
-one compiled program. Member ``i`` therefore trains what ``Trainer(model_fn(nnx.Rngs(seed)),
-optimizer(rates[i]), loss_fn).fit(data, batch_size=..., seed=seed)`` trains in its first
-``steps`` steps. The result holds the loss curves, each rate's final loss, which rates
-diverged, and a suggested rate chosen by a stated rule.
+"""A learning-rate range test as a population: N rates trained side by side, one program
+(:func:`find_learning_rate`; member ``i`` trains what a ``Trainer`` at ``rates[i]`` trains).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -24,21 +17,23 @@ import optax
 from flax import nnx
 
 from nnxscan.adapters._extras import require_extra
+from nnxscan.pure import epoch_order
+from nnxscan.pure.checks import check_count, check_leading_size
 from nnxscan.shell._engine.streaming import CHUNK_BYTES, is_stream
+from nnxscan.shell._population_checks import check_model_fn
+from nnxscan.shell._user_steps import check_loss_fn
 from nnxscan.shell.population import Population
 
 __all__ = ["LRFinderResult", "find_learning_rate"]
 
 #: The default ``tolerance`` of the suggestion rule (10% above the best final loss).
 DEFAULT_TOLERANCE = 0.1
-#: A rate whose final loss ends above this many times the starting loss diverged (the
-#: factor fastai's range test stops at): far enough above the start that a rate too small
-#: to learn, whose final loss is the starting loss give or take a batch's noise, is not
-#: taken for one that blew up.
+#: A rate whose final loss ends above this many times the starting loss diverged (fastai's
+#: range test stops there): a rate too small to learn stays near the start, within noise.
 DIVERGENCE_FACTOR = 4.0
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LRFinderResult:
     """What :func:`find_learning_rate` measured: one column per learning rate.
 
@@ -104,7 +99,7 @@ class LRFinderResult:
           >>> result.suggest(0.0)         # the lowest final loss itself
           0.01
         """
-        tolerance = _check_tolerance(self.tolerance if tolerance is None else tolerance)
+        tolerance = _check_number(self.tolerance if tolerance is None else tolerance, "tolerance")
         best = self.best
         if best is None:
             return None
@@ -294,31 +289,26 @@ def find_learning_rate(
       >>> print(result.table())
       >>> result.plot("lr_find.png")
     """
-    if not callable(model_fn):
-        raise TypeError(
-            f"model_fn must be callable as model_fn(rngs) -> nnx.Module, got "
-            f"{type(model_fn).__name__}."
-        )
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    check_model_fn(model_fn)
+    check_loss_fn(loss_fn)
     n = _check_data(data)
-    batch_size = _check_int(batch_size, "batch_size", 1)
+    batch_size = check_count(batch_size, "batch_size", 1)
     if batch_size > n:
         raise ValueError(
             f"batch_size {batch_size} is larger than the number of examples {n}: no full "
             f"batch to train on. Use batch_size <= {n}."
         )
-    num = _check_int(num, "num", 2)
-    steps = _check_int(steps, "steps", 1)
-    seed = _check_int(seed, "seed", 0)
-    window = max(1, steps // 10) if window is None else _check_int(window, "window", 1)
+    num = check_count(num, "num", 2)
+    steps = check_count(steps, "steps", 1)
+    seed = check_count(seed, "seed", 0)
+    window = max(1, steps // 10) if window is None else check_count(window, "window", 1)
     if window > steps:
         raise ValueError(f"window {window} is larger than steps {steps}; use window <= steps.")
-    tolerance = _check_tolerance(tolerance)
+    tolerance = _check_number(tolerance, "tolerance")
     if steps_per_call is None:
         steps_per_call = _steps_per_call(data, batch_size, steps)
-    steps_per_call = min(_check_int(steps_per_call, "steps_per_call", 1), steps)
-    min_lr, max_lr = _check_rate(min_lr, "min_lr"), _check_rate(max_lr, "max_lr")
+    steps_per_call = min(check_count(steps_per_call, "steps_per_call", 1), steps)
+    min_lr, max_lr = _check_number(min_lr, "min_lr"), _check_number(max_lr, "max_lr")
     if not min_lr < max_lr:
         raise ValueError(f"min_lr {min_lr:g} must be smaller than max_lr {max_lr:g}.")
     tx = _injected(optimizer, min_lr)
@@ -348,10 +338,11 @@ def find_learning_rate(
     start = losses[0]  # the same for every rate: the same weights on the same first batch
     blown = final > start + (DIVERGENCE_FACTOR - 1) * np.abs(start)
     diverged = after.any(axis=0) | ~population.active | blown
-    result = _with_suggestion(LRFinderResult(
+    result = LRFinderResult(
         learning_rates=rates, losses=losses, final_losses=final, diverged=diverged,
         window=window, tolerance=tolerance, suggestion=None,
-    ))  # fmt: skip
+    )  # fmt: skip
+    result = dataclasses.replace(result, suggestion=result.suggest())
     edge = _at_an_end(result)
     if edge is not None:
         warnings.warn(edge, UserWarning, stacklevel=2)
@@ -397,16 +388,10 @@ def _trailing_mean(losses: np.ndarray, window: int) -> np.ndarray:
     return (sums - ahead) / counts
 
 
-def _with_suggestion(result: LRFinderResult) -> LRFinderResult:
-    return LRFinderResult(**{**result.__dict__, "suggestion": result.suggest()})
-
-
 def _trainer_batches(data: Any, n: int, batch_size: int, seed: int, steps: int) -> Callable:
     """The batches ``Trainer.fit(data, batch_size=, seed=)`` trains on, epoch after epoch
     (``epoch_order(seed, epoch, n)``, short final batch dropped), cut at ``steps``: a
     stream, so the run is exactly ``steps`` long whatever the epoch length."""
-    from nnxscan.pure import epoch_order
-
     host = jax.tree.map(np.asarray, data)
     per_epoch = n // batch_size
 
@@ -461,50 +446,15 @@ def _check_data(data: Any) -> int:
             f"(e.g. {{'x': x, 'y': y}}), got {type(data).__name__}. The finder draws "
             f"Trainer.fit's shuffled batches from it; stack a stream's batches first."
         )
-    leaves = jax.tree_util.tree_leaves_with_path(data)
-    if not leaves:
-        raise ValueError("data is empty: it has no array leaves.")
-    sizes = {}
-    for path, leaf in leaves:
-        name = jax.tree_util.keystr(path) or "<root>"
-        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise TypeError(
-                f"data leaf {name} is a {type(leaf).__name__}, not an array; convert it "
-                f"with np.asarray(...)."
-            )
-        if len(leaf.shape) == 0:
-            raise ValueError(f"data leaf {name} is a scalar; every leaf needs a leading axis.")
-        sizes[name] = int(leaf.shape[0])
-    if len(set(sizes.values())) > 1:
-        raise ValueError(
-            f"data leaves disagree on the leading size (examples): {sizes}. Every leaf must "
-            f"have the same number of rows."
-        )
-    n = next(iter(sizes.values()))
-    if n == 0:
-        raise ValueError("data is empty: its leading size is 0.")
-    return n
+    return check_leading_size(data)
 
 
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
-    return int(value)
-
-
-def _check_rate(value: Any, name: str) -> float:
+def _check_number(value: Any, name: str) -> float:
+    """A positive rate, or a non-negative tolerance."""
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.number):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}.")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
-    return float(value)
-
-
-def _check_tolerance(value: Any) -> float:
-    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.number):
-        raise TypeError(f"tolerance must be a number, got {type(value).__name__} {value!r}.")
-    if not (math.isfinite(value) and value >= 0):
+    if name == "tolerance" and not (math.isfinite(value) and value >= 0):
         raise ValueError(f"tolerance must be a non-negative fraction (e.g. 0.1), got {value!r}.")
+    if name != "tolerance" and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
     return float(value)

@@ -1,8 +1,5 @@
-"""``Population``: N models of one architecture trained in one compiled program per epoch:
-the one fit engine ``Trainer`` uses, after the same checks (``_front_door``), over an owner
-of the members' stacked state (``_engine.members.StackedOwner``). No user object is
-written to: ``member(i)`` hands out a fresh module holding member ``i``.
-"""
+"""``Population``: ``Trainer``'s front door and engine over the members' stacked state
+(``_engine.members.StackedOwner``); ``member(i)`` hands out a fresh module."""
 
 from __future__ import annotations
 
@@ -14,8 +11,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnxscan.pure import Step, init_opt_state
-from nnxscan.pure.checks import check_count, check_transform
+from nnxscan.pure import Step
+from nnxscan.pure.checks import check_count
+from nnxscan.shell import _population_checks as checks
 from nnxscan.shell._config import Config
 from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.members import build_members
@@ -23,17 +21,6 @@ from nnxscan.shell._engine.options import FitArguments
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._front_door import FrontDoor
-from nnxscan.shell._population_checks import (
-    check_best,
-    check_hyperparam_names,
-    check_hyperparams,
-    check_member_indices,
-    check_member_rngs,
-    check_model_fn,
-    check_seeds,
-    check_step_of_members,
-    check_where,
-)
 from nnxscan.shell.history import History
 
 __all__ = ["Population"]
@@ -95,23 +82,16 @@ class Population(FrontDoor):
         metrics: nnx.Metric | None = None,
         update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
     ):
-        check_model_fn(model_fn)
+        checks.check_model_fn(model_fn)
         self._check_step(
             train_step, tx, loss_fn, on_nonfinite=on_nonfinite, execution=execution,
             wrt=wrt, has_aux=has_aux, accumulate=accumulate, rngs=rngs, metrics=metrics,
             update_metrics=update_metrics,
         )  # fmt: skip
-        if train_step is not None:
-            init_opt, wrt = check_step_of_members(train_step).init, None
-        else:
-            tx = check_transform(tx)
-
-            def init_opt(graphdef: nnx.GraphDef, state: nnx.State) -> Any:
-                return init_opt_state(tx, state, wrt)  # the built-in step's, of one member
-
-        seeds = check_seeds(seeds)
-        hyperparams = check_hyperparams(hyperparams, len(seeds))
-        check_member_rngs(rngs)
+        init_opt, tx, wrt = checks.member_init(train_step, tx, wrt)
+        seeds = checks.check_seeds(seeds)
+        hyperparams = checks.check_hyperparams(hyperparams, len(seeds))
+        checks.check_member_rngs(rngs)
         placement = Placement(
             mesh, data_axis, fsdp_min_size, member_axis, rules=shardings, tx=tx, wrt=wrt,
             layout=Members(len(seeds)),
@@ -119,7 +99,7 @@ class Population(FrontDoor):
         # Members are built on the mesh they train on: a layer annotated with
         # with_partitioning is sharded as it is created, which needs the mesh in context.
         with placement.bound().context():
-            check_hyperparam_names(
+            checks.check_hyperparam_names(
                 model_fn, init_opt, seeds[0], hyperparams, step=train_step is not None
             )
             owner = build_members(
@@ -141,8 +121,6 @@ class Population(FrontDoor):
         """The per-member hyperparameters the population was built with (a copy)."""
         return {k: list(v) for k, v in self._config["hyperparams"].items()}
 
-    # -- what the population holds --------------------------------------------------------
-
     @property
     def graphdef(self) -> nnx.GraphDef:
         """The ``nnx.GraphDef`` of one member's model (what :attr:`state` merges with)."""
@@ -150,8 +128,7 @@ class Population(FrontDoor):
 
     @property
     def state(self) -> nnx.State:
-        """The members' stacked model ``nnx.State`` (leading axis: members), a copy that
-        later ``fit`` calls (which donate the population's buffers) leave intact."""
+        """A copy of the members' stacked model ``nnx.State`` (leading axis: members)."""
         return self._owner.model_state()
 
     @property
@@ -172,7 +149,7 @@ class Population(FrontDoor):
           >>> pop.freeze([0, 2]); pop.active
           array([False,  True, False,  True])
         """
-        self._owner.active[check_member_indices(members, len(self))] = False
+        self._owner.active[checks.check_member_indices(members, len(self))] = False
 
     def unfreeze(self, members: int | Sequence[int] | None = None) -> None:
         """Lets frozen members train again (all of them by default).
@@ -180,7 +157,9 @@ class Population(FrontDoor):
         Example:
           >>> pop.unfreeze()
         """
-        indices = slice(None) if members is None else check_member_indices(members, len(self))
+        indices = (
+            slice(None) if members is None else checks.check_member_indices(members, len(self))
+        )
         self._owner.active[indices] = True
 
     def load_state(self, state: nnx.State, *, where: Any = None) -> None:
@@ -192,11 +171,10 @@ class Population(FrontDoor):
           >>> before = pop.state; pop.fit(data, epochs=1, batch_size=32)
           >>> pop.load_state(before)
         """
-        self._owner.load(state, check_where(where, len(self)))
+        self._owner.load(state, checks.check_where(where, len(self)))
 
     def member(self, index: int) -> nnx.Module:
-        """A fresh ``nnx.Module`` holding member ``index``'s trained state (sharing nothing
-        with the population).
+        """A fresh ``nnx.Module`` holding member ``index``'s state (sharing no buffer with it).
 
         Example:
           >>> Trainer(pop.member(2), optax.adam(1e-4), loss_fn).fit(data, epochs=1, batch_size=8)
@@ -214,15 +192,12 @@ class Population(FrontDoor):
           >>> pop.best("accuracy", mode="max")
           2
         """
-        values = check_best(metric, mode, self._latest, len(self))
+        values = checks.check_best(metric, mode, self._latest, len(self))
         return int(np.nanargmin(values) if mode == "min" else np.nanargmax(values))
 
     def plan_for(self, data: Any, batch_size: int, *, member_batches: bool = False) -> Plan:
-        """The execution plan ``fit`` uses for this data and batch size, as
-        ``Trainer.plan_for`` (``member_batches``: as for :meth:`fit`)."""
+        """``Trainer.plan_for``'s plan for the members (``member_batches``: as for :meth:`fit`)."""
         return self._engine.plan_for(data, batch_size, member_batches)
-
-    # -- training and evaluation ----------------------------------------------------------
 
     def fit(
         self,
@@ -263,9 +238,7 @@ class Population(FrontDoor):
         batch_size: int,
         eval_mode: bool = True,
     ) -> dict[str, np.ndarray]:
-        """Evaluates every member over EVERY example of ``data``, as ``Trainer.evaluate``
-        (``metric_fn``, else the population's NNX metrics fed by its loss), the members
-        vmapped in one compiled call: ``{name: values (N,)}``.
+        """``Trainer.evaluate`` of every member, vmapped in one call: ``{name: values (N,)}``.
 
         Example:
           >>> pop.evaluate(test, accuracy, batch_size=256)

@@ -109,7 +109,7 @@ def resume(
     owner.restore(tree, run_keys)
     for newer in (s for s in adapter.all_steps(directory) if s > step):
         reason = "nnxscan-corrupt" if newer in skipped else "nnxscan-superseded"
-        moved = _set_aside(directory, newer, reason)
+        moved = _checkpoint_files.set_aside(pathlib.Path(directory).resolve(), newer, reason)
         if reason == "nnxscan-superseded":
             warn(
                 f"resumed from checkpoint {step} of {directory}; the newer checkpoint {newer} "
@@ -153,13 +153,8 @@ def _read(
     return tree
 
 
-def _set_aside(directory: str | os.PathLike[str], step: int, reason: str) -> pathlib.Path:
-    return _checkpoint_files.set_aside(pathlib.Path(directory).resolve(), step, reason)
-
-
-def check_directory(directory: pathlib.Path) -> None:
-    """A ``checkpoint_dir`` that is a file, or not writable: a ValueError, before training."""
-    _checkpoint_files.check_directory(directory)
+#: A ``checkpoint_dir`` that is a file, or not writable: a ValueError, before training.
+check_directory = _checkpoint_files.check_directory
 
 
 def latest_step(directory: str | os.PathLike[str]) -> int | None:

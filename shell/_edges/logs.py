@@ -34,7 +34,7 @@ RESERVED_LOGS = frozenset(
 )
 
 
-def _mean(values: np.ndarray, skipping: bool) -> np.ndarray:
+def step_mean(values: np.ndarray, skipping: bool) -> np.ndarray:
     """The mean over steps; with ``skipping``, skipped (NaN) steps left out, and NaN where
     every step was skipped (without numpy's empty-slice warning)."""
     if not skipping:
@@ -64,7 +64,7 @@ def aux_means(aux: Any, layout: Layout, skipping: bool = False) -> dict[str, Any
     """Means over steps of every aux leaf that is a scalar per step (per member), keyed as
     :func:`scalar_aux` names them."""
     return {
-        key: layout.value(_mean(np.asarray(leaf), skipping))
+        key: layout.value(step_mean(np.asarray(leaf), skipping))
         for key, leaf in scalar_aux(aux, layout).items()
     }
 
@@ -84,7 +84,7 @@ def epoch_logs(
     losses, aux = stacked if has_aux else (stacked, None)
     losses = np.asarray(losses, np.float32)
     logs: dict[str, Any] = {"epoch": epoch}
-    logs["loss"] = layout.value(_mean(losses, skipping))
+    logs["loss"] = layout.value(step_mean(losses, skipping))
     if skipping:
         logs["skipped_steps"] = layout.count(np.sum(~np.isfinite(losses), axis=0))
     if aux is not None:

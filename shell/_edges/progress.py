@@ -28,7 +28,7 @@ from rich.progress import (
 )
 from rich.table import Column
 
-from nnxscan.shell._edges.logs import scalar_aux
+from nnxscan.shell._edges.logs import scalar_aux, step_mean
 from nnxscan.shell._edges.warn import warn
 from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._engine.placement import to_host
@@ -57,13 +57,8 @@ def _ready_outputs(
     if not losses.is_ready() or not all(x.is_ready() for x in leaves.values()):
         return None
     losses, leaves = to_host((losses, leaves))
-    means = {}
-    for key, leaf in leaves.items():
-        # A skipped step's NaN stays out of the mean (NaN where every step was skipped).
-        leaf = np.asarray(leaf, np.float64)
-        finite = np.isfinite(leaf)
-        counts, sums = finite.sum(axis=0), np.where(finite, leaf, 0.0).sum(axis=0)
-        means[key] = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    # A skipped step's NaN stays out of the mean (NaN where every step was skipped).
+    means = {k: step_mean(np.asarray(v, np.float64), skipping=True) for k, v in leaves.items()}
     return _median(np.asarray(losses)[-1]), means
 
 
@@ -260,9 +255,7 @@ class RunProgress:
                 self._console.print(line, highlight=False, markup=False, soft_wrap=True)
                 self._printed = now
         else:
-            loss = np.asarray(logs.get("loss", np.nan), np.float64)
-            finite = loss[np.isfinite(loss)]
-            self._loss = float(np.median(finite)) if finite.size else None
+            self._loss = _median(logs.get("loss", np.nan))
             self._evals, self._logs = evals, means
             status = _status(self._loss, rate, evals, self._status_room(epoch),
                              _log_texts(self._logs))  # fmt: skip

@@ -1,15 +1,10 @@
 """The one fit engine behind ``Trainer`` and ``Population``.
 
-A front-end checks its own arguments, then hands the engine an owner
-(:class:`~nnxscan.shell._engine.owner.ModelOwner`, or the members'
-:class:`~nnxscan.shell._engine.members.StackedOwner`); what differs between one model and
-members is the owner's layout (``_engine.layout``), which the engine refines with the
-fit's data and consults, never asking which it has.
-
-Everything else is written once, here and in ``fit``: the fit-time checks, the plan, the
-epoch source (arrays or streams), evaluation during fit, checkpoints, resume, the budget
-(a :class:`~nnxscan.shell._engine.schedule.Schedule`) and the call to the one
-:class:`~nnxscan.shell._engine.fit.FitLoop`.
+A front-end checks its own arguments, then hands the engine an owner (``owner.ModelOwner``,
+or the members' ``members.StackedOwner``) whose layout (``_engine.layout``) says what differs
+between one model and members. Everything else is written once, here and in ``fit``: the
+fit-time checks, the plan, the epoch source, evaluation, checkpoints, resume, the budget
+(``schedule.Schedule``) and the call to the one ``fit.FitLoop``.
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ from nnxscan.adapters.data import GrainEpochs
 from nnxscan.pure.checks import abstract_batch, check_batch_size, check_count
 from nnxscan.shell._edges import checkpointing as _checkpointing
 from nnxscan.shell._edges.logs import empty_losses
-from nnxscan.shell._engine import evaluation as _evaluation
 from nnxscan.shell._engine.calls import Execution, prepare_execution
 from nnxscan.shell._engine.epochs import (
     ArrayEpochs,
@@ -313,12 +307,6 @@ class Engine:
         # Onto the model's current shardings, on the mesh of this call.
         placement = self.bind()
         return _checkpointing.restore(self.owner, placement, directory, step, run_keys)
-
-    # -- evaluation -------------------------------------------------------------------------
-
-    def evaluation(self, data, metric_fn, every, eval_batch_size, batch_size) -> Any:
-        """Checks fit's evaluation arguments (see ``evaluation.fit_evaluation``)."""
-        return _evaluation.fit_evaluation(self, data, metric_fn, every, eval_batch_size, batch_size)
 
 
 def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:

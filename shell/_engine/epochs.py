@@ -1,13 +1,10 @@
 """Epoch sources: a schedule's stretch (``schedule.Stretch``: epochs, and which of their
-steps) as compiled calls, for a data set, a step without data or a stream, for one model or
-for members.
+steps) as compiled calls, for a data set, a step without data or a stream.
 
 A source has ``steps_per_epoch`` (None: a stream's), ``keep_tail`` (whether an epoch ends
-with a short batch) and ``source(stretch, stats)``, the stretch's calls; the fit loop knows
-nothing else about the data. A data set's source cuts each epoch's order (one per member:
-``epoch_order(seed_i, epoch, n)``) with the core's own primitive, so a loop of
-``pure.make_epoch`` calls trains what ``fit`` trains; a stream's source stacks the
-loader's batches into chunks.
+with a short batch) and ``source(stretch, stats)``; the fit loop knows nothing else about
+the data. A data set's orders are cut with the core's own primitive, so a loop of
+``pure.make_epoch`` calls trains what ``fit`` trains.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, TypedDict
 from flax import nnx
 
 from nnxscan.pure.checks import check_count
+from nnxscan.shell._engine.evaluation import fit_evaluation
 
 
 class FitArguments(TypedDict, total=False):
@@ -215,8 +216,8 @@ def fit_options(
             "steps_per_epoch is for data=None (a step that takes no batch); an epoch over "
             "data is the data set (or the stream) once."
         )
-    evaluation = engine.evaluation(
-        o["eval_data"], o["metric_fn"], o["eval_every"], o["eval_batch_size"], batch_size
+    evaluation = fit_evaluation(
+        engine, o["eval_data"], o["metric_fn"], o["eval_every"], o["eval_batch_size"], batch_size
     )
     callbacks = o["callbacks"]
     if isinstance(callbacks, str) or not isinstance(callbacks, Sequence):

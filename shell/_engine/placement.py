@@ -1,32 +1,14 @@
 """Where the carry (state, optax state) and the data live: one device, or a mesh — with the
 shardings the model brings.
 
-Without a mesh everything is committed to the device that holds the model (so numpy,
-uncommitted and committed inputs all reach the compiled call the same way and compile
-once). With a ``jax.sharding.Mesh`` — the ``mesh=`` given, else the one ``jax.set_mesh``
-put in context when the call runs — every variable keeps the sharding the model gives it,
-decided once per call by this rule, the first that applies:
-
-1. a path rule (``shardings={regex: PartitionSpec}``) matching the variable's path: the
-   caller's explicit choice wins, as Keras's ``LayoutMap`` does;
-2. the ``NamedSharding`` its array already carries (a model created under
-   ``jax.set_mesh`` with Flax's eager sharding, or trained before);
-3. its NNX annotation (``nnx.with_partitioning``, ``sharding=``, ``out_sharding=``), logical
-   names mapped by ``nnx.logical_axis_rules`` in context or the variable's
-   ``sharding_rules`` — what ``nnx.get_partition_spec`` reads;
-4. the FSDP rule (``fsdp_min_size``): the largest dimension the data axes divide;
-5. replicated.
-
-An optax leaf takes a path rule matching its ``opt_state/...`` path, else the sharding
-its array carries or its ``optimizer_sharding`` annotation when that differs from its
-parameter's own (what the user chose, as Flax's cookbook does), else its parameter's
-(``optax.tree_utils.tree_map_params``); scalar counters are replicated (the rules for one
-leaf live in ``specs``). A population's leaves carry a leading members axis, sharded over
-``member_axis``; each member's own dimensions follow the rule above. Batches are split over
-the data axes (``data_axis``: a name or a tuple; by default the mesh's ``"data"`` axis when
-it has one, else none: batches replicated). XLA partitions the step itself (GSPMD); the
-compiled calls pin the carry's shardings in and out, so a model comes back sharded exactly
-as it went in.
+Without a mesh everything is committed to the device that holds the model, so numpy,
+uncommitted and committed inputs compile once. With a ``jax.sharding.Mesh`` (``mesh=``, else
+the one ``jax.set_mesh`` put in context when the call runs) every variable's sharding is
+decided once per call by the rules docs/scaling.md lists, first match wins: a path rule, the
+array's own ``NamedSharding``, its NNX annotation, the FSDP rule, replicated (one leaf's rule
+lives in ``specs``). A population's members axis is sharded over ``member_axis``; batches
+split over the data axes. The compiled calls pin the carry's shardings in and out, so a
+model comes back sharded exactly as it went in.
 """
 
 from __future__ import annotations

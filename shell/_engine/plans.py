@@ -7,18 +7,12 @@ Three plans:
   loop left), one compiled call per chunk.
 - ``"step"``: one compiled step per call, dispatched asynchronously, no per-step host sync.
 
-The ``"auto"`` rule is deterministic (no timing race, so every process picks the same plan
-and a run is reproducible): ``"scan"``, with consecutive epochs fused into one call when
-nothing needs the host between them, on every backend and for every model. It minimizes the
-WHOLE run, compile included. CNNs on the CPU scan too: XLA:CPU canonicalizes convolution
-layouts only in a program's entry computation, so inside a loop body a training step's
-gradient convolutions would run its slow generic code (jax#12868); the compiled programs
-rewrite every convolution into that layout themselves
-(:func:`nnxscan.pure.canonical_conv_layout`, see ``programs.chunk_runner``), so a scanned
-CNN step runs the per-step program's kernels (with the same bits, in the cases tested).
-Unrolled chunks run as fast per step as single steps but compile several times longer,
-which a run of a few thousand steps never pays back. The measurements behind it are in
-``docs/performance.md``.
+The ``"auto"`` rule is deterministic (every process picks the same plan): ``"scan"``, with
+consecutive epochs fused when nothing needs the host between them, for every backend and
+model: it minimizes the whole run, compile included. CNNs on the CPU scan too, as the
+compiled programs rewrite convolutions into the layout XLA:CPU gives only an entry
+computation (jax#12868; :func:`nnxscan.pure.canonical_conv_layout`). Unrolled chunks compile
+several times longer for the same per-step speed. Measurements: ``docs/performance.md``.
 """
 
 from __future__ import annotations

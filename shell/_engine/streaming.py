@@ -1,15 +1,10 @@
 """Streaming batches from host iterators into scanned calls, with bounded prefetch.
 
-A loader yields one batch at a time; scanning still pays off when K consecutive batches are
-stacked into one chunk ``(K, batch, ...)`` and trained in one compiled call. A background
-thread pulls, checks, converts and stacks the next chunk, and starts its transfer to the
-device, while the current chunk trains.
-
-Memory stays bounded whatever the data set's size: the producer takes a slot before it
-pulls a chunk and the trainer frees one when a chunk's call has FINISHED on the device
-(not merely been dispatched), with two slots in all, so the iterator is never more than two
-chunks (2·K batches) ahead of the last finished call. Meanwhile one call runs and the next
-waits in the device queue, so the device never idles for the host.
+A background thread pulls, checks, converts and stacks the next chunk of K batches
+``(K, batch, ...)`` and starts its transfer while the current chunk trains. Memory stays
+bounded: the producer takes one of two slots before it pulls a chunk, and the trainer frees
+one when a chunk's call has FINISHED on the device (not merely been dispatched), so the
+iterator is never more than two chunks ahead of the last finished call.
 """
 
 from __future__ import annotations
@@ -98,8 +93,7 @@ class EpochSource:
         self._data = data
         #: Ends the messages about a bad batch (see :func:`stream_hint`).
         self.hint = stream_hint(data)
-        single_use = isinstance(data, Iterator)
-        if single_use and epochs > 1:
+        if isinstance(data, Iterator) and epochs > 1:
             raise ValueError(
                 f"data is a single-use iterator ({type(data).__name__}), so it can't give "
                 f"{epochs} epochs. Pass a zero-argument callable that returns a fresh "
@@ -212,6 +206,10 @@ class _Stopped(Exception):
     pass
 
 
+def _stack(batches: list) -> Any:
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+
+
 def _chunks(
     iterator: Iterator,
     *,
@@ -228,7 +226,6 @@ def _chunks(
 ) -> Iterator[Chunk]:
     """Pulls, checks, stacks and transfers (``put``) chunks of ``chunk_size`` batches."""
     index, pending = 0, []
-    _stack = _stack_batches
 
     def pull() -> Any:
         check_stop()  # a stopped fit takes nothing more from the user's iterator
@@ -272,10 +269,6 @@ def _chunks(
         yield Chunk(put(_stack(pending)), len(pending))
 
 
-def _stack_batches(batches: list) -> Any:
-    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
-
-
 class ChunkStream:
     """One epoch's chunks, produced ahead by a thread (or inline without ``prefetch``).
 
@@ -293,16 +286,13 @@ class ChunkStream:
         self._producer_done = False
         self._thread = None
 
-        def acquire() -> None:
-            if not prefetch:
-                return
-            while not self._slots.acquire(timeout=0.05):
-                if self._stop.is_set():
-                    raise _Stopped
-
         def check_stop() -> None:
             if self._stop.is_set():
                 raise _Stopped
+
+        def acquire() -> None:
+            while prefetch and not self._slots.acquire(timeout=0.05):
+                check_stop()
 
         self._chunks = _chunks(iterator, acquire=acquire, check_stop=check_stop, **options)
         if prefetch:

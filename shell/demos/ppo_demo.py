@@ -62,20 +62,25 @@ PROGRESS_LOGS = ("episode_return",)
 def draw_returns(env_steps: np.ndarray, returns: np.ndarray, seeds: list[int]) -> Any:
     """A matplotlib Figure: episode return against environment steps, a thin line per seed
     (``returns`` is ``(seeds, updates)``) and their mean in bold black."""
-    Figure = require_extra("matplotlib.figure", "demo", needed_by="nnxscan demo ppo").Figure
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.subplots()
+    fig, ax = _returns_axes(f"{len(seeds)} seed(s) trained in one compiled program")
     for seed, curve in zip(seeds, returns, strict=True):
         ax.plot(
             env_steps, curve, lw=0.8, alpha=0.6, label=f"seed {seed}" if len(seeds) <= 10 else None
         )
     ax.plot(env_steps, returns.mean(axis=0), color="black", lw=2.5, label="mean over seeds")
-    ax.set_xlabel("environment steps")
-    ax.set_ylabel("episode return")
-    ax.set_title(f"PPO on {ENV_NAME}: {len(seeds)} seed(s) trained in one compiled program")
-    ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     return fig
+
+
+def _returns_axes(title: str) -> tuple[Any, Any]:
+    Figure = require_extra("matplotlib.figure", "demo", needed_by="nnxscan demo ppo").Figure
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    ax.set_xlabel("environment steps")
+    ax.set_ylabel("episode return")
+    ax.set_title(f"PPO on {ENV_NAME}: {title}")
+    ax.grid(alpha=0.3)
+    return fig, ax
 
 
 def draw_sweep_returns(
@@ -84,21 +89,15 @@ def draw_sweep_returns(
     """A matplotlib Figure: episode return against environment steps, a thin line per
     member in its value's color (``returns`` is ``(values, seeds, points)``) and each
     value's mean over seeds in bold, same color, labelled ``name=value``."""
-    Figure = require_extra("matplotlib.figure", "demo", needed_by="nnxscan demo ppo").Figure
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.subplots()
+    members = returns.shape[0] * returns.shape[1]
+    fig, ax = _returns_axes(
+        f"{members} members ({returns.shape[1]} seeds x {returns.shape[0]} {name}) in one "
+        f"Population"
+    )
     for j, (value, group) in enumerate(zip(values, returns, strict=True)):
         for curve in group:
             ax.plot(env_steps, curve, color=f"C{j}", lw=0.7, alpha=0.45)
         ax.plot(env_steps, group.mean(axis=0), color=f"C{j}", lw=2.5, label=f"{name}={value:g}")
-    ax.set_xlabel("environment steps")
-    ax.set_ylabel("episode return")
-    members = returns.shape[0] * returns.shape[1]
-    ax.set_title(
-        f"PPO on {ENV_NAME}: {members} members ({returns.shape[1]} seeds x "
-        f"{returns.shape[0]} {name}) in one Population"
-    )
-    ax.grid(alpha=0.3)
     ax.legend(loc="lower right", title="bold: mean over seeds")
     return fig
 
