@@ -5,6 +5,7 @@ compiles: each program it calls once, those after the first while the first comp
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import jax.monitoring
@@ -14,6 +15,7 @@ import pytest
 from flax import nnx
 
 from nnxscan.shell import LambdaCallback, Trainer
+from nnxscan.shell._engine import fit as fit_module
 
 from conftest import MLP, state_arrays, xent
 
@@ -71,13 +73,22 @@ def _compiles_during(run) -> list[tuple[str, str]]:
     return compiles
 
 
-@pytest.mark.parametrize("tail", [False, True], ids=["cut_stretch", "short_batch"])
-def test_programs_of_later_calls_compile_ahead_and_once(data, tail):
+@pytest.mark.parametrize(
+    ("tail", "slow"), [(False, False), (True, False), (False, True)],
+    ids=["cut_stretch", "short_batch", "slow_thread"],
+)  # fmt: skip
+def test_programs_of_later_calls_compile_ahead_and_once(data, tail, slow, monkeypatch):
     """The programs a fit will surely call after its first (the 2-epoch stretch that
     evaluation every 4 of 10 epochs leaves, or each epoch's short last batch, and the
     evaluation) compile on a thread while the first call compiles: each program once, no
-    program the run does not call, and the same bits as epochs run one call each."""
-    hidden = 13 if tail else 11  # shapes no other test compiled
+    program the run does not call, and the same bits as epochs run one call each. However
+    late the thread starts compiling (``slow``), a call waits for its program rather than
+    compiling it a second time: where programs compile never depends on timing."""
+    if slow:
+        compile_all = fit_module.Ahead._compile_all
+        late = lambda self, programs: (time.sleep(1.0), compile_all(self, programs))  # noqa: E731
+        monkeypatch.setattr(fit_module.Ahead, "_compile_all", late)
+    hidden = {(False, False): 11, (True, False): 13, (False, True): 29}[tail, slow]  # new shapes
     options = dict(batch_size=24 if tail else 16, drop_remainder=not tail, progress=False)
     evaluation = dict(eval_every=4, eval_data=data, metric_fn=lambda m, b: {"loss": xent(m, b)})
     ahead = Trainer(MLP(hidden=hidden, rngs=nnx.Rngs(0)), TX, xent)

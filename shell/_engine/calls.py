@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -273,8 +273,10 @@ def run_calls(
     write_every_call: bool = False,
     active: Callable[[], Any] | None = None,
     on_halt: HaltPolicy | None = None,
+    ready: Callable[[Hashable], None] | None = None,
 ) -> list[Any]:
-    """Runs the compiled calls in order; returns each call's stacked outputs."""
+    """Runs the compiled calls in order; returns each call's stacked outputs. ``ready(key)``
+    (a :func:`call_key`) returns once a program compiling ahead for that call is ready."""
     plan, donate = execution
     # The per-step plan writes back once per stretch of calls (per-step Python would cost
     # more than the step) unless something looks at the objects after every call.
@@ -290,6 +292,8 @@ def run_calls(
             with held_interrupts() as interrupted:
                 leaves = live.donatable() if donate else live.leaves
                 compiled, started = _cache_size(run), time.perf_counter()
+                if ready is not None:
+                    ready(call_key(indices, length, unroll, rows))
                 leaves, out, halted = run(
                     leaves, data, indices, mask, start, length=length, unroll=unroll, rows=rows
                 )
@@ -323,6 +327,12 @@ def run_calls(
         if close is not None:
             close()
     return outs
+
+
+def call_key(indices: Any, length: int, unroll: Any, rows: Any) -> Hashable:
+    """What tells a call's program from another's within one fit (its runner, data and
+    carry being the fit's): the indices' shape and the static options."""
+    return (np.shape(indices), length, unroll, rows)
 
 
 def _cache_size(run: Any) -> int:

@@ -38,7 +38,13 @@ from nnxscan.shell._edges.logs import (
 )
 from nnxscan.shell._edges.progress import RunProgress
 from nnxscan.shell._edges.warn import warn
-from nnxscan.shell._engine.calls import Execution, LiveState, NonFiniteStop, run_calls
+from nnxscan.shell._engine.calls import (
+    Execution,
+    LiveState,
+    NonFiniteStop,
+    call_key,
+    run_calls,
+)
 from nnxscan.shell._engine.epochs import Epochs, EpochStats
 from nnxscan.shell._engine.owner import Owner
 from nnxscan.shell._engine.placement import Placement, device_of
@@ -106,25 +112,43 @@ def lowered_or_none(lower: Callable[[], Any] | None) -> Any:
         return None
 
 
-def compile_ahead(programs: Sequence[Any]) -> Callable[[], None]:
-    """Compiles lowered programs (``jax.stages.Lowered``, None skipped) that the run will
-    surely call, in order, on one thread while this one goes on: XLA compiles without the
-    GIL, so the first training call's compile and these share the cores. Returns
-    ``wait()``. A call of a program being compiled waits for that compile (jit's cache),
-    and runs what it would have compiled itself: this changes when programs compile,
-    never what runs."""
-    programs = [p for p in programs if p is not None]
-    if not programs:
-        return lambda: None
+class Ahead:
+    """Lowered programs (``jax.stages.Lowered`` by key, None skipped) that the run will
+    surely call, compiling in order on one thread while this one goes on: XLA compiles
+    without the GIL, so the first training call's compile and these share the cores.
 
-    def compile_all() -> None:
-        for program in programs:
-            with contextlib.suppress(Exception):  # the call itself raises it
+    ``ready(key)`` waits until the program of ``key`` has compiled, so that its call finds
+    it in jit's cache instead of racing the thread with a compile of its own: which
+    thread compiles what never depends on timing. ``wait()`` waits for all of them. This
+    changes when programs compile, never what runs."""
+
+    def __init__(self, programs: Sequence[tuple[Hashable, Any]]):
+        programs = [(key, p) for key, p in programs if p is not None]
+        self._compiled = {key: threading.Event() for key, _ in programs}
+        self._thread: threading.Thread | None = None
+        if programs:
+            self._thread = threading.Thread(
+                target=self._compile_all, args=(programs,), name="nnxscan-compile", daemon=True
+            )
+            self._thread.start()
+
+    def _compile_all(self, programs: list[tuple[Hashable, Any]]) -> None:
+        for key, program in programs:
+            try:
                 program.compile()
+            except Exception:  # the call itself raises it
+                pass
+            finally:
+                self._compiled[key].set()
 
-    thread = threading.Thread(target=compile_all, name="nnxscan-compile", daemon=True)
-    thread.start()
-    return thread.join
+    def ready(self, key: Hashable) -> None:
+        event = self._compiled.get(key)
+        if event is not None:
+            event.wait()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
 
 
 class Checkpoints(NamedTuple):
@@ -244,6 +268,7 @@ class FitLoop:
         self._steps_logged = 0
         self._first_nonfinite: tuple[int, int] | None = None
         self._device: Any = None
+        self._ahead = Ahead([])  # the programs this fit compiles ahead (run() sets them)
         # The members' freezing mask of the next call, placed next to the carry.
         self._active_mask = self.layout.active_masks(
             owner, lambda mask: self.placement.put_data(mask, device=self._device)
@@ -289,9 +314,9 @@ class FitLoop:
         if partial is not None:
             self._partial, self._partial_aux = partial, partial_aux
         self.callbacks.trainer.stop_training = False
-        ahead = self._lowered_ahead(schedule, epoch_calls, live)
-        evaluation = self._evaluation_ahead(schedule)
-        wait = compile_ahead([*ahead[:1], evaluation, *ahead[1:]])
+        first, later = self._lowered_ahead(schedule, epoch_calls, live)
+        # In the order the run calls them: the first stretch's, its evaluation, the rest.
+        self._ahead = Ahead([*first, ("evaluate", self._evaluation_ahead(schedule)), *later])
         total, last_epoch = schedule.progress()
         bar = RunProgress(total, self.progress, last_epoch=last_epoch, has_aux=self.program.has_aux,
                           layout=self.layout, log_names=self.progress_logs)  # fmt: skip
@@ -303,9 +328,9 @@ class FitLoop:
                         break
                     if not self._train(history, live, epoch_calls, stretch, bar, injected):
                         break
-                wait()  # compiled by now, unless fit stopped early
+                self._ahead.wait()  # compiled by now, unless fit stopped early
         except BaseException as error:
-            wait()  # no compile outlives the fit
+            self._ahead.wait()  # no compile outlives the fit
             # The epochs trained so far stay reachable, files the callbacks opened are
             # closed, a checkpoint in flight is finished: an exception loses no record.
             error.history = history
@@ -326,16 +351,19 @@ class FitLoop:
         self._warn_nonfinite()
         return history
 
-    def _lowered_ahead(self, schedule: Schedule, epoch_calls: Epochs, live: LiveState) -> list:
+    def _lowered_ahead(
+        self, schedule: Schedule, epoch_calls: Epochs, live: LiveState
+    ) -> tuple[list, list]:
         """The training programs of the schedule's calls after its first (a call of another
         length: a stretch cut by evaluation, ``max_steps`` or ``FUSED_STEPS``; a short
-        last batch), lowered: the first stretch's, then the others'. Only when epochs fuse:
-        then nothing but an error stops the schedule early, so each will surely run."""
+        last batch), lowered and keyed by :func:`call_key`: the first stretch's, and the
+        others'. Only when epochs fuse: then nothing but an error stops the schedule early,
+        so each will surely run."""
         placeholder_calls = getattr(epoch_calls, "placeholder_calls", None)
         run = live.runner(self.execution.donate)
         if not schedule.fuse or placeholder_calls is None or not hasattr(run, "lower"):
-            return []
-        seen_stretches, seen, lowered = set(), set(), []
+            return [], []
+        seen_stretches, seen, first, later = set(), set(), [], []
         self._device = device_of(live.leaves)  # where the members' mask goes
         mask = self._active_mask()
         for stretch in schedule.stretches():
@@ -345,13 +373,17 @@ class FitLoop:
             seen_stretches.add(shape)
             for call in placeholder_calls(stretch):
                 unroll = self.execution.plan.unroll if call.unroll is None else call.unroll
-                options = dict(length=call.length, unroll=unroll, rows=call.rows)
-                key = (call.indices.shape, *options.values())  # start is an operand
+                key = call_key(call.indices, call.length, unroll, call.rows)
                 if key not in seen and seen:  # the first call compiles as it runs
                     args = (live.leaves, call.data, call.indices, mask, call.start)
-                    lowered.append(functools.partial(run.lower, *args, **options))
+                    options = dict(length=call.length, unroll=unroll, rows=call.rows)
+                    lower = functools.partial(run.lower, *args, **options)
+                    (later if len(seen_stretches) > 1 else first).append((key, lower))
                 seen.add(key)
-        return [lowered_or_none(lower) for lower in lowered]
+        return (
+            [(key, lowered_or_none(lower)) for key, lower in first],
+            [(key, lowered_or_none(lower)) for key, lower in later],
+        )
 
     def _evaluation_ahead(self, schedule: Schedule) -> Any:
         """The evaluation's program, lowered, when the schedule surely reaches an
@@ -428,7 +460,7 @@ class FitLoop:
                 self.program, self.execution, live, epoch_calls(stretch, stats), on_call,
                 lambda: self._stop_requested or bool(self._signals),
                 write_every_call=callbacks.has_call_hooks or every_steps is not None,
-                active=self._active_mask, on_halt=self._on_halt(live),
+                active=self._active_mask, on_halt=self._on_halt(live), ready=self._ahead.ready,
             )  # fmt: skip
         except NonFiniteStop as stop:
             raise self._nonfinite_error(history, epoch, first_step, stop, start, stats) from None
@@ -566,6 +598,7 @@ class FitLoop:
         if not complete:
             logs["stopped"] = True
         elif self.evaluation is not None and (epoch + 1) % self.evaluation.every == 0:
+            self._ahead.ready("evaluate")
             logs.update({f"eval_{k}": v for k, v in self.evaluation.run().items()})
         self._warn_dropped(epoch, stats)
         history._append(losses, logs)
