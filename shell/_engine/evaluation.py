@@ -34,15 +34,10 @@ def fit_evaluation(
     """Checks fit's evaluation arguments (before anything compiles)."""
     if data is None and metric_fn is None:
         return None
-    if data is None:
+    if data is None or (metric_fn is None and engine.owner.metrics is None):
         raise ValueError(
             "evaluation during fit needs both eval_data and a metric_fn (or NNX "
             "metrics= and update_metrics=)."
-        )
-    if metric_fn is None and engine.owner.metrics is None:
-        raise ValueError(
-            "evaluation during fit needs both eval_data and a metric_fn, or NNX "
-            "metrics given as metrics=/update_metrics=."
         )
     n = check_leading_size(data, "eval_data")
     every = check_count(every, "eval_every", 1)

@@ -32,40 +32,12 @@ DataKind = Literal["arrays", "stream", "none"]
 
 
 class Layout(Protocol):
-    """What the engine asks of one model or of members.
-
-    Attributes:
-      num_members: what callbacks and writers are told (``trainer.num_members``): None
-        for one model, N for members.
-      shape: the shape of a value per model, ``()`` or ``(N,)``: a per-step log is
-        ``(steps, *shape)``, an epoch's log ``shape``.
-      data_lead: the fit's data's leading axes before the examples (a stream batch's
-        before its batch axis): ``(N,)`` when each member has its own data, else ``()``.
-
-    Methods (host side unless said):
-      for_run(data, member_batches, member_axis): this layout for one fit of ``data`` (a
-        :data:`DataKind`) over a mesh axis (None: off a mesh).
-      value(x), count(x), metric(x): a statistic reduced over steps, a count, an
-        evaluation metric, as the logs hold them (a float or int, or an ``(N,)`` array).
-      nonfinite_steps(counts, steps): how many steps had a non-finite loss, in words.
-      trains(owner): whether anything is left to train; active_masks(owner, put): a
-        ``mask()`` giving the next compiled call's freezing mask, placed by ``put``;
-        active_logs(owner): what an epoch's logs say about it.
-      halted_steps(owner, halted, losses, length, first): ``on_nonfinite="stop"``: how many
-        of a halted call's ``length`` steps count (``first``: its first global step).
-      step(step), enter(opt_state, active), leave(opt_state), gathered(data, indices):
-        (traced) the step the runner scans, the owner's opt_state as that step carries it
-        and back, and the data and indices each step's batch is gathered from.
-      evaluate(evaluate): ``evaluate(graphdef, state, data)`` over what the owner holds.
-      members_axis(mesh, name): the mesh axis the members spread over (checked), or None;
-        carry_spec(axis), batch_spec(axis): the ``PartitionSpec`` entries before a carry
-        leaf's own axes and before a step's batch axis.
-      examples(data), batch_shapes(data, batch_size), first_batch(batch): a data set's
-        examples (each member's), one step's batch shapes (``data_lead`` kept), a stream's
-        first batch as one model trains it (its members axis checked, then off).
-      orders(orders), steps_first(indices), batch_numbers(indices, batch_size): one epoch
-        order per seed as the indices hold them, cut orders steps first, and an
-        unshuffled epoch's indices with ``rows`` when a step may slice its batch by number.
+    """What the engine asks of one model or of members (docs/architecture.md tables who
+    asks what). ``num_members``: None or N, what callbacks and writers are told; ``shape``:
+    a value per model, ``()`` or ``(N,)`` (a per-step log is ``(steps, *shape)``);
+    ``data_lead``: the data's leading axes before the examples (a stream batch's before
+    its batch axis), ``(N,)`` when each member has its own data. ``step``, ``enter``,
+    ``leave`` and ``gathered`` run traced; the rest on the host.
     """
 
     num_members: int | None
@@ -73,16 +45,20 @@ class Layout(Protocol):
     data_lead: tuple[int, ...]
 
     def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> Layout: ...
+    # Logs: a statistic reduced over steps, a count, an evaluation metric, as logs hold them.
     def value(self, x: Any) -> Any: ...
     def count(self, x: Any) -> Any: ...
     def metric(self, x: Any) -> Any: ...
     def nonfinite_steps(self, counts: Any, steps: int) -> str: ...
+    # Freezing: anything left to train; each call's mask (placed by ``put``); an epoch's logs;
+    # ``on_nonfinite="stop"``: how many of a halted call's ``length`` steps count.
     def trains(self, owner: Any) -> bool: ...
     def active_masks(self, owner: Any, put: Callable) -> Callable[[], Any]: ...
     def active_logs(self, owner: Any) -> dict[str, Any]: ...
     def halted_steps(
         self, owner: Any, halted: Any, losses: Any, length: int, first: int
     ) -> int: ...
+    # The runner's step, the owner's opt_state as it carries it (and back), each step's data.
     def step(self, step: Step) -> Step: ...
     def enter(self, opt_state: Any, active: Any) -> Any: ...
     def leave(self, opt_state: Any) -> Any: ...
@@ -91,6 +67,8 @@ class Layout(Protocol):
     def members_axis(self, mesh: Any, name: str | None) -> str | None: ...
     def carry_spec(self, member_axis: str | None) -> tuple: ...
     def batch_spec(self, member_axis: str | None) -> tuple: ...
+    # The data: examples (each member's), one step's batch shapes, a stream's first batch as
+    # one model trains it; one order per seed, cut orders steps first, batches by number.
     def examples(self, data: Any) -> int: ...
     def batch_shapes(self, data: Any, batch_size: int) -> Any: ...
     def first_batch(self, batch: Any) -> Any: ...

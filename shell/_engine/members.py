@@ -69,10 +69,9 @@ class StackedOwner:
         self.active = np.ones((self.num_members,), bool)
         #: The order rule of the run in progress (saved; a resume must use the same).
         self.shared_order = False
-        self.restored_run = ""
         self.loaded_since_checkpoint = False
         # How many leading leaves of a member's node state belong to the model itself.
-        self._model_leaves = len(jax.tree.leaves(self._parts_state(state, "model")))
+        self._model_leaves = len(jax.tree.leaves(self._model_part(state)))
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -97,7 +96,7 @@ class StackedOwner:
 
     def model_state(self) -> Any:
         """The members' stacked MODEL state (their Rngs and metrics left out), a copy."""
-        return jax.tree.map(lambda x: x.copy(), self._parts_state(self._carry[0], "model"))
+        return jax.tree.map(lambda x: x.copy(), self._model_part(self._carry[0]))
 
     def evaluation_node(
         self, model_only: bool, rngs: Any = None, metrics: Any = None
@@ -106,7 +105,7 @@ class StackedOwner:
         ``metric_fn``), or the whole nodes (NNX metrics fed by the loss: the members' own
         Rngs and metrics, which ``rngs`` and ``metrics`` are templates of)."""
         if model_only:
-            return self.model_graphdef, self._parts_state(self._carry[0], "model")
+            return self.model_graphdef, self._model_part(self._carry[0])
         return self.graphdef, self._carry[0]
 
     def member(self, index: int) -> nnx.Module:
@@ -119,11 +118,9 @@ class StackedOwner:
             node, with_rngs=self.with_rngs, with_metrics=self.metrics is not None
         ).model
 
-    def _parts_state(self, state: Any, part: str) -> Any:
-        if not (self.with_rngs or self.metrics is not None):
-            return state
-        index = {"model": 0, "metrics": -1}[part]
-        return state[index if index >= 0 else len(state) - 1]
+    def _model_part(self, state: Any) -> Any:
+        """A member's model state: its node's, or the first of ``(model, rngs, metrics)``."""
+        return state[0] if self.with_rngs or self.metrics is not None else state
 
     # -- metrics ----------------------------------------------------------------------------
 
@@ -154,7 +151,7 @@ class StackedOwner:
         """Replaces the members' MODEL state (all of them, or those where the ``(N,)`` mask
         ``where`` is True) with a stacked one (e.g. an earlier ``population.state``); their
         Rngs, metrics and optax states stay."""
-        current = self._parts_state(self._carry[0], "model")
+        current = self._model_part(self._carry[0])
         if jax.tree.structure(state) != jax.tree.structure(current):
             raise ValueError(
                 "load_state needs a stacked state of this population's structure (e.g. "
@@ -239,7 +236,6 @@ class StackedOwner:
         self.epoch_step = meta["epoch_step"]
         self.active = np.asarray(meta["active"], bool).copy()
         self.shared_order = bool(meta["shared_order"])
-        self.restored_run = str(meta["run"])
         self.loaded_since_checkpoint = False
 
 

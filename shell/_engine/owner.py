@@ -53,8 +53,6 @@ class Owner(Protocol):
       metrics: the NNX training metrics (a template for members), or None.
       epoch: the global index of the next epoch; ``epoch_step``: steps of that epoch trained
         when a run stopped inside it (0 at boundaries).
-      restored_run: the run the last restored checkpoint carried (where its History is in
-        the run log, ``_edges.checkpointing.RunLog``).
       loaded_since_checkpoint: a state was loaded (EarlyStopping's best epoch) since the
         last checkpoint, so one at the current step is stale.
     """
@@ -63,7 +61,6 @@ class Owner(Protocol):
     metrics: nnx.Metric | None
     epoch: int
     epoch_step: int
-    restored_run: str
     loaded_since_checkpoint: bool
 
     @property
@@ -165,13 +162,13 @@ class ModelOwner:
             self.optimizer = self._synced = tx_or_optimizer
             self.wrt = tx_or_optimizer.wrt
             self.tx = check_transform(tx_or_optimizer.tx)
-            params, _ = split_wrt(self._state(), self.wrt)
+            params, _ = split_wrt(self.read_state(), self.wrt)
             optax_state_from_optimizer(self.optimizer, params)  # validates, raises early
             self._opt_state = None
         else:
             self.tx = check_transform(tx_or_optimizer)
             self.wrt = wrt
-            self._opt_state = init_opt_state(self.tx, self._state(), wrt)
+            self._opt_state = init_opt_state(self.tx, self.read_state(), wrt)
         self._counters()
 
     @classmethod
@@ -208,7 +205,6 @@ class ModelOwner:
         self.epoch = 0
         self.seed = 0
         self.epoch_step = 0
-        self.restored_run = ""
         self._own_step = 0
         self.loaded_since_checkpoint = False
         # The optimizer's step array as last read or written, and its value: reading
@@ -233,7 +229,7 @@ class ModelOwner:
     @property
     def opt_state(self) -> Any:
         """The optax state, in the structure ``tx.init(params)`` gives."""
-        return self._opt_state_of(self._state())
+        return self._opt_state_of(self.read_state())
 
     def _opt_state_of(self, state: nnx.State) -> Any:
         """The optax state, given the node's state as just read (one graph walk, not two)."""
@@ -256,9 +252,6 @@ class ModelOwner:
                 self._hijax = hijax
             return nnx.split(nnx.with_vars(node, hijax=False)) if hijax else (graphdef, state)
         return nnx.split(nnx.with_vars(node, hijax=False) if self._hijax else node)
-
-    def _state(self) -> nnx.State:
-        return self.split()[1]
 
     def read(self) -> tuple[nnx.GraphDef, nnx.State, Any]:
         """``(graphdef, state, opt_state)`` of the user's objects (their own buffers)."""
@@ -408,7 +401,7 @@ class ModelOwner:
         if carry is not None and not self.loaded_since_checkpoint:
             state, opt_state = carry
         else:
-            state = self._state()
+            state = self.read_state()
             opt_state = self._opt_state_of(state)
         return {"state": state, "opt_state": opt_state, "meta": meta}
 
@@ -436,7 +429,7 @@ class ModelOwner:
             nnx.update(self._synced, update)
             self._step_cache = None
         self.epoch, self.seed = meta["epoch"], meta["seed"]
-        self.epoch_step, self.restored_run = meta["epoch_step"], meta["run"]
+        self.epoch_step = meta["epoch_step"]
         self.loaded_since_checkpoint = False
 
 

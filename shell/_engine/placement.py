@@ -14,6 +14,7 @@ model comes back sharded exactly as it went in.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import jax
@@ -98,23 +99,17 @@ class Placement:
                 f"mesh= is {self._mesh.shape_tuple} but jax.set_mesh put another mesh in "
                 f"context ({context.shape_tuple}): pass one of them."
             )
-        if mesh is None:
-            if self._data_axis is not None or self.fsdp_min_size is not None:
-                what = "data_axis" if self._data_axis is not None else "fsdp_min_size"
-                raise ValueError(
-                    f"{what} shards over a mesh: pass mesh=, or call inside jax.set_mesh(mesh)."
-                )
-            unbound = Placement(tx=self.tx, wrt=self.wrt, layout=self.layout)
-            unbound.rules = self.rules
-            return unbound
+        if mesh is None and (self._data_axis is not None or self.fsdp_min_size is not None):
+            what = "data_axis" if self._data_axis is not None else "fsdp_min_size"
+            raise ValueError(
+                f"{what} shards over a mesh: pass mesh=, or call inside jax.set_mesh(mesh)."
+            )
         if mesh is self.mesh:
             return self
-        bound = Placement(
-            None, self._data_axis, self.fsdp_min_size, self._member_axis,
-            tx=self.tx, wrt=self.wrt, layout=self.layout,
-        )  # fmt: skip
-        bound.rules = self.rules
-        bound._bind(mesh)
+        bound = copy.copy(self)
+        bound.mesh, bound.data_axes, bound.member_axis = None, (), None
+        if mesh is not None:
+            bound._bind(mesh)
         return bound
 
     def _bind(self, mesh: Mesh) -> None:
@@ -159,9 +154,7 @@ class Placement:
     @property
     def batch_sharding(self) -> NamedSharding | None:
         """One batch's leading dimension over the data axes; ``None`` without a mesh."""
-        if self.mesh is None:
-            return None
-        return NamedSharding(self.mesh, PartitionSpec(self._data_entry()))
+        return self.batch_sharding_of(ONE_MODEL)
 
     def batch_sharding_of(self, layout: Layout) -> NamedSharding | None:
         """A step's batch as ``layout`` runs it: :attr:`batch_sharding`, after the members
@@ -369,8 +362,7 @@ def _commit(tree: Any, device: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     # Arrays already committed to the device pass through: device_put costs host time per
     # leaf even when it has nothing to do (docs/performance.md), and fit calls this every
-    # time. Arrays the user
-    # sharded over several devices keep their sharding.
+    # time. Arrays the user sharded over several devices keep their sharding.
     placed = [
         x
         if isinstance(x, jax.Array)
