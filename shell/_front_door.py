@@ -19,6 +19,7 @@ from flax import nnx
 from nnxscan.pure import Step
 from nnxscan.pure.checks import check_count
 from nnxscan.shell._config import Config
+from nnxscan.shell._edges import checkpointing as _checkpointing
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.evaluation import evaluate
 from nnxscan.shell._engine.options import fit_options
@@ -266,7 +267,7 @@ class FrontDoor:
           >>> trainer.save("/tmp/run")
           PosixPath('/tmp/run/16')
         """
-        return self._engine.save(directory, max_to_keep=max_to_keep)
+        return _checkpointing.save(self._owner, directory, max_to_keep=max_to_keep)
 
     def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
         """Loads the newest good (or the given) checkpoint into the model and optimizer
@@ -286,4 +287,5 @@ class FrontDoor:
           >>> trainer.restore("/tmp/run")
           2
         """
-        return self._engine.restore(directory, step)
+        # Onto the model's current shardings, on the mesh of this call.
+        return _checkpointing.restore(self._owner, self._engine.bind(), directory, step)

@@ -8,8 +8,7 @@ pure :class:`~nnxscan.pure.Step` whose ``opt_state`` the caller holds between ca
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,6 +18,7 @@ from flax import nnx
 
 from nnxscan.pure import Step, nnx_train_step
 from nnxscan.pure.checks import abstract_batch, check_batch_size, check_leading_size
+from nnxscan.shell._engine import programs as _programs
 from nnxscan.shell._engine.calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.epochs import ArrayEpochs
@@ -266,31 +266,20 @@ def _user_step(
     return owner, _outputs_program(train_step), _stateful_outputs
 
 
-# The stateful steps' programs, by function: a second call reuses the compiled scan.
-_MAX_CACHED = 32
-_OUTPUT_PROGRAMS: OrderedDict[Hashable, TrainProgram] = OrderedDict()
 _OUTPUTS = "outputs"
 
 
 def _outputs_program(fn: Callable) -> TrainProgram:
-    """The cached program of a stateful ``fn`` that reports whatever ``fn`` returns."""
-    try:
-        key: Hashable = (fn, hash(fn))
-    except TypeError:
-        key = ("id", id(fn))
-    program = _OUTPUT_PROGRAMS.get(key)
-    if program is None:
+    """The cached program of a stateful ``fn`` that reports whatever ``fn`` returns: a second
+    call with the same ``fn`` reuses the compiled scan."""
 
+    def build() -> TrainProgram:
         def reporting(*args: Any) -> dict[str, Any]:
             return {_OUTPUTS: fn(*args)}
 
-        program = TrainProgram(nnx_train_step(reporting), "ignore", {"train_step": fn})
-        _OUTPUT_PROGRAMS[key] = program
-        if len(_OUTPUT_PROGRAMS) > _MAX_CACHED:
-            _OUTPUT_PROGRAMS.popitem(last=False)
-    else:
-        _OUTPUT_PROGRAMS.move_to_end(key)
-    return program
+        return TrainProgram(nnx_train_step(reporting), "ignore", {"train_step": fn})
+
+    return _programs._lookup(_programs._TRAIN, ("outputs", _programs._identity_key(fn)), build)
 
 
 def _given(step: Step, model: nnx.Module, opt_state: Any) -> Callable[..., Any]:

@@ -38,25 +38,20 @@ def open_checkpointer(
     return _adapter().Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
 
 
-def save(
-    owner: Owner, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""
-) -> pathlib.Path:
+def save(owner: Owner, directory: str | os.PathLike[str], *, max_to_keep: int = 3) -> pathlib.Path:
     """Saves the owner's objects and counters now, durable on return (``save()``)."""
     with open_checkpointer(directory, max_to_keep=max_to_keep, asynchronous=False) as synchronous:
-        return save_with(synchronous, owner, run)
+        return save_with(synchronous, owner)
 
 
 def save_with(
     checkpoints: Any, owner: Owner, run: str = "", carry: tuple | None = None
 ) -> pathlib.Path:
     """Saves the owner's objects and counters (and ``run``, where the History so far is in
-    the run log: :meth:`RunLog.record`) as
-    checkpoint number ``owner.step`` through ``checkpoints`` (a ``Checkpointer``);
-    ``carry`` is fit's ``(state, opt_state)`` when it was just written into the objects.
-
-    Saving again at a step that already has a checkpoint keeps that one (e.g. ``save()``
-    right after ``restore()``), unless a state was loaded into the owner since (e.g.
-    EarlyStopping's best epoch): then it replaces it."""
+    the run log: :meth:`RunLog.record`) as checkpoint number ``owner.step``; ``carry`` is
+    fit's ``(state, opt_state)`` when it was just written into the objects. A step that has
+    a checkpoint keeps it (``save()`` right after ``restore()``), unless a state was loaded
+    since (EarlyStopping's best epoch)."""
     step = owner.step
     existing = checkpoints.newest_step() == step  # on disk or in flight; never waits
     if existing and not owner.loaded_since_checkpoint:
@@ -67,11 +62,7 @@ def save_with(
 
 
 def restore(
-    owner: Owner,
-    placement: Placement,
-    directory: str | os.PathLike[str],
-    step: int | None,
-    run_keys: dict[str, Any] | None = None,
+    owner: Owner, placement: Placement, directory: str | os.PathLike[str], step: int | None
 ) -> int:
     """Restores a checkpoint into the owner's objects and counters; returns the epoch."""
     template = _template(owner, placement)
@@ -81,7 +72,7 @@ def restore(
         )
     else:
         tree = _read(owner, directory, template, step)
-    owner.restore(tree, run_keys)
+    owner.restore(tree)
     return owner.epoch
 
 

@@ -10,7 +10,6 @@ fit-time checks, the plan, the epoch source, evaluation, checkpoints, resume, th
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -292,21 +291,6 @@ class Engine:
         return directory, Checkpoints(
             every, every_steps, save, checkpointer.close, run_log, checkpointer.lock
         )
-
-    def save(
-        self, directory: str | os.PathLike[str], *, max_to_keep: int = 3, run: str = ""
-    ) -> pathlib.Path:
-        return _checkpointing.save(self.owner, directory, max_to_keep=max_to_keep, run=run)
-
-    def restore(
-        self,
-        directory: str | os.PathLike[str],
-        step: int | None = None,
-        run_keys: dict[str, Any] | None = None,
-    ) -> int:
-        # Onto the model's current shardings, on the mesh of this call.
-        placement = self.bind()
-        return _checkpointing.restore(self.owner, placement, directory, step, run_keys)
 
 
 def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:

@@ -1,16 +1,9 @@
 """Owners: the one place a fit reads ``(graphdef, state, opt_state)`` from and writes to.
 
-The fit engine (``fit.FitLoop``, ``engine.Engine``) talks to an owner through the
-:class:`Owner` protocol and never asks which kind it has; what differs between one model
-and members in the engine is the owner's :attr:`~Owner.layout`
-(``nnxscan.shell._engine.layout``). Two kinds exist:
-
-- :class:`ModelOwner` (here) holds the user's ``nnx.Module`` and ``nnx.Optimizer``: it is
-  the only code in nnxscan that calls ``nnx.update`` on them. There is ONE step counter:
-  with an ``nnx.Optimizer`` its ``step`` is the truth (``trainer.step`` reads it,
-  checkpoints save and restore it); without one the owner counts.
-- :class:`~nnxscan.shell._engine.members.StackedOwner` holds a population's members stacked along
-  a leading axis (no user object), which members still train, and their seeds.
+The engine talks to an :class:`Owner` and never asks which kind it has (what differs is
+its ``layout``). :class:`ModelOwner` holds the user's module and optimizer and is the only
+code that calls ``nnx.update`` on them; ONE step counter: an ``nnx.Optimizer``'s ``step``
+when there is one. ``members.StackedOwner`` holds a population's stacked members.
 """
 
 from __future__ import annotations
@@ -266,12 +259,9 @@ class ModelOwner:
     @contextlib.contextmanager
     def reads_held(self) -> Iterator[None]:
         """Within: :meth:`read` walks the user's objects once and gives every later read
-        the same ``(graphdef, state, opt_state)``, until :meth:`release_reads` or a write.
-
-        The shell holds reads while it sets up one fit or ``scan_train`` call (checks, the
-        plan's trace, the runner, the first carry): nothing changes the objects then, and
-        each walk of a module graph is host time a short call would feel. Released
-        before the first callback runs, since a callback may change the objects."""
+        the same result, until :meth:`release_reads` or a write. Held while one call is set
+        up (a walk of a module graph is host time a short call feels); released before the
+        first callback runs, since a callback may change the objects."""
         self._holding = True
         try:
             yield
@@ -310,15 +300,10 @@ class ModelOwner:
 
     def make_write_back(self) -> WriteBack:
         """``write(leaves, treedef, steps)``: puts a trained carry into the user's objects and
-        advances the step counter by ``steps``. Its maps are built once, here: call it once
-        per fit and use the result after every compiled call.
-
-        The carry's leaves go straight into the Variables they were read from (a value swap
-        each, no graph walk as in ``nnx.update``: a fit writes back after every compiled
-        call; docs/performance.md measures both). A carry of another structure, and
-        Variables a swap cannot write (hijax Variables, array refs), go through
-        ``nnx.update``.
-        """
+        advances the step counter by ``steps``; built once per fit. The leaves go straight
+        into the Variables they were read from (a value swap each, no graph walk: a fit
+        writes back after every call; docs/performance.md); another structure, and
+        Variables a swap cannot write (hijax, array refs), go through ``nnx.update``."""
         _, state, opt_state = self.read()
         # Hijax Variables were read as plain copies: writes must reach the user's own.
         variables = None if self._hijax else _swappable(state, self._synced)
