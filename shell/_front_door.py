@@ -139,8 +139,7 @@ class FrontDoor:
         self._owner = owner
         self._engine = Engine(
             program=program, owner=owner, placement=placement, explicit_plan=self._plan,
-            trainer=self, loss_fn=c["loss_fn"], has_aux=program.has_aux,
-            update_metrics=c["update_metrics"], rngs=rngs,
+            trainer=self, loss_fn=c["loss_fn"], update_metrics=c["update_metrics"], rngs=rngs,
         )  # fmt: skip
         #: Set by a callback (``EarlyStopping``) to end ``fit`` after the current call.
         self.stop_training = False

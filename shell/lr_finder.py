@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnxscan.adapters._extras import require_extra
+from nnxscan.adapters import _plots
 from nnxscan.pure import epoch_order
 from nnxscan.pure.checks import check_count, check_leading_size
 from nnxscan.shell._engine.streaming import CHUNK_BYTES, is_stream
@@ -151,71 +151,7 @@ class LRFinderResult:
           >>> [ax.get_xscale() for ax in fig.axes]
           ['linear', 'log']
         """
-        figure_mod = require_extra("matplotlib.figure", "demo", needed_by="LRFinderResult.plot")
-        agg = require_extra(
-            "matplotlib.backends.backend_agg", "demo", needed_by="LRFinderResult.plot"
-        )
-        colormaps = require_extra("matplotlib", "demo", needed_by="LRFinderResult.plot").colormaps
-        fig = figure_mod.Figure(figsize=(11, 4.2), dpi=100, layout="constrained")
-        agg.FigureCanvasAgg(fig)
-        curves, finals = fig.subplots(1, 2)
-        rates, num = self.learning_rates, len(self.learning_rates)
-        colors = colormaps["viridis"](np.linspace(0.0, 0.9, num))
-        steps = np.arange(1, self.losses.shape[0] + 1)
-        # Each step's loss averaged with the steps before it, over the window the final
-        # loss averages: a curve ends at its rate's final loss, and 16 raw curves of
-        # per-batch noise would hide each other.
-        averaged = _trailing_mean(self.losses, self.window)
-        for i in range(num):
-            curves.plot(steps, averaged[:, i], lw=1.2, color=colors[i], label=f"{rates[i]:.2g}")
-        finite = averaged[np.isfinite(averaged)]
-        if finite.size and (finite > 0).all():
-            curves.set_yscale("log")
-        start = self.losses[0, 0]
-        if np.isfinite(start) and start > 0 and finite.size and finite.max() > 4 * start:
-            # Rates that blow up early would stretch the axis and flatten the others.
-            curves.set_ylim(top=4 * start)
-        curves.set_xlabel("step")
-        curves.set_ylabel(f"training loss (mean of the last {self.window} steps)")
-        curves.set_title(f"{num} learning rates trained side by side")
-        curves.legend(title="learning rate", fontsize="x-small", ncols=2 if num > 8 else 1)
-
-        kept = np.where(self.diverged, np.nan, self.final_losses)
-        finals.plot(rates, kept, marker="o", ms=4, color="C0", label="final loss")
-        finals.axhline(self.losses[0, 0], color="0.5", ls=":", lw=1, label="starting loss")
-        best = self.best
-        if best is not None:
-            # The band the rule accepts: within tolerance of the lowest final loss.
-            lowest = self.final_losses[best]
-            finals.axhspan(lowest, lowest + self.tolerance * abs(lowest), color="C2", alpha=0.15,
-                           lw=0, label=f"within {self.tolerance:.0%} of the lowest")  # fmt: skip
-        # A diverged rate is a cross: at its final loss when that is finite (it ended above
-        # 4x the starting loss), else at the top of the panel.
-        above = self.diverged & np.isfinite(self.final_losses)
-        if above.any():
-            finals.plot(rates[above], self.final_losses[above], "x", color="C3", ms=7,
-                        label="diverged")  # fmt: skip
-        gone = self.diverged & ~np.isfinite(self.final_losses)
-        if gone.any():
-            finals.plot(rates[gone], np.full(int(gone.sum()), 0.97), "x", color="C3", ms=7,
-                        transform=finals.get_xaxis_transform(),
-                        label=None if above.any() else "diverged")  # fmt: skip
-        if self.suggestion is not None:
-            finals.axvline(self.suggestion, color="C2", ls="--", lw=1.2,
-                           label=f"suggested {self.suggestion:.2g}")  # fmt: skip
-        shown = self.final_losses[np.isfinite(self.final_losses)]
-        if shown.size and (shown > 0).all() and self.losses[0, 0] > 0:
-            finals.set_yscale("log")
-        finals.set_xscale("log")
-        finals.set_xlabel("learning rate")
-        finals.set_ylabel(f"final loss (mean of the last {self.window} steps)")
-        finals.set_title(f"suggested: the smallest rate within {self.tolerance:.0%} of the best")
-        finals.grid(alpha=0.3)
-        finals.legend(fontsize="small", loc="best")
-        if path is not None:
-            os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-            fig.savefig(os.fspath(path))
-        return fig
+        return _plots.lr_finder_plot(self, path)
 
 
 def find_learning_rate(
@@ -378,14 +314,6 @@ def _at_an_end(result: LRFinderResult) -> str | None:
             f"train better still. Widen the range: raise max_lr (past where rates diverge)."
         )
     return None
-
-
-def _trailing_mean(losses: np.ndarray, window: int) -> np.ndarray:
-    """Row ``t``: the mean of rows ``max(0, t - window + 1) .. t`` (NaN once a NaN is in)."""
-    sums = np.cumsum(losses, axis=0)
-    ahead = np.concatenate([np.zeros((window, losses.shape[1])), sums[:-window]])[: len(sums)]
-    counts = np.minimum(np.arange(1, len(losses) + 1), window)[:, None]
-    return (sums - ahead) / counts
 
 
 def _trainer_batches(data: Any, n: int, batch_size: int, seed: int, steps: int) -> Callable:

@@ -147,7 +147,7 @@ def scan_train(
     placement = Placement(mesh, data_axis, rules=shardings, tx=owner.tx, wrt=owner.wrt)
     engine = Engine(
         program=program, owner=owner, placement=placement, explicit_plan=explicit,
-        trainer=None, loss_fn=loss_fn, has_aux=program.has_aux,
+        trainer=None, loss_fn=loss_fn,
     )  # fmt: skip
     placement = engine.bind()
     # One walk of the objects serves set-up's reads (released before the first call).

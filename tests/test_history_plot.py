@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nnxscan.shell.history import History, _eval_series, _smooth, _smoothing_window
+from nnxscan.adapters._plots import _eval_series, _smooth, _smoothing_window
+from nnxscan.shell.history import History
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -45,7 +45,7 @@ from nnxscan.shell.history import History
 
 
 class Engine:
-    """Trains, evaluates, saves and restores what ``owner`` holds.
+    """Trains and evaluates what ``owner`` holds.
 
     Args:
       program: the cached compiled pieces of the step (``programs.train_program``).
@@ -53,8 +53,8 @@ class Engine:
       placement: one device, or a mesh.
       explicit_plan: the plan the user asked for, or None for ``"auto"``.
       trainer: the object callbacks receive (the Trainer or the Population).
-      loss_fn, has_aux, update_metrics, rngs: what NNX metrics are fed with when an
-        evaluation uses them (the front-end's own).
+      loss_fn, update_metrics, rngs: what NNX metrics are fed with when an evaluation
+        uses them (the front-end's own).
     """
 
     def __init__(
@@ -66,7 +66,6 @@ class Engine:
         explicit_plan: Plan | None,
         trainer: Any,
         loss_fn: Callable,
-        has_aux: bool,
         update_metrics: Callable | None = None,
         rngs: Any = None,
     ):
@@ -74,8 +73,7 @@ class Engine:
         # As configured; ``placement`` is it bound to the mesh of the call in progress.
         self.configured = self.placement = placement
         self.explicit_plan, self.trainer = explicit_plan, trainer
-        self.feed = dict(loss_fn=loss_fn, has_aux=has_aux, rngs=rngs)
-        self.update_metrics = update_metrics
+        self.loss_fn, self.update_metrics, self.rngs = loss_fn, update_metrics, rngs
         self.orders = EpochOrders()  # the next epochs' orders, drawn while the device works
 
     def bind(self) -> Placement:

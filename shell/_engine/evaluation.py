@@ -78,7 +78,7 @@ def make_evaluate_fn(
 
 def _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode):
     owner, layout = engine.owner, engine.owner.layout
-    loss_fn, has_aux, rngs = engine.feed["loss_fn"], engine.feed["has_aux"], engine.feed["rngs"]
+    loss_fn, has_aux, rngs = engine.loss_fn, engine.program.has_aux, engine.rngs
 
     def program(batch_sharding: Any) -> Callable:
         # Looked up per call (cached): the batch sharding is the mesh's of this call.
