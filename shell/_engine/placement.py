@@ -23,8 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnxscan.shell._engine.layout import ONE_MODEL, Layout
-from nnxscan.shell._engine.specs import (
+from nnxscan.adapters._sharding_rules import (
     annotated_spec,
     check_rules,
     fsdp_spec,
@@ -34,6 +33,7 @@ from nnxscan.shell._engine.specs import (
     replicated_on_one,
     same_spec,
 )
+from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 
 
 def device_of(like: Any) -> Any:

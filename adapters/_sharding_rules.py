@@ -1,6 +1,7 @@
-"""The rules that give one leaf of the carry its ``PartitionSpec`` (see ``placement``):
-path rules, the FSDP rule, annotations read as ``nnx.get_partition_spec`` reads them, and
-which optax leaf belongs to which parameter.
+"""The rules that give one leaf of a carry its ``PartitionSpec``, on plain pytrees: path
+rules, the FSDP rule, annotations read as ``nnx.get_partition_spec`` reads them (Flax's
+``flax.core.spmd`` stays behind this edge), and which optax leaf belongs to which
+parameter. The shell's placement applies them in order (docs/scaling.md).
 """
 
 from __future__ import annotations
