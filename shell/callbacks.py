@@ -51,14 +51,9 @@ class LambdaCallback:
         on_epoch_end: Callable | None = None,
         on_train_end: Callable | None = None,
     ):
-        given = dict(
-            on_train_begin=on_train_begin,
-            on_epoch_begin=on_epoch_begin,
-            on_call_end=on_call_end,
-            on_epoch_end=on_epoch_end,
-            on_train_end=on_train_end,
-        )
-        for name, fn in given.items():
+        hooks = (on_train_begin, on_epoch_begin, on_call_end, on_epoch_end, on_train_end)
+        names = ("on_train_begin", "on_epoch_begin", "on_call_end", "on_epoch_end", "on_train_end")
+        for name, fn in zip(names, hooks, strict=True):
             if fn is not None:
                 setattr(self, name, fn)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -156,7 +155,6 @@ class RunProgress:
         self._start = time.perf_counter()
         self._steps = 0
         self._printed = -1.0
-        self._compile_s = 0.0
         self._last_epoch = last_epoch
         if not enabled or not self._console.is_terminal:
             return
@@ -189,20 +187,14 @@ class RunProgress:
             self._progress.__enter__()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: Any) -> None:
         if self._progress is not None:
-            self._progress.__exit__(exc_type, exc, tb)
+            self._progress.__exit__(*exc_info)
 
     def call_done(self, epoch: int, steps: int, out: Any, compile_s: float = 0.0) -> None:
         """After a compiled call of ``steps`` steps whose outputs are ``out``;
         ``compile_s``: the seconds this run spent compiling so far (left out of the rate)."""
         self._steps += steps
-        self._compile_s = compile_s
         if self._log_keys is None:  # shapes only: no sync
             self._log_keys = self._shown_logs(out)
         if self._progress is None:

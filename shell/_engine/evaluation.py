@@ -73,47 +73,38 @@ def make_evaluate_fn(
             )
         if not isinstance(metrics, nnx.Metric):
             raise TypeError(f"metrics must be an nnx.Metric, got {type(metrics).__name__}.")
-    return _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode)
-
-
-def _program(engine, metric_fn, metrics, update_metrics, batch_size, eval_mode):
     owner, layout = engine.owner, engine.owner.layout
     loss_fn, has_aux, rngs = engine.loss_fn, engine.program.has_aux, engine.rngs
-
-    def program(batch_sharding: Any) -> Callable:
-        # Looked up per call (cached): the batch sharding is the mesh's of this call.
-        if metric_fn is not None:
-            run = _programs.jit_evaluate(metric_fn, batch_size, eval_mode, batch_sharding)
-        else:
-            run = _programs.jit_evaluate_metrics(
-                loss_fn, update_metrics, batch_size, has_aux=has_aux,
-                with_rngs=rngs is not None, eval_mode=eval_mode,
-                batch_sharding=batch_sharding,
-            )  # fmt: skip
-        return layout.evaluate(run)
-
     # What an error while tracing names (with the batch's leaves): the user's functions.
     traced = metric_fn or {"loss_fn": loss_fn, "update_metrics": update_metrics}
 
-    def run(data: Any) -> dict[str, Any]:
-        placement = engine.bind()
-        with placement.context():
-            return logs(placement, data)
-
     def inputs(placement: Placement, data: Any) -> tuple[Callable, tuple]:
+        # The program is looked up per call (cached): its batch sharding is this call's mesh's.
+        if metric_fn is not None:
+            program = _programs.jit_evaluate(
+                metric_fn, batch_size, eval_mode, placement.batch_sharding
+            )
+        else:
+            program = _programs.jit_evaluate_metrics(
+                loss_fn, update_metrics, batch_size, has_aux=has_aux,
+                with_rngs=rngs is not None, eval_mode=eval_mode,
+                batch_sharding=placement.batch_sharding,
+            )  # fmt: skip
         graphdef, state = owner.evaluation_node(metric_fn is not None, rngs, metrics)
         leaves, treedef = jax.tree.flatten(state)
         placed = placement.put_carry(leaves, placement.state_shardings(state))
         state = jax.tree.unflatten(treedef, placed)
-        return program(placement.batch_sharding), (graphdef, state, placement.put_data(data, state))
+        return layout.evaluate(program), (graphdef, state, placement.put_data(data, state))
 
-    def logs(placement: Placement, data: Any) -> dict[str, Any]:
-        evaluate, args = inputs(placement, data)
-        with noting_batch("evaluation", traced, args[2], batch_size=batch_size):
-            values = to_host(evaluate(*args))
-        if metric_fn is None:
-            return metric_logs(values, metrics)
-        return {k: layout.metric(v) for k, v in values.items()}
+    def run(data: Any) -> dict[str, Any]:
+        placement = engine.bind()
+        with placement.context():
+            evaluate, args = inputs(placement, data)
+            with noting_batch("evaluation", traced, args[2], batch_size=batch_size):
+                values = to_host(evaluate(*args))
+            if metric_fn is None:
+                return metric_logs(values, metrics)
+            return {k: layout.metric(v) for k, v in values.items()}
 
     def lowered(data: Any) -> Any:
         """The program ``run(data)`` will call, traced and lowered on the owner's state as

@@ -56,11 +56,9 @@ def is_stream(data: Any) -> bool:
         return True
     if isinstance(data, list):
         return True
-    if isinstance(data, dict | tuple | np.ndarray | jax.Array) or hasattr(data, "__array__"):
+    if isinstance(data, collections.abc.Mapping | tuple | np.ndarray | jax.Array):
         return False
-    if isinstance(data, collections.abc.Mapping):
-        return False
-    return isinstance(data, Iterable)
+    return isinstance(data, Iterable) and not hasattr(data, "__array__")
 
 
 def stream_hint(data: Any) -> str:
