@@ -128,8 +128,13 @@ def scan_train(
             "scan_train(model, optimizer, batches=xs, train_step=fn)."
         )
     if train_step is None:
-        _check_builtin(optimizer, loss_fn, extras, opt_state)
+        _check_builtin(optimizer, loss_fn, extras)
         check_loss_fn(loss_fn, model, rngs)
+    if opt_state is not None and not isinstance(train_step, Step):
+        raise TypeError(
+            "opt_state= goes with a pure Step (train_step=step); an nnx.Optimizer and a "
+            "stateful train_step keep every state in their objects, updated in place."
+        )
     num = check_leading_size(batches, "batches")
     if batch_size is None:
         _check_steps_axis(batches)
@@ -210,7 +215,7 @@ def _check_steps_axis(batches: Any) -> None:
 # -- the three kinds of step --------------------------------------------------------------
 
 
-def _check_builtin(optimizer: Any, loss_fn: Any, extras: Sequence[Any], opt_state: Any) -> None:
+def _check_builtin(optimizer: Any, loss_fn: Any, extras: Sequence[Any]) -> None:
     """The step built from a loss needs an nnx.Optimizer and a loss, and nothing else."""
     if not isinstance(optimizer, nnx.Optimizer):
         raise TypeError(
@@ -229,11 +234,6 @@ def _check_builtin(optimizer: Any, loss_fn: Any, extras: Sequence[Any], opt_stat
             "extras= goes with a stateful train_step=fn (the NNX objects it mutates); a "
             "loss_fn takes call-time rngs= instead."
         )
-    if opt_state is not None:
-        raise TypeError(
-            "opt_state= goes with a pure Step (train_step=step); an nnx.Optimizer keeps its "
-            "own state, updated in place."
-        )
 
 
 def _user_step(
@@ -250,11 +250,6 @@ def _user_step(
     refuse_loss_options(
         [name for name, x in (("loss_fn", loss_fn), ("rngs", rngs)) if x is not None]
     )
-    if opt_state is not None and not isinstance(train_step, Step):
-        raise TypeError(
-            "opt_state= goes with a pure Step; a stateful train_step keeps every state in "
-            "its objects (the nnx.Optimizer's own), updated in place."
-        )
     # The owner's opt_state is the caller's, when given, not init's.
     init = None if opt_state is None else _given(train_step, model, opt_state)
     owner = user_step_owner(
