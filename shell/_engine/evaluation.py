@@ -36,8 +36,8 @@ def fit_evaluation(
         return None
     if data is None or (metric_fn is None and engine.owner.metrics is None):
         raise ValueError(
-            "evaluation during fit needs both eval_data and a metric_fn (or NNX "
-            "metrics= and update_metrics=)."
+            "evaluation during fit needs both eval_data and a metric_fn, or NNX "
+            "metrics given as metrics=/update_metrics=."
         )
     n = check_leading_size(data, "eval_data")
     every = check_count(every, "eval_every", 1)
