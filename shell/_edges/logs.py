@@ -152,11 +152,7 @@ def prepend_losses(
     losses = np.concatenate([partial, np.asarray(losses, np.float32)])
     if partial_aux is not None:
         aux = scalar_aux(aux, layout)
-        aux = {
-            key: np.concatenate([np.asarray(x) for x in (partial_aux.get(key), aux.get(key))
-                                 if x is not None])
-            for key in {**partial_aux, **aux}
-        }  # fmt: skip
+        aux = _joined([partial_aux, aux], {**partial_aux, **aux})
     return losses, aux
 
 
@@ -169,12 +165,12 @@ def partial_scalar_aux(
     if not has_aux or before is None:
         return None
     new = [scalar_aux(out[1], layout) for out in to_host(outs)]
-    keys = new[0] if new else before
-    return {
-        key: np.concatenate([np.asarray(x) for x in ([before[key]] if key in before else [])
-                             + [n[key] for n in new]])
-        for key in keys
-    }  # fmt: skip
+    return _joined([before, *new], new[0] if new else before)
+
+
+def _joined(parts: list[dict[str, Any]], keys: Any) -> dict[str, np.ndarray]:
+    """Each key's per-step arrays in ``parts`` (dicts, not all holding every key), joined."""
+    return {key: np.concatenate([np.asarray(p[key]) for p in parts if key in p]) for key in keys}
 
 
 def empty_losses(layout: Layout) -> np.ndarray:
