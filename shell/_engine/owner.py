@@ -137,32 +137,25 @@ class ModelOwner:
     ):
         check_module(model)
         check_rngs_and_metrics(rngs, metrics)
-        self.model, self.rngs, self.metrics = model, rngs, metrics
+        optimizer = tx_or_optimizer if isinstance(tx_or_optimizer, nnx.Optimizer) else None
+        if optimizer is not None and wrt is not nnx.Param and wrt != optimizer.wrt:
+            raise ValueError(
+                f"wrt={wrt!r} differs from the nnx.Optimizer's wrt={optimizer.wrt!r}; leave "
+                f"wrt out when passing an optimizer."
+            )
+        tx = check_transform(tx_or_optimizer if optimizer is None else optimizer.tx)
+        wrt = wrt if optimizer is None else optimizer.wrt
         # What every compiled call carries: the model, or (model, rngs, metrics).
-        self.node = step_node(model, rngs, metrics)
-        self._hijax: bool | None = None  # whether it holds hijax Variables: learnt on a split
-        self.optimizer: nnx.Optimizer | None = None
-        # The nnx.Optimizer whose optax state and step the carry's opt_state mirrors (the
-        # built-in step's); a user's step keeps its opt_state here, or its objects in node.
-        self._synced: nnx.Optimizer | None = None
-        self._metric_objects = [] if metrics is None else [metrics]
-        if isinstance(tx_or_optimizer, nnx.Optimizer):
-            if wrt is not nnx.Param and wrt != tx_or_optimizer.wrt:
-                raise ValueError(
-                    f"wrt={wrt!r} differs from the nnx.Optimizer's wrt="
-                    f"{tx_or_optimizer.wrt!r}; leave wrt out when passing an optimizer."
-                )
-            self.optimizer = self._synced = tx_or_optimizer
-            self.wrt = tx_or_optimizer.wrt
-            self.tx = check_transform(tx_or_optimizer.tx)
-            params, _ = split_wrt(self.read_state(), self.wrt)
-            optax_state_from_optimizer(self.optimizer, params)  # validates, raises early
-            self._opt_state = None
+        node = step_node(model, rngs, metrics)
+        self._hold(
+            model, node, optimizer, optimizer, tx, wrt, rngs, [] if metrics is None else [metrics]
+        )
+        if optimizer is None:
+            self._opt_state = init_opt_state(tx, self.read_state(), wrt)
         else:
-            self.tx = check_transform(tx_or_optimizer)
-            self.wrt = wrt
-            self._opt_state = init_opt_state(self.tx, self.read_state(), wrt)
-        self._counters()
+            params, _ = split_wrt(self.read_state(), wrt)
+            optax_state_from_optimizer(optimizer, params)  # validates, raises early
+            self._opt_state = None
 
     @classmethod
     def of_step(
@@ -179,22 +172,24 @@ class ModelOwner:
         the carry's opt_state is ``()``)."""
         check_module(model)
         owner = cls.__new__(cls)
-        owner.model, owner.optimizer, owner._synced = model, optimizer, None
-        owner.tx, owner.wrt = (optimizer.tx, optimizer.wrt) if optimizer else (None, None)
         objects = (model, *([optimizer] if optimizer is not None else []), *extras)
-        owner.node = objects if len(objects) > 1 else model
-        owner._metric_objects = [x for x in extras if isinstance(x, nnx.Metric)]
-        owner.metrics = owner._metric_objects[0] if owner._metric_objects else None
-        owner.rngs = next((x for x in extras if isinstance(x, nnx.Rngs)), None)
-        owner._hijax = None
-        if step is None:
-            owner._opt_state = ()
-        else:
-            owner._opt_state = step.init(*owner.split())
-        owner._counters()
+        tx, wrt = (optimizer.tx, optimizer.wrt) if optimizer else (None, None)
+        rngs = next((x for x in extras if isinstance(x, nnx.Rngs)), None)
+        metrics = [x for x in extras if isinstance(x, nnx.Metric)]
+        node = objects if len(objects) > 1 else model
+        owner._hold(model, node, optimizer, None, tx, wrt, rngs, metrics)
+        owner._opt_state = () if step is None else step.init(*owner.split())
         return owner
 
-    def _counters(self) -> None:
+    def _hold(self, model, node, optimizer, synced, tx, wrt, rngs, metrics: list) -> None:
+        """Takes the objects and starts the run's counters (both constructors end here)."""
+        self.model, self.node, self.optimizer, self.tx, self.wrt = model, node, optimizer, tx, wrt
+        # The nnx.Optimizer whose optax state and step the carry's opt_state mirrors (the
+        # built-in step's); a user's step keeps its opt_state here, or its objects in node.
+        self._synced: nnx.Optimizer | None = synced
+        self.rngs, self._metric_objects = rngs, metrics
+        self.metrics = metrics[0] if metrics else None
+        self._hijax: bool | None = None  # whether it holds hijax Variables: learnt on a split
         self.epoch = 0
         self.seed = 0
         self.epoch_step = 0
