@@ -19,6 +19,10 @@ in shuffled orders, and the medians are printed: XLA's compile alone, the same m
 time, so less noisy than whole runs.
 
     python benchmarks/bench_compile_parts.py --workloads mlp_digits,vae --reps 7
+    python benchmarks/bench_compile_parts.py --workloads mlp_compute --run   # + run times
+
+``--run`` also runs each compiled program (but ``fit``'s) once per repetition on the same
+inputs, interleaved, and prints the medians: what a part costs the steps, not the compile.
 """
 
 from __future__ import annotations
@@ -143,10 +147,28 @@ def measure(workload: Workload, captured: Captured, reps: int, shuffler) -> dict
     return {part: statistics.median(t) for part, t in times.items()}
 
 
+def run_times(workload: Workload, reps: int, shuffler) -> dict[str, float]:
+    """Seconds of one run of each part's compiled program (medians, interleaved)."""
+    parts = programs(workload)
+    compiled = {part: fn.lower(*args).compile() for part, (fn, args) in parts.items()}
+    times: dict[str, list[float]] = {part: [] for part in parts}
+    order = list(parts)
+    for _ in range(reps):
+        shuffler.shuffle(order)
+        for part in order:
+            args = parts[part][1]
+            carry = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), args[:2]))
+            started = time.perf_counter()
+            jax.block_until_ready(compiled[part](*carry, *args[2:]))
+            times[part].append(time.perf_counter() - started)
+    return {part: statistics.median(t) for part, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(PLAIN[:4]), help=", ".join(PLAIN))
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--run", action="store_true", help="also time one run of each")
     args = parser.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)
     captured, shuffler, rows = Captured(), random.Random(0), []
@@ -160,6 +182,14 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|" + "---:|" * len(parts))
     for name, result in rows:
         print(f"| {name} | " + " | ".join(f"{result[p]:.3f}" for p in parts) + " |")
+    if args.run:
+        print(f"\nOne run of the compiled program, medians of {args.reps}, s\n")
+        runs = [(name, run_times(WORKLOADS[name](False), args.reps, shuffler)) for name, _ in rows]
+        parts = list(runs[0][1])
+        print("| workload | " + " | ".join(parts) + " |")
+        print("|---|" + "---:|" * len(parts))
+        for name, result in runs:
+            print(f"| {name} | " + " | ".join(f"{result[p]:.3f}" for p in parts) + " |")
 
 
 if __name__ == "__main__":

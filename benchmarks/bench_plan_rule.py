@@ -9,10 +9,16 @@ repetitions, and the median of the per-repetition ratios of each variant to the 
 
     python benchmarks/bench_plan_rule.py --workloads mlp_compute,vae --reps 3
     python benchmarks/bench_plan_rule.py --features   # static sizes only, no timing
+    python benchmarks/bench_plan_rule.py --per-step --reps 7   # steady ms a step, one process
 
 ``--features`` prints, per workload, what a plan rule could read before training: the
 run's steps, the batch size, the parameter count and the per-step program's FLOPs (XLA's
 cost analysis of the lowered split/merge + ``jax.jit`` step; lowered, not compiled).
+
+``--per-step`` compares the steps alone: in ONE process, each variant's run compiled first,
+then the same run again ``--reps`` times, the variants interleaved in shuffled orders;
+medians of the steady seconds, in ms a step and paired against the first variant (the
+per-step plan against a per-step Flax loop: are its steps slower than the loop's?).
 """
 
 from __future__ import annotations
@@ -64,6 +70,42 @@ def features(workload_name: str) -> str:
     )
 
 
+def per_step(workload_name: str, variants: list[str], reps: int) -> list[str]:
+    """Rows of the ``--per-step`` table for one workload (see the module's docstring)."""
+    sys.path.insert(0, HERE)
+    import time
+
+    import bench_wholerun as bw
+    import jax
+    from flax import nnx
+
+    workload = bw.WORKLOADS[workload_name](False)
+    fresh, trains = bw.FreshNodes(workload), {}
+    for name in variants:
+        nodes = fresh()
+        train = bw.VARIANTS[name](workload, nodes)
+        train()  # compiled here
+        trains[name] = (train, nodes)
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    shuffler = random.Random(0)
+    for _ in range(reps):
+        order = list(variants)
+        shuffler.shuffle(order)
+        for name in order:
+            train, nodes = trains[name]
+            started = time.perf_counter()
+            train()
+            jax.block_until_ready(nnx.state(nodes))
+            seconds[name].append(time.perf_counter() - started)
+    rows = []
+    for name in variants:
+        pairs = zip(seconds[name], seconds[variants[0]], strict=True)
+        ratio = statistics.median(a / b for a, b in pairs)
+        ms = 1e3 * statistics.median(seconds[name]) / workload.steps
+        rows.append(f"| {workload_name} | {name} | {ms:.3f} | {ratio:.2f}× |")
+    return rows
+
+
 def run_child(workload: str, variant: str) -> dict:
     out = subprocess.run(
         [sys.executable, __file__, "--child", workload, variant],
@@ -79,7 +121,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "VARIANT"))
     parser.add_argument("--features", action="store_true", help="static sizes, no timing")
+    parser.add_argument("--per-step", action="store_true", help="steady steps, one process")
     args = parser.parse_args()
+    if args.per_step:
+        variants = args.variants.split(",")
+        print(f"| workload | variant | steady ms a step | ÷ {variants[0]} (paired) |")
+        print("|---|---|---:|---:|")
+        for name in args.workloads.split(","):
+            print("\n".join(per_step(name, variants, args.reps)), flush=True)
+        return
     if args.features:
         print("| workload | steps | batch | parameters | MFLOP per step | GFLOP per run |")
         print("|---|---:|---:|---:|---:|---:|")

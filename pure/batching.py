@@ -284,6 +284,14 @@ GATHER_BUDGET_BYTES = 4 * 1024 * 1024
 NARROW_GATHER_BUDGET_BYTES = 24 * 1024 * 1024
 
 
+#: Above the gather budget, a batch of at least this many bytes whose rows do not gather
+#: as bytes is gathered by each step inside the loop body rather than in chunks of steps
+#: (``nnxscan.pure.scan_indexed_steps``): measured in docs/performance.md, such a gather
+#: costs the loop body what a chunk's costs it per step, and the program has one loop for
+#: XLA to compile instead of two.
+LOOP_GATHER_BYTES = 64 * 1024
+
+
 def _gather_budget(data: Any) -> int:
     """The default bytes one gather of a call may copy for ``data``'s rows: the narrow
     budget (24 MiB) when rows that gather through bytes hold at least 90% of a row's

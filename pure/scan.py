@@ -87,8 +87,12 @@ def scan_indexed_steps(
     a stack of batches: the same loop body, bitwise the same results. A gather of rows by
     index inside a loop body costs XLA:CPU more than a small model's whole step; one gather
     per call costs one copy of the call's examples. When that copy would exceed
-    ``gather_budget`` bytes, the steps run as an outer loop over chunks of steps whose
-    batches fit, each gathered once. A call that gathers most of ``data`` at once (an
+    ``gather_budget`` bytes, each step gathers its own batch inside the loop when a batch
+    takes at least ``LOOP_GATHER_BYTES`` (64 KiB) of rows that do not gather as bytes
+    (there the gather is bound by memory, so the loop body runs it as fast, and the
+    program compiles one loop instead of two); else the steps run as an outer loop over
+    chunks of steps whose batches fit, each gathered once. Bitwise the same results either
+    way: the step sees the same rows. A call that gathers most of ``data`` at once (an
     epoch) gathers narrow rows through a byte view on the CPU
     (:func:`nnxscan.pure.batching.take_rows`: bitwise the same rows, several times
     faster). A ``(steps,)`` index (whole stacked batches) takes
@@ -184,6 +188,15 @@ def scan_indexed_steps(
         as_bytes = 2 * steps * per_step >= data_bytes
         carry, outs = run_chunk((state, opt_state), indices, as_bytes)
         return (*carry, outs)
+    if per_step >= batching.LOOP_GATHER_BYTES and not any(
+        batching._gathers_as_bytes(x) for x in jax.tree.leaves(data)
+    ):
+        # Big batches of wide rows: each step gathers its own batch in the loop body, as
+        # fast as a chunk's gather per row, and no outer loop of chunks for XLA to compile.
+        return _loops.scan_batches(
+            step, graphdef, state, opt_state, indices, lambda i: batching.take_batch(data, i),
+            unroll=unroll, batch_sharding=batch_sharding,
+        )  # fmt: skip
     chunk = batching._chunk_steps(steps, chunk)
     num_chunks = steps // chunk
     # The same rule per chunk: a chunk that reads most of the data (fused epochs of a data

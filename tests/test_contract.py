@@ -216,6 +216,40 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
     assert_trees_close(model, whole[0])
 
 
+def test_big_batches_of_wide_rows_over_the_budget_gather_in_the_loop_bitwise():
+    """A call over the gather budget whose batches take ``LOOP_GATHER_BYTES`` or more of
+    rows too wide to gather as bytes gathers each step's batch inside the ONE loop (no
+    outer loop of chunks for XLA to compile): bitwise the call gathered whole, whose steps
+    run the same step on the same rows; to rounding against the per-step NNX loop (other
+    programs)."""
+    from nnxscan.pure import batching, scan_indexed_steps
+
+    din = batching.LOOP_GATHER_BYTES // (4 * BS)  # a batch of float32 rows: 64 KiB
+    data = make_data(din=din)
+    step = make_train_step(xent, TX)
+    graphdef, state = nnx.split(MLP(din, rngs=nnx.Rngs(0)))
+    opt_state = init_opt_state(TX, state)
+    order = epoch_order(3, 0, len(data["x"])).reshape(-1, BS)  # 8 steps
+    per_step = batching._batch_bytes(data, BS)
+    assert per_step >= batching.LOOP_GATHER_BYTES
+
+    def call(budget):
+        return lambda s, o: scan_indexed_steps(
+            step, graphdef, s, o, data, order, gather_budget=budget
+        )
+
+    whole = jax.jit(call(10**9))(state, opt_state)
+    for budget in (3 * per_step, 1):  # over the budget: no chunks, a gather per step
+        jaxpr = jax.make_jaxpr(call(budget))(state, opt_state)
+        loops = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("scan", "while")]
+        assert len(loops) == 1 and "gather" in str(loops[0].params["jaxpr"])
+        assert_trees_close(jax.jit(call(budget))(state, opt_state), whole, exact=True)
+    model = MLP(din, rngs=nnx.Rngs(0))  # the plain per-step NNX loop on the same batches
+    optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    reference_loop(model, optimizer, xent, epoch_batches(data, BS, 3, 0))
+    assert_trees_close(model, whole[0])
+
+
 def test_batch_numbers_slice_the_stored_rows_bitwise_and_gather_no_examples(data):
     """``batch_rows``: batch numbers (any order, repeated) train bit for bit what the
     ``(steps, batch)`` index of the same stored rows trains, and the program gathers no
