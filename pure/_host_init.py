@@ -58,8 +58,8 @@ def initial_state(init: Callable[[Any], Any], params: Any) -> Any:
 def _placement(leaves: list[Any]) -> Any:
     """Where eager ``zeros_like(p)`` puts its output: None (uncommitted, the default
     device), the params' one-CPU-device sharding, or ``_EAGER`` (anything else)."""
-    if not leaves:
-        return _EAGER
+    if not leaves or any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves):
+        return _EAGER  # nothing to place, or keys: no numpy twin
     if all(isinstance(x, np.ndarray | np.generic) for x in leaves):
         return None if jax.default_backend() == "cpu" else _EAGER
     if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
@@ -100,7 +100,7 @@ def _constant_outputs(closed: jex.ClosedJaxpr) -> list[tuple[np.ndarray, bool]] 
             value, broadcast = broadcasts[var], True
         else:
             return None
-        if var.aval.weak_type:
+        if var.aval.weak_type or jax.dtypes.issubdtype(var.aval.dtype, jax.dtypes.extended):
             return None
         outputs.append((np.full(var.aval.shape, value, var.aval.dtype), broadcast))
     return outputs

@@ -141,3 +141,14 @@ def test_sharded_and_other_device_params_are_placed_as_tx_init_places_them(tmp_p
         cwd=pathlib.Path(__file__).parent,
     )  # fmt: skip
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_an_init_that_draws_a_key_runs_tx_init():
+    tx = optax.GradientTransformation(
+        lambda p: (jax.random.key(3), jax.tree.map(jnp.zeros_like, p)), optax.identity().update
+    )
+    state = nnx.state(Net(nnx.Rngs(0)))
+    key, zeros = init_opt_state(tx, state)
+    expected_key, expected_zeros = tx.init(nnx.state(Net(nnx.Rngs(0)), nnx.Param))
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(expected_key))
+    _assert_same(expected_zeros, zeros)
