@@ -23,8 +23,6 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-__all__ = ["initial_state"]
-
 _EAGER = object()  # the params' placement leaves the init to tx.init
 
 
@@ -83,15 +81,14 @@ def _constant_outputs(closed: jex.ClosedJaxpr) -> list[tuple[np.ndarray, bool]] 
     jaxpr = closed.jaxpr
     if jaxpr.effects:
         return None
-    broadcasts = {}
-    for eqn in jaxpr.eqns:
-        if (
-            eqn.primitive.name == "broadcast_in_dim"
-            and len(eqn.invars) == 1
-            and isinstance(eqn.invars[0], jex.Literal)
-            and eqn.params.get("sharding") is None
-        ):
-            broadcasts[eqn.outvars[0]] = eqn.invars[0].val
+    broadcasts = {
+        eqn.outvars[0]: eqn.invars[0].val
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name == "broadcast_in_dim"
+        and len(eqn.invars) == 1
+        and isinstance(eqn.invars[0], jex.Literal)
+        and eqn.params.get("sharding") is None
+    }
     outputs = []
     for var in jaxpr.outvars:
         if isinstance(var, jex.Literal):

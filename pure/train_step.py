@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnxscan.pure import checks
-from nnxscan.pure._host_init import initial_state
+from nnxscan.pure import _host_init, checks
 from nnxscan.pure.nonfinite import all_finite, tree_select
 from nnxscan.pure.step import Step
 from nnxscan.pure.step_node import call_loss, unpack_step_node
@@ -69,7 +68,7 @@ def init_opt_state(
     """
     tx = checks.check_transform(tx)
     params, _ = split_wrt(state, wrt)
-    return initial_state(tx.init, params)
+    return _host_init.initial_state(tx.init, params)
 
 
 def make_train_step(
