@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnxscan.pure import checks
+from nnxscan.pure import _host_init, checks
 from nnxscan.pure.nonfinite import all_finite, tree_select
 from nnxscan.pure.step import Step
 from nnxscan.pure.step_node import call_loss, unpack_step_node
@@ -57,13 +57,18 @@ def init_opt_state(
 ) -> Any:
     """Initializes the optax state for the ``wrt`` part of a whole module state.
 
+    ``tx.init(params)``, with the same values, dtypes and placement; where every leaf it
+    makes is a constant (Adam's zeros and count, SGD's momentum) and the params sit
+    uncommitted on the CPU, those leaves are made on the host instead of compiling a small
+    program per shape.
+
     Example:
       >>> graphdef, state = nnx.split(model)
       >>> opt_state = init_opt_state(optax.adam(1e-3), state)
     """
     tx = checks.check_transform(tx)
     params, _ = split_wrt(state, wrt)
-    return tx.init(params)
+    return _host_init.initial_state(tx.init, params)
 
 
 def make_train_step(

@@ -201,7 +201,13 @@ def train_tasks(
         trainer = Trainer(model, tx, loss_fn, wrt=wrt)
         if progress:
             print(f"{f'{label}: ' if label else ''}task {t + 1} of {len(tasks)}", flush=True)
-        trainer.fit(train, epochs=epochs, batch_size=batch_size, seed=seed + t, progress=progress)
+        # Task t's evaluation at the last epoch too: fit compiles its program on a thread
+        # while the training program compiles (evaluate below then finds it compiled).
+        test = tasks[t][1]
+        size = eval_batch_size or check_leading_size(test)
+        trainer.fit(train, epochs=epochs, batch_size=batch_size, seed=seed + t, progress=progress,
+                    eval_data=test, metric_fn=metric_fns[t], eval_every=epochs,
+                    eval_batch_size=size)  # fmt: skip
         for j in range(t + 1):
             test = tasks[j][1]
             size = eval_batch_size or check_leading_size(test)

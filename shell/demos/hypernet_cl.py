@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 
 from nnxscan.adapters._extras import require_extra
-from nnxscan.pure import hyper
+from nnxscan.pure import build_compiled, hyper
 from nnxscan.pure.checks import check_count
 from nnxscan.shell.continual import train_tasks
 from nnxscan.shell.demos._output import demo_plot_path
@@ -249,7 +249,8 @@ def run_hypernet_cl_demo(
     require_extra("matplotlib.figure", "demo", needed_by="nnxscan demo hypernet-cl")
     train, test = digits_split(seed)
     tasks = list(zip(equal_sizes(split_tasks(train)), equal_sizes(split_tasks(test)), strict=True))
-    hnet = build_hypernetwork(seed)
+    # Every initializer in one compiled program (eagerly, each draw compiles its own).
+    hnet = build_compiled(lambda: build_hypernetwork(seed))
     print(
         f"hypernet-cl demo: split digits, {NUM_TASKS} tasks of 2 classes learned in sequence, "
         f"{epochs} epochs each.\nTarget MLP 64→{HIDDEN}→2 ({hnet.spec.size:,} weights); the "
@@ -263,7 +264,7 @@ def run_hypernet_cl_demo(
             label="hypernetwork", **fit,
         ),
         "fine-tuned network (baseline)": train_tasks(
-            TaskNet(rngs=nnx.Rngs(seed)), optax.adam(LEARNING_RATE), tasks,
+            build_compiled(lambda: TaskNet(rngs=nnx.Rngs(seed))), optax.adam(LEARNING_RATE), tasks,
             baseline_loss, lambda j: fine_tuning_accuracy, label="fine-tuned baseline", **fit,
         ),
     }  # fmt: skip
