@@ -196,19 +196,20 @@ def train_tasks(
     metric_fns = [metric_for_task(j) for j in range(len(tasks))]
     _check_metrics(model, metric_fns, tasks, eval_batch_size)
     accuracy = np.full((len(tasks), len(tasks)), np.nan)
-    for t, (train, _) in enumerate(tasks):
+    for t, (train, test) in enumerate(tasks):
         loss_fn = loss_for_task(t, model)
         trainer = Trainer(model, tx, loss_fn, wrt=wrt)
         if progress:
             print(f"{f'{label}: ' if label else ''}task {t + 1} of {len(tasks)}", flush=True)
-        # Task t's evaluation at the last epoch too: fit compiles its program on a thread
-        # while the training program compiles (evaluate below then finds it compiled).
-        test = tasks[t][1]
-        size = eval_batch_size or check_leading_size(test)
-        trainer.fit(train, epochs=epochs, batch_size=batch_size, seed=seed + t, progress=progress,
-                    eval_data=test, metric_fn=metric_fns[t], eval_every=epochs,
-                    eval_batch_size=size)  # fmt: skip
-        for j in range(t + 1):
+        # Task t is evaluated by fit at its last epoch (the program evaluate would run):
+        # fit compiles it on a thread while the training program compiles.
+        history = trainer.fit(
+            train, epochs=epochs, batch_size=batch_size, seed=seed + t, progress=progress,
+            eval_data=test, metric_fn=metric_fns[t], eval_every=epochs,
+            eval_batch_size=eval_batch_size or check_leading_size(test),
+        )  # fmt: skip
+        (accuracy[t, t],) = (v for k, v in history.epochs[-1].items() if k.startswith("eval_"))
+        for j in range(t):
             test = tasks[j][1]
             size = eval_batch_size or check_leading_size(test)
             (value,) = trainer.evaluate(test, metric_fns[j], batch_size=size).values()
