@@ -3,8 +3,9 @@ steps) as compiled calls, for a data set, a step without data or a stream.
 
 A source has ``steps_per_epoch`` (None: a stream's), ``keep_tail`` (whether an epoch ends
 with a short batch), ``fused_steps`` (the most steps a fused stretch of its epochs should
-take) and ``source(stretch, stats)``; the fit loop knows nothing else about the data. A data set's orders are cut with the core's own primitive, so a loop of
-``pure.make_epoch`` calls trains what ``fit`` trains.
+take) and ``source(stretch, stats)``; the fit loop knows nothing else about the data. A
+data set's orders are cut with the core's own primitive, so a loop of ``pure.make_epoch``
+calls trains what ``fit`` trains.
 """
 
 from __future__ import annotations
