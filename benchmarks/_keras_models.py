@@ -43,7 +43,7 @@ def import_keras() -> Any:
 
 def expressible(workload: Workload) -> bool:
     """Whether Keras has a model for this workload (the MLPs and the tutorial CNN)."""
-    return workload.name in ("mlp_digits", "mlp_compute", "cnn_8x8", "cnn_28x28")
+    return workload.name in ("mlp_digits", "mlp_compute", "mlp_keras", "cnn_8x8", "cnn_28x28")
 
 
 def _dense(layer: Any) -> list:

@@ -5,6 +5,8 @@ Each workload is what someone would train and how its authors wrote the training
 - ``mlp_digits``: an MLP 64→128→128→10 (``nnxscan demo``'s) on scikit-learn's 8×8 digits,
   44 steps per epoch: tiny epochs, where the per-epoch host round trip shows.
 - ``mlp_compute``: an MLP 784→512→512→10 on random data: compute-bound steps.
+- ``mlp_keras``: an MLP 64→64→64→10 on 64,000 random examples, 3 epochs of 2,000 steps:
+  the setting issue 45 compared with Keras's ``steps_per_execution``.
 - ``cnn_8x8`` / ``cnn_28x28``: the Flax NNX MNIST tutorial's CNN (BatchNorm, Dropout, call-time
   ``nnx.Rngs``, an ``nnx.MultiMetric``) and its ``train_step``, on the digits as they are and
   blown up to the tutorial's 28×28.
@@ -204,6 +206,26 @@ def mlp_compute(quick: bool) -> Workload:
         loss_fn=cross_entropy,
         make_tx=partial(optax.adam, 1e-3),
         make_nodes=model_and_optimizer(lambda: MLP([784, 512, 512, 10], rngs=nnx.Rngs(0))),
+        train_step=plain_train_step(cross_entropy),
+        epoch_loss=mean_of_losses,
+    )
+
+
+def mlp_keras(quick: bool) -> Workload:
+    """Issue 45's Keras comparison: many tiny steps, where Keras's ``steps_per_execution``
+    runs its own loop of steps."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(512 if quick else 64_000, 64)).astype(np.float32)
+    y = (x @ rng.normal(size=(64, 10))).argmax(-1).astype(np.int32)  # a linear teacher
+    return Workload(
+        name="mlp_keras",
+        title="MLP 64→64→64→10 on random data, batch 32, adam (Keras's many-step setting)",
+        data={"x": x, "y": y},
+        batch_size=32,
+        epochs=2 if quick else 3,
+        loss_fn=cross_entropy,
+        make_tx=partial(optax.adam, 1e-3),
+        make_nodes=model_and_optimizer(lambda: MLP([64, 64, 64, 10], rngs=nnx.Rngs(0))),
         train_step=plain_train_step(cross_entropy),
         epoch_loss=mean_of_losses,
     )
@@ -485,6 +507,7 @@ def byte_lm(name: str, quick: bool) -> Workload:
 WORKLOADS: dict[str, Callable[[bool], Workload]] = {
     "mlp_digits": mlp_digits,
     "mlp_compute": mlp_compute,
+    "mlp_keras": mlp_keras,
     "cnn_8x8": partial(tutorial_cnn, "cnn_8x8"),
     "cnn_28x28": partial(tutorial_cnn, "cnn_28x28"),
     "vae": vae,

@@ -7,7 +7,8 @@ cut their orders here, so a loop of pure functions and ``Trainer.fit`` see the s
   full batches and a short tail.
 - :func:`full_then_tail`: the rule every epoch and every evaluation follows: scan the full
   batches, then the tail once, as a step of its own shape.
-- :func:`take_batch`: rows of every leaf of a data set, by index (:func:`take_rows`).
+- :func:`take_batch`: rows of every leaf of a data set, by index (:func:`take_rows`);
+  :func:`steps_per_gather`: how many steps' batches a scan gathers at once.
 - :func:`shard_batch`, :func:`constrain_sharding`: a batch (an array) on a sharding inside
   traced code, on an Explicit or an Auto mesh.
 
@@ -36,6 +37,7 @@ __all__ = [
     "cut_batches",
     "full_then_tail",
     "shard_batch",
+    "steps_per_gather",
     "take_batch",
     "take_rows",
 ]
@@ -308,6 +310,44 @@ def _gather_budget(data: Any) -> int:
     if total and narrow >= 0.9 * total:
         return NARROW_GATHER_BUDGET_BYTES
     return GATHER_BUDGET_BYTES
+
+
+def steps_per_gather(data: Any, rows_per_step: int, budget: int | None = None) -> int | None:
+    """The most steps of ``rows_per_step`` rows each whose batches
+    :func:`~nnxscan.pure.scan_indexed_steps` gathers from ``data`` at once, in one gather
+    before its loop; a call of more steps runs an outer loop over chunks of steps, which
+    XLA compiles longer than one loop (``docs/performance.md``). None when a call of any
+    length is one loop: big batches of wide rows gather per step inside it.
+
+    ``Trainer.fit`` fuses no more epochs into one call than this (when an epoch fits), so
+    that its programs are one loop; a loop of your own can cut its calls the same way.
+
+    Args:
+      data: a pytree whose leaves share a leading examples axis.
+      rows_per_step: the rows one step takes (a batch; ``N * batch`` for N members).
+      budget: the gather budget in bytes (``scan_indexed_steps``' ``gather_budget``); by
+        default the one it uses for ``data``.
+
+    Example:
+      >>> steps_per_gather({"x": np.zeros((64_000, 64), np.float32)}, 32)  # 8 KiB a step
+      3072
+      >>> steps_per_gather({"x": np.zeros((4096, 784), np.float32)}, 128) is None  # 392 KiB
+      True
+    """
+    per_step = _batch_bytes(data, rows_per_step)
+    if _gathers_in_loop(data, per_step):
+        return None
+    budget = _gather_budget(data) if budget is None else budget
+    return max(1, budget // max(per_step, 1))
+
+
+def _gathers_in_loop(data: Any, per_step: int) -> bool:
+    """Whether a call over the gather budget gathers each step's batch (``per_step``
+    bytes) inside its loop: at least ``LOOP_GATHER_BYTES`` of rows that do not gather as
+    bytes (see ``LOOP_GATHER_BYTES``)."""
+    return per_step >= LOOP_GATHER_BYTES and not any(
+        _gathers_as_bytes(x) for x in jax.tree.leaves(data)
+    )
 
 
 def _batch_bytes(data: Any, batch_size: int) -> int:

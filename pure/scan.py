@@ -188,9 +188,7 @@ def scan_indexed_steps(
         as_bytes = 2 * steps * per_step >= data_bytes
         carry, outs = run_chunk((state, opt_state), indices, as_bytes)
         return (*carry, outs)
-    if per_step >= batching.LOOP_GATHER_BYTES and not any(
-        batching._gathers_as_bytes(x) for x in jax.tree.leaves(data)
-    ):
+    if batching._gathers_in_loop(data, per_step):
         # Big batches of wide rows: each step gathers its own batch in the loop body, as
         # fast as a chunk's gather per row, and no outer loop of chunks for XLA to compile.
         return _loops.scan_batches(

@@ -216,6 +216,39 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
     assert_trees_close(model, whole[0])
 
 
+@pytest.mark.parametrize("din", [4, 40, 2048], ids=["narrow", "as_bytes", "wide"])
+def test_steps_per_gather_is_the_longest_call_with_one_loop(din):
+    """``steps_per_gather`` promises the longest call that ``scan_indexed_steps`` runs as
+    ONE loop of steps (its batches gathered at once); one step more runs an outer loop of
+    chunks around it; None: every call is one loop (big batches of wide rows gather per
+    step). Checked on the program's own loops (its jaxpr)."""
+    from nnxscan.pure import batching, scan_indexed_steps
+
+    data = make_data(din=din)
+    step = make_train_step(xent, TX)
+    graphdef, state = nnx.split(MLP(din, rngs=nnx.Rngs(0)))
+    opt_state = init_opt_state(TX, state)
+    order = epoch_order(3, 0, len(data["x"])).reshape(-1, BS)  # 8 steps
+    per_step = batching._batch_bytes(data, BS)
+    budget = 3 * per_step + 1
+
+    def loops(steps):
+        jaxpr = jax.make_jaxpr(
+            lambda s, o: scan_indexed_steps(
+                step, graphdef, s, o, data, order[:steps], gather_budget=budget
+            )
+        )(state, opt_state)
+        return str(jaxpr).count("scan[") + str(jaxpr).count("while[")
+
+    most = batching.steps_per_gather(data, BS, budget)
+    if din == 2048:  # 8 rows of 8 KiB: LOOP_GATHER_BYTES a step
+        assert most is None and loops(8) == 1
+        return
+    assert most == 3
+    assert loops(most) == 1 and loops(most + 1) == 2  # chunks of 2: a loop in a loop
+    assert batching.steps_per_gather(data, BS) == batching._gather_budget(data) // per_step
+
+
 def test_big_batches_of_wide_rows_over_the_budget_gather_in_the_loop_bitwise():
     """A call over the gather budget whose batches take ``LOOP_GATHER_BYTES`` or more of
     rows too wide to gather as bytes gathers each step's batch inside the ONE loop (no

@@ -57,6 +57,30 @@ def test_epochs_that_are_not_fused_compile_nothing_for_another_count(data, compi
         np.testing.assert_array_equal(a, b)  # fused or not, the same bits
 
 
+def test_fused_epochs_end_where_one_gather_ends(data, stretch_count, monkeypatch):
+    """Epochs fuse into one call only as far as one gather holds their batches
+    (``pure.batching.steps_per_gather``): a longer call would gather in chunks, an outer
+    loop around the loop of steps that XLA compiles longer. Reference: the same epochs
+    fused into one call under the default budget; the same bits however they are cut."""
+    from nnxscan.pure import batching
+
+    tx = optax.adam(1e-2)  # its own programs: no length compiled by another test to reuse
+    whole = Trainer(MLP(rngs=nnx.Rngs(0)), tx, xent)
+    first = stretch_count()
+    whole.fit(data, epochs=6, batch_size=16, progress=False)
+    assert stretch_count() - first == 1  # 6 epochs of 4 steps: one gather
+    per_step = batching._batch_bytes(data, 16)
+    for name in ("GATHER_BUDGET_BYTES", "NARROW_GATHER_BUDGET_BYTES"):
+        monkeypatch.setattr(batching, name, 9 * per_step)  # 2 epochs' batches, not 3
+    assert batching.steps_per_gather(data, 16) == 9
+    cut = Trainer(MLP(rngs=nnx.Rngs(0)), tx, xent)
+    first = stretch_count()
+    cut.fit(data, epochs=6, batch_size=16, progress=False)
+    assert stretch_count() - first == 3  # calls of 2 epochs each
+    for a, b in zip(state_arrays(cut.model), state_arrays(whole.model), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def _compiles_during(run) -> list[tuple[str, str]]:
     """``run()``'s XLA compiles: ``(program name, thread name)`` each."""
     compiles = []

@@ -117,3 +117,19 @@ def test_fused_stretches_past_fused_steps_share_one_length(epochs, lengths):
     per = FUSED_STEPS // 227  # 44 steps: at most 227 epochs a stretch
     schedule = Schedule(0, 0, 0, epochs, None, per_epoch=per, plan=Plan("scan"), fuse=True)
     assert [s.epochs for s in schedule.stretches()] == lengths
+
+
+@pytest.mark.parametrize(
+    ("epochs", "fused_steps", "lengths"),
+    [(6, 16, [2, 2, 2]), (6, 24, [3, 3]), (5, 16, None), (4, 7, [1] * 4), (6, 10**6, [6])],
+)
+def test_fused_stretches_hold_at_most_fused_steps(epochs, fused_steps, lengths):
+    """A source whose gather holds fewer than FUSED_STEPS steps (pure.batching's
+    steps_per_gather) caps the epochs fused into one stretch; an epoch longer than the cap
+    runs alone (never split for it)."""
+    per = 8
+    schedule = Schedule(0, 0, 0, epochs, None, per_epoch=per, plan=Plan("scan"), fuse=True,
+                        fused_steps=fused_steps)  # fmt: skip
+    got = [s.epochs for s in schedule.stretches()]
+    assert sum(got) == epochs and max(got) == min(epochs, max(1, fused_steps // per))
+    assert lengths is None or got == lengths

@@ -2,9 +2,10 @@
 steps) as compiled calls, for a data set, a step without data or a stream.
 
 A source has ``steps_per_epoch`` (None: a stream's), ``keep_tail`` (whether an epoch ends
-with a short batch) and ``source(stretch, stats)``; the fit loop knows nothing else about
-the data. A data set's orders are cut with the core's own primitive, so a loop of
-``pure.make_epoch`` calls trains what ``fit`` trains.
+with a short batch), ``fused_steps`` (the most steps a fused stretch of its epochs should
+take) and ``source(stretch, stats)``; the fit loop knows nothing else about the data. A
+data set's orders are cut with the core's own primitive, so a loop of ``pure.make_epoch``
+calls trains what ``fit`` trains.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import numpy as np
 
 from nnxscan.adapters.data import to_numpy
 from nnxscan.pure import epoch_order
-from nnxscan.pure.batching import cut_batches
+from nnxscan.pure.batching import cut_batches, steps_per_gather
 from nnxscan.shell._engine.calls import Call
 from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._engine.plans import Plan
-from nnxscan.shell._engine.schedule import Stretch
+from nnxscan.shell._engine.schedule import FUSED_STEPS, Stretch
 from nnxscan.shell._engine.streaming import BatchChecker, ChunkStream, EpochSource
 
 
@@ -115,6 +116,10 @@ class ArrayEpochs:
         self.num_examples, self.batch_size = num_examples, batch_size
         self.seeds, self.shuffle, self.keep_tail = seeds, shuffle, keep_tail
         self.steps_per_epoch = num_examples // batch_size + keep_tail
+        # Fused epochs gather their batches in one go where they fit one gather, so each
+        # call is one loop; a shuffled order only (the stored order slices its batches).
+        gathered = steps_per_gather(data, batch_size * len(seeds)) if shuffle else None
+        self.fused_steps = min(FUSED_STEPS, gathered or FUSED_STEPS)
 
     def _order(self, epoch: int) -> np.ndarray:
         n, shuffle = self.num_examples, self.shuffle
@@ -168,6 +173,7 @@ class StepEpochs:
     """
 
     keep_tail = False
+    fused_steps = FUSED_STEPS
 
     def __init__(self, steps_per_epoch: int, put: Callable[[Any], Any]):
         self.steps_per_epoch = steps_per_epoch
@@ -203,6 +209,7 @@ class StreamEpochs:
 
     steps_per_epoch = None
     keep_tail = False
+    fused_steps = FUSED_STEPS  # a stream's epochs are never fused
 
     def __init__(
         self,

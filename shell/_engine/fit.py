@@ -307,7 +307,7 @@ class FitLoop:
             schedule, per_epoch=epoch_calls.steps_per_epoch, tail=epoch_calls.keep_tail,
             plan=self.execution.plan, fuse=self._may_fuse(injected),
             every=None if self.evaluation is None else self.evaluation.every,
-            compiled=frozenset(lengths),
+            compiled=frozenset(lengths), fused_steps=epoch_calls.fused_steps,
         )  # fmt: skip
         # Compiled by this fit (the first as it runs, the others ahead): whole epochs.
         lengths.update(s.epochs for s in schedule.stretches() if not s.skip and s.steps == s.ends)

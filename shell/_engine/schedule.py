@@ -79,6 +79,10 @@ class Schedule:
     # the epochs to the next boundary into at most REUSED_CALLS calls is run again rather
     # than a new length compiled (fit(epochs=1), then fit(epochs=5): five calls of one).
     compiled: frozenset[int] = frozenset()
+    # At most this many steps fused in one stretch: FUSED_STEPS, or fewer where one gather
+    # holds fewer (pure.batching.steps_per_gather), so that a call is one loop of steps,
+    # not an outer loop of chunks around it, which XLA compiles longer.
+    fused_steps: int = FUSED_STEPS
 
     def __post_init__(self) -> None:
         if self.per_epoch is not None and self.skip > self.per_epoch:
@@ -133,7 +137,7 @@ class Schedule:
                 most.append(self.every - epoch % self.every)
             if left is not None:  # whole epochs only: the budget's last one runs alone
                 most.append(left // per)
-            cap = max(1, FUSED_STEPS // per)
+            cap = max(1, self.fused_steps // per)
             epochs = max(1, even_share(min(most), cap) if most else cap)
             if most and epochs not in self.compiled:
                 run = min(most)
