@@ -192,43 +192,38 @@ def mlp_digits(quick: bool) -> Workload:
     )
 
 
-def mlp_compute(quick: bool) -> Workload:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(512 if quick else 4096, 784)).astype(np.float32)
-    # Labels a linear teacher gives, so the loss falls and final losses can be compared.
-    y = (x @ rng.normal(size=(784, 10))).argmax(-1).astype(np.int32)
+def random_mlp(
+    name: str, title: str, sizes: list[int], examples: int, batch_size: int, seed: int
+) -> Workload:
+    """An MLP of ``sizes`` on ``examples`` random inputs, 3 epochs of adam; the labels a
+    linear teacher gives, so the loss falls and final losses can be compared."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(examples, sizes[0])).astype(np.float32)
+    y = (x @ rng.normal(size=(sizes[0], sizes[-1]))).argmax(-1).astype(np.int32)
     return Workload(
-        name="mlp_compute",
-        title="MLP 784→512→512→10 on random data, batch 128, adam (compute-bound steps)",
+        name=name,
+        title=title,
         data={"x": x, "y": y},
-        batch_size=128,
-        epochs=2 if quick else 3,
+        batch_size=batch_size,
+        epochs=2 if examples <= 512 else 3,
         loss_fn=cross_entropy,
         make_tx=partial(optax.adam, 1e-3),
-        make_nodes=model_and_optimizer(lambda: MLP([784, 512, 512, 10], rngs=nnx.Rngs(0))),
+        make_nodes=model_and_optimizer(lambda: MLP(sizes, rngs=nnx.Rngs(0))),
         train_step=plain_train_step(cross_entropy),
         epoch_loss=mean_of_losses,
     )
+
+
+def mlp_compute(quick: bool) -> Workload:
+    title = "MLP 784→512→512→10 on random data, batch 128, adam (compute-bound steps)"
+    return random_mlp("mlp_compute", title, [784, 512, 512, 10], 512 if quick else 4096, 128, 0)
 
 
 def mlp_keras(quick: bool) -> Workload:
     """Issue 45's Keras comparison: many tiny steps, where Keras's ``steps_per_execution``
     runs its own loop of steps."""
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(512 if quick else 64_000, 64)).astype(np.float32)
-    y = (x @ rng.normal(size=(64, 10))).argmax(-1).astype(np.int32)  # a linear teacher
-    return Workload(
-        name="mlp_keras",
-        title="MLP 64→64→64→10 on random data, batch 32, adam (Keras's many-step setting)",
-        data={"x": x, "y": y},
-        batch_size=32,
-        epochs=2 if quick else 3,
-        loss_fn=cross_entropy,
-        make_tx=partial(optax.adam, 1e-3),
-        make_nodes=model_and_optimizer(lambda: MLP([64, 64, 64, 10], rngs=nnx.Rngs(0))),
-        train_step=plain_train_step(cross_entropy),
-        epoch_loss=mean_of_losses,
-    )
+    title = "MLP 64→64→64→10 on random data, batch 32, adam (Keras's many-step setting)"
+    return random_mlp("mlp_keras", title, [64, 64, 64, 10], 512 if quick else 64_000, 32, 1)
 
 
 # -- the Flax NNX MNIST tutorial (flax 0.12.8 docs_nnx/mnist_tutorial), verbatim ------------

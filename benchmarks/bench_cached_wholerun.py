@@ -18,35 +18,27 @@ variant and is left out, as in ``bench_wholerun.py``.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import sys
 import tempfile
-import time
 
 import jax
 from _workloads import WORKLOADS
-from bench_wholerun import RECIPES, VARIANTS, FreshNodes, parse_names, variants_of, warm_up
-from flax import nnx
+from bench_wholerun import (
+    RECIPES,
+    VARIANTS,
+    FreshNodes,
+    cold_run,
+    parse_names,
+    variants_of,
+    warm_up,
+)
 from jax._src import compilation_cache
 
 from nnxscan.shell import enable_compilation_cache
 
 DEFAULT_VARIANTS = [*RECIPES, "fit_auto"]
-
-
-def timed_run(workload, variant, fresh_nodes) -> tuple[float, float]:
-    """(seconds, final loss) of one whole run from empty in-memory caches."""
-    nodes = fresh_nodes()
-    prepare = getattr(variant, "prepare", None)
-    prepared = () if prepare is None else (prepare(workload, nodes),)
-    gc.collect()
-    jax.clear_caches()
-    start = time.perf_counter()
-    loss = variant(workload, nodes, *prepared)()
-    jax.block_until_ready(nnx.state(nodes))
-    return time.perf_counter() - start, loss
 
 
 def first_and_second(workload, variant, fresh_nodes) -> tuple[float, float, float, float]:
@@ -56,8 +48,8 @@ def first_and_second(workload, variant, fresh_nodes) -> tuple[float, float, floa
         jax.config.update("jax_enable_compilation_cache", True)
         enable_compilation_cache(folder)
         try:
-            first, loss1 = timed_run(workload, variant, fresh_nodes)
-            second, loss2 = timed_run(workload, variant, fresh_nodes)
+            first, loss1 = cold_run(workload, variant, fresh_nodes)[:2]
+            second, loss2 = cold_run(workload, variant, fresh_nodes)[:2]
         finally:
             jax.config.update("jax_enable_compilation_cache", False)
             compilation_cache.reset_cache()

@@ -256,8 +256,9 @@ class FreshNodes:
         return nodes
 
 
-def run_variant(workload: Workload, variant: Variant, fresh_nodes: FreshNodes) -> Run:
-    """One whole run from empty compilation caches, then the same run again, compiled.
+def cold_run(workload: Workload, variant: Variant, fresh_nodes: FreshNodes):
+    """``(seconds, final loss, train, nodes)``: one whole run from empty in-memory
+    compilation caches, on fresh nodes (``train()`` runs it again).
 
     A variant with a ``prepare(workload, nodes)`` (Keras) builds its own model from the
     nodes there, untimed, and gets it as a third argument."""
@@ -271,8 +272,12 @@ def run_variant(workload: Workload, variant: Variant, fresh_nodes: FreshNodes) -
     train = variant(workload, nodes, *prepared)
     loss = train()
     jax.block_until_ready(nnx.state(nodes))
-    whole = time.perf_counter() - start
+    return time.perf_counter() - start, loss, train, nodes
 
+
+def run_variant(workload: Workload, variant: Variant, fresh_nodes: FreshNodes) -> Run:
+    """One whole run from empty compilation caches, then the same run again, compiled."""
+    whole, loss, train, nodes = cold_run(workload, variant, fresh_nodes)
     start = time.perf_counter()
     train()
     jax.block_until_ready(nnx.state(nodes))

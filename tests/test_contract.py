@@ -160,6 +160,17 @@ def test_unshuffled_fit_is_bitwise_make_epoch_and_scan_steps(data, num_examples)
     close(np.concatenate(scan_losses), np.concatenate(epoch_losses))
 
 
+def indexed_epoch(din: int):
+    """An MLP's pure step and state, random data of ``din`` features and one epoch's
+    ``(8, BS)`` index in the order ``fit`` uses."""
+    data = make_data(din=din)
+    step = make_train_step(xent, TX)
+    graphdef, state = nnx.split(MLP(din, rngs=nnx.Rngs(0)))
+    opt_state = init_opt_state(TX, state)
+    order = epoch_order(3, 0, len(data["x"])).reshape(-1, BS)  # 8 steps: the rule fit uses
+    return data, step, graphdef, state, opt_state, order
+
+
 @pytest.mark.parametrize("din", [4, 40], ids=["narrow_rows", "rows_gathered_as_bytes"])
 def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
     """An epoch whose batches exceed the gather budget runs as chunks of steps, each
@@ -169,11 +180,7 @@ def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
     reference: other programs)."""
     from nnxscan.pure import batching, scan_indexed_steps
 
-    data = make_data(din=din)
-    step = make_train_step(xent, TX)
-    graphdef, state = nnx.split(MLP(din, rngs=nnx.Rngs(0)))
-    opt_state = init_opt_state(TX, state)
-    order = epoch_order(3, 0, len(data["x"])).reshape(-1, BS)  # 8 steps: the rule fit uses
+    data, step, graphdef, state, opt_state, order = indexed_epoch(din)
     per_step = batching._batch_bytes(data, BS)
 
     def run(budget):
@@ -224,11 +231,7 @@ def test_steps_per_gather_is_the_longest_call_with_one_loop(din):
     step). Checked on the program's own loops (its jaxpr)."""
     from nnxscan.pure import batching, scan_indexed_steps
 
-    data = make_data(din=din)
-    step = make_train_step(xent, TX)
-    graphdef, state = nnx.split(MLP(din, rngs=nnx.Rngs(0)))
-    opt_state = init_opt_state(TX, state)
-    order = epoch_order(3, 0, len(data["x"])).reshape(-1, BS)  # 8 steps
+    data, step, graphdef, state, opt_state, order = indexed_epoch(din)
     per_step = batching._batch_bytes(data, BS)
     budget = 3 * per_step + 1
 
@@ -258,11 +261,7 @@ def test_big_batches_of_wide_rows_over_the_budget_gather_in_the_loop_bitwise():
     from nnxscan.pure import batching, scan_indexed_steps
 
     din = batching.LOOP_GATHER_BYTES // (4 * BS)  # a batch of float32 rows: 64 KiB
-    data = make_data(din=din)
-    step = make_train_step(xent, TX)
-    graphdef, state = nnx.split(MLP(din, rngs=nnx.Rngs(0)))
-    opt_state = init_opt_state(TX, state)
-    order = epoch_order(3, 0, len(data["x"])).reshape(-1, BS)  # 8 steps
+    data, step, graphdef, state, opt_state, order = indexed_epoch(din)
     per_step = batching._batch_bytes(data, BS)
     assert per_step >= batching.LOOP_GATHER_BYTES
 
