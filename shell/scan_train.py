@@ -16,16 +16,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure import Step, nnx_train_step
+from nnxscan.pure import Step
 from nnxscan.pure.checks import abstract_batch, check_batch_size, check_leading_size
-from nnxscan.shell._engine import programs as _programs
 from nnxscan.shell._engine.calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.epochs import ArrayEpochs
 from nnxscan.shell._engine.owner import ModelOwner
 from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.plans import Plan, resolve_plan
-from nnxscan.shell._engine.programs import TrainProgram, step_program, train_program
+from nnxscan.shell._engine.programs import (
+    OUTPUTS,
+    TrainProgram,
+    outputs_program,
+    step_program,
+    train_program,
+)
 from nnxscan.shell._engine.schedule import one_epoch
 from nnxscan.shell._module_check import check_module
 from nnxscan.shell._user_steps import check_loss_fn, refuse_loss_options, user_step_owner
@@ -258,23 +263,7 @@ def _user_step(
     )  # fmt: skip
     if isinstance(train_step, Step):
         return owner, step_program(train_step), _outputs_and_opt_state
-    return owner, _outputs_program(train_step), _stateful_outputs
-
-
-_OUTPUTS = "outputs"
-
-
-def _outputs_program(fn: Callable) -> TrainProgram:
-    """The cached program of a stateful ``fn`` that reports whatever ``fn`` returns: a second
-    call with the same ``fn`` reuses the compiled scan."""
-
-    def build() -> TrainProgram:
-        def reporting(*args: Any) -> dict[str, Any]:
-            return {_OUTPUTS: fn(*args)}
-
-        return TrainProgram(nnx_train_step(reporting), "ignore", {"train_step": fn})
-
-    return _programs._lookup(_programs._TRAIN, ("outputs", _programs._identity_key(fn)), build)
+    return owner, outputs_program(train_step), _stateful_outputs
 
 
 def _given(step: Step, model: nnx.Module, opt_state: Any) -> Callable[..., Any]:
@@ -330,7 +319,7 @@ def _losses_only(outs: Any, owner: ModelOwner) -> Any:
 
 def _stateful_outputs(outs: Any, owner: ModelOwner) -> Any:
     _, aux = outs  # the NaN placeholder losses of a step that reports no loss, then fn's
-    return aux[_OUTPUTS]
+    return aux[OUTPUTS]
 
 
 def _outputs_and_opt_state(outs: Any, owner: ModelOwner) -> tuple[Any, Any]:

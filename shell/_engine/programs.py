@@ -319,6 +319,24 @@ def nnx_step_program(fn: Callable, on_nonfinite: str = "ignore") -> TrainProgram
     return _lookup(_TRAIN, ("nnx_step", _identity_key(fn), on_nonfinite), build)
 
 
+# The aux key under which outputs_program reports what a stateful fn returns.
+OUTPUTS = "outputs"
+
+
+def outputs_program(fn: Callable) -> TrainProgram:
+    """The cached :class:`TrainProgram` of a user's stateful ``fn`` that reports whatever
+    ``fn`` returns (in its aux, under ``OUTPUTS``; ``scan_train``'s stateful steps): a
+    second call with the same ``fn`` reuses the compiled scan."""
+
+    def build() -> TrainProgram:
+        def reporting(*args: Any) -> dict[str, Any]:
+            return {OUTPUTS: fn(*args)}
+
+        return TrainProgram(nnx_train_step(reporting), "ignore", {"train_step": fn})
+
+    return _lookup(_TRAIN, (OUTPUTS, _identity_key(fn)), build)
+
+
 def jit_evaluate(
     metric_fn: Callable, batch_size: int, eval_mode: bool = True, batch_sharding: Any = None
 ) -> Callable:
