@@ -193,19 +193,20 @@ def mlp_digits(quick: bool) -> Workload:
 
 
 def random_mlp(
-    name: str, title: str, sizes: list[int], examples: int, batch_size: int, seed: int
+    name: str, title: str, sizes: list[int], quick: bool, examples: int, batch_size: int, seed: int
 ) -> Workload:
-    """An MLP of ``sizes`` on ``examples`` random inputs, 3 epochs of adam; the labels a
-    linear teacher gives, so the loss falls and final losses can be compared."""
+    """An MLP of ``sizes`` on ``examples`` random inputs (512 when ``quick``), 3 epochs of
+    adam (2 when ``quick``); the labels a linear teacher gives, so the loss falls and final
+    losses can be compared."""
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(examples, sizes[0])).astype(np.float32)
+    x = rng.normal(size=(512 if quick else examples, sizes[0])).astype(np.float32)
     y = (x @ rng.normal(size=(sizes[0], sizes[-1]))).argmax(-1).astype(np.int32)
     return Workload(
         name=name,
         title=title,
         data={"x": x, "y": y},
         batch_size=batch_size,
-        epochs=2 if examples <= 512 else 3,
+        epochs=2 if quick else 3,
         loss_fn=cross_entropy,
         make_tx=partial(optax.adam, 1e-3),
         make_nodes=model_and_optimizer(lambda: MLP(sizes, rngs=nnx.Rngs(0))),
@@ -216,14 +217,14 @@ def random_mlp(
 
 def mlp_compute(quick: bool) -> Workload:
     title = "MLP 784→512→512→10 on random data, batch 128, adam (compute-bound steps)"
-    return random_mlp("mlp_compute", title, [784, 512, 512, 10], 512 if quick else 4096, 128, 0)
+    return random_mlp("mlp_compute", title, [784, 512, 512, 10], quick, 4096, 128, 0)
 
 
 def mlp_keras(quick: bool) -> Workload:
     """Issue 45's Keras comparison: many tiny steps, where Keras's ``steps_per_execution``
     runs its own loop of steps."""
     title = "MLP 64→64→64→10 on random data, batch 32, adam (Keras's many-step setting)"
-    return random_mlp("mlp_keras", title, [64, 64, 64, 10], 512 if quick else 64_000, 32, 1)
+    return random_mlp("mlp_keras", title, [64, 64, 64, 10], quick, 64_000, 32, 1)
 
 
 # -- the Flax NNX MNIST tutorial (flax 0.12.8 docs_nnx/mnist_tutorial), verbatim ------------
