@@ -18,9 +18,10 @@ The network, for ``h`` of size ``d_k`` and ``n = ceil(spec.size / chunk_size)`` 
 
 The hidden layer is what makes chunks differ in how they respond to ``h``: with a linear
 layer on ``[h, c_i]`` every chunk would be the same linear function of ``h`` plus a fixed
-per-chunk offset. (Computed per tensor, from the chunks it overlaps, as
-``â_i · (gain_t · W_o) + (gain_t · b_o + offset_t)``: the same values, without passes over
-the whole generated vector; :meth:`ChunkedHeads.flat` gives the raw vector itself.)
+per-chunk offset. (Computed as one ``(..., num_chunks, d_m) @ (d_m, chunk_size)`` product
+for every chunk, the flat vector cut into tensors by one ``jax.lax.split``, whose gradient
+is one concatenation: slicing it tensor by tensor would pad every tensor's gradient to the
+whole vector; docs/hypernetworks.md measures it.)
 
 Initialization. Chunks cross tensor boundaries, so one output layer cannot carry a scale per
 tensor; the per-tensor gain does. ``W_o ~ N(0, 1/d_m)`` on the RMS-normalized ``â_i``
@@ -281,9 +282,22 @@ class ChunkedHeads(nnx.Module):
           >>> heads.flat(jnp.ones(32)).shape == (spec.size,)
           True
         """
+        return self._raw(h, condition)[..., : self.size]
+
+    def _raw(self, h: jax.Array, condition: jax.Array | int | None) -> jax.Array:
+        """Every chunk's raw output, as one ``(..., num_chunks * chunk_size)`` vector."""
         raw = self._hidden(h, condition) @ self.out_kernel[...] + self.out_bias[...]
-        raw = raw.reshape(*raw.shape[:-2], self.num_chunks * self.chunk_size)
-        return raw[..., : self.size]
+        return raw.reshape(*raw.shape[:-2], self.num_chunks * self.chunk_size)
+
+    def _split(self, raw: jax.Array) -> list[jax.Array]:
+        """``raw`` cut into one piece per tensor (spec order), then the unused tail.
+
+        ``jax.lax.split``, not one slice per tensor: the gradient of a slice is a pad to the
+        whole vector, one full pass per tensor; ``split``'s is one concatenation.
+        """
+        sizes = [leaf.size for leaf in self.leaves]
+        tail = raw.shape[-1] - self.size
+        return jax.lax.split(raw, [*sizes, tail] if tail else sizes, axis=-1)
 
     def __call__(self, h: jax.Array, condition: jax.Array | int | None = None) -> nnx.State:
         """Generated params for features ``h`` of shape ``(..., in_features)``.
@@ -295,26 +309,13 @@ class ChunkedHeads(nnx.Module):
           >>> params = heads(jnp.ones(32))       # one network's params
           >>> params = per_task_heads(jnp.ones(32), condition=2)
         """
-        hidden = self._hidden(h, condition)
-        batch = hidden.shape[:-2]
-        w_o, b_o = self.out_kernel[...], self.out_bias[...]
+        raw = self._raw(h, condition)
+        batch = raw.shape[:-1]
         gains, offsets = self.gains[...], self.offsets[...]
-        values, start = [], 0
-        for t, leaf in enumerate(self.leaves):
-            # Each tensor from only the chunks it overlaps, not a slice of the whole flat
-            # vector: the backward pass then never pads a tensor's gradient to the full
-            # (..., spec.size) (docs/hypernetworks.md measures it); chunks shared by two
-            # tensors are computed twice (at most two extra per tensor).
-            # The gain and offset go into the small shared layer (gain·W_o, gain·b_o +
-            # offset), not onto the generated entries: same values, no extra passes over
-            # the (..., spec.size) output in either direction.
-            first, last = start // self.chunk_size, (start + leaf.size - 1) // self.chunk_size
-            raw = hidden[..., first : last + 1, :] @ (gains[t] * w_o) + (
-                gains[t] * b_o + offsets[t]
+        values = [
+            self._unflatten_piece(piece * gains[t] + offsets[t], batch, leaf.shape).astype(
+                leaf.dtype
             )
-            raw = raw.reshape(*batch, (last + 1 - first) * self.chunk_size)
-            offset = start - first * self.chunk_size
-            piece = raw[..., offset : offset + leaf.size]
-            values.append(self._unflatten_piece(piece, batch, leaf.shape).astype(leaf.dtype))
-            start += leaf.size
+            for t, (leaf, piece) in enumerate(zip(self.leaves, self._split(raw), strict=False))
+        ]
         return jax.tree.unflatten(self.treedef, values)

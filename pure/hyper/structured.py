@@ -190,22 +190,23 @@ class StructuredHeads(nnx.Module):
         batch = hidden.shape[:-2]
         gains, offsets = self.gains[...], self.offsets[...]
         pieces: list[tuple[int, jax.Array]] = []
-        first = 0
-        for (n, per_chunk_units, chunks, tensors), w_o, b_o in zip(
-            self.layers, self.out_kernels, self.out_biases, strict=True
+        per_layer = jax.lax.split(hidden, [layer[2] for layer in self.layers], axis=-2)
+        for (n, per_chunk_units, chunks, tensors), hidden_l, w_o, b_o in zip(
+            self.layers, per_layer, self.out_kernels, self.out_biases, strict=True
         ):
             sizes, total = self._fan_sizes(tensors)
-            raw = hidden[..., first : first + chunks, :] @ w_o[...] + b_o[...]
-            raw = raw.reshape(*batch, chunks * per_chunk_units, total)[..., :n, :]
-            start = 0
-            for t, size in zip(tensors, sizes, strict=True):
+            raw = hidden_l @ w_o[...] + b_o[...]
+            raw = raw.reshape(*batch, chunks * per_chunk_units, total)
+            # jax.lax.split, not slices: a slice's gradient pads to the whole array, one
+            # pass per tensor; split's is one concatenation.
+            if chunks * per_chunk_units > n:  # the last chunk's unused units
+                raw = jax.lax.split(raw, [n, chunks * per_chunk_units - n], axis=-2)[0]
+            for t, piece in zip(tensors, jax.lax.split(raw, sizes, axis=-1), strict=True):
                 leaf = self.leaves[t]
-                piece = raw[..., start : start + size] * gains[t] + offsets[t]
+                piece = piece * gains[t] + offsets[t]
                 piece = piece.reshape(*batch, n, *leaf.shape[:-1])
                 if leaf.shape:
                     piece = jnp.moveaxis(piece, len(batch), -1)
                 pieces.append((t, piece.reshape(*batch, *leaf.shape).astype(leaf.dtype)))
-                start += size
-            first += chunks
         values = dict(pieces)  # layer by layer: back to spec order
         return jax.tree.unflatten(self.treedef, [values[t] for t in range(len(self.leaves))])
