@@ -26,7 +26,8 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
   :func:`hyperparam_names`, :func:`hyperparam_value`: the hyperparameters
   ``optax.inject_hyperparams`` keeps in an optax state.
 - :func:`build_compiled`: a module built in one compiled call (its initializers compile
-  once, together, not op by op).
+  once, together, not op by op); :func:`paused_gc`: Python's garbage collector paused
+  while a program traces.
 - :mod:`nnxscan.pure.hyper`: networks run on generated weights.
 - :mod:`nnxscan.pure.batching` (orders cut into batches, the full-then-tail rule),
   :mod:`nnxscan.pure.step_node` (the model with its call-time Rngs and NNX metrics) and
@@ -41,7 +42,7 @@ Example:
   ...     step, graphdef, state, opt_state, batches)
 """
 
-from nnxscan.pure.build import build_compiled
+from nnxscan.pure.build import build_compiled, paused_gc
 from nnxscan.pure.conv_layout import canonical_conv_layout
 from nnxscan.pure.epoch import epoch_order, make_epoch
 from nnxscan.pure.evaluation import make_eval_step, make_evaluate, make_evaluate_metrics
@@ -86,6 +87,7 @@ __all__ = [
     "make_train_step",
     "member_state",
     "nnx_train_step",
+    "paused_gc",
     "scan_indexed_steps",
     "scan_steps",
     "select_members",

@@ -61,3 +61,27 @@ def test_build_compiled_rejects_what_it_cannot_build():
     outside = nnx.Rngs(0)
     with pytest.raises(TypeError, match="Create it inside"):
         build_compiled(lambda: nnx.Linear(2, 2, rngs=outside))
+
+
+def test_paused_gc_pauses_and_restores_the_collector():
+    import gc
+
+    from nnxscan.pure import paused_gc
+
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+        with paused_gc():  # nested: the outer block's pause stands
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ZeroDivisionError), paused_gc():
+        1 / 0  # noqa: B018
+    assert gc.isenabled()  # restored when the block raises
+    gc.disable()  # a user who turned it off keeps it off
+    try:
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -147,3 +147,28 @@ def test_only_an_evaluation_the_run_reaches_compiles_ahead(data):
         lambda: hooked.fit(data, epochs=2, callbacks=[callback], **options, **evaluation)
     )
     assert sorted(compiles) == [("jit(evaluate)", "nnxscan-compile"), ("jit(run)", "MainThread")]
+
+
+def test_fit_and_evaluate_trace_with_the_garbage_collector_paused(data):
+    # Tracing allocates many short-lived objects; full collections during it walked the
+    # whole heap (docs/performance.md). Observed from inside the user's functions, which run
+    # only while their programs trace: paused there, as it was once the call returns.
+    import gc
+
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(("loss", gc.isenabled()))
+        return xent(model, batch)
+
+    def metric_fn(model, batch):
+        seen.append(("metric", gc.isenabled()))
+        return {"loss": xent(model, batch)}
+
+    trainer = Trainer(MLP(hidden=19, rngs=nnx.Rngs(0)), TX, loss_fn)
+    assert gc.isenabled()
+    trainer.fit(data, epochs=1, batch_size=16, progress=False)
+    trainer.evaluate(data, metric_fn, batch_size=16)
+    assert {role for role, _ in seen} == {"loss", "metric"}
+    assert not any(enabled for _, enabled in seen), seen
+    assert gc.isenabled()

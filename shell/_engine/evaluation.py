@@ -15,6 +15,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from nnxscan.pure import paused_gc
 from nnxscan.pure.checks import check_batch_size, check_count, check_leading_size
 from nnxscan.shell._engine import programs as _programs
 from nnxscan.shell._engine.fit import Evaluation
@@ -101,7 +102,9 @@ def make_evaluate_fn(
         with placement.context():
             evaluate, args = inputs(placement, data)
             with noting_batch("evaluation", traced, args[2], batch_size=batch_size):
-                values = to_host(evaluate(*args))
+                with paused_gc():  # a first call traces (nothing else is slowed)
+                    values = evaluate(*args)
+                values = to_host(values)
             if metric_fn is None:
                 return metric_logs(values, metrics)
             return {k: layout.metric(v) for k, v in values.items()}
@@ -113,7 +116,8 @@ def make_evaluate_fn(
         placement = engine.bind()
         with placement.context():
             evaluate, args = inputs(placement, data)
-            return evaluate.lower(*args)
+            with paused_gc():
+                return evaluate.lower(*args)
 
     run.lowered = lowered
     return run

@@ -27,6 +27,7 @@ from nnxscan.pure import (
     make_evaluate_metrics,
     make_train_step,
     nnx_train_step,
+    paused_gc,
     scan_indexed_steps,
     skip_nonfinite,
     step_outputs,
@@ -177,7 +178,7 @@ class TrainProgram:
 
         def build() -> StepTraits:
             state, opt_state = carry()
-            with noting_batch("training step", self.user_functions, batch):
+            with paused_gc(), noting_batch("training step", self.user_functions, batch):
                 return step_traits(self.jitted_step(graphdef), graphdef, state, opt_state, batch)
 
         return _lookup(self._traits, key, build)
