@@ -183,8 +183,9 @@ class ParamSpec:
     def unravel(self, flat: jax.Array) -> nnx.State:
         """Cuts a ``(size,)`` vector into an ``nnx.State`` shaped like the generated params.
 
-        The inverse of :func:`ravel`: slices in spec order, reshaped and cast to each
-        tensor's dtype. For several vectors at once, ``jax.vmap(spec.unravel)``.
+        The inverse of :func:`ravel`: cut in spec order (one ``jax.lax.split``), reshaped
+        and cast to each tensor's dtype. For several vectors at once,
+        ``jax.vmap(spec.unravel)``.
 
         Raises:
           ValueError: ``flat`` is not 1-D or its length is not ``spec.size``.
@@ -204,11 +205,13 @@ class ParamSpec:
                 f"unravel expects a vector of length {self.size} (spec.size), got length "
                 f"{shape[0]}. Build the vector with hyper.ravel(params) of this spec's params."
             )
-        values, offset = [], 0
-        for leaf in self.leaves:
-            piece = flat[offset : offset + leaf.size]
-            values.append(piece.reshape(leaf.shape).astype(leaf.dtype))
-            offset += leaf.size
+        # One split, not a slice per tensor: a slice's gradient is a pad to the whole vector
+        # (a full pass per tensor), split's is one concatenation.
+        pieces = jax.lax.split(flat, [leaf.size for leaf in self.leaves])
+        values = [
+            piece.reshape(leaf.shape).astype(leaf.dtype)
+            for leaf, piece in zip(self.leaves, pieces, strict=True)
+        ]
         return jax.tree.unflatten(self.treedef, values)
 
     def __repr__(self) -> str:
