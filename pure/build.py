@@ -95,8 +95,8 @@ def paused_gc() -> Iterator[None]:
 
     Tracing and lowering a program allocate hundreds of thousands of short-lived Python
     objects, and each full collection they trigger walks every object the process holds
-    (jax's, flax's, the user's): a fifth to a third of a trace's time on the benchmarks'
-    steps (docs/performance.md). Reference counting still frees what it can; cycles made in
+    (jax's, flax's, the user's): a third of a hypernetwork learner's step trace
+    (docs/performance.md). Reference counting still frees what it can; cycles made in
     the block wait for the next collection after it. ``Trainer.fit``, ``evaluate`` and
     :func:`build_compiled` trace under it; use it around your own first call of a big
     ``jax.jit`` function. Nothing computed changes.
