@@ -28,21 +28,18 @@ M = TypeVar("M")
 _ONCE = {"xla_backend_optimization_level": 1}
 # XLA:CPU's older fusion code generator compiles a one-shot program ~20% sooner, to the same
 # bits on the builds measured (docs/performance.md); XLA releases after jax 0.10 removed the
-# option, and refuse a program that names it.
-_ONCE_WHERE_KNOWN = {"xla_cpu_use_fusion_emitters": False}
-_unknown_options: set[str] = set()
+# option and refuse it as the options are read, before compiling (~2 ms), so it is simply
+# tried each time (no memo: the pure core keeps no mutable state).
+_ONCE_WHERE_KNOWN = {**_ONCE, "xla_cpu_use_fusion_emitters": False}
 
 
 def _compile_once(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     """``lowered`` compiled for compile time, with the options this XLA knows."""
-    extra = {k: v for k, v in _ONCE_WHERE_KNOWN.items() if k not in _unknown_options}
-    if extra:
-        try:
-            return lowered.compile({**_ONCE, **extra})
-        except jax.errors.JaxRuntimeError as error:
-            if "No such compile option" not in str(error):
-                raise
-            _unknown_options.update(extra)  # asked once per process
+    try:
+        return lowered.compile(_ONCE_WHERE_KNOWN)
+    except jax.errors.JaxRuntimeError as error:
+        if "No such compile option" not in str(error):
+            raise
     return lowered.compile(_ONCE)
 
 
@@ -77,6 +74,9 @@ def build_compiled(constructor: Callable[[], M]) -> M:
         graphdefs.append(graphdef)
         return state
 
+    if jax.config.jax_disable_jit:  # as jax.jit(build)() would: eagerly
+        state = build()
+        return nnx.merge(graphdefs[-1], state)
     try:
         with paused_gc():
             lowered = jax.jit(build).lower()
@@ -100,6 +100,10 @@ def paused_gc() -> Iterator[None]:
     the block wait for the next collection after it. ``Trainer.fit``, ``evaluate`` and
     :func:`build_compiled` trace under it; use it around your own first call of a big
     ``jax.jit`` function. Nothing computed changes.
+
+    The collector is one per process: a block entered while another thread has it paused
+    leaves it as it is, and the first block to end turns it back on (never off for good;
+    at worst a trace on the other thread runs with collections again).
 
     Example:
       >>> with paused_gc():

@@ -82,6 +82,17 @@ def test_ravel_unravel_round_trip_bitwise(bn_target, bn_spec):
 
     v = jax.random.normal(jax.random.key(3), (bn_spec.size,))
     np.testing.assert_array_equal(np.asarray(hyper.ravel(bn_spec.unravel(v))), np.asarray(v))
+    # A numpy vector is cut into numpy arrays, as slicing it would.
+    host = bn_spec.unravel(np.asarray(v))
+    leaves = jax.tree.leaves(host)
+    assert all(isinstance(x, np.ndarray) for x in leaves)
+    np.testing.assert_array_equal(np.concatenate([x.ravel() for x in leaves]), np.asarray(v))
+    # The gradient through the cut is the cotangents put back in place (one concatenation).
+    weights = jax.random.normal(jax.random.key(4), (bn_spec.size,))
+    grad = jax.grad(lambda f: sum(jnp.sum(x * w) for x, w in zip(
+        jax.tree.leaves(bn_spec.unravel(f)), jax.tree.leaves(bn_spec.unravel(weights)),
+        strict=True)))(v)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(weights))
 
 
 def test_spec_is_a_plain_pytree_that_passes_through_jit(spec, target, x):

@@ -207,7 +207,11 @@ class ParamSpec:
             )
         # One split, not a slice per tensor: a slice's gradient is a pad to the whole vector
         # (a full pass per tensor), split's is one concatenation.
-        pieces = jax.lax.split(flat, [leaf.size for leaf in self.leaves])
+        sizes = [leaf.size for leaf in self.leaves]
+        if isinstance(flat, np.ndarray):  # numpy in, numpy out, as slicing gave
+            pieces = np.split(flat, np.cumsum(sizes)[:-1])
+        else:
+            pieces = jax.lax.split(flat, sizes)
         values = [
             piece.reshape(leaf.shape).astype(leaf.dtype)
             for leaf, piece in zip(self.leaves, pieces, strict=True)

@@ -283,7 +283,7 @@ def run_calls(
     # more than the step) unless something looks at the objects after every call.
     write_each_call = plan.kind != "step" or write_every_call
     run = live.runner(donate)
-    outs = []
+    outs, called = [], set()
     try:
         for data, indices, start, length, sink, unroll, rows in calls:
             mask = None if active is None else active()
@@ -293,13 +293,17 @@ def run_calls(
             with held_interrupts() as interrupted:
                 leaves = live.donatable() if donate else live.leaves
                 compiled, started = _cache_size(run), time.perf_counter()
+                key = call_key(indices, length, unroll, rows)
                 if ready is not None:
-                    ready(call_key(indices, length, unroll, rows))
-                with paused_gc():  # a new program traces in the call (a cached one: ~0.1 us)
+                    ready(key)
+                # A call of a new shape may trace its program: with the collector paused
+                # (only then: a long synchronous call would otherwise run with it off).
+                with paused_gc() if key not in called else contextlib.nullcontext():
                     leaves, out, halted = run(
                         leaves, data, indices, mask, start, length=length, unroll=unroll,
                         rows=rows,
                     )  # fmt: skip
+                called.add(key)
                 if _cache_size(run) > compiled:  # this call traced and compiled a program
                     live.compile_s += time.perf_counter() - started
                 if not donate:
