@@ -139,11 +139,11 @@ def hypernetwork_losses(beta: float):
         learner.stored[...] = stored
         learner.snapshot[...] = jnp.zeros((), bool)
         earlier = ids < learner.num_earlier[...]
-
-        def generated(i: jax.Array) -> dict[str, jax.Array]:  # the rows generated above
-            return {"theta": now[i]}
-
-        return task_loss + hyper.output_regularizer(generated, ids, stored, beta, where=earlier)
+        # The rows generated above are the regularizer's inputs, each standing for itself
+        # (not `now[i]` of an id: a gather, whose gradient is a scatter).
+        return task_loss + hyper.output_regularizer(
+            lambda row: {"theta": row}, now, stored, beta, where=earlier
+        )
 
     def loss_for_task(t: int, learner: ContinualLearner):
         # set_value, not `[...] =`: outside a trace that would compile a scatter.
