@@ -71,15 +71,7 @@ def test_build_compiled_falls_back_when_xla_refuses_an_option(monkeypatch):
     refused = {**build_module._ONCE, "xla_no_such_option_anywhere": True}
     monkeypatch.setattr(build_module, "_ONCE_WHERE_KNOWN", refused)
     constructor = _build_hypernetworks()[1]
-    eager, compiled = constructor(), build_compiled(constructor)
-    pairs = zip(
-        jax.tree.leaves(nnx.state(eager)), jax.tree.leaves(nnx.state(compiled)), strict=True
-    )
-    for a, b in pairs:
-        if np.issubdtype(_bits(a).dtype, np.floating):
-            np.testing.assert_allclose(_bits(b), _bits(a), **ACROSS_PROGRAMS)
-        else:
-            np.testing.assert_array_equal(_bits(a), _bits(b))
+    _assert_built_alike(constructor(), build_compiled(constructor))
 
 
 def test_build_compiled_under_disable_jit_builds_eagerly():
