@@ -93,10 +93,11 @@ class CNN(nnx.Module):
         return self.out(h.reshape(*h.shape[:-3], -1))
 
 
-def chunked_reference(heads, spec, h, layout="units", condition=None):
+def chunked_reference(heads, spec, h, layout="units", condition=None, own_order=False):
     """ChunkedHeads' documented formula in numpy, from its Params: ``hyper.ravel`` of the
     generated params. With ``layout="units"`` a kernel ``(..., out)`` is read from the flat
-    vector as ``(out, ...)`` (each output unit's fan-in contiguous)."""
+    vector as ``(out, ...)`` (each output unit's fan-in contiguous). ``own_order``: the
+    heads' own vector instead, every piece as the chunks hold it (no axis moved)."""
     p = {k: np.asarray(v, np.float64) for k, v in nnx.to_pure_dict(nnx.state(heads)).items()}
     table = p["chunk_embeddings"] if condition is None else p["chunk_embeddings"][condition]
     pre = h @ p["feature_kernel"] + table @ p["embedding_kernel"]
@@ -106,7 +107,7 @@ def chunked_reference(heads, spec, h, layout="units", condition=None):
     pieces, start = [], 0
     for t, leaf in enumerate(spec.leaves):
         piece = raw[start : start + leaf.size] * p["gains"][t] + p["offsets"][t]
-        if layout == "units" and len(leaf.shape) >= 2:
+        if layout == "units" and len(leaf.shape) >= 2 and not own_order:
             piece = np.moveaxis(piece.reshape(leaf.shape[-1], *leaf.shape[:-1]), 0, -1)
         pieces.append(piece.reshape(-1))
         start += leaf.size
@@ -442,6 +443,165 @@ def test_chunked_heads_reject_bad_sizes():
     heads = hyper.ChunkedHeads(spec, 4, chunk_size=8, rngs=nnx.Rngs(1))
     with pytest.raises(ValueError, match=r"last axis of size 4, got shape \(5,\)"):
         heads(jnp.ones(5))
+
+
+# -- the heads' own vector ---------------------------------------------------------------------
+
+
+HEADS_KINDS = {
+    "per_tensor": {},
+    "chunked_units": {"chunk_size": 16},
+    "chunked_ravel": "ravel",
+    "structured": {"structured_units": 3},
+    "chunked_pretrained": {"chunk_size": 16, "pretrained": "trainable"},
+}
+
+
+def vector_hnet(kind, z_features=0):
+    options = HEADS_KINDS[kind]
+    if options == "ravel":  # ChunkedHeads' other layout, swapped in as the heads
+        hnet = vector_hnet("chunked_units", z_features)
+        hnet.heads = hyper.ChunkedHeads(
+            hnet.spec, 16, chunk_size=16, embedding_features=16, num_conditions=4,
+            layout="ravel", rngs=nnx.Rngs(5),
+        )  # fmt: skip
+        return hnet
+    hnet = hyper.ConditionalHypernetwork(
+        MLP(3, 8, 2, rngs=nnx.Rngs(0)), make_trunk(4 + z_features, 16, 1), 16,
+        num_conditions=4, embedding_features=4, z_features=z_features, rngs=nnx.Rngs(2),
+        **options,
+    )  # fmt: skip
+    # Move every head Param off its init (zero deltas, unit gains) so nothing checked is
+    # trivially zero or one.
+    graphdef, params, rest = nnx.split(hnet, nnx.Param, ...)
+    leaves, treedef = jax.tree.flatten(params)
+    rng = np.random.default_rng(3)
+    moved = [a + 0.1 * rng.normal(size=a.shape).astype(a.dtype) for a in leaves]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, moved), rest)
+
+
+@nnx.jit
+def vectors_and_params(hnet, condition):
+    """What the vector API gives, and what it must agree with, in one compiled call."""
+    v = hnet.generate_vector(condition)
+    return {
+        "vector": v,
+        "params_of": hnet.params_of(v),
+        "generate": hnet.generate(condition),
+        "vector_of": hnet.heads.vector_of(hnet.heads(*heads_args(hnet, condition))),
+        "heads_vector": hnet.heads.vector(*heads_args(hnet, condition)),
+        "all": hnet.generate_vectors(),
+        "vmapped": jax.vmap(hnet.generate_vector)(jnp.arange(hnet.num_conditions)),
+    }
+
+
+def heads_args(hnet, condition):
+    h = hnet.trunk(hnet.embed(condition))
+    return (h,) if getattr(hnet.heads, "num_conditions", None) is None else (h, condition)
+
+
+def assert_bitwise(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+@pytest.mark.parametrize("kind", list(HEADS_KINDS))
+def test_the_heads_vector_holds_the_generated_params_in_the_heads_own_order(kind):
+    hnet = vector_hnet(kind)
+    got = vectors_and_params(hnet, jnp.int32(2))
+    # The vector stands for exactly the params generate() gives, and nothing else.
+    assert_bitwise(got["params_of"], got["generate"])
+    assert got["vector"].shape == (hnet.spec.size,)
+    ravelled = np.asarray(hyper.ravel(got["generate"]))
+    np.testing.assert_array_equal(np.sort(np.asarray(got["vector"])), np.sort(ravelled))
+    # Every condition at once, without looking ids up: the vmapped single calls, bitwise.
+    assert_bitwise(got["all"], got["vmapped"])
+    np.testing.assert_allclose(got["all"][2], got["vector"], rtol=1e-6, atol=1e-7)
+    if "pretrained" not in kind:  # the heads' own vector and its inverse (θ0 aside)
+        assert_bitwise(got["heads_vector"], got["vector"])
+        assert_bitwise(got["vector_of"], got["vector"])
+    # The documented order: hyper.ravel's (row-major) for one head per tensor and chunked
+    # "ravel"; a kernel output unit by output unit for chunked "units"; for structured
+    # heads layer after layer, unit after unit, each unit's bias entry and kernel column
+    # (the layer's tensors in spec order: bias, kernel).
+    generated = {k: np.asarray(v) for k, v in nnx.to_flat_state(got["generate"])}
+    if kind == "structured":
+        want = [
+            np.concatenate([generated[(layer, "bias")][:, None], generated[(layer, "kernel")].T], 1)
+            for layer in ("hidden", "out")
+        ]
+    else:
+        by_units = kind in ("chunked_units", "chunked_pretrained")
+        want = [(x.T if by_units and x.ndim == 2 else x) for x in generated.values()]
+    np.testing.assert_array_equal(got["vector"], np.concatenate([w.reshape(-1) for w in want]))
+
+
+def test_the_chunked_vector_is_the_documented_formula_with_no_axis_moved():
+    hnet = vector_hnet("chunked_units")
+    h = np.asarray(nnx.jit(lambda m: m.trunk(m.embed(1)))(hnet), np.float64)
+    want = chunked_reference(hnet.heads, hnet.spec, h, condition=1, own_order=True)
+    got = nnx.jit(lambda m: m.generate_vector(1))(hnet)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_generate_vectors_takes_a_shared_or_per_condition_z():
+    hnet = vector_hnet("structured", z_features=2)
+    zs = np.random.default_rng(0).normal(size=(4, 2)).astype(np.float32)
+    per_condition, shared, vmapped = nnx.jit(
+        lambda m, zs: (
+            m.generate_vectors(zs),
+            m.generate_vectors(zs[1]),
+            jax.vmap(lambda c, z: m.generate_vector(c, z))(jnp.arange(4), zs),
+        )
+    )(hnet, zs)
+    assert_bitwise(per_condition, vmapped)
+    np.testing.assert_allclose(
+        shared[3], nnx.jit(lambda m, z: m.generate_vector(3, z))(hnet, zs[1]), rtol=1e-6,
+        atol=1e-7,
+    )  # fmt: skip
+    for bad in (None, zs[:, :1], np.zeros((3, 2), np.float32)):
+        with pytest.raises(ValueError, match="z must have shape"):
+            hnet.generate_vectors(bad)
+    with pytest.raises(ValueError, match="takes no z"):
+        vector_hnet("chunked_units").generate_vectors(zs)
+
+
+def test_the_regularizer_on_vectors_is_the_one_on_ravelled_params():
+    # Any fixed order of the entries on both sides gives the same squared distance: the
+    # demo's loss regularizes generate_vectors() rows against snapshots taken the same way.
+    hnet = vector_hnet("chunked_units")
+    stored_tree = jax.vmap(hnet.generate)(jnp.arange(4))
+    stored_vec = hnet.generate_vectors()
+    graphdef, params, rest = nnx.split(hnet, nnx.Param, ...)
+    moved = jax.tree.map(lambda a: a * 1.05, params)
+    where = jnp.arange(4) < 3
+
+    def by_vectors(p):
+        m = nnx.merge(graphdef, p, rest)
+        now = m.generate_vectors()
+        return hyper.output_regularizer(lambda v: {"v": v}, now, stored_vec, 0.1, where=where)
+
+    def by_ravel(p):
+        m = nnx.merge(graphdef, p, rest)
+        now = hyper.generated_vectors(m.generate, jnp.arange(4))
+        stored = jax.vmap(hyper.ravel)(stored_tree)
+        return hyper.output_regularizer(lambda v: {"v": v}, now, stored, 0.1, where=where)
+
+    (a, ga), (b, gb) = (jax.jit(jax.value_and_grad(f))(moved) for f in (by_vectors, by_ravel))
+    assert float(a) > 0
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-8), ga, gb)
+
+
+def test_the_vector_api_rejects_wrong_sizes_and_structures():
+    hnet = vector_hnet("chunked_units")
+    with pytest.raises(ValueError, match=f"last axis of {hnet.spec.size}"):
+        hnet.params_of(jnp.zeros(hnet.spec.size - 1))
+    with pytest.raises(ValueError, match="expects the 4 generated tensors"):
+        hnet.heads.vector_of([jnp.zeros(3)])
+    params = nnx.jit(lambda m: m.generate(0))(hnet)
+    leaves, treedef = jax.tree.flatten(params)
+    with pytest.raises(ValueError, match="must end in shape"):
+        hnet.heads.vector_of(jax.tree.unflatten(treedef, [x[..., :1] for x in leaves]))
 
 
 # -- conv targets ------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ from jax.typing import DTypeLike
 from nnxscan.pure import checks
 from nnxscan.pure.hyper.spec import ParamSpec
 from nnxscan.pure.hyper.variance import check_init, init_moments
+from nnxscan.pure.hyper.vector import EVERY_CONDITION, VectorHeads
 
 __all__ = ["ChunkedHeads", "select_table"]
 
@@ -107,7 +108,7 @@ def select_table(table: jax.Array, condition: jax.Array | int, name: str) -> jax
     return jnp.take(table, index, axis=0, mode="fill", fill_value=jnp.nan)
 
 
-class ChunkedHeads(nnx.Module):
+class ChunkedHeads(VectorHeads):
     """Maps features ``h`` to generated params, chunk by chunk, with one shared output layer.
 
     A drop-in for :class:`~nnxscan.pure.hyper.HyperHeads` (same call, same output) whose
@@ -223,13 +224,22 @@ class ChunkedHeads(nnx.Module):
         self.gains = nnx.Param(jnp.sqrt(variance).astype(dtype))
         self.offsets = nnx.Param(constant.astype(dtype))
 
-    def _unflatten_piece(self, piece: jax.Array, batch: tuple, shape: tuple) -> jax.Array:
-        """A tensor's slice of the flat vector, shaped as the tensor (see ``layout``)."""
+    def _to_tensor(self, piece: jax.Array, t: int) -> jax.Array:
+        """Tensor ``t`` from its slice of the flat vector (see ``layout``)."""
+        leaf = self.leaves[t]
+        batch, shape = piece.shape[:-1], leaf.shape
         if self.layout == "ravel" or len(shape) < 2:
-            return piece.reshape(*batch, *shape)
+            return piece.reshape(*batch, *shape).astype(leaf.dtype)
         # Output unit by output unit: unit j's whole fan-in (kernel[..., j]) is contiguous.
         units = piece.reshape(*batch, shape[-1], *shape[:-1])
-        return jnp.moveaxis(units, len(batch), -1)
+        return jnp.moveaxis(units, len(batch), -1).astype(leaf.dtype)
+
+    def _to_piece(self, tensor: jax.Array, t: int) -> jax.Array:
+        shape = self.leaves[t].shape
+        batch = tensor.ndim - len(shape)
+        if self.layout == "units" and len(shape) >= 2:
+            tensor = jnp.moveaxis(tensor, -1, batch)
+        return tensor.reshape(*tensor.shape[:batch], -1)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -247,6 +257,8 @@ class ChunkedHeads(nnx.Module):
 
     def _embeddings(self, condition: jax.Array | int | None) -> jax.Array:
         """The ``(num_chunks, embedding_features)`` chunk embeddings for ``condition``."""
+        if condition is EVERY_CONDITION:  # every table, (num_conditions, ...) or shared
+            return self.chunk_embeddings[...]
         if self.num_conditions is None:
             if condition is not None:
                 raise ValueError(
@@ -299,6 +311,15 @@ class ChunkedHeads(nnx.Module):
         tail = raw.shape[-1] - self.size
         return jax.lax.split(raw, [*sizes, tail] if tail else sizes, axis=-1)
 
+    def _pieces(self, h: jax.Array, condition: jax.Array | int | None) -> list[jax.Array]:
+        """Each tensor's piece, gain and offset applied, in spec order (the vector's)."""
+        raw = self._raw(h, condition)
+        gains, offsets = self.gains[...], self.offsets[...]
+        return [
+            piece * gains[t] + offsets[t]
+            for t, piece in enumerate(self._split(raw)[: len(self.leaves)])
+        ]
+
     def __call__(self, h: jax.Array, condition: jax.Array | int | None = None) -> nnx.State:
         """Generated params for features ``h`` of shape ``(..., in_features)``.
 
@@ -309,13 +330,14 @@ class ChunkedHeads(nnx.Module):
           >>> params = heads(jnp.ones(32))       # one network's params
           >>> params = per_task_heads(jnp.ones(32), condition=2)
         """
-        raw = self._raw(h, condition)
-        batch = raw.shape[:-1]
-        gains, offsets = self.gains[...], self.offsets[...]
-        values = [
-            self._unflatten_piece(piece * gains[t] + offsets[t], batch, leaf.shape).astype(
-                leaf.dtype
-            )
-            for t, (leaf, piece) in enumerate(zip(self.leaves, self._split(raw), strict=False))
-        ]
-        return jax.tree.unflatten(self.treedef, values)
+        return self._params(self._pieces(h, condition))
+
+    def vector(self, h: jax.Array, condition: jax.Array | int | None = None) -> jax.Array:
+        """The generated params as one ``(..., spec.size)`` vector in the heads' own order:
+        tensor after tensor in spec order, each as the chunks hold it (with ``layout=
+        "units"``, a kernel output unit by output unit; see ``vector.py``).
+
+        Example:
+          >>> heads.params_of(heads.vector(h))   # == heads(h), bitwise
+        """
+        return jnp.concatenate(self._pieces(h, condition), axis=-1)

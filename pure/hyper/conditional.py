@@ -18,6 +18,7 @@ from jax.typing import DTypeLike
 
 from nnxscan.pure import checks
 from nnxscan.pure.hyper.hypernetwork import Hypernetwork
+from nnxscan.pure.hyper.vector import EVERY_CONDITION
 
 __all__ = ["ConditionalHypernetwork"]
 
@@ -210,6 +211,62 @@ class ConditionalHypernetwork(Hypernetwork):
         if getattr(self.heads, "num_conditions", None) is None:
             return self._add_base(self.heads(h))
         return self._add_base(self.heads(h, condition))
+
+    def generate_vector(  # type: ignore[override]
+        self, condition: int | jax.Array, z: jax.Array | None = None
+    ) -> jax.Array:
+        """One condition's generated params as one ``(spec.size,)`` vector, in the heads' own
+        order (see :meth:`Hypernetwork.generate_vector`); ``hnet.params_of(v)`` is
+        ``hnet.generate(condition, z)``, bitwise.
+
+        Example:
+          >>> params = hnet.params_of(hnet.generate_vector(2))   # == hnet.generate(2)
+        """
+        h = self.trunk(self.embed(condition, z))
+        if getattr(self.heads, "num_conditions", None) is None:
+            return self._add_base_vector(self.heads.vector(h))
+        return self._add_base_vector(self.heads.vector(h, condition))
+
+    def generate_vectors(self, z: jax.Array | None = None) -> jax.Array:
+        """Every condition's generated params at once: ``(num_conditions, spec.size)``.
+
+        Row ``c`` is ``hnet.generate_vector(c, z)``; the whole is bitwise
+        ``jax.vmap(hnet.generate_vector)(jnp.arange(num_conditions))``, without looking
+        the embeddings up by id (a gather, whose gradient is a scatter): what a
+        continual-learning step that regularizes every earlier task calls once.
+
+        Args:
+          z: with ``z_features``, one ``(z_features,)`` input for every condition, or one
+            per condition, ``(num_conditions, z_features)``.
+
+        Example:
+          >>> now = hnet.generate_vectors()                        # (tasks, spec.size)
+          >>> y = hyper.call(hnet.spec, hnet.params_of(now[task]), x)
+          >>> reg = hyper.output_regularizer(lambda v: {"v": v}, now, stored, beta,
+          ...                                where=jnp.arange(tasks) < task)
+        """
+        n = self.num_conditions
+        inputs = self.embeddings[...]
+        if self.z_features == 0:
+            if z is not None:
+                raise ValueError(
+                    "this hypernetwork takes no z (z_features=0); build it with "
+                    "z_features=... to condition on a free input as well."
+                )
+        else:
+            shape = jnp.shape(z) if z is not None else None
+            if shape not in ((self.z_features,), (n, self.z_features)):
+                raise ValueError(
+                    f"z must have shape ({self.z_features},) or ({n}, {self.z_features}) "
+                    f"(z_features, one for all conditions or one each), got "
+                    f"{'none' if z is None else f'shape {shape}'}."
+                )
+            z = jnp.broadcast_to(jnp.asarray(z, inputs.dtype), (n, self.z_features))
+            inputs = jnp.concatenate([inputs, z], axis=-1)
+        h = jax.vmap(self.trunk)(inputs)
+        if getattr(self.heads, "num_conditions", None) is None:
+            return self._add_base_vector(self.heads.vector(h))
+        return self._add_base_vector(self.heads.vector(h, EVERY_CONDITION))
 
     def _chunk_tables(self) -> int | None:
         per_condition = self.chunk_embeddings == "per_condition"

@@ -40,6 +40,7 @@ from jax.typing import DTypeLike
 
 from nnxscan.pure.hyper.spec import ParamSpec
 from nnxscan.pure.hyper.variance import check_init, init_moments
+from nnxscan.pure.hyper.vector import VectorHeads
 
 __all__ = ["HyperHeads", "head_init_scale"]
 
@@ -80,7 +81,7 @@ def _init_head_weights(key, scales, fills, *, shapes, in_features, dtype):
     return kernels, biases
 
 
-class HyperHeads(nnx.Module):
+class HyperHeads(VectorHeads):
     """Maps features ``h`` to generated params: one linear head per target tensor.
 
     Args:
@@ -152,20 +153,30 @@ class HyperHeads(nnx.Module):
         """The target path each head generates, e.g. ``'out/kernel'``, in spec order."""
         return tuple(leaf.name for leaf in self.leaves)
 
+    def _pieces(self, h: jax.Array) -> list[jax.Array]:
+        if jnp.shape(h)[-1:] != (self.in_features,):
+            raise ValueError(
+                f"HyperHeads expects features with a last axis of size {self.in_features}, "
+                f"got shape {jnp.shape(h)}. Check the trunk's output size (trunk_features)."
+            )
+        return [
+            h @ kernel[...] + bias[...].reshape(-1)
+            for kernel, bias in zip(self.kernels, self.biases, strict=True)
+        ]
+
     def __call__(self, h: jax.Array) -> nnx.State:
         """Generated params for features ``h`` of shape ``(..., in_features)``.
 
         Example:
           >>> params = heads(jnp.ones(32))       # one network's params
         """
-        if jnp.shape(h)[-1:] != (self.in_features,):
-            raise ValueError(
-                f"HyperHeads expects features with a last axis of size {self.in_features}, "
-                f"got shape {jnp.shape(h)}. Check the trunk's output size (trunk_features)."
-            )
-        batch = jnp.shape(h)[:-1]
-        values = [
-            ((h @ kernel[...]).reshape(*batch, *leaf.shape) + bias[...]).astype(leaf.dtype)
-            for leaf, kernel, bias in zip(self.leaves, self.kernels, self.biases, strict=True)
-        ]
-        return jax.tree.unflatten(self.treedef, values)
+        return self._params(self._pieces(h))
+
+    def vector(self, h: jax.Array) -> jax.Array:
+        """The generated params as one ``(..., spec.size)`` vector: here in
+        :func:`~nnxscan.pure.hyper.ravel`'s order (see ``vector.py``).
+
+        Example:
+          >>> heads.params_of(heads.vector(h))   # == heads(h), bitwise
+        """
+        return jnp.concatenate(self._pieces(h), axis=-1)

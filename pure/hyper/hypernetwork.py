@@ -281,6 +281,36 @@ class Hypernetwork(nnx.Module):
         """
         return self._add_base(self.heads(self.trunk(z)))
 
+    def generate_vector(self, z: jax.Array) -> jax.Array:
+        """The generated params for ``z`` as one ``(spec.size,)`` vector, in the heads' own
+        order (not :func:`~nnxscan.pure.hyper.ravel`'s; see ``vector.py``).
+
+        For what compares generated weights entry by entry (the output regularizer and its
+        snapshots, both taken this way): chunked and structured heads compute kernels unit
+        by unit, so this skips moving every kernel's axes and back. ``hnet.params_of(v)``
+        gives the params, bitwise ``hnet.generate(z)`` (with ``pretrained=``, ``θ0`` is in
+        the vector; bitwise where the generated tensors share the heads' dtype).
+
+        Example:
+          >>> v = hnet.generate_vector(z)
+          >>> y = hyper.call(hnet.spec, hnet.params_of(v), x)   # == hnet(z, x)
+        """
+        return self._add_base_vector(self.heads.vector(self.trunk(z)))
+
+    def params_of(self, vector: jax.Array) -> nnx.State:
+        """The generated params of a :meth:`generate_vector` vector (leading axes kept).
+
+        Example:
+          >>> params = hnet.params_of(hnet.generate_vector(z))   # == hnet.generate(z)
+        """
+        return self.heads.params_of(vector)
+
+    def _add_base_vector(self, delta: jax.Array) -> jax.Array:
+        """``θ0 + Δ`` in the heads' order with ``pretrained=``; ``Δ`` itself otherwise."""
+        if "base" not in vars(self):
+            return delta
+        return delta + self.heads.vector_of([base[...] for base in self.base])
+
     def __call__(self, z: jax.Array, *args: Any, **kwargs: Any) -> Any:
         """Runs the target on ``*args, **kwargs`` with the params generated from ``z``.
 

@@ -14,7 +14,10 @@ Layers whose chunks differ in size get their own output layer; the hidden layer 
             + offset_t
 
 The init is :class:`~nnxscan.pure.hyper.ChunkedHeads`' (unit-variance raw entries, per-tensor
-gains giving tensor ``t`` the variance ``init`` chooses). Tensors are grouped by their
+gains giving tensor ``t`` the variance ``init`` chooses). The gains and offsets are applied
+to a layer's whole ``(units, Σ fan-in)`` block, each spread over its tensor's columns, and
+the heads' vector (``heads.vector(h)``) is the blocks themselves, layer after layer: unit
+after unit, each unit's fan-in of every tensor of the layer. Tensors are grouped by their
 parent path and last-axis size; a scalar is a layer of one unit.
 """
 
@@ -33,6 +36,7 @@ from nnxscan.pure import checks
 from nnxscan.pure.hyper.chunked import _RMS_EPS, select_table
 from nnxscan.pure.hyper.spec import ParamSpec
 from nnxscan.pure.hyper.variance import check_init, init_moments
+from nnxscan.pure.hyper.vector import EVERY_CONDITION, VectorHeads
 
 __all__ = ["StructuredHeads", "layer_groups"]
 
@@ -67,7 +71,7 @@ def layer_groups(spec: ParamSpec) -> list[tuple[int, list[int]]]:
     return list(groups.values())
 
 
-class StructuredHeads(nnx.Module):
+class StructuredHeads(VectorHeads):
     """Maps features ``h`` to generated params, a chunk per ``units`` output units of a layer.
 
     A drop-in for :class:`~nnxscan.pure.hyper.HyperHeads` (same call, same output);
@@ -165,31 +169,85 @@ class StructuredHeads(nnx.Module):
         """The target paths generated, in spec order."""
         return tuple(leaf.name for leaf in self.leaves)
 
-    def __call__(self, h: jax.Array, condition: jax.Array | int | None = None) -> nnx.State:
-        """Generated params for features ``h`` of shape ``(..., in_features)``.
+    def _to_tensor(self, piece: jax.Array, t: int) -> jax.Array:
+        """Tensor ``t`` from its ``(..., units, fan-in)`` columns of its layer's block."""
+        leaf = self.leaves[t]
+        batch = piece.shape[:-2]
+        if not leaf.shape:
+            return piece.reshape(batch).astype(leaf.dtype)
+        units = piece.reshape(*batch, leaf.shape[-1], *leaf.shape[:-1])
+        return jnp.moveaxis(units, len(batch), -1).astype(leaf.dtype)
 
-        Example:
-          >>> params = heads(jnp.ones(32))
-        """
+    def _params(self, blocks: list[jax.Array]) -> nnx.State:
+        """The params from each layer's ``(..., units, Σ fan-in)`` block."""
+        tensors = dict(
+            (t, self._to_tensor(piece, t))
+            for (_, _, _, layer), block in zip(self.layers, blocks, strict=True)
+            for t, piece in zip(
+                layer, jax.lax.split(block, self._fan_sizes(layer)[0], axis=-1), strict=True
+            )
+        )
+        return jax.tree.unflatten(self.treedef, [tensors[t] for t in range(len(self.leaves))])
+
+    def params_of(self, vector: jax.Array) -> nnx.State:
+        vector = jnp.asarray(vector)
+        if vector.shape[-1:] != (self.vector_size,):
+            raise ValueError(
+                f"StructuredHeads.params_of expects a last axis of {self.vector_size} (every "
+                f"generated scalar once), got shape {vector.shape}."
+            )
+        sizes = [n * self._fan_sizes(layer)[1] for n, _, _, layer in self.layers]
+        batch = vector.shape[:-1]
+        blocks = [
+            block.reshape(*batch, n, -1)
+            for (n, *_), block in zip(
+                self.layers, jax.lax.split(vector, sizes, axis=-1), strict=True
+            )
+        ]
+        return self._params(blocks)
+
+    params_of.__doc__ = VectorHeads.params_of.__doc__
+
+    def vector_of(self, params: Any) -> jax.Array:
+        leaves = self._check_leaves(params)
+        blocks = []
+        for _, _, _, layer in self.layers:
+            columns = []
+            for t in layer:
+                x, shape = jnp.asarray(leaves[t]), self.leaves[t].shape
+                batch = x.ndim - len(shape)
+                x = jnp.moveaxis(x, -1, batch) if shape else x[..., None]
+                columns.append(x.reshape(*x.shape[: batch + 1], -1))
+            block = jnp.concatenate(columns, axis=-1)
+            blocks.append(block.reshape(*block.shape[:-2], -1))
+        return jnp.concatenate(blocks, axis=-1)
+
+    vector_of.__doc__ = VectorHeads.vector_of.__doc__
+
+    def _blocks(self, h: jax.Array, condition: jax.Array | int | None) -> list[jax.Array]:
+        """Each layer's ``(..., units, Σ fan-in)`` block, gains and offsets applied: unit
+        after unit, each unit's fan-in of every tensor of the layer (as computed)."""
         if jnp.shape(h)[-1:] != (self.in_features,):
             raise ValueError(
                 f"StructuredHeads expects features with a last axis of size "
                 f"{self.in_features}, got shape {jnp.shape(h)}. Check the trunk's output size."
             )
-        if (condition is None) != (self.num_conditions is None):
+        every = condition is EVERY_CONDITION
+        if (condition is None) != (self.num_conditions is None) and not every:
             raise ValueError(
                 "pass condition=c exactly when the chunk embeddings are per condition "
                 f"(num_conditions={self.num_conditions})."
             )
         table = self.chunk_embeddings[...]
-        if condition is not None:
+        if condition is not None and not every:
             table = select_table(table, condition, "StructuredHeads")
         per_chunk = table @ self.embedding_kernel[...] + self.hidden_bias[...]
         hidden = jnp.tanh((h @ self.feature_kernel[...])[..., None, :] + per_chunk)
         hidden = hidden * jax.lax.rsqrt(jnp.mean(hidden**2, axis=-1, keepdims=True) + _RMS_EPS)
         batch = hidden.shape[:-2]
-        gains, offsets = self.gains[...], self.offsets[...]
-        pieces: list[tuple[int, jax.Array]] = []
+        gains = jax.lax.split(self.gains[...], [1] * len(self.leaves))
+        offsets = jax.lax.split(self.offsets[...], [1] * len(self.leaves))
+        blocks = []
         per_layer = jax.lax.split(hidden, [layer[2] for layer in self.layers], axis=-2)
         for (n, per_chunk_units, chunks, tensors), hidden_l, w_o, b_o in zip(
             self.layers, per_layer, self.out_kernels, self.out_biases, strict=True
@@ -197,16 +255,34 @@ class StructuredHeads(nnx.Module):
             sizes, total = self._fan_sizes(tensors)
             raw = hidden_l @ w_o[...] + b_o[...]
             raw = raw.reshape(*batch, chunks * per_chunk_units, total)
-            # jax.lax.split, not slices: a slice's gradient pads to the whole array, one
-            # pass per tensor; split's is one concatenation.
             if chunks * per_chunk_units > n:  # the last chunk's unused units
                 raw = jax.lax.split(raw, [n, chunks * per_chunk_units - n], axis=-2)[0]
-            for t, piece in zip(tensors, jax.lax.split(raw, sizes, axis=-1), strict=True):
-                leaf = self.leaves[t]
-                piece = piece * gains[t] + offsets[t]
-                piece = piece.reshape(*batch, n, *leaf.shape[:-1])
-                if leaf.shape:
-                    piece = jnp.moveaxis(piece, len(batch), -1)
-                pieces.append((t, piece.reshape(*batch, *leaf.shape).astype(leaf.dtype)))
-        values = dict(pieces)  # layer by layer: back to spec order
-        return jax.tree.unflatten(self.treedef, [values[t] for t in range(len(self.leaves))])
+            # Each tensor's gain and offset spread over its columns: one pass over the
+            # block, which stays contiguous (a split per tensor would copy every piece).
+            gain = jnp.concatenate(
+                [jnp.broadcast_to(gains[t], (k,)) for t, k in zip(tensors, sizes, strict=True)]
+            )
+            offset = jnp.concatenate(
+                [jnp.broadcast_to(offsets[t], (k,)) for t, k in zip(tensors, sizes, strict=True)]
+            )
+            blocks.append(raw * gain + offset)
+        return blocks
+
+    def __call__(self, h: jax.Array, condition: jax.Array | int | None = None) -> nnx.State:
+        """Generated params for features ``h`` of shape ``(..., in_features)``.
+
+        Example:
+          >>> params = heads(jnp.ones(32))
+        """
+        return self._params(self._blocks(h, condition))
+
+    def vector(self, h: jax.Array, condition: jax.Array | int | None = None) -> jax.Array:
+        """The generated params as one ``(..., spec.size)`` vector in the heads' own order:
+        layer after layer, unit after unit, each unit's fan-in of every tensor of the layer
+        in spec order (a Linear's kernel column, then its bias entry; see ``vector.py``).
+
+        Example:
+          >>> heads.params_of(heads.vector(h))   # == heads(h), bitwise
+        """
+        blocks = self._blocks(h, condition)
+        return jnp.concatenate([b.reshape(*b.shape[:-2], -1) for b in blocks], axis=-1)

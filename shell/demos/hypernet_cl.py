@@ -93,7 +93,8 @@ def build_hypernetwork(seed: int) -> hyper.ConditionalHypernetwork:
 class ContinualLearner(nnx.Module):
     """A conditional hypernetwork, and what it generated for the earlier tasks, as state.
 
-    ``stored`` holds a row per task (``(num_conditions, spec.size)``), ``num_earlier``
+    ``stored`` holds a row per task (``(num_conditions, spec.size)``, in the heads' own
+    order, as ``hnet.generate_vectors()`` gives them), ``num_earlier``
     how many of them are snapshots of earlier tasks, and ``snapshot`` whether the next
     training step is a task's first, which takes the snapshot: all plain ``nnx.Variable``
     (not trained, not closed over by the loss), so every task's training step has the same
@@ -124,12 +125,12 @@ def hypernetwork_losses(beta: float):
 
     def loss_fn(learner: ContinualLearner, batch: dict[str, jax.Array]) -> jax.Array:
         hnet = learner.hnet
-        ids = jnp.arange(hnet.num_conditions)
-        # Every task's weights, generated once: the earlier rows are regularized and the
-        # current task's row runs the target (one generator in the program, not two).
-        generated_tree = jax.vmap(hnet.generate)(ids)
-        now = jax.vmap(hyper.ravel)(generated_tree)
-        params = jax.tree.map(lambda x: x[batch["task"][0]], generated_tree)
+        # Every task's weights, generated once, as vectors in the heads' own order (the
+        # regularizer compares them entry by entry with snapshots taken the same way, so
+        # no kernel is moved to the target's layout and back): the earlier rows are
+        # regularized, the current task's row runs the target (one generator, not two).
+        now = hnet.generate_vectors()
+        params = hnet.params_of(now[batch["task"][0]])
         # hyper.call returns the output only: fine for these targets, whose forward changes
         # no state of their own (a BatchNorm target would run through hnet instead).
         task_loss = cross_entropy(hyper.call(hnet.spec, params, batch["x"]), batch["y"])
@@ -138,7 +139,7 @@ def hypernetwork_losses(beta: float):
         stored = jnp.where(learner.snapshot[...], jax.lax.stop_gradient(now), learner.stored[...])
         learner.stored[...] = stored
         learner.snapshot[...] = jnp.zeros((), bool)
-        earlier = ids < learner.num_earlier[...]
+        earlier = jnp.arange(hnet.num_conditions) < learner.num_earlier[...]
         # The rows generated above are the regularizer's inputs, each standing for itself
         # (not `now[i]` of an id: a gather, whose gradient is a scatter).
         return task_loss + hyper.output_regularizer(
