@@ -114,3 +114,50 @@ def test_paused_gc_pauses_and_restores_the_collector():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+class _Draws(nnx.Module):
+    """Draws of every width and kind from one nnx.Rngs, and two that cannot be merged: one
+    from a batch of keys (vmap) and one from another generator (rbg)."""
+
+    def __init__(self, rngs):
+        self.u8 = nnx.Variable(jax.random.bits(rngs.params(), (3, 5), np.uint8))
+        self.u16 = nnx.Variable(jax.random.bits(rngs.params(), (7,), np.uint16))
+        self.u32 = nnx.Variable(jax.random.bits(rngs.params(), (2, 3, 4), np.uint32))
+        self.normal = nnx.Param(jax.random.normal(rngs.params(), (6, 5)))
+        self.uniform = nnx.Param(jax.random.uniform(rngs.params(), (9,)))
+        self.linear = nnx.Linear(5, 4, rngs=rngs)  # flax's truncated normal
+        keys = jax.random.split(rngs.params(), 3)
+        self.batched = nnx.Param(jax.vmap(lambda k: jax.random.normal(k, (2,)))(keys))
+        self.rbg = nnx.Variable(jax.random.bits(jax.random.key(0, impl="rbg"), (4,)))
+
+
+def test_a_builds_draws_are_one_hash_with_each_draws_own_bits(monkeypatch):
+    from nnxscan.pure import build as build_module
+
+    merged = []
+    real = build_module._merged_draws
+    monkeypatch.setattr(
+        build_module,
+        "_merged_draws",
+        lambda draws, values: merged.append(len(draws)) or real(draws, values),
+    )
+    constructor = lambda: _Draws(nnx.Rngs(0))  # noqa: E731
+    eager, built = constructor(), build_compiled(constructor)
+    # The integer draws are the eager ones exactly (their own programs, one by one); the
+    # float ones to float rounding. The six scalar-key draws ran as one hash.
+    for name in ("u8", "u16", "u32", "rbg"):
+        np.testing.assert_array_equal(getattr(built, name)[...], getattr(eager, name)[...])
+    _assert_built_alike(eager, built)
+    assert merged == [6]
+    # With x64 on, 64-bit draws come out of the same hash too.
+    with jax.enable_x64(True):
+        wide = lambda: nnx.Variable(jax.random.bits(jax.random.key(3), (5,), np.uint64))  # noqa: E731
+        both = lambda: _Pair(wide(), nnx.Variable(jax.random.bits(jax.random.key(4), (3,))))  # noqa: E731
+        np.testing.assert_array_equal(build_compiled(both).a[...], both().a[...])
+    assert merged == [6, 2]
+
+
+class _Pair(nnx.Module):
+    def __init__(self, a, b):
+        self.a, self.b = a, b

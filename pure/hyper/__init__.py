@@ -14,6 +14,9 @@ Example:
   shared layer, so the hypernetwork can be smaller than its target.
 - :class:`StructuredHeads` (``structured.py``): chunks shaped by the target's layers
   (output units with their whole fan-in).
+- ``vector.py``: what the heads share: the generated params as one vector in the heads' own
+  order (``heads.vector``, ``heads.params_of``, ``heads.vector_of``;
+  ``hnet.generate_vectors()`` for every condition at once).
 - :class:`Hypernetwork` (``hypernetwork.py``): trunk + heads + target as one NNX module.
 - :class:`ConditionalHypernetwork` (``conditional.py``): one learned embedding per condition
   (task), plus an optional free input.
