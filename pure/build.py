@@ -65,6 +65,9 @@ def _compile_once(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
 def build_compiled(constructor: Callable[[], M]) -> M:
     """``constructor()``, traced and run as one compiled program.
 
+    The program compiles for compile time (``-O1``), and its random draws of threefry keys
+    run as one hash over all their counters, each draw's own bits (see the module doc).
+
     Args:
       constructor: a function of no arguments that builds and returns an NNX module,
         creating the ``nnx.Rngs`` it draws from itself (an ``nnx.Rngs`` made outside
@@ -140,15 +143,14 @@ def _inlined(closed: Any) -> tuple[list[tuple[Any, list, list]], dict, list]:
     fresh = itertools.count()
 
     def visit(jaxpr: Any, consts: Any, inputs: list) -> list:
-        env = dict(zip(jaxpr.invars, inputs, strict=True))
-        for var, value in zip(jaxpr.constvars, consts, strict=True):
-            env[var] = ref = next(fresh)
-            constants[ref] = value
+        refs = [next(fresh) for _ in jaxpr.constvars]
+        constants.update(zip(refs, consts, strict=True))
+        env = dict(zip([*jaxpr.invars, *jaxpr.constvars], [*inputs, *refs], strict=True))
 
         def read(atom: Any) -> Any:
             if isinstance(atom, Literal):
                 ref = next(fresh)
-                constants[ref] = atom.val
+                constants.update({ref: atom.val})
                 return ref
             return env[atom]
 
@@ -203,7 +205,7 @@ def _lowered_with_merged_draws(closed: Any) -> jax.stages.Lowered | None:
             ready = [op for op in pending if all(r in values for r in op[1])]
             if not ready:
                 break  # unreachable for a well-formed jaxpr: everything left waits on itself
-            _merged_draws(ready, values)
+            values.update(_merged_draws(ready, values))
             pending = [op for op in pending if op not in ready]
         return [values[r] for r in outputs]
 
@@ -213,10 +215,10 @@ def _lowered_with_merged_draws(closed: Any) -> jax.stages.Lowered | None:
         return None
 
 
-def _merged_draws(draws: list[tuple[Any, list, list]], values: dict) -> None:
-    """Each draw's bits, as ``jax._src.random.threefry2x32``'s partitionable
-    ``random_bits`` computes them (``threefry2x32(k1, k2, iota_2x32(shape))``, combined by
-    bit width), from one hash over every draw's keys and counters."""
+def _merged_draws(draws: list[tuple[Any, list, list]], values: dict) -> dict:
+    """Each draw's bits, by its output reference, as ``jax._src.random.threefry2x32``'s
+    partitionable ``random_bits`` computes them (``threefry2x32(k1, k2, iota_2x32(shape))``,
+    combined by bit width), from one hash over every draw's keys and counters."""
     k1, k2, c1, c2, sizes = [], [], [], [], []
     for eqn, refs, _ in draws:
         key = jax.random.key_data(values[refs[0]])
@@ -229,6 +231,7 @@ def _merged_draws(draws: list[tuple[Any, list, list]], values: dict) -> None:
         sizes.append(size)
     bits1, bits2 = threefry2x32_p.bind(*(jnp.concatenate(x) for x in (k1, k2, c1, c2)))
     cut = list(itertools.accumulate(sizes))[:-1]
+    out = {}
     pieces = zip(draws, jnp.split(bits1, cut), jnp.split(bits2, cut), strict=True)
     for (eqn, _, outs), b1, b2 in pieces:
         shape, width = eqn.params["shape"], eqn.params["bit_width"]
@@ -240,7 +243,8 @@ def _merged_draws(draws: list[tuple[Any, list, list]], values: dict) -> None:
             bits = b1 ^ b2
         else:
             bits = (b1 ^ b2).astype(dtype)
-        values[outs[0]] = bits
+        out.update({outs[0]: bits})
+    return out
 
 
 @contextlib.contextmanager
