@@ -50,6 +50,8 @@ _ONCE = {"xla_backend_optimization_level": 1}
 # option and refuse it as the options are read, before compiling (~2 ms), so it is simply
 # tried each time (no memo: the pure core keeps no mutable state).
 _ONCE_WHERE_KNOWN = {**_ONCE, "xla_cpu_use_fusion_emitters": False}
+# The most entries one merged threefry hash covers (its counters and keys: 16 bytes each).
+_MERGED_ENTRIES = 2**24
 
 
 def _compile_once(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
@@ -128,11 +130,24 @@ def _mergeable(eqn: Any) -> bool:
         return False
     aval = eqn.invars[0].aval
     impl = getattr(aval.dtype, "_impl", None)
+    # The draw's own setting (a `with jax.threefry_partitionable(False):` in the
+    # constructor), as its lowering reads it; False where this jax does not record it.
+    partitionable = getattr(eqn.ctx, "threefry_partitionable", False)
     return (
         aval.shape == ()
         and getattr(impl, "name", None) == "threefry2x32"
-        and jax.config.jax_threefry_partitionable
+        and partitionable is True
+        and math.prod(eqn.params["shape"]) <= _MERGED_ENTRIES
     )
+
+
+def _plain_jit(eqn: Any) -> bool:
+    """A ``jit`` call with no shardings or compiler options of its own: safe to inline."""
+    if eqn.primitive.name not in ("jit", "pjit"):
+        return False
+    shardings = [*eqn.params.get("in_shardings", ()), *eqn.params.get("out_shardings", ())]
+    unspecified = all(type(s).__name__ == "UnspecifiedValue" for s in shardings)
+    return unspecified and not eqn.params.get("compiler_options_kvs")
 
 
 def _inlined(closed: Any) -> tuple[list[tuple[Any, list, list]], dict, list]:
@@ -156,7 +171,7 @@ def _inlined(closed: Any) -> tuple[list[tuple[Any, list, list]], dict, list]:
 
         for eqn in jaxpr.eqns:
             refs = [read(atom) for atom in eqn.invars]
-            if eqn.primitive.name in ("jit", "pjit"):
+            if _plain_jit(eqn):
                 inner = eqn.params["jaxpr"]
                 outs = visit(inner.jaxpr, inner.consts, refs)
             else:
@@ -205,7 +220,17 @@ def _lowered_with_merged_draws(closed: Any) -> jax.stages.Lowered | None:
             ready = [op for op in pending if all(r in values for r in op[1])]
             if not ready:
                 break  # unreachable for a well-formed jaxpr: everything left waits on itself
-            values.update(_merged_draws(ready, values))
+            # Hashes of at most _MERGED_ENTRIES entries each: the saving is in the number of
+            # kernels, and one hash over a whole large model would hold all its counters.
+            group, size = [], 0
+            for op in ready:
+                entries = math.prod(op[0].params["shape"])
+                if group and size + entries > _MERGED_ENTRIES:
+                    values.update(_merged_draws(group, values))
+                    group, size = [], 0
+                group.append(op)
+                size += entries
+            values.update(_merged_draws(group, values))
             pending = [op for op in pending if op not in ready]
         return [values[r] for r in outputs]
 

@@ -117,8 +117,9 @@ def test_paused_gc_pauses_and_restores_the_collector():
 
 
 class _Draws(nnx.Module):
-    """Draws of every width and kind from one nnx.Rngs, and two that cannot be merged: one
-    from a batch of keys (vmap) and one from another generator (rbg)."""
+    """Draws of every width and kind from one nnx.Rngs (an empty one too), and three that
+    cannot be merged: from a batch of keys (vmap), from another generator (rbg), and from
+    threefry made unpartitionable for the draw."""
 
     def __init__(self, rngs):
         self.u8 = nnx.Variable(jax.random.bits(rngs.params(), (3, 5), np.uint8))
@@ -130,6 +131,9 @@ class _Draws(nnx.Module):
         keys = jax.random.split(rngs.params(), 3)
         self.batched = nnx.Param(jax.vmap(lambda k: jax.random.normal(k, (2,)))(keys))
         self.rbg = nnx.Variable(jax.random.bits(jax.random.key(0, impl="rbg"), (4,)))
+        with jax.threefry_partitionable(False):  # the other threefry: its own algorithm
+            self.legacy = nnx.Variable(jax.random.bits(rngs.params(), (5,)))
+        self.empty = nnx.Param(jax.random.normal(rngs.params(), (0, 3)))
 
 
 def test_a_builds_draws_are_one_hash_with_each_draws_own_bits(monkeypatch):
@@ -145,17 +149,17 @@ def test_a_builds_draws_are_one_hash_with_each_draws_own_bits(monkeypatch):
     constructor = lambda: _Draws(nnx.Rngs(0))  # noqa: E731
     eager, built = constructor(), build_compiled(constructor)
     # The integer draws are the eager ones exactly (their own programs, one by one); the
-    # float ones to float rounding. The six scalar-key draws ran as one hash.
-    for name in ("u8", "u16", "u32", "rbg"):
+    # float ones to float rounding. The seven partitionable scalar-key draws ran as one hash.
+    for name in ("u8", "u16", "u32", "rbg", "legacy"):
         np.testing.assert_array_equal(getattr(built, name)[...], getattr(eager, name)[...])
     _assert_built_alike(eager, built)
-    assert merged == [6]
+    assert merged == [7]
     # With x64 on, 64-bit draws come out of the same hash too.
     with jax.enable_x64(True):
         wide = lambda: nnx.Variable(jax.random.bits(jax.random.key(3), (5,), np.uint64))  # noqa: E731
         both = lambda: _Pair(wide(), nnx.Variable(jax.random.bits(jax.random.key(4), (3,))))  # noqa: E731
         np.testing.assert_array_equal(build_compiled(both).a[...], both().a[...])
-    assert merged == [6, 2]
+    assert merged == [7, 2]
 
 
 class _Pair(nnx.Module):

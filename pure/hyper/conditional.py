@@ -217,7 +217,8 @@ class ConditionalHypernetwork(Hypernetwork):
     ) -> jax.Array:
         """One condition's generated params as one ``(spec.size,)`` vector, in the heads' own
         order (see :meth:`Hypernetwork.generate_vector`); ``hnet.params_of(v)`` is
-        ``hnet.generate(condition, z)``, bitwise.
+        ``hnet.generate(condition, z)``, bitwise (with ``pretrained=``, where the generated
+        tensors share the heads' dtype).
 
         Example:
           >>> params = hnet.params_of(hnet.generate_vector(2))   # == hnet.generate(2)

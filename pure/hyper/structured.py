@@ -194,7 +194,8 @@ class StructuredHeads(VectorHeads):
         if vector.shape[-1:] != (self.vector_size,):
             raise ValueError(
                 f"StructuredHeads.params_of expects a last axis of {self.vector_size} (every "
-                f"generated scalar once), got shape {vector.shape}."
+                f"generated scalar once), got shape {vector.shape}. Pass what vector()/"
+                f"generate_vector() return; for hyper.ravel's order, spec.unravel."
             )
         sizes = [n * self._fan_sizes(layer)[1] for n, _, _, layer in self.layers]
         batch = vector.shape[:-1]
@@ -279,7 +280,7 @@ class StructuredHeads(VectorHeads):
     def vector(self, h: jax.Array, condition: jax.Array | int | None = None) -> jax.Array:
         """The generated params as one ``(..., spec.size)`` vector in the heads' own order:
         layer after layer, unit after unit, each unit's fan-in of every tensor of the layer
-        in spec order (a Linear's kernel column, then its bias entry; see ``vector.py``).
+        in spec order (a Linear's bias entry, then its kernel column; see ``vector.py``).
 
         Example:
           >>> heads.params_of(heads.vector(h))   # == heads(h), bitwise

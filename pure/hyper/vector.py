@@ -78,7 +78,8 @@ class VectorHeads(nnx.Module):
         if vector.shape[-1:] != (self.vector_size,):
             raise ValueError(
                 f"{type(self).__name__}.params_of expects a last axis of {self.vector_size} "
-                f"(every generated scalar once), got shape {vector.shape}."
+                f"(every generated scalar once), got shape {vector.shape}. Pass what "
+                f"vector()/generate_vector() return; for hyper.ravel's order, spec.unravel."
             )
         sizes = [self.leaves[t].size for t in self._order]
         return self._params(jax.lax.split(vector, sizes, axis=-1))
