@@ -190,13 +190,7 @@ class StructuredHeads(VectorHeads):
         return jax.tree.unflatten(self.treedef, [tensors[t] for t in range(len(self.leaves))])
 
     def params_of(self, vector: jax.Array) -> nnx.State:
-        vector = jnp.asarray(vector)
-        if vector.shape[-1:] != (self.vector_size,):
-            raise ValueError(
-                f"StructuredHeads.params_of expects a last axis of {self.vector_size} (every "
-                f"generated scalar once), got shape {vector.shape}. Pass what vector()/"
-                f"generate_vector() return; for hyper.ravel's order, spec.unravel."
-            )
+        vector = self._check_vector(vector)
         sizes = [n * self._fan_sizes(layer)[1] for n, _, _, layer in self.layers]
         batch = vector.shape[:-1]
         blocks = [

@@ -74,6 +74,12 @@ class VectorHeads(nnx.Module):
         Example:
           >>> params = heads.params_of(heads.vector(h))    # == heads(h)
         """
+        vector = self._check_vector(vector)
+        sizes = [self.leaves[t].size for t in self._order]
+        return self._params(jax.lax.split(vector, sizes, axis=-1))
+
+    def _check_vector(self, vector: jax.Array) -> jax.Array:
+        """``vector`` as an array whose last axis is ``vector_size`` long, or a ValueError."""
         vector = jnp.asarray(vector)
         if vector.shape[-1:] != (self.vector_size,):
             raise ValueError(
@@ -81,8 +87,7 @@ class VectorHeads(nnx.Module):
                 f"(every generated scalar once), got shape {vector.shape}. Pass what "
                 f"vector()/generate_vector() return; for hyper.ravel's order, spec.unravel."
             )
-        sizes = [self.leaves[t].size for t in self._order]
-        return self._params(jax.lax.split(vector, sizes, axis=-1))
+        return vector
 
     def vector_of(self, params: Any) -> jax.Array:
         """The heads' vector of given params (in the target's layout): :meth:`params_of`
