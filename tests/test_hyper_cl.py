@@ -482,7 +482,9 @@ def vector_hnet(kind, z_features=0):
 
 @nnx.jit
 def vectors_and_params(hnet, condition):
-    """What the vector API gives, and what it must agree with, in one compiled call."""
+    """What the vector API gives, and what it must agree with, in one compiled call: the
+    bitwise checks compare the same operations on the same shapes within one program
+    (concatenating and cutting are exact), which holds on any CPU."""
     v = hnet.generate_vector(condition)
     return {
         "vector": v,

@@ -208,9 +208,7 @@ class ConditionalHypernetwork(Hypernetwork):
           >>> y = hyper.call(hnet.spec, params, x)    # == hnet(2, x)
         """
         h = self.trunk(self.embed(condition, z))
-        if getattr(self.heads, "num_conditions", None) is None:
-            return self._add_base(self.heads(h))
-        return self._add_base(self.heads(h, condition))
+        return self._add_base(self._on_heads(self.heads, h, condition))
 
     def generate_vector(  # type: ignore[override]
         self, condition: int | jax.Array, z: jax.Array | None = None
@@ -224,9 +222,7 @@ class ConditionalHypernetwork(Hypernetwork):
           >>> params = hnet.params_of(hnet.generate_vector(2))   # == hnet.generate(2)
         """
         h = self.trunk(self.embed(condition, z))
-        if getattr(self.heads, "num_conditions", None) is None:
-            return self._add_base_vector(self.heads.vector(h))
-        return self._add_base_vector(self.heads.vector(h, condition))
+        return self._add_base_vector(self._on_heads(self.heads.vector, h, condition))
 
     def generate_vectors(self, z: jax.Array | None = None) -> jax.Array:
         """Every condition's generated params at once: ``(num_conditions, spec.size)``.
@@ -265,9 +261,14 @@ class ConditionalHypernetwork(Hypernetwork):
             z = jnp.broadcast_to(jnp.asarray(z, inputs.dtype), (n, self.z_features))
             inputs = jnp.concatenate([inputs, z], axis=-1)
         h = jax.vmap(self.trunk)(inputs)
+        return self._add_base_vector(self._on_heads(self.heads.vector, h, EVERY_CONDITION))
+
+    def _on_heads(self, method: Any, h: jax.Array, condition: Any) -> Any:
+        """``method(h)``, with ``condition`` where the heads hold chunk embeddings per
+        condition (one head per tensor, or shared chunk embeddings, take none)."""
         if getattr(self.heads, "num_conditions", None) is None:
-            return self._add_base_vector(self.heads.vector(h))
-        return self._add_base_vector(self.heads.vector(h, EVERY_CONDITION))
+            return method(h)
+        return method(h, condition)
 
     def _chunk_tables(self) -> int | None:
         per_condition = self.chunk_embeddings == "per_condition"
