@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -117,9 +118,10 @@ def test_paused_gc_pauses_and_restores_the_collector():
 
 
 class _Draws(nnx.Module):
-    """Draws of every width and kind from one nnx.Rngs (an empty one too), and three that
-    cannot be merged: from a batch of keys (vmap), from another generator (rbg), and from
-    threefry made unpartitionable for the draw."""
+    """Draws of every width and kind from one nnx.Rngs (an empty one too), a split and
+    fold-ins of every kind of message, and what cannot be merged: draws from a batch of
+    keys (vmap), from another generator (rbg), and from threefry made unpartitionable for
+    the draw. Every ``rngs.params()`` is a fold-in of the stream's key and its count."""
 
     def __init__(self, rngs):
         self.u8 = nnx.Variable(jax.random.bits(rngs.params(), (3, 5), np.uint8))
@@ -129,7 +131,14 @@ class _Draws(nnx.Module):
         self.uniform = nnx.Param(jax.random.uniform(rngs.params(), (9,)))
         self.linear = nnx.Linear(5, 4, rngs=rngs)  # flax's truncated normal
         keys = jax.random.split(rngs.params(), 3)
+        self.split = nnx.Variable(jax.random.key_data(keys))
         self.batched = nnx.Param(jax.vmap(lambda k: jax.random.normal(k, (2,)))(keys))
+        # Messages at the ends of uint32 and a negative int32 (taken modulo 2^32).
+        key = rngs.params()
+        self.folded = nnx.Variable(jnp.stack([
+            jax.random.key_data(jax.random.fold_in(key, m))
+            for m in (0, 2**32 - 1, jnp.int32(-5), jnp.uint32(7))
+        ]))  # fmt: skip
         self.rbg = nnx.Variable(jax.random.bits(jax.random.key(0, impl="rbg"), (4,)))
         with jax.threefry_partitionable(False):  # the other threefry: its own algorithm
             self.legacy = nnx.Variable(jax.random.bits(rngs.params(), (5,)))
@@ -148,18 +157,20 @@ def test_a_builds_draws_are_one_hash_with_each_draws_own_bits(monkeypatch):
     )
     constructor = lambda: _Draws(nnx.Rngs(0))  # noqa: E731
     eager, built = constructor(), build_compiled(constructor)
-    # The integer draws are the eager ones exactly (their own programs, one by one); the
-    # float ones to float rounding. The seven partitionable scalar-key draws ran as one hash.
-    for name in ("u8", "u16", "u32", "rbg", "legacy"):
+    # Keys and integer draws are the eager ones exactly (their own programs, one by one);
+    # the float ones to float rounding. The hashes ran as two: the eleven fold-ins of the
+    # stream's key (all ready at once), then the four fold-ins of the twelfth key, the seven
+    # partitionable scalar-key draws and the split, which all wait on the first.
+    for name in ("u8", "u16", "u32", "rbg", "legacy", "split", "folded"):
         np.testing.assert_array_equal(getattr(built, name)[...], getattr(eager, name)[...])
     _assert_built_alike(eager, built)
-    assert merged == [7]
+    assert merged == [11, 12]
     # With x64 on, 64-bit draws come out of the same hash too.
     with jax.enable_x64(True):
         wide = lambda: nnx.Variable(jax.random.bits(jax.random.key(3), (5,), np.uint64))  # noqa: E731
         both = lambda: _Pair(wide(), nnx.Variable(jax.random.bits(jax.random.key(4), (3,))))  # noqa: E731
         np.testing.assert_array_equal(build_compiled(both).a[...], both().a[...])
-    assert merged == [7, 2]
+    assert merged == [11, 12, 2]
 
 
 class _Pair(nnx.Module):
