@@ -567,6 +567,32 @@ def test_generate_vectors_takes_a_shared_or_per_condition_z():
         vector_hnet("chunked_units").generate_vectors(zs)
 
 
+def _host(x):
+    is_key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return np.asarray(jax.random.key_data(x) if is_key else x)
+
+
+@pytest.mark.parametrize("layer", ["dropout", "batchnorm"])
+def test_generate_vectors_names_a_trunk_that_updates_its_own_state(layer):
+    # jax.vmap cannot update the trunk's state (a Dropout's stream, a BatchNorm's
+    # statistics): a ValueError that says what to do, nothing changed; in evaluation mode
+    # (a view) it runs, each row the vmapped generate_vector's.
+    rngs = nnx.Rngs(0)
+    stateful = nnx.Dropout(0.5, rngs=rngs) if layer == "dropout" else nnx.BatchNorm(16, rngs=rngs)
+    trunk = nnx.Sequential(nnx.Linear(4, 16, rngs=rngs), stateful)
+    hnet = hyper.ConditionalHypernetwork(
+        MLP(3, 8, 2, rngs=nnx.Rngs(1)), trunk, 16, num_conditions=3, embedding_features=4,
+        rngs=nnx.Rngs(2),
+    )  # fmt: skip
+    before = jax.tree.map(_host, nnx.state(hnet))
+    with pytest.raises(ValueError, match=r"generate_vectors runs the trunk.*nnx\.view"):
+        hnet.generate_vectors()
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(_host, nnx.state(hnet)), before)
+    mode = {"deterministic": True} if layer == "dropout" else {"use_running_average": True}
+    view = nnx.view(hnet, **mode)
+    assert_bitwise(view.generate_vectors(), jax.vmap(view.generate_vector)(jnp.arange(3)))
+
+
 def test_the_regularizer_on_vectors_is_the_one_on_ravelled_params():
     # Any fixed order of the entries on both sides gives the same squared distance: the
     # demo's loss regularizes generate_vectors() rows against snapshots taken the same way.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -260,7 +261,18 @@ class ConditionalHypernetwork(Hypernetwork):
                 )
             z = jnp.broadcast_to(jnp.asarray(z, inputs.dtype), (n, self.z_features))
             inputs = jnp.concatenate([inputs, z], axis=-1)
-        h = jax.vmap(self.trunk)(inputs)
+        try:
+            h = jax.vmap(self.trunk)(inputs)
+        except flax.errors.TraceContextError as error:
+            # Raised before the Variable changes: nothing is lost.
+            raise ValueError(
+                "generate_vectors runs the trunk on every condition at once (jax.vmap), and "
+                "this trunk updates its own state as it runs (a BatchNorm's statistics or a "
+                f"Dropout's random stream: {str(error).split(' (')[0]}). Call it on a view "
+                "with those layers in evaluation mode (nnx.view(hnet, deterministic=True) "
+                "for Dropout, use_running_average=True for BatchNorm), or generate one "
+                "condition at a time with hnet.generate(c)."
+            ) from error
         return self._add_base_vector(self._on_heads(self.heads.vector, h, EVERY_CONDITION))
 
     def _on_heads(self, method: Any, h: jax.Array, condition: Any) -> Any:
