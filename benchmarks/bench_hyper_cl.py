@@ -38,11 +38,15 @@ compiled program) and trained with the ``hypernet-cl`` demo's loss (every task's
 generated once a step, the snapshot taken in each task's first step).
 
 Timing: each run is a fresh process (so compiling is part of nnxscan's whole run), runs
-are interleaved (the order of setups rotates with the round) and the table gives medians
-over ``--seeds`` (3 by default). "whole run" is building the hypernetwork to the last
-accuracy matrix entry (imports and data loading excluded on every side); "step" is a
-later task's training and evaluation time divided by its 256 steps (median over tasks
-2-5: no compiling in it on either side).
+are interleaved (the order of setups rotates from one seed and round to the next) and the
+table gives medians over ``--seeds`` (3 by default) times ``--rounds`` (1). "whole run" is
+building the hypernetwork to the last accuracy matrix entry (imports and data loading
+excluded on every side); "÷ hypnettorch's" is the median (and range) of each nnxscan
+run's whole time over that of hypnettorch's network of its kind in the same round and
+seed (HMLP for one head per tensor, ChunkedHMLP for the chunked and structured heads):
+on a shared host, runs minutes apart see the same load; "step" is a later task's
+training and evaluation time divided by its 256 steps (median over tasks 2-5: no
+compiling in it on either side).
 
 The torch side runs in its own environment, never in nnxscan's. Set it up once::
 
@@ -52,8 +56,8 @@ The torch side runs in its own environment, never in nnxscan's. Set it up once::
 
 (``matplotlib``: hypnettorch's utilities import it; plain ``pip install torch`` also works.)
 
-Run: ``.venv/bin/python benchmarks/bench_hyper_cl.py [--seeds 0,1,2] [--torch-python
-.venv-bench/bin/python] [--setups nnxscan-heads,...] [--epochs 32]``
+Run: ``.venv/bin/python benchmarks/bench_hyper_cl.py [--seeds 0,1,2] [--rounds 3]
+[--torch-python .venv-bench/bin/python] [--setups nnxscan-heads,...] [--epochs 32]``
 """
 
 from __future__ import annotations
@@ -353,10 +357,30 @@ def run_one(
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+# Each nnxscan setup against hypnettorch's network of its kind and size.
+COUNTERPART = {
+    "nnxscan-heads": "hypnettorch-hmlp",
+    "nnxscan-chunked": "hypnettorch-chunked",
+    "nnxscan-structured": "hypnettorch-chunked",
+}
+
+
+def paired_ratios(results: dict[str, list[dict]], setup: str) -> list[float]:
+    """Each run's whole time over its counterpart's run of the same round and seed: the
+    two ran minutes apart, so a ratio sees the same load on the host."""
+    other = results.get(COUNTERPART.get(setup, ""), [])
+    by_run = {(r["round"], r["seed"]): r["whole"] for r in other}
+    return [
+        r["whole"] / by_run[r["round"], r["seed"]]
+        for r in results[setup]
+        if (r["round"], r["seed"]) in by_run
+    ]
+
+
 def report(results: dict[str, list[dict]]) -> None:
-    print("| setup | weights | whole run (s) | step (ms) | final average accuracy | "
-          "task 1 after it → end |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---|")
+    print("| setup | weights | whole run (s) | ÷ hypnettorch's (range) | step (ms) | "
+          "final average accuracy | task 1 after it → end |")  # fmt: skip
+    print("|---|---:|---:|---|---:|---:|---|")
     for setup, runs in results.items():
         if not runs:
             continue
@@ -365,10 +389,18 @@ def report(results: dict[str, list[dict]]) -> None:
         step = statistics.median(
             statistics.median(r["task_times"][1:]) / r["steps_per_task"] * 1e3 for r in runs
         )
-        drops = ", ".join(f"{100 * a[0, 0]:.0f} → {100 * a[-1, 0]:.1f}" for a in acc)
+        # Each seed once (every round trains the same bits).
+        seen = {r["seed"]: a for r, a in zip(runs, acc, strict=True)}
+        drops = ", ".join(f"{100 * a[0, 0]:.0f} → {100 * a[-1, 0]:.1f}" for a in seen.values())
+        ratios = paired_ratios(results, setup)
+        ratio = (
+            f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"
+            if ratios
+            else ""
+        )
         print(
             f"| {TITLES[setup]} | {runs[0]['weights']:,} | "
-            f"{statistics.median(r['whole'] for r in runs):.1f} | {step:.2f} | "
+            f"{statistics.median(r['whole'] for r in runs):.1f} | {ratio} | {step:.2f} | "
             f"{statistics.median(finals):.1f}% ({min(finals):.1f}-{max(finals):.1f}) | {drops} |"
         )
 
@@ -377,6 +409,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--epochs", type=int, default=32, help="epochs a task (8 steps each)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run every seed's setups this many times"
+    )
     parser.add_argument("--setups", default=",".join(NNXSCAN + TORCH))
     parser.add_argument("--torch-python", default=".venv-bench/bin/python")
     parser.add_argument("--json", help="also write every run's numbers to this file")
@@ -402,19 +437,28 @@ def main() -> None:
             f"{args.torch_python} not found: set up the torch side (see the docstring)"
         )
     results = {s: [] for s in setups}
+    seeds = [int(s) for s in args.seeds.split(",")]
     with tempfile.TemporaryDirectory() as folder:
-        for r, seed in enumerate(int(s) for s in args.seeds.split(",")):
+        for seed in seeds:
             data = pathlib.Path(folder) / f"tasks_{seed}.npz"
             write_tasks(data, seed, args.epochs)
             if args.compile_cache:  # warm it with this seed's shapes, uncounted
                 for setup in (s for s in setups if s in NNXSCAN):
                     run_one(setup, data, seed, args.torch_python, args.compile_cache)
+        # Rounds outermost, the setups' order rotating: each setup runs early and late.
+        for r, (round_, seed) in enumerate(itertools.product(range(args.rounds), seeds)):
+            data = pathlib.Path(folder) / f"tasks_{seed}.npz"
             shift = r % len(setups)
             for setup in setups[shift:] + setups[:shift]:
                 run = run_one(setup, data, seed, args.torch_python, args.compile_cache)
+                run.update(round=round_, seed=seed)
                 results[setup].append(run)
                 final = 100 * np.asarray(run["accuracy"])[-1].mean()
-                print(f"seed {seed} {setup}: {run['whole']:.1f} s, final {final:.1f}%", flush=True)
+                print(
+                    f"round {round_ + 1} seed {seed} {setup}: {run['whole']:.1f} s, "
+                    f"final {final:.1f}%",
+                    flush=True,
+                )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
     print()
