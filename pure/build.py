@@ -19,7 +19,9 @@ key an ``nnx.Rngs`` stream hands out (``fold_in(key, count)``: the hash of one c
 pair), each a rolled hash loop of its own otherwise: a hypernetwork learner's twelve
 fold-ins compiled as twelve loops, 0.06 s of its 0.46 s compile. The constructor is traced
 once, to a jaxpr; that jaxpr is then evaluated under ``jax.jit`` with ``jit`` calls inlined
-and the ready hashes merged: the keys first, then the draws of those keys.
+and the ready hashes merged: the keys first, then the draws of those keys. Keys are merged
+in that first round only; a key made from a merged one (a chain of splits) runs as an
+ordinary op, so a chain costs what it did and its draws still merge.
 """
 
 from __future__ import annotations
@@ -210,15 +212,24 @@ def _lowered_with_merged_draws(closed: Any) -> jax.stages.Lowered | None:
     def run() -> list:
         values = dict(constants)
         pending = ops
+        # Keys (fold-ins, splits) are merged in the first round of hashes only: the keys an
+        # nnx.Rngs hands out are all ready then. After it they run as ordinary ops, so a
+        # chain of splits (`key, sub = split(key)`) runs through at once, and its draws
+        # then merge, instead of taking a round (and a hash) per link.
+        first_round = True
+
+        def held(eqn: Any) -> bool:
+            return _hashed(eqn) and (first_round or eqn.primitive.name == "random_bits")
+
         while pending:
-            # Everything that can run without another draw, in order; then the draws
+            # Everything that can run without another hash, in order; then the hashes
             # that are ready, together.
             progressed = True
             while progressed:
                 progressed, waiting = False, []
                 for op in pending:
                     eqn, refs, outs = op
-                    if _hashed(eqn) or not all(r in values for r in refs):
+                    if held(eqn) or not all(r in values for r in refs):
                         waiting.append(op)
                         continue
                     params = eqn.primitive.get_bind_params(eqn.params)
@@ -243,6 +254,7 @@ def _lowered_with_merged_draws(closed: Any) -> jax.stages.Lowered | None:
                 size += entries
             values.update(_merged_draws(group, values))
             pending = [op for op in pending if op not in ready]
+            first_round = False
         return [values[r] for r in outputs]
 
     try:

@@ -140,8 +140,17 @@ class _Draws(nnx.Module):
             for m in (0, 2**32 - 1, jnp.int32(-5), jnp.uint32(7))
         ]))  # fmt: skip
         self.rbg = nnx.Variable(jax.random.bits(jax.random.key(0, impl="rbg"), (4,)))
+        self.grid = nnx.Variable(jax.random.key_data(jax.random.split(rngs.params(), (2, 3))))
         with jax.threefry_partitionable(False):  # the other threefry: its own algorithm
             self.legacy = nnx.Variable(jax.random.bits(rngs.params(), (5,)))
+            legacy_keys = jax.random.split(rngs.params(), (2, 3))
+            self.legacy_split = nnx.Variable(jax.random.key_data(legacy_keys))
+            # Ready in the first round with the fold-ins, and still not merged.
+            seed_keys = jax.random.split(jax.random.key(5), (2, 3))
+            self.legacy_seed_split = nnx.Variable(jax.random.key_data(seed_keys))
+        self.seed_split = nnx.Variable(
+            jax.random.key_data(jax.random.split(jax.random.key(6), (2, 3)))
+        )
         self.empty = nnx.Param(jax.random.normal(rngs.params(), (0, 3)))
 
 
@@ -158,19 +167,53 @@ def test_a_builds_draws_are_one_hash_with_each_draws_own_bits(monkeypatch):
     constructor = lambda: _Draws(nnx.Rngs(0))  # noqa: E731
     eager, built = constructor(), build_compiled(constructor)
     # Keys and integer draws are the eager ones exactly (their own programs, one by one);
-    # the float ones to float rounding. The hashes ran as two: the eleven fold-ins of the
-    # stream's key (all ready at once), then the four fold-ins of the twelfth key, the seven
-    # partitionable scalar-key draws and the split, which all wait on the first.
-    for name in ("u8", "u16", "u32", "rbg", "legacy", "split", "folded"):
+    # the float ones to float rounding. The hashes ran as two: the thirteen fold-ins of the
+    # stream's key and the partitionable split of a seed key (all ready at once), then the
+    # seven partitionable scalar-key draws; the keys made from those keys (the splits, the
+    # fold-ins of the twelfth) and the unpartitionable split ran on their own.
+    exact = ("u8", "u16", "u32", "rbg", "legacy", "split", "folded", "grid", "legacy_split",
+             "legacy_seed_split", "seed_split")  # fmt: skip
+    for name in exact:
         np.testing.assert_array_equal(getattr(built, name)[...], getattr(eager, name)[...])
     _assert_built_alike(eager, built)
-    assert merged == [11, 12]
+    assert merged == [14, 7]
     # With x64 on, 64-bit draws come out of the same hash too.
     with jax.enable_x64(True):
         wide = lambda: nnx.Variable(jax.random.bits(jax.random.key(3), (5,), np.uint64))  # noqa: E731
         both = lambda: _Pair(wide(), nnx.Variable(jax.random.bits(jax.random.key(4), (3,))))  # noqa: E731
         np.testing.assert_array_equal(build_compiled(both).a[...], both().a[...])
-    assert merged == [11, 12, 2]
+    assert merged == [14, 7, 2]
+
+
+class _Chain(nnx.Module):
+    """``key, sub = split(key)`` twenty times, a draw of each ``sub``."""
+
+    def __init__(self):
+        key, draws = jax.random.key(0), []
+        for _ in range(20):
+            key, sub = jax.random.split(key)
+            draws.append(jax.random.bits(sub, (3,)))
+        self.draws = nnx.Variable(jnp.stack(draws))
+        self.key = nnx.Variable(jax.random.key_data(key))
+
+
+def test_a_chain_of_splits_runs_through_and_its_draws_merge(monkeypatch):
+    # Keys merge in the first round only: the chain's first split, then the other
+    # nineteen as ordinary ops, then all twenty draws in one hash (a round per link
+    # would compile twenty hashes).
+    from nnxscan.pure import build as build_module
+
+    merged = []
+    real = build_module._merged_draws
+    monkeypatch.setattr(
+        build_module,
+        "_merged_draws",
+        lambda ops, values: merged.append(len(ops)) or real(ops, values),
+    )
+    eager, built = _Chain(), build_compiled(_Chain)
+    np.testing.assert_array_equal(built.draws[...], eager.draws[...])
+    np.testing.assert_array_equal(built.key[...], eager.key[...])
+    assert merged == [1, 20]
 
 
 class _Pair(nnx.Module):

@@ -19,6 +19,7 @@ from jax.typing import DTypeLike
 
 from nnxscan.pure import checks
 from nnxscan.pure.hyper.hypernetwork import Hypernetwork
+from nnxscan.pure.hyper.spec import path_str
 from nnxscan.pure.hyper.vector import EVERY_CONDITION
 
 __all__ = ["ConditionalHypernetwork"]
@@ -265,10 +266,13 @@ class ConditionalHypernetwork(Hypernetwork):
             h = jax.vmap(self.trunk)(inputs)
         except flax.errors.TraceContextError as error:
             # Raised before the Variable changes: nothing is lost.
+            state = nnx.to_flat_state(nnx.state(self.trunk, nnx.Not(nnx.Param)))
+            held = ", ".join(f"trunk/{path_str(p)} ({type(v).__name__})" for p, v in state)
             raise ValueError(
                 "generate_vectors runs the trunk on every condition at once (jax.vmap), and "
                 "this trunk updates its own state as it runs (a BatchNorm's statistics or a "
-                f"Dropout's random stream: {str(error).split(' (')[0]}). Call it on a view "
+                f"Dropout's random stream: {str(error).split(' (')[0]}; the trunk's state: "
+                f"{held}). Call it on a view "
                 "with those layers in evaluation mode (nnx.view(hnet, deterministic=True) "
                 "for Dropout, use_running_average=True for BatchNorm), or generate one "
                 "condition at a time with hnet.generate(c)."
