@@ -154,16 +154,22 @@ class _Draws(nnx.Module):
         self.empty = nnx.Param(jax.random.normal(rngs.params(), (0, 3)))
 
 
-def test_a_builds_draws_are_one_hash_with_each_draws_own_bits(monkeypatch):
+@pytest.fixture
+def merged(monkeypatch):
+    """The size of every merged hash a build runs, in order."""
     from nnxscan.pure import build as build_module
 
-    merged = []
+    sizes = []
     real = build_module._merged_draws
     monkeypatch.setattr(
         build_module,
         "_merged_draws",
-        lambda draws, values: merged.append(len(draws)) or real(draws, values),
+        lambda ops, values: sizes.append(len(ops)) or real(ops, values),
     )
+    return sizes
+
+
+def test_a_builds_draws_are_one_hash_with_each_draws_own_bits(merged):
     constructor = lambda: _Draws(nnx.Rngs(0))  # noqa: E731
     eager, built = constructor(), build_compiled(constructor)
     # Keys and integer draws are the eager ones exactly (their own programs, one by one);
@@ -197,19 +203,10 @@ class _Chain(nnx.Module):
         self.key = nnx.Variable(jax.random.key_data(key))
 
 
-def test_a_chain_of_splits_runs_through_and_its_draws_merge(monkeypatch):
+def test_a_chain_of_splits_runs_through_and_its_draws_merge(merged):
     # Keys merge in the first round only: the chain's first split, then the other
     # nineteen as ordinary ops, then all twenty draws in one hash (a round per link
     # would compile twenty hashes).
-    from nnxscan.pure import build as build_module
-
-    merged = []
-    real = build_module._merged_draws
-    monkeypatch.setattr(
-        build_module,
-        "_merged_draws",
-        lambda ops, values: merged.append(len(ops)) or real(ops, values),
-    )
     eager, built = _Chain(), build_compiled(_Chain)
     np.testing.assert_array_equal(built.draws[...], eager.draws[...])
     np.testing.assert_array_equal(built.key[...], eager.key[...])
