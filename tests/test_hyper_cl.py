@@ -592,6 +592,9 @@ def test_generate_vectors_names_a_trunk_that_updates_its_own_state(layer):
         hnet.generate_vectors()
     assert held in str(error.value)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(_host, nnx.state(hnet)), before)
+    # The loop the message suggests runs, one condition at a time (updating the state).
+    rows = jnp.stack([hnet.generate_vector(c) for c in range(3)])
+    assert rows.shape == (3, hnet.spec.size) and np.all(np.isfinite(rows))
     mode = {"deterministic": True} if layer == "dropout" else {"use_running_average": True}
     view = nnx.view(hnet, **mode)
     assert_bitwise(view.generate_vectors(), jax.vmap(view.generate_vector)(jnp.arange(3)))

@@ -275,7 +275,8 @@ class ConditionalHypernetwork(Hypernetwork):
                 f"{held}). Call it on a view "
                 "with those layers in evaluation mode (nnx.view(hnet, deterministic=True) "
                 "for Dropout, use_running_average=True for BatchNorm), or generate one "
-                "condition at a time with hnet.generate(c)."
+                "condition at a time in a Python loop: "
+                "jnp.stack([hnet.generate_vector(c) for c in range(hnet.num_conditions)])."
             ) from error
         return self._add_base_vector(self._on_heads(self.heads.vector, h, EVERY_CONDITION))
 
