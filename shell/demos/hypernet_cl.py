@@ -147,9 +147,10 @@ def hypernetwork_losses(beta: float):
         )
 
     def loss_for_task(t: int, learner: ContinualLearner):
-        # set_value, not `[...] =`: outside a trace that would compile a scatter.
-        learner.snapshot.set_value(jnp.asarray(True))
-        learner.num_earlier.set_value(jnp.asarray(t, jnp.int32))
+        # set_value, not `[...] =`: outside a trace that would compile a scatter; and
+        # device_put of NumPy values, where jnp.asarray compiles a small program each.
+        learner.snapshot.set_value(jax.device_put(np.asarray(True)))
+        learner.num_earlier.set_value(jax.device_put(np.asarray(t, np.int32)))
         return loss_fn
 
     return loss_for_task
