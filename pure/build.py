@@ -14,7 +14,7 @@ draws of an MLP's shapes: 0.37 s, one draw of all their entries: 0.06 s). With J
 partitionable threefry (the default), a draw's bits are an elementwise hash of its key and
 each entry's index, so the draws of scalar threefry keys that are ready together are
 computed by one hash over all their keys and indices and cut apart: the same bits, by
-construction (``_merged_draws``). Splits of a scalar key are the same hash, and so is every
+construction (``_merged_hashes``). Splits of a scalar key are the same hash, and so is every
 key an ``nnx.Rngs`` stream hands out (``fold_in(key, count)``: the hash of one counter
 pair), each a rolled hash loop of its own otherwise: a hypernetwork learner's twelve
 fold-ins compiled as twelve loops, 0.06 s of its 0.46 s compile. The constructor is traced
@@ -118,7 +118,7 @@ def build_compiled(constructor: Callable[[], M]) -> M:
     try:
         with paused_gc():
             closed = jax.make_jaxpr(build_leaves)()
-            lowered = _lowered_with_merged_draws(closed)
+            lowered = _lowered_with_merged_hashes(closed)
             if lowered is None:  # nothing to merge, or this jax's internals differ
                 lowered = jax.jit(jaxpr_as_fun(closed)).lower()
     except flax.errors.TraceContextError as error:
@@ -197,8 +197,8 @@ def _inlined(closed: Any) -> tuple[list[tuple[Any, list, list]], dict, list]:
     return ops, constants, outputs
 
 
-def _lowered_with_merged_draws(closed: Any) -> jax.stages.Lowered | None:
-    """The build's jaxpr lowered with its ready threefry draws merged; None where there
+def _lowered_with_merged_hashes(closed: Any) -> jax.stages.Lowered | None:
+    """The build's jaxpr lowered with its ready threefry hashes merged; None where there
     are fewer than two to merge, the jaxpr has effects, or this jax lacks the internals."""
     if threefry2x32_p is None or closed.effects:
         return None
@@ -248,12 +248,15 @@ def _lowered_with_merged_draws(closed: Any) -> jax.stages.Lowered | None:
             for op in ready:
                 entries = _entries(op[0])
                 if group and size + entries > _MERGED_ENTRIES:
-                    values.update(_merged_draws(group, values))
+                    values.update(_merged_hashes(group, values))
                     group, size = [], 0
                 group.append(op)
                 size += entries
-            values.update(_merged_draws(group, values))
-            pending = [op for op in pending if op not in ready]
+            values.update(_merged_hashes(group, values))
+            # By identity: an op's equation is a record, and comparing two would compare
+            # their params.
+            merged = {id(op) for op in ready}
+            pending = [op for op in pending if id(op) not in merged]
             first_round = False
         return [values[r] for r in outputs]
 
@@ -263,7 +266,7 @@ def _lowered_with_merged_draws(closed: Any) -> jax.stages.Lowered | None:
         return None
 
 
-def _merged_draws(hashed: list[tuple[Any, list, list]], values: dict) -> dict:
+def _merged_hashes(hashed: list[tuple[Any, list, list]], values: dict) -> dict:
     """Each hashed op's result, by its output reference, from one ``threefry2x32`` over
     every op's keys and counters, each op's counters and output as JAX computes them:
 

@@ -160,10 +160,10 @@ def merged(monkeypatch):
     from nnxscan.pure import build as build_module
 
     sizes = []
-    real = build_module._merged_draws
+    real = build_module._merged_hashes
     monkeypatch.setattr(
         build_module,
-        "_merged_draws",
+        "_merged_hashes",
         lambda ops, values: sizes.append(len(ops)) or real(ops, values),
     )
     return sizes
