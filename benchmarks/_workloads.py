@@ -61,7 +61,7 @@ class Workload:
       loss_fn: ``loss_fn(model, batch[, rngs])``, as ``Trainer`` takes it.
       make_tx: builds the optax transform.
       make_nodes: ``make_nodes(tx)`` builds fresh, untrained nodes (see ``Nodes``) whose
-        ``nnx.Optimizer`` trains with ``tx``.
+        ``nnx.Optimizer`` trains with ``tx`` (``make_nodes(None)``: None in its slot).
       train_step: the authors' step, not yet jitted: ``train_step(*nodes, batch)``,
         returning the loss or (tutorial) nothing, its loss going into the metrics.
       epoch_loss: ``epoch_loss(nodes, step_outputs)`` is the epoch's mean training loss,
@@ -87,6 +87,11 @@ class Workload:
     def nodes(self) -> Nodes:
         """Fresh, untrained nodes."""
         return self.make_nodes(self.make_tx())
+
+    def model_nodes(self) -> Nodes:
+        """Fresh, untrained nodes without the optimizer (None in its slot): what exists
+        before a run that builds its optimizer itself (``with_optimizer``)."""
+        return self.make_nodes(None)
 
     @property
     def num_examples(self) -> int:
@@ -132,11 +137,25 @@ def mean_of_losses(nodes: Nodes, losses: list) -> float:
 
 
 def model_and_optimizer(build_model: Callable[[], nnx.Module]):
-    def make_nodes(tx: optax.GradientTransformation) -> Nodes:
+    def make_nodes(tx: optax.GradientTransformation | None) -> Nodes:
         model = build_model()
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+        return model, optimizer_of(model, tx)
 
     return make_nodes
+
+
+def optimizer_of(model: nnx.Module, tx: optax.GradientTransformation | None) -> Any:
+    """The authors' ``nnx.Optimizer(model, tx, wrt=nnx.Param)``; None without a ``tx``
+    (the nodes of a model whose optimizer is built later: ``with_optimizer``)."""
+    return None if tx is None else nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def with_optimizer(nodes: Nodes, tx: optax.GradientTransformation) -> Nodes:
+    """``nodes`` with the optimizer slot filled as the authors fill it, on the model the
+    step trains (for the tutorial, its training view: it shares the model's Variables)."""
+    if nodes[1] is not None:
+        return nodes
+    return (nodes[0], optimizer_of(nodes[0], tx), *nodes[2:])
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -282,9 +301,9 @@ def update_metrics(metrics, loss, logits, batch):
 
 
 def tutorial_nodes(cnn: type[CNN]) -> Callable[[optax.GradientTransformation], Nodes]:
-    def make_nodes(tx: optax.GradientTransformation) -> Nodes:
+    def make_nodes(tx: optax.GradientTransformation | None) -> Nodes:
         model = cnn(rngs=nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        optimizer = optimizer_of(model, tx)
         metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
         train_model = nnx.view(model, deterministic=False, use_running_average=False)
         return train_model, optimizer, metrics, nnx.Rngs(0)

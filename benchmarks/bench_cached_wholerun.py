@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{jax.default_backend()}; medians of {reps}; s. first = the cache empty (compile and "
         "write), second = the same run again from empty in-memory caches (read back).\n"
     )
-    warm_up(names, lambda line: print(line, file=sys.stderr, flush=True))
+    warm_up(names, lambda line: print(line, file=sys.stderr, flush=True), "built")
     rows = []
     for wname in workloads:
         workload = WORKLOADS[wname](args.quick)

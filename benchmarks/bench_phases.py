@@ -5,7 +5,8 @@ instrumentation rather than from differences of wall clocks: ``jax.monitoring`` 
 top-level trace (``/jax/core/compile/jaxpr_trace_duration``), every lowering to MLIR
 (``.../jaxpr_to_mlir_module_duration``) and every XLA compile
 (``.../backend_compile_duration``), each with the name of the function or program. Per run
-(from empty compilation caches, as ``bench_wholerun.run_variant`` does) it records:
+(from empty compilation caches, as ``bench_wholerun.run_variant`` does with ``--optimizer
+built``: the nodes and their ``nnx.Optimizer`` built before the clock) it records:
 
   set-up      building the step function or the Trainer (``nnx.jit(...)``, ``Trainer(...)``,
               Keras's ``model.compile(...)``), its own traces and compiles included
@@ -657,7 +658,7 @@ def main(argv: list[str] | None = None) -> None:
             print(profile(WORKLOADS[name](args.quick), args.profile))
         return
     recorder = Recorder()
-    bw.warm_up(variants, log)
+    bw.warm_up(variants, log, "built")
     header = (
         f"Phases of whole runs: jax {jax.__version__}, {jax.default_backend()}, "
         f"{os.cpu_count()} cores{', QUICK (not a measurement)' if args.quick else ''}."

@@ -1,9 +1,10 @@
 """Whole runs of ``fit`` per execution plan, one new process per run: what the plan rule weighs.
 
 For each workload of ``_workloads.py`` named, each repetition runs every variant once, in a
-new shuffled order, each in a NEW Python process (``bench_wholerun.py``'s timing: untimed
-imports and a tiny warm-up run, then ``whole`` = ``Trainer(...)`` + ``fit`` from empty
-compilation caches, ``steady`` = the same ``fit`` again, compiled). Medians over the
+new shuffled order, each in a NEW Python process (``bench_wholerun.py``'s timing with
+``--optimizer built``: untimed imports and a tiny warm-up run, then ``whole`` =
+``Trainer(...)`` + ``fit`` from empty compilation caches, ``steady`` = the same ``fit``
+again, compiled). Medians over the
 repetitions, and the median of the per-repetition ratios of each variant to the first one
 (paired: the runs of one repetition ran back to back, under the same load).
 
@@ -40,7 +41,7 @@ def child(workload_name: str, variant_name: str) -> None:
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)
-    bw.warm_up([variant_name], lambda line: None)
+    bw.warm_up([variant_name], lambda line: None, "built")
     workload = bw.WORKLOADS[workload_name](False)
     run = bw.run_variant(workload, bw.VARIANTS[variant_name], bw.FreshNodes(workload))
     print(json.dumps({"whole": run.whole, "steady": run.steady, "loss": run.loss}))

@@ -9,9 +9,11 @@ included. For every workload of ``_workloads.py`` this times, in one process:
   split_merge_jit  ``nnx.split`` once, ``jax.jit`` with the state donated, ``nnx.merge``
                    inside the step, ``nnx.update`` after each epoch (recipe 3)
   fit_auto, fit_scan, fit_step, fit_unrolled
-                   ``Trainer(...).fit(data, epochs=E, batch_size=B)`` with each execution
-                   plan (the tutorial CNN ported as docs/porting.md shows: ``has_aux``,
-                   ``rngs``, ``metrics``, ``update_metrics``)
+                   ``Trainer(model, tx, loss_fn).fit(data, epochs=E, batch_size=B)`` with
+                   each execution plan, given the optax transform as the README does (the
+                   tutorial CNN ported as docs/porting.md shows: ``has_aux``, ``rngs``,
+                   ``metrics``, ``update_metrics``)
+  fit_optimizer    ``fit_auto`` given an ``nnx.Optimizer`` built as the loops build theirs
   nnx_scan         Flax's own answer to "scan my step": the authors' ``train_step`` under
                    ``nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))`` inside
                    ``nnx.jit``, one call per epoch over that epoch's batches stacked on the
@@ -29,20 +31,26 @@ Every variant trains the same number of steps on the same batches (the permutati
 agree up to rounding. The loops gather each batch on the host from the numpy data set, as
 a data loader hands batches to a loop; ``fit`` and ``one_scan`` get the numpy data set.
 
-Timing. Each repetition runs every variant once, in a new shuffled order. Each run gets
-fresh, untrained nodes (model, optimizer, ...: a copy of one untrained set, with a new
-optax transform; untimed), then ``jax.clear_caches()`` empties every compilation cache, so
-each run traces and compiles everything again, as a new process does:
+Timing. Each repetition runs every variant once, in a new shuffled order. Each run starts
+as a new process does: ``jax.clear_caches()`` empties every compilation cache, then the
+model is built (untimed: its initializers compile as they would in a script, and stay
+cached), and the clock starts with the built model, as it does for Keras's
+``model.compile`` + ``fit``:
 
-  whole   from building the step function (``nnx.jit(...)``, ``Trainer(...)``, ...) to the
-          trained model with every step done (blocked on), compile included;
+  whole   from the built model to the trained model with every step done (blocked on),
+          compile included: the optimizer's construction (the loops' ``nnx.Optimizer``
+          and its state; ``fit_auto`` gets the optax transform and builds the state
+          itself), the step function (``nnx.jit(...)``, ``Trainer(...)``, ...), every step;
   steady  the same run once more in the same process, on the same objects with the same
           compiled functions (for fit: a second ``fit`` call on the same Trainer, which
           trains the next epochs): compile excluded.
 
 ``whole - steady`` is about what compiling (and tracing) costs. Before the first workload
 every variant runs once on a tiny workload, untimed, so one-time imports and set-up land
-in no timing. Medians over ``--reps`` repetitions.
+in no timing. Medians over ``--reps`` repetitions. ``--optimizer built`` times what earlier
+tables timed: every variant gets a copy of one untrained set of nodes with its
+``nnx.Optimizer`` already built (untimed, compiled caches emptied after), ``fit_auto``
+that ``nnx.Optimizer``.
 
     python benchmarks/bench_wholerun.py --out wholerun.md
     python benchmarks/bench_wholerun.py --workloads cnn_8x8,lm --reps 5
@@ -66,14 +74,15 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from _keras_models import expressible, keras_installed, keras_variant
-from _workloads import WORKLOADS, Nodes, Workload, mlp_digits
+from _workloads import WORKLOADS, Nodes, Workload, mlp_digits, optimizer_of, with_optimizer
 from flax import nnx
 
 from nnxscan.pure import init_opt_state, make_train_step
 from nnxscan.shell import Plan, Trainer
 
 # A variant builds, from a workload and fresh nodes, ``train()``: it trains the whole run on
-# the nodes and returns the last epoch's mean training loss. Building is timed with it.
+# the nodes and returns the last epoch's mean training loss. Building is timed with it. The
+# nodes' optimizer slot is None when the run builds its optimizer itself (timed).
 Train = Callable[[], float]
 Variant = Callable[[Workload, Nodes], Train]
 
@@ -97,16 +106,19 @@ def per_step_loop(workload: Workload, nodes: Nodes, step: Callable) -> Train:
 
 
 def nnx_jit(workload: Workload, nodes: Nodes) -> Train:
+    nodes = with_optimizer(nodes, workload.make_tx())
     step = nnx.jit(workload.train_step)
     return per_step_loop(workload, nodes, lambda batch: step(*nodes, batch))
 
 
 def cached_partial(workload: Workload, nodes: Nodes) -> Train:
+    nodes = with_optimizer(nodes, workload.make_tx())
     step = nnx.cached_partial(nnx.jit(workload.train_step), *nodes)
     return per_step_loop(workload, nodes, step)
 
 
 def split_merge_jit(workload: Workload, nodes: Nodes) -> Train:
+    nodes = with_optimizer(nodes, workload.make_tx())
     graphdef, _ = nnx.split(nodes)
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -131,6 +143,7 @@ def split_merge_jit(workload: Workload, nodes: Nodes) -> Train:
 def nnx_scan(workload: Workload, nodes: Nodes) -> Train:
     """One ``nnx.jit`` call per epoch of ``nnx.scan`` over the stacked batches, the nodes
     carried (``nnx.Carry``): the Flax anchor for scanned training."""
+    nodes = with_optimizer(nodes, workload.make_tx())
 
     @nnx.jit
     def epoch(nodes, batches):
@@ -152,15 +165,23 @@ def nnx_scan(workload: Workload, nodes: Nodes) -> Train:
 # -- nnxscan ------------------------------------------------------------------------------
 
 
-def make_trainer(workload: Workload, nodes: Nodes, execution: str) -> Trainer:
+def make_trainer(
+    workload: Workload, nodes: Nodes, execution: str, nnx_optimizer: bool = False
+) -> Trainer:
+    """A Trainer of the nodes' model: given their ``nnx.Optimizer`` when they hold one, else
+    a new optax transform (the README's way) or, with ``nnx_optimizer``, an
+    ``nnx.Optimizer`` built here as the loops build theirs."""
     model, optimizer = nodes[:2]
+    if optimizer is None:
+        tx = workload.make_tx()
+        optimizer = optimizer_of(model, tx) if nnx_optimizer else tx
     options = workload.trainer_options(nodes)
     return Trainer(model, optimizer, workload.loss_fn, execution=execution, **options)
 
 
-def fit(execution: str) -> Variant:
+def fit(execution: str, nnx_optimizer: bool = False) -> Variant:
     def variant(workload: Workload, nodes: Nodes) -> Train:
-        trainer = make_trainer(workload, nodes, execution)
+        trainer = make_trainer(workload, nodes, execution, nnx_optimizer)
 
         def train() -> float:
             history = trainer.fit(
@@ -177,7 +198,8 @@ def fit(execution: str) -> Variant:
 def one_scan(workload: Workload, nodes: Nodes) -> Train:
     """Every step of the run in one compiled ``lax.scan``: no host between epochs."""
     model, optimizer = nodes[:2]
-    step = make_train_step(workload.loss_fn, optimizer.tx)
+    tx = workload.make_tx() if optimizer is None else optimizer.tx
+    step = make_train_step(workload.loss_fn, tx)
 
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
     def run(graphdef, state, opt_state, data, indices):
@@ -192,7 +214,7 @@ def one_scan(workload: Workload, nodes: Nodes) -> Train:
     def train() -> float:
         indices = np.concatenate([workload.batch_indices(e) for e in range(workload.epochs)])
         graphdef, state = nnx.split(model)
-        opt_state = init_opt_state(optimizer.tx, state)
+        opt_state = init_opt_state(tx, state)
         state, _, losses = run(graphdef, state, opt_state, workload.data, indices)
         nnx.update(model, state)
         return float(np.mean(np.asarray(losses)[-workload.steps_per_epoch :]))
@@ -206,6 +228,7 @@ VARIANTS: dict[str, Variant] = {
     "split_merge_jit": split_merge_jit,
     "nnx_scan": nnx_scan,
     "fit_auto": fit("auto"),
+    "fit_optimizer": fit("auto", nnx_optimizer=True),
     "fit_scan": fit("scan"),
     "fit_step": fit("step"),
     "fit_unrolled": fit("unrolled"),
@@ -256,39 +279,74 @@ class FreshNodes:
         return nodes
 
 
-def cold_run(workload: Workload, variant: Variant, fresh_nodes: FreshNodes):
+class BuiltModel:
+    """Fresh nodes without an optimizer, the model built right after the caches are emptied
+    (``--optimizer timed``): what a script has when its model exists. Its initializers'
+    programs stay cached, as in that script (the zeros of a bias shape, say, which an
+    ``nnx.Optimizer`` then finds compiled); each run builds its optimizer itself, timed."""
+
+    builds_after_clearing = True
+
+    def __init__(self, workload: Workload):
+        self.workload = workload
+
+    def __call__(self) -> Nodes:
+        return self.workload.model_nodes()
+
+
+def cold_run(workload: Workload, variant: Variant, fresh_nodes: FreshNodes | BuiltModel):
     """``(seconds, final loss, train, nodes)``: one whole run from empty in-memory
     compilation caches, on fresh nodes (``train()`` runs it again).
 
     A variant with a ``prepare(workload, nodes)`` (Keras) builds its own model from the
     nodes there, untimed, and gets it as a third argument."""
-    nodes = fresh_nodes()
     prepare = getattr(variant, "prepare", None)
-    prepared = () if prepare is None else (prepare(workload, nodes),)
-    gc.collect()
-    jax.clear_caches()
+    if getattr(fresh_nodes, "builds_after_clearing", False):
+        gc.collect()
+        jax.clear_caches()
+        nodes = fresh_nodes()
+        prepared = () if prepare is None else (prepare(workload, nodes),)
+        jax.block_until_ready(nnx.state([n for n in nodes if n is not None]))
+    else:
+        nodes = fresh_nodes()
+        prepared = () if prepare is None else (prepare(workload, nodes),)
+        gc.collect()
+        jax.clear_caches()
 
     start = time.perf_counter()
     train = variant(workload, nodes, *prepared)
     loss = train()
-    jax.block_until_ready(nnx.state(nodes))
+    jax.block_until_ready(nnx.state([n for n in nodes if n is not None]))
     return time.perf_counter() - start, loss, train, nodes
 
 
-def run_variant(workload: Workload, variant: Variant, fresh_nodes: FreshNodes) -> Run:
+def run_variant(workload: Workload, variant: Variant, fresh_nodes: FreshNodes | BuiltModel) -> Run:
     """One whole run from empty compilation caches, then the same run again, compiled."""
     whole, loss, train, nodes = cold_run(workload, variant, fresh_nodes)
     start = time.perf_counter()
     train()
-    jax.block_until_ready(nnx.state(nodes))
+    jax.block_until_ready(nnx.state([n for n in nodes if n is not None]))
     steady = time.perf_counter() - start
     return Run(whole, steady, loss)
 
 
-def bench(workload: Workload, names: list[str], reps: int, shuffler: random.Random, log):
+def fresh_nodes_for(workload: Workload, optimizer: str) -> FreshNodes | BuiltModel:
+    """What each run starts from: the built model (``"timed"``), or a copy of untrained
+    nodes whose ``nnx.Optimizer`` is built (``"built"``)."""
+    return BuiltModel(workload) if optimizer == "timed" else FreshNodes(workload)
+
+
+def bench(
+    workload: Workload,
+    names: list[str],
+    reps: int,
+    shuffler: random.Random,
+    log,
+    optimizer: str = "timed",
+):
     """``{variant: [Run, ...]}``: every variant once per repetition, in a shuffled order."""
     runs: dict[str, list[Run]] = {name: [] for name in names}
-    order, fresh_nodes = list(names), FreshNodes(workload)
+    order, fresh_nodes = list(names), fresh_nodes_for(workload, optimizer)
     for rep in range(reps):
         shuffler.shuffle(order)
         for name in order:
@@ -301,10 +359,10 @@ def bench(workload: Workload, names: list[str], reps: int, shuffler: random.Rand
     return runs
 
 
-def warm_up(names: list[str], log: Callable[[str], None]) -> None:
+def warm_up(names: list[str], log: Callable[[str], None], optimizer: str = "timed") -> None:
     """Every variant once on a tiny workload, untimed: one-time imports and set-up."""
     tiny = mlp_digits(quick=True)
-    fresh_nodes = FreshNodes(tiny)
+    fresh_nodes = fresh_nodes_for(tiny, optimizer)
     for name in variants_of(tiny, names):
         run_variant(tiny, VARIANTS[name], fresh_nodes)
     log("  warmed up")
@@ -361,12 +419,14 @@ def workload_table(workload: Workload, result: dict[str, Medians], plan: Plan, r
     return "\n".join(lines)
 
 
-def ratio_to_best(result: dict[str, Medians], names: tuple[str, ...], attr: str) -> str:
-    """fit_auto's time ÷ the best of ``names``; "—" when a side was not run."""
+def ratio_to_best(
+    result: dict[str, Medians], names: tuple[str, ...], attr: str, who: str = "fit_auto"
+) -> str:
+    """``who``'s time ÷ the best of ``names``; "—" when a side was not run."""
     others = [getattr(result[n], attr) for n in names if n in result]
-    if "fit_auto" not in result or not others:
+    if who not in result or not others:
         return "—"
-    return f"{getattr(result['fit_auto'], attr) / min(others):.2f}×"
+    return f"{getattr(result[who], attr) / min(others):.2f}×"
 
 
 def summary_table(rows: list[tuple[Workload, dict[str, Medians], Plan]]) -> str:
@@ -374,11 +434,13 @@ def summary_table(rows: list[tuple[Workload, dict[str, Medians], Plan]]) -> str:
         "**Summary**: fit_auto's whole-run (and steady) median ÷ the best explicit plan "
         "(fit_scan, fit_step, fit_unrolled), ÷ the best of the Flax loops "
         "(nnx_jit, cached_partial, split_merge_jit, nnx_scan), ÷ Flax's nnx.scan alone, "
-        "÷ the one-scan floor",
+        "÷ Keras's better fit (keras, keras_spe), ÷ the one-scan floor; fit_optimizer's "
+        "÷ the best Flax loop",
         "",
-        "| workload | steps | auto plan | ÷ best plan | ÷ best recipe | ÷ nnx.scan "
-        "| steady ÷ best plan | steady ÷ best recipe | steady ÷ nnx.scan | ÷ one scan |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | steps | auto plan | ÷ best plan | ÷ best recipe | ÷ nnx.scan | ÷ Keras "
+        "| steady ÷ best plan | steady ÷ best recipe | steady ÷ nnx.scan | ÷ one scan "
+        "| fit_optimizer ÷ best recipe |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for workload, result, plan in rows:
         cells = [
@@ -388,10 +450,12 @@ def summary_table(rows: list[tuple[Workload, dict[str, Medians], Plan]]) -> str:
             ratio_to_best(result, PLANS, "whole"),
             ratio_to_best(result, RECIPES, "whole"),
             ratio_to_best(result, ("nnx_scan",), "whole"),
+            ratio_to_best(result, KERAS, "whole"),
             ratio_to_best(result, PLANS, "steady"),
             ratio_to_best(result, RECIPES, "steady"),
             ratio_to_best(result, ("nnx_scan",), "steady"),
             ratio_to_best(result, ("one_scan",), "whole"),
+            ratio_to_best(result, RECIPES, "whole", who="fit_optimizer"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -404,15 +468,26 @@ def header(args: argparse.Namespace) -> str:
     cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     device = jax.devices()[0]
     mode = "quick mode (tiny sizes, NOT a measurement)" if args.quick else "full sizes"
+    if args.optimizer == "timed":
+        start = (
+            "The model is built after the caches are emptied (untimed, its initializers "
+            "compiled as in a script); whole = from the built model to the trained model: "
+            "the optimizer (the loops' nnx.Optimizer; fit_auto is given the optax transform), "
+            "the step function or Trainer, every step, compile included"
+        )
+    else:
+        start = (
+            "whole = build the step function or Trainer + train every step, compile "
+            "included (the model and its nnx.Optimizer built before, untimed)"
+        )
     return (
         f"Whole-run benchmark, {mode}: jax {jax.__version__}, flax {flax.__version__}, "
         f"optax {optax.__version__}, Python {platform.python_version()}, backend "
         f"{jax.default_backend()} ({device.device_kind}), {cpu}. Each repetition runs every "
-        f"variant once in a shuffled order, from empty compilation caches. whole = build the "
-        f"step function or Trainer + train every step, compile included (the model's own "
-        f"construction excluded); steady = the same run again in the same process, compiled; "
-        f"final loss = the last epoch's mean training loss. The loops gather each batch from "
-        f"the host data set; fit and one_scan take the whole host data set."
+        f"variant once in a shuffled order, from empty compilation caches. {start}; steady = "
+        f"the same run again in the same process, compiled; final loss = the last epoch's "
+        f"mean training loss. The loops gather each batch from the host data set; fit and "
+        f"one_scan take the whole host data set."
     )
 
 
@@ -442,12 +517,19 @@ def main(argv: list[str] | None = None) -> None:
         "--quick", action="store_true", help="2 epochs of a few steps, 1 repetition: a smoke test"
     )
     parser.add_argument("--out", help="also write the markdown report to this file")
+    parser.add_argument(
+        "--optimizer", choices=("timed", "built"), default="timed",
+        help="timed (default): each run starts from the built model and builds its "
+        "optimizer, timed; built: every variant gets an nnx.Optimizer built untimed",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     workload_names = parse_names(
         args.workloads, list(WORKLOADS),
         {"all": list(WORKLOADS), "lm": ["lm_24", "lm_200"]}, "workload",
     )  # fmt: skip
     variant_names = parse_names(args.variants, list(VARIANTS), {"all": list(VARIANTS)}, "variant")
+    if args.optimizer == "built":  # fit_optimizer is fit_auto there: both get the nodes' one
+        variant_names = [v for v in variant_names if v != "fit_optimizer"]
     reps = 1 if args.quick else args.reps
     # A persistent compilation cache (JAX_COMPILATION_CACHE_DIR, or nnxscan's opt-in one)
     # would survive jax.clear_caches() and turn every run after the first into a warm one.
@@ -459,13 +541,14 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     sections = [header(args)]
     print(sections[0], "\n", flush=True)
-    warm_up(variant_names, log)
+    warm_up(variant_names, log, args.optimizer)
     shuffler = random.Random(0)
     rows = []
     for name in workload_names:
         workload = WORKLOADS[name](args.quick)
         plan = auto_plan(workload)
-        runs = bench(workload, variants_of(workload, variant_names), reps, shuffler, log)
+        names = variants_of(workload, variant_names)
+        runs = bench(workload, names, reps, shuffler, log, args.optimizer)
         result = {variant: medians(r) for variant, r in runs.items()}
         rows.append((workload, result, plan))
         sections.append(workload_table(workload, result, plan, reps))
