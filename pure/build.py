@@ -143,10 +143,22 @@ def _hashed(eqn: Any) -> bool:
         return False
     if name == "random_fold_in":  # the same hash whatever the partitionable setting
         return eqn.invars[1].aval.shape == ()
-    # The op's own setting (a `with jax.threefry_partitionable(False):` in the
-    # constructor), as its lowering reads it; False where this jax does not record it.
-    partitionable = getattr(eqn.ctx, "threefry_partitionable", False)
-    return partitionable is True and _entries(eqn) <= _MERGED_ENTRIES
+    return _partitionable(eqn) and _entries(eqn) <= _MERGED_ENTRIES
+
+
+def _partitionable(eqn: Any) -> bool:
+    """The op's own threefry setting (a ``with jax.threefry_partitionable(False):`` in the
+    constructor), as its lowering reads it: an attribute of the equation's context up to
+    jax 0.12.0, one of its recorded configs after (read by entering that context, as the
+    lowering does); False where this jax records neither."""
+    ctx = eqn.ctx
+    if hasattr(ctx, "threefry_partitionable"):
+        return ctx.threefry_partitionable is True
+    manager = getattr(ctx, "manager", None)
+    if manager is None:
+        return False
+    with manager:
+        return jax.config.jax_threefry_partitionable is True
 
 
 def _entries(eqn: Any) -> int:

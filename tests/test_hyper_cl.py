@@ -483,8 +483,9 @@ def vector_hnet(kind, z_features=0):
 @nnx.jit
 def vectors_and_params(hnet, condition):
     """What the vector API gives, and what it must agree with, in one compiled call: the
-    bitwise checks compare the same operations on the same shapes within one program
-    (concatenating and cutting are exact), which holds on any CPU."""
+    bitwise checks compare outputs computed by the same operations on the same shapes within
+    one program (concatenating and cutting are exact); an output XLA may recompute in
+    another fusion is compared to float rounding."""
     v = hnet.generate_vector(condition)
     return {
         "vector": v,
@@ -514,7 +515,12 @@ def test_the_heads_vector_holds_the_generated_params_in_the_heads_own_order(kind
     assert_bitwise(got["params_of"], got["generate"])
     assert got["vector"].shape == (hnet.spec.size,)
     ravelled = np.asarray(hyper.ravel(got["generate"]))
-    np.testing.assert_array_equal(np.sort(np.asarray(got["vector"])), np.sort(ravelled))
+    # The same values in another order: to float rounding, since XLA may compute the vector
+    # output in another fusion than the one params_of and generate share (jax 0.12.1 does,
+    # one ulp apart on 2 of 50 entries).
+    np.testing.assert_allclose(
+        np.sort(np.asarray(got["vector"])), np.sort(ravelled), rtol=1e-6, atol=1e-7
+    )
     # Every condition at once, without looking ids up: the vmapped single calls, bitwise.
     assert_bitwise(got["all"], got["vmapped"])
     np.testing.assert_allclose(got["all"][2], got["vector"], rtol=1e-6, atol=1e-7)
@@ -534,7 +540,9 @@ def test_the_heads_vector_holds_the_generated_params_in_the_heads_own_order(kind
     else:
         by_units = kind in ("chunked_units", "chunked_pretrained")
         want = [(x.T if by_units and x.ndim == 2 else x) for x in generated.values()]
-    np.testing.assert_array_equal(got["vector"], np.concatenate([w.reshape(-1) for w in want]))
+    np.testing.assert_allclose(
+        got["vector"], np.concatenate([w.reshape(-1) for w in want]), rtol=1e-6, atol=1e-7
+    )
 
 
 def test_the_chunked_vector_is_the_documented_formula_with_no_axis_moved():
