@@ -301,23 +301,32 @@ def cold_run(workload: Workload, variant: Variant, fresh_nodes: FreshNodes | Bui
     A variant with a ``prepare(workload, nodes)`` (Keras) builds its own model from the
     nodes there, untimed, and gets it as a third argument."""
     prepare = getattr(variant, "prepare", None)
-    if getattr(fresh_nodes, "builds_after_clearing", False):
-        gc.collect()
-        jax.clear_caches()
-        nodes = fresh_nodes()
-        prepared = () if prepare is None else (prepare(workload, nodes),)
-        jax.block_until_ready(nnx.state([n for n in nodes if n is not None]))
+    build_after_clearing = getattr(fresh_nodes, "builds_after_clearing", False)
+    if build_after_clearing:
+        _empty_caches()
+    nodes = fresh_nodes()
+    prepared = () if prepare is None else (prepare(workload, nodes),)
+    if build_after_clearing:
+        _block_on(nodes)
     else:
-        nodes = fresh_nodes()
-        prepared = () if prepare is None else (prepare(workload, nodes),)
-        gc.collect()
-        jax.clear_caches()
+        _empty_caches()
 
     start = time.perf_counter()
     train = variant(workload, nodes, *prepared)
     loss = train()
-    jax.block_until_ready(nnx.state([n for n in nodes if n is not None]))
+    _block_on(nodes)
     return time.perf_counter() - start, loss, train, nodes
+
+
+def _empty_caches() -> None:
+    gc.collect()
+    jax.clear_caches()
+
+
+def _block_on(nodes: Nodes) -> None:
+    """Waits for the nodes' arrays (an optimizer a run builds itself is not among them; its
+    state comes out of the same programs as the model's)."""
+    jax.block_until_ready(nnx.state([n for n in nodes if n is not None]))
 
 
 def run_variant(workload: Workload, variant: Variant, fresh_nodes: FreshNodes | BuiltModel) -> Run:
@@ -325,7 +334,7 @@ def run_variant(workload: Workload, variant: Variant, fresh_nodes: FreshNodes | 
     whole, loss, train, nodes = cold_run(workload, variant, fresh_nodes)
     start = time.perf_counter()
     train()
-    jax.block_until_ready(nnx.state([n for n in nodes if n is not None]))
+    _block_on(nodes)
     steady = time.perf_counter() - start
     return Run(whole, steady, loss)
 
