@@ -45,12 +45,18 @@ cached), and the clock starts with the built model, as it does for Keras's
           compiled functions (for fit: a second ``fit`` call on the same Trainer, which
           trains the next epochs): compile excluded.
 
-``whole - steady`` is about what compiling (and tracing) costs. Before the first workload
-every variant runs once on a tiny workload, untimed, so one-time imports and set-up land
-in no timing. Medians over ``--reps`` repetitions. ``--optimizer built`` times what earlier
-tables timed: every variant gets a copy of one untrained set of nodes with its
-``nnx.Optimizer`` already built (untimed, compiled caches emptied after), ``fit_auto``
-that ``nnx.Optimizer``.
+``whole - steady`` is about what compiling (and tracing) costs. Each workload runs in a
+process of its own, as a training script does: what one workload's variants import or
+leave behind (Keras, whose import slowed every later run of a process by ~10%, a larger
+heap) does not slow another's (``--one-process`` runs every workload in this one). Before
+its workload every variant runs once on a tiny workload, untimed, so one-time imports and
+set-up land in no timing. Medians over ``--reps`` repetitions; the summary's ``paired``
+column is the median over repetitions of ``fit_auto`` ÷ that repetition's fastest Flax
+loop (the runs of one repetition ran back to back, under the same load).
+
+``--optimizer built`` times what earlier tables timed: every variant gets a copy of one
+untrained set of nodes with its ``nnx.Optimizer`` already built (untimed, compiled caches
+emptied after), ``fit_auto`` that ``nnx.Optimizer``.
 
     python benchmarks/bench_wholerun.py --out wholerun.md
     python benchmarks/bench_wholerun.py --workloads cnn_8x8,lm --reps 5
@@ -63,10 +69,12 @@ import argparse
 import dataclasses
 import functools
 import gc
+import json
 import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -438,28 +446,44 @@ def ratio_to_best(
     return f"{getattr(result[who], attr) / min(others):.2f}×"
 
 
-def summary_table(rows: list[tuple[Workload, dict[str, Medians], Plan]]) -> str:
+def paired_to_best(
+    runs: dict[str, list[Run]], names: tuple[str, ...], who: str = "fit_auto"
+) -> str:
+    """Median over repetitions of ``who``'s whole run ÷ that repetition's fastest of
+    ``names`` (every variant ran once per repetition, back to back); "—" when a side was
+    not run."""
+    others = [runs[n] for n in names if n in runs]
+    if who not in runs or not others:
+        return "—"
+    ratios = [mine.whole / min(o[i].whole for o in others) for i, mine in enumerate(runs[who])]
+    return f"{statistics.median(ratios):.2f}×"
+
+
+def summary_table(rows: list[tuple[Workload, dict[str, list[Run]], Plan]]) -> str:
     lines = [
         "**Summary**: fit_auto's whole-run (and steady) median ÷ the best explicit plan "
         "(fit_scan, fit_step, fit_unrolled), ÷ the best of the Flax loops "
         "(nnx_jit, cached_partial, split_merge_jit, nnx_scan), ÷ Flax's nnx.scan alone, "
         "÷ Keras's better fit (keras, keras_spe), ÷ the one-scan floor; fit_optimizer's "
-        "÷ the best Flax loop",
+        "÷ the best Flax loop; paired: the median of each repetition's ratio",
         "",
-        "| workload | steps | auto plan | ÷ best plan | ÷ best recipe | ÷ nnx.scan | ÷ Keras "
-        "| steady ÷ best plan | steady ÷ best recipe | steady ÷ nnx.scan | ÷ one scan "
-        "| fit_optimizer ÷ best recipe |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | steps | auto plan | ÷ best plan | ÷ best recipe | paired ÷ best recipe "
+        "| ÷ nnx.scan | ÷ Keras | paired ÷ Keras | steady ÷ best plan | steady ÷ best recipe "
+        "| steady ÷ nnx.scan | ÷ one scan | fit_optimizer ÷ best recipe |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for workload, result, plan in rows:
+    for workload, runs, plan in rows:
+        result = {variant: medians(r) for variant, r in runs.items()}
         cells = [
             workload.name,
             f"{workload.steps:,}",
             plan_label(plan),
             ratio_to_best(result, PLANS, "whole"),
             ratio_to_best(result, RECIPES, "whole"),
+            paired_to_best(runs, RECIPES),
             ratio_to_best(result, ("nnx_scan",), "whole"),
             ratio_to_best(result, KERAS, "whole"),
+            paired_to_best(runs, KERAS),
             ratio_to_best(result, PLANS, "steady"),
             ratio_to_best(result, RECIPES, "steady"),
             ratio_to_best(result, ("nnx_scan",), "steady"),
@@ -493,7 +517,9 @@ def header(args: argparse.Namespace) -> str:
         f"Whole-run benchmark, {mode}: jax {jax.__version__}, flax {flax.__version__}, "
         f"optax {optax.__version__}, Python {platform.python_version()}, backend "
         f"{jax.default_backend()} ({device.device_kind}), {cpu}. Each repetition runs every "
-        f"variant once in a shuffled order, from empty compilation caches. {start}; steady = "
+        f"variant once in a shuffled order, from empty compilation caches, each workload "
+        f"in {'this one process' if args.one_process else 'a process of its own'}. "
+        f"{start}; steady = "
         f"the same run again in the same process, compiled; final loss = the last epoch's "
         f"mean training loss. The loops gather each batch from the host data set; fit and "
         f"one_scan take the whole host data set."
@@ -501,6 +527,37 @@ def header(args: argparse.Namespace) -> str:
 
 
 # -- command line -------------------------------------------------------------------------
+
+
+def bench_workload(
+    name: str, variant_names: list[str], reps: int, args: argparse.Namespace, log,
+    warmed: bool = False,
+) -> tuple[dict[str, list[Run]], Plan]:  # fmt: skip
+    """One workload's runs in this process, and the plan ``fit_auto`` runs. Unless
+    ``warmed``, its variants are warmed up first (only those: a variant the workload does
+    not run, Keras's, is not imported for it)."""
+    workload = WORKLOADS[name](args.quick)
+    names = variants_of(workload, variant_names)
+    if not warmed:
+        warm_up(names, log, args.optimizer)
+    plan = auto_plan(workload)
+    shuffler = random.Random(args.seed)
+    return bench(workload, names, reps, shuffler, log, args.optimizer), plan
+
+
+def bench_in_child(
+    name: str, variant_names: list[str], reps: int, args: argparse.Namespace
+) -> tuple[dict[str, list[Run]], Plan]:
+    """:func:`bench_workload` in a new Python process (its log on this one's stderr)."""
+    command = [
+        sys.executable, os.path.abspath(__file__), "--child", name,
+        "--variants", ",".join(variant_names), "--reps", str(reps),
+        "--optimizer", args.optimizer, "--seed", str(args.seed),
+    ] + (["--quick"] if args.quick else [])  # fmt: skip
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+    data = json.loads(done.stdout.strip().splitlines()[-1])
+    runs = {v: [Run(*r) for r in rs] for v, rs in data["runs"].items()}
+    return runs, Plan(*data["plan"])
 
 
 def parse_names(text: str, known: list[str], aliases: dict[str, list[str]], what: str):
@@ -531,6 +588,12 @@ def main(argv: list[str] | None = None) -> None:
         help="timed (default): each run starts from the built model and builds its "
         "optimizer, timed; built: every variant gets an nnx.Optimizer built untimed",
     )  # fmt: skip
+    parser.add_argument(
+        "--one-process", action="store_true",
+        help="run every workload in this process (default: each in a new one)",
+    )  # fmt: skip
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one workload, runs as JSON
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     workload_names = parse_names(
         args.workloads, list(WORKLOADS),
@@ -547,19 +610,27 @@ def main(argv: list[str] | None = None) -> None:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.child:  # one workload in this process, for the parent: its runs as JSON
+        runs, plan = bench_workload(args.child, variant_names, reps, args, log)
+        as_lists = {v: [dataclasses.astuple(r) for r in rs] for v, rs in runs.items()}
+        print(json.dumps({"runs": as_lists, "plan": list(plan)}), flush=True)
+        return
+
     started = time.perf_counter()
     sections = [header(args)]
     print(sections[0], "\n", flush=True)
-    warm_up(variant_names, log, args.optimizer)
-    shuffler = random.Random(0)
     rows = []
-    for name in workload_names:
+    if args.one_process:
+        warm_up(variant_names, log, args.optimizer)
+    for seed, name in enumerate(workload_names):
+        args.seed = seed
         workload = WORKLOADS[name](args.quick)
-        plan = auto_plan(workload)
-        names = variants_of(workload, variant_names)
-        runs = bench(workload, names, reps, shuffler, log, args.optimizer)
+        if args.one_process:
+            runs, plan = bench_workload(name, variant_names, reps, args, log, warmed=True)
+        else:
+            runs, plan = bench_in_child(name, variant_names, reps, args)
         result = {variant: medians(r) for variant, r in runs.items()}
-        rows.append((workload, result, plan))
+        rows.append((workload, runs, plan))
         sections.append(workload_table(workload, result, plan, reps))
         print(sections[-1], "\n", flush=True)
     sections.append(summary_table(rows))
