@@ -49,10 +49,10 @@ cached), and the clock starts with the built model, as it does for Keras's
 process of its own, as a training script does: what one workload's variants import or
 leave behind (Keras, whose import slowed every later run of a process by ~10%, a larger
 heap) does not slow another's (``--one-process`` runs every workload in this one). Before
-its workload every variant runs once on a tiny workload, untimed, so one-time imports and
-set-up land in no timing. Medians over ``--reps`` repetitions; the summary's ``paired``
-column is the median over repetitions of ``fit_auto`` ÷ that repetition's fastest Flax
-loop (the runs of one repetition ran back to back, under the same load).
+its repetitions each of the workload's variants runs once on a tiny workload, untimed, so
+one-time imports and set-up land in no timing. Medians over ``--reps`` repetitions; the
+summary's ``paired`` column is the median over repetitions of ``fit_auto`` ÷ that
+repetition's fastest Flax loop (the runs of one repetition ran back to back).
 
 ``--optimizer built`` times what earlier tables timed: every variant gets a copy of one
 untrained set of nodes with its ``nnx.Optimizer`` already built (untimed, compiled caches
@@ -546,15 +546,16 @@ def bench_workload(
 
 
 def bench_in_child(
-    name: str, variant_names: list[str], reps: int, args: argparse.Namespace
+    name: str, variant_names: list[str], reps: int, args: argparse.Namespace, env: dict
 ) -> tuple[dict[str, list[Run]], Plan]:
-    """:func:`bench_workload` in a new Python process (its log on this one's stderr)."""
+    """:func:`bench_workload` in a new Python process with environment ``env`` (its log on
+    this one's stderr; its runs on the last line of its stdout)."""
     command = [
         sys.executable, os.path.abspath(__file__), "--child", name,
         "--variants", ",".join(variant_names), "--reps", str(reps),
         "--optimizer", args.optimizer, "--seed", str(args.seed),
     ] + (["--quick"] if args.quick else [])  # fmt: skip
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True, env=env)
     data = json.loads(done.stdout.strip().splitlines()[-1])
     runs = {v: [Run(*r) for r in rs] for v, rs in data["runs"].items()}
     return runs, Plan(*data["plan"])
@@ -616,6 +617,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"runs": as_lists, "plan": list(plan)}), flush=True)
         return
 
+    child_env = dict(os.environ)  # the children's, as given: they run the benchmark
+    if not args.one_process:
+        # This process only reads the device's name: on a GPU it must not take the
+        # memory its children will need (JAX preallocates most of it on first use).
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     started = time.perf_counter()
     sections = [header(args)]
     print(sections[0], "\n", flush=True)
@@ -628,7 +634,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.one_process:
             runs, plan = bench_workload(name, variant_names, reps, args, log, warmed=True)
         else:
-            runs, plan = bench_in_child(name, variant_names, reps, args)
+            runs, plan = bench_in_child(name, variant_names, reps, args, child_env)
         result = {variant: medians(r) for variant, r in runs.items()}
         rows.append((workload, runs, plan))
         sections.append(workload_table(workload, result, plan, reps))
