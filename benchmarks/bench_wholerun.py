@@ -530,30 +530,29 @@ def header(args: argparse.Namespace) -> str:
 
 
 def bench_workload(
-    name: str, variant_names: list[str], reps: int, args: argparse.Namespace, log,
-    warmed: bool = False,
+    workload: Workload, variant_names: list[str], reps: int, seed: int,
+    args: argparse.Namespace, log, warmed: bool = False,
 ) -> tuple[dict[str, list[Run]], Plan]:  # fmt: skip
-    """One workload's runs in this process, and the plan ``fit_auto`` runs. Unless
-    ``warmed``, its variants are warmed up first (only those: a variant the workload does
-    not run, Keras's, is not imported for it)."""
-    workload = WORKLOADS[name](args.quick)
+    """One workload's runs in this process (orders shuffled from ``seed``), and the plan
+    ``fit_auto`` runs. Unless ``warmed``, its variants are warmed up first (only those: a
+    variant the workload does not run, Keras's, is not imported for it)."""
     names = variants_of(workload, variant_names)
     if not warmed:
         warm_up(names, log, args.optimizer)
     plan = auto_plan(workload)
-    shuffler = random.Random(args.seed)
-    return bench(workload, names, reps, shuffler, log, args.optimizer), plan
+    return bench(workload, names, reps, random.Random(seed), log, args.optimizer), plan
 
 
 def bench_in_child(
-    name: str, variant_names: list[str], reps: int, args: argparse.Namespace, env: dict
-) -> tuple[dict[str, list[Run]], Plan]:
+    name: str, variant_names: list[str], reps: int, seed: int, args: argparse.Namespace,
+    env: dict,
+) -> tuple[dict[str, list[Run]], Plan]:  # fmt: skip
     """:func:`bench_workload` in a new Python process with environment ``env`` (its log on
     this one's stderr; its runs on the last line of its stdout)."""
     command = [
         sys.executable, os.path.abspath(__file__), "--child", name,
         "--variants", ",".join(variant_names), "--reps", str(reps),
-        "--optimizer", args.optimizer, "--seed", str(args.seed),
+        "--optimizer", args.optimizer, "--seed", str(seed),
     ] + (["--quick"] if args.quick else [])  # fmt: skip
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True, env=env)
     data = json.loads(done.stdout.strip().splitlines()[-1])
@@ -612,7 +611,8 @@ def main(argv: list[str] | None = None) -> None:
         print(line, file=sys.stderr, flush=True)
 
     if args.child:  # one workload in this process, for the parent: its runs as JSON
-        runs, plan = bench_workload(args.child, variant_names, reps, args, log)
+        workload = WORKLOADS[args.child](args.quick)
+        runs, plan = bench_workload(workload, variant_names, reps, args.seed, args, log)
         as_lists = {v: [dataclasses.astuple(r) for r in rs] for v, rs in runs.items()}
         print(json.dumps({"runs": as_lists, "plan": list(plan)}), flush=True)
         return
@@ -629,12 +629,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.one_process:
         warm_up(variant_names, log, args.optimizer)
     for seed, name in enumerate(workload_names):
-        args.seed = seed
         workload = WORKLOADS[name](args.quick)
         if args.one_process:
-            runs, plan = bench_workload(name, variant_names, reps, args, log, warmed=True)
+            runs, plan = bench_workload(workload, variant_names, reps, seed, args, log, True)
         else:
-            runs, plan = bench_in_child(name, variant_names, reps, args, child_env)
+            runs, plan = bench_in_child(name, variant_names, reps, seed, args, child_env)
         result = {variant: medians(r) for variant, r in runs.items()}
         rows.append((workload, runs, plan))
         sections.append(workload_table(workload, result, plan, reps))
