@@ -19,6 +19,9 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
   compiled loop; each wraps a ``Step`` and returns one.
 - :func:`canonical_conv_layout`: a step's convolutions in the layout XLA:CPU's fast kernels
   take, also inside a ``lax.scan`` (where XLA leaves them slow, jax#12868).
+- :mod:`nnxscan.pure.threefry` (``unrolled_threefry``): a function's ``jax.random`` draws
+  through JAX's hash unrolled (the same bits; on the CPU compiled and run sooner than JAX's
+  loop of it); the steps nnxscan builds apply it on the CPU.
 - :func:`vmap_members` (:class:`MembersState`): the step of N members trained side by
   side (a population), from the step of one; :func:`stack_states`,
   :func:`unstack_states`, :func:`with_hyperparams`: their stacked states;

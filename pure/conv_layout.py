@@ -31,13 +31,6 @@ __all__ = ["canonical_conv_layout"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Leaves traced as the wrapped function's inputs; anything else (a GraphDef, a Python
-# number, a string) is passed through as a static value, as jax.jit's static arguments are.
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
-# Rewritten jaxprs a wrapped function keeps, so the trace jax.jit caches for a jitted ``fn``
-# maps to one rewritten jaxpr (and one compiled program when called outside jit).
-_KEPT_REWRITES = 64
-
 
 def canonical_conv_layout(fn: F) -> F:
     """Wraps ``fn`` so every convolution it computes runs in XLA:CPU's canonical layout.
@@ -100,56 +93,7 @@ def canonical_conv_layout(fn: F) -> F:
     """
     if not callable(fn):
         raise TypeError(f"canonical_conv_layout takes a function, got {type(fn).__name__}.")
-    kept: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
-
-    @functools.wraps(fn)
-    def rewritten(*args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        traced = [isinstance(x, _ARRAY_TYPES) for x in leaves]
-        dynamic = [x for x, t in zip(leaves, traced, strict=True) if t]
-
-        def flat_fn(*values):
-            values = iter(values)
-            full = [next(values) if t else x for x, t in zip(leaves, traced, strict=True)]
-            call_args, call_kwargs = jax.tree.unflatten(treedef, full)
-            return fn(*call_args, **call_kwargs)
-
-        closed, out_shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
-        memo = _Memo(kept)
-        top = closed
-        closed = _rewrite_closed(closed, memo)
-        memo.keep_nested(skip=(top, top.jaxpr))
-        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *dynamic)
-        return jax.tree.unflatten(jax.tree.structure(out_shapes), outs)
-
-    return rewritten  # type: ignore[return-value]
-
-
-class _Memo:
-    """Rewritten jaxprs by ``id`` of the original (held, so the id stays valid): the ones of
-    this call, and the last few nested ones of earlier calls (``kept``)."""
-
-    def __init__(self, kept: OrderedDict):
-        self.kept, self.now = kept, {}
-
-    def get(self, jaxpr: Any) -> Any:
-        hit = self.now.get(id(jaxpr)) or self.kept.get(id(jaxpr))
-        return None if hit is None else hit[1]
-
-    def put(self, jaxpr: Any, result: Any) -> None:
-        self.now[id(jaxpr)] = (jaxpr, result)
-
-    def keep_nested(self, skip: tuple) -> None:
-        """Keeps the jaxprs nested in this call's top-level one (``skip``, new on every
-        call): those are what jit caches and hands out again."""
-        skipped = {id(x) for x in skip}
-        for key, entry in self.now.items():
-            if key in skipped or entry[0] is entry[1]:
-                continue  # new every call, or left alone (cheap to find so again)
-            self.kept[key] = entry
-            self.kept.move_to_end(key)
-        while len(self.kept) > _KEPT_REWRITES:
-            self.kept.popitem(last=False)
+    return _rewriting(fn, _conv_rule)  # type: ignore[return-value]
 
 
 def _canonical_specs(num_spatial: int) -> lax.ConvDimensionNumbers:
@@ -248,16 +192,73 @@ def _batch_groups_as_spatial(lhs: jax.Array, rhs: jax.Array, params: dict):
     return split(lhs, b), split(rhs, o), params
 
 
-def _canonical_conv_eqns(eqn: Any) -> list[Any]:
-    """The equations that compute ``eqn`` (a convolution) in the canonical layout, reading
-    ``eqn``'s inputs and writing its output."""
-    avals = [v.aval for v in eqn.invars]
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
-    small = jax.make_jaxpr(functools.partial(_conv_in_canonical_layout, params=eqn.params))(
-        *specs
-    ).jaxpr
-    (result,) = small.outvars
-    renamed = {**dict(zip(small.invars, eqn.invars, strict=True)), result: eqn.outvars[0]}
+def _conv_rule(eqn: Any) -> list[Any] | None:
+    """A non-canonical convolution's replacement: the same convolution in the canonical
+    layout, between transposes."""
+    if eqn.primitive is not lax.conv_general_dilated_p or not _needs_rewrite(eqn):
+        return None
+    return _traced_eqns(eqn, functools.partial(_conv_in_canonical_layout, params=eqn.params))
+
+
+# -- the rewrite of a traced function's equations, shared with pure/threefry.py ----------------
+# A function wrapped by ``_rewriting(fn, rule)`` traces ``fn`` to a jaxpr, replaces each
+# equation ``rule(eqn)`` returns replacements for (None keeps it), at any depth of nested
+# jaxprs (``jax.jit``, ``lax.scan``/``while_loop``/``cond`` bodies, ``jax.checkpoint``,
+# ``custom_jvp``/``custom_vjp`` functions), and evaluates the result.
+
+# Leaves traced as the wrapped function's inputs; anything else (a GraphDef, a Python
+# number, a string) is passed through as a static value, as jax.jit's static arguments are.
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+# Rewritten jaxprs a wrapped function keeps, so the trace jax.jit caches for a jitted ``fn``
+# maps to one rewritten jaxpr (and one compiled program when called outside jit).
+_KEPT_REWRITES = 64
+
+#: ``rule(eqn)``: the equations that replace ``eqn`` (reading its inputs, writing its
+#: outputs), or None to keep it.
+_Rule = Callable[[Any], "list[Any] | None"]
+
+
+def _rewriting(fn: Callable, rule: _Rule) -> Callable:
+    """``fn``, traced and evaluated with ``rule`` applied to every equation of its jaxpr."""
+    kept: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
+
+    @functools.wraps(fn)
+    def rewritten(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        traced = [isinstance(x, _ARRAY_TYPES) for x in leaves]
+        dynamic = [x for x, t in zip(leaves, traced, strict=True) if t]
+
+        def flat_fn(*values):
+            values = iter(values)
+            full = [next(values) if t else x for x, t in zip(leaves, traced, strict=True)]
+            call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+            return fn(*call_args, **call_kwargs)
+
+        closed, out_shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
+        memo = _Memo(kept, rule)
+        top = closed
+        closed = memo.closed(closed)
+        memo.keep_nested(skip=(top, top.jaxpr))
+        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *dynamic)
+        return jax.tree.unflatten(jax.tree.structure(out_shapes), outs)
+
+    return rewritten
+
+
+def _traced_eqns(eqn: Any, fn: Callable[..., Any]) -> list[Any] | None:
+    """The equations of ``fn`` traced on ``eqn``'s input types, reading ``eqn``'s inputs
+    and writing its outputs: what replaces ``eqn`` when ``fn`` computes the same. None
+    where ``fn``'s trace cannot be spliced in (it closes over array constants, or passes an
+    input or a constant straight through to an output)."""
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+             for v in eqn.invars]  # fmt: skip
+    closed = jax.make_jaxpr(fn)(*specs)
+    small = closed.jaxpr
+    produced = {v for e in small.eqns for v in e.outvars}
+    if closed.consts or not all(v in produced for v in small.outvars):
+        return None
+    renamed = dict(zip(small.invars, eqn.invars, strict=True))
+    renamed.update(zip(small.outvars, eqn.outvars, strict=True))
     return [
         e.replace(
             invars=[renamed.get(v, v) if isinstance(v, jex.Var) else v for v in e.invars],
@@ -269,47 +270,71 @@ def _canonical_conv_eqns(eqn: Any) -> list[Any]:
     ]
 
 
-def _rewrite_closed(closed: jex.ClosedJaxpr, memo: _Memo) -> jex.ClosedJaxpr:
-    hit = memo.get(closed)
-    if hit is not None:
-        return hit
-    jaxpr = _rewrite_jaxpr(closed.jaxpr, memo)
-    result = closed if jaxpr is closed.jaxpr else jex.ClosedJaxpr(jaxpr, closed.consts)
-    memo.put(closed, result)
-    return result
+class _Memo:
+    """Rewritten jaxprs by ``id`` of the original (held, so the id stays valid): the ones of
+    this call, and the last few nested ones of earlier calls (``kept``). Through it a jaxpr
+    shared by many equations (one jitted function called twice) is rewritten once."""
 
+    def __init__(self, kept: OrderedDict, rule: _Rule):
+        self.kept, self.now, self.rule = kept, {}, rule
 
-def _rewrite_param(value: Any, memo: _Memo) -> Any:
-    if isinstance(value, jex.ClosedJaxpr):
-        return _rewrite_closed(value, memo)
-    if isinstance(value, jex.Jaxpr):
-        return _rewrite_jaxpr(value, memo)
-    if isinstance(value, tuple | list) and any(
-        isinstance(v, jex.ClosedJaxpr | jex.Jaxpr) for v in value
-    ):
-        new = type(value)(_rewrite_param(v, memo) for v in value)
-        return value if all(a is b for a, b in zip(new, value, strict=True)) else new
-    return value
+    def get(self, jaxpr: Any) -> Any:
+        hit = self.now.get(id(jaxpr)) or self.kept.get(id(jaxpr))
+        return None if hit is None else hit[1]
 
+    def put(self, jaxpr: Any, result: Any) -> None:
+        self.now[id(jaxpr)] = (jaxpr, result)
 
-def _rewrite_jaxpr(jaxpr: jex.Jaxpr, memo: _Memo) -> jex.Jaxpr:
-    """``jaxpr`` with its convolutions in the canonical layout; ``jaxpr`` itself when it
-    has none to rewrite. Through ``memo`` a jaxpr shared by many equations (one jitted
-    function called twice) is rewritten once."""
-    hit = memo.get(jaxpr)
-    if hit is not None:
-        return hit
-    eqns, changed = [], False
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is lax.conv_general_dilated_p and _needs_rewrite(eqn):
-            eqns += _canonical_conv_eqns(eqn)
-            changed = True
-            continue
-        params = {k: _rewrite_param(v, memo) for k, v in eqn.params.items()}
-        if any(params[k] is not v for k, v in eqn.params.items()):
-            eqn = eqn.replace(params=params)
-            changed = True
-        eqns.append(eqn)
-    result = jaxpr.replace(eqns=eqns) if changed else jaxpr
-    memo.put(jaxpr, result)
-    return result
+    def keep_nested(self, skip: tuple) -> None:
+        """Keeps the jaxprs nested in this call's top-level one (``skip``, new on every
+        call): those are what jit caches and hands out again."""
+        skipped = {id(x) for x in skip}
+        for key, entry in self.now.items():
+            if key in skipped or entry[0] is entry[1]:
+                continue  # new every call, or left alone (cheap to find so again)
+            self.kept[key] = entry
+            self.kept.move_to_end(key)
+        while len(self.kept) > _KEPT_REWRITES:
+            self.kept.popitem(last=False)
+
+    def closed(self, closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
+        hit = self.get(closed)
+        if hit is not None:
+            return hit
+        jaxpr = self.jaxpr(closed.jaxpr)
+        result = closed if jaxpr is closed.jaxpr else jex.ClosedJaxpr(jaxpr, closed.consts)
+        self.put(closed, result)
+        return result
+
+    def param(self, value: Any) -> Any:
+        if isinstance(value, jex.ClosedJaxpr):
+            return self.closed(value)
+        if isinstance(value, jex.Jaxpr):
+            return self.jaxpr(value)
+        if isinstance(value, tuple | list) and any(
+            isinstance(v, jex.ClosedJaxpr | jex.Jaxpr) for v in value
+        ):
+            new = type(value)(self.param(v) for v in value)
+            return value if all(a is b for a, b in zip(new, value, strict=True)) else new
+        return value
+
+    def jaxpr(self, jaxpr: jex.Jaxpr) -> jex.Jaxpr:
+        """``jaxpr`` with the rule applied; ``jaxpr`` itself when nothing changed."""
+        hit = self.get(jaxpr)
+        if hit is not None:
+            return hit
+        eqns, changed = [], False
+        for eqn in jaxpr.eqns:
+            replacement = self.rule(eqn)
+            if replacement is not None:
+                eqns += replacement
+                changed = True
+                continue
+            params = {k: self.param(v) for k, v in eqn.params.items()}
+            if any(params[k] is not v for k, v in eqn.params.items()):
+                eqn = eqn.replace(params=params)
+                changed = True
+            eqns.append(eqn)
+        result = jaxpr.replace(eqns=eqns) if changed else jaxpr
+        self.put(jaxpr, result)
+        return result

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscan.pure.step import Step
+from nnxscan.pure.threefry import _unrolled_on_cpu
 
 __all__ = ["nnx_train_step", "step_outputs"]
 
@@ -95,4 +96,5 @@ def nnx_train_step(fn: Callable[..., Any]) -> Step:
         loss, aux, _ = step_outputs(fn(*objects, batch))
         return nnx.state(objects if len(objects) > 1 else objects[0]), opt_state, (loss, aux)
 
-    return Step(init, update, has_aux=True)
+    # As make_train_step's: draws through the threefry hash unrolled on the CPU.
+    return Step(init, _unrolled_on_cpu(update), has_aux=True)

@@ -22,6 +22,7 @@ from nnxscan.pure import _host_init, checks
 from nnxscan.pure.nonfinite import all_finite, tree_select
 from nnxscan.pure.step import Step
 from nnxscan.pure.step_node import call_loss, unpack_step_node
+from nnxscan.pure.threefry import _unrolled_on_cpu
 
 __all__ = ["init_opt_state", "make_train_step", "split_wrt"]
 
@@ -252,6 +253,9 @@ def make_train_step(
         return state, new_opt_state, ((loss, aux) if has_aux else loss)
 
     step.__doc__ = f"Pure training step of {getattr(loss_fn, '__name__', 'loss_fn')}."
+    # Its draws (dropout, noise) through JAX's threefry hash unrolled on the CPU: the same
+    # bits, compiled in a fraction of the time of JAX's CPU loop of it (pure/threefry.py).
+    step = _unrolled_on_cpu(step)
     return Step(lambda graphdef, state: init_opt_state(tx, state, wrt), step, has_aux)
 
 
