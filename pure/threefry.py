@@ -69,7 +69,7 @@ def unrolled_threefry(fn: F) -> F:
     """
     if not callable(fn):
         raise TypeError(f"unrolled_threefry takes a function, got {type(fn).__name__}.")
-    return _rewriting(fn, _draw_rule)  # type: ignore[return-value]
+    return _rewriting(fn, _draw_rule, nested=True)  # type: ignore[return-value]
 
 
 def _unrolled_on_cpu(fn: F) -> F:
