@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from _workloads import WORKLOADS, train_step
 from bench_compile_parts import Captured
+from bench_xla_options import leaves
 from flax import nnx
 
 from nnxscan.pure.threefry import unrolled_threefry
@@ -60,15 +61,6 @@ def tutorial_step():
 
 
 PROGRAMS = {"dropout mask": dropout_mask, "VAE noise": vae_noise, "tutorial step": tutorial_step}
-
-
-def leaves(tree) -> list[np.ndarray]:
-    out = []
-    for x in jax.tree.leaves(tree):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        out.append(np.asarray(x))
-    return out
 
 
 def measure(capture: Captured, fn, args, reps: int, runs: int, shuffler: random.Random) -> dict:
