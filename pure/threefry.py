@@ -73,13 +73,18 @@ def unrolled_threefry(fn: F) -> F:
 
 
 def _unrolled_on_cpu(fn: F) -> F:
-    """``fn``, through :func:`unrolled_threefry` when JAX's default backend is the CPU (the
-    only one whose lowering of the hash is a loop), decided when it is called."""
+    """``fn``, through :func:`unrolled_threefry` when it is traced (under ``jax.jit``, a
+    scan, vmap or grad) and JAX's default backend is the CPU (the only one whose lowering of
+    the hash is a loop), decided when it is called. Called eagerly, on concrete arrays, it
+    is ``fn`` itself: there is no program to lower, and a rewrite would compile one per
+    call."""
     unrolled = unrolled_threefry(fn)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        return (unrolled if jax.default_backend() == "cpu" else fn)(*args, **kwargs)
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+        use = unrolled if traced and jax.default_backend() == "cpu" else fn
+        return use(*args, **kwargs)
 
     return call  # type: ignore[return-value]
 

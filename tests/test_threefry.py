@@ -5,6 +5,8 @@ training loops (so ``fit``) must apply it on the CPU."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,3 +170,27 @@ def test_a_loop_of_pure_epochs_is_fit_bitwise_with_dropout(dropout_data):
     want = jax.tree.leaves(nnx.state(nnx.merge(graphdef, state), nnx.Param))
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)  # bitwise on every CPU: the same program
+
+
+def test_an_eager_call_of_a_built_step_compiles_nothing_new():
+    """Called outside any trace, the step is the plain function: a rewrite there would
+    lower and compile the whole step on every call."""
+    tx = optax.sgd(0.1)
+    step = make_train_step(mse, tx)
+    graphdef, state = nnx.split(Dropped(nnx.Rngs(0)))
+    batch = {"x": np.ones((8, 6), np.float32), "y": np.zeros((8, 3), np.float32)}
+    opt_state = init_opt_state(tx, state)
+    step.update(graphdef, state, opt_state, batch)  # op-by-op compiles happen once
+    before = jax.config.jax_log_compiles
+    compiled = []
+    logger = logging.getLogger("jax")
+    handler = logging.Handler()
+    handler.emit = lambda record: compiled.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        jax.config.update("jax_log_compiles", True)
+        step.update(graphdef, state, opt_state, batch)
+    finally:
+        jax.config.update("jax_log_compiles", before)
+        logger.removeHandler(handler)
+    assert not [m for m in compiled if "Compiling" in m], compiled
