@@ -245,7 +245,8 @@ def _rewriting(fn: Callable, rule: _Rule, *, nested: bool = False) -> Callable:
         memo = _Memo(kept, rule)
         top = closed
         closed = memo.closed(closed)
-        memo.keep_nested(skip=(top, top.jaxpr))
+        if not nested:  # nested: the jaxprs under the fresh jit are new on every call
+            memo.keep_nested(skip=(top, top.jaxpr))
         outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *dynamic)
         return jax.tree.unflatten(jax.tree.structure(out_shapes), outs)
 

@@ -5,7 +5,7 @@ sooner on the CPU.
 rounds on GPUs, but on the CPU as a loop of 5 iterations of 4 rounds (to spare an older
 XLA:CPU the compile of the long line). Today's XLA:CPU does the opposite: it compiles each
 such loop as a program of its own and runs it slower (one dropout mask of 32x28x28x32,
-jax 0.10.2: 0.77 s to compile and 1.8 ms a call rolled, 0.10 s and 0.9 ms unrolled). A
+jax 0.10.2: 0.68 s to compile and 3.3 ms a call rolled, 0.09 s and 1.5 ms unrolled). A
 training step with dropout draws through several of them.
 
 :func:`unrolled_threefry` rewrites a traced function's draws into the hash's integer
@@ -54,7 +54,8 @@ def unrolled_threefry(fn: F) -> F:
 
     It is a pure function transform: it works under ``jax.jit``, ``jax.vmap``, ``jax.grad``
     and inside ``lax.scan``. Array leaves of the arguments are traced; other leaves (an
-    ``nnx.GraphDef``, Python numbers) are passed to ``fn`` as static values.
+    ``nnx.GraphDef``, Python numbers) are passed to ``fn`` as static values. Each call
+    traces ``fn``: call it under ``jax.jit`` (called eagerly it compiles ``fn`` every time).
 
     Args:
       fn: the function to wrap, e.g. a training step ``step(graphdef, state, opt_state,
@@ -175,7 +176,10 @@ def _draw_rule(eqn: Any) -> list[Any] | None:
     first = key.shape if name == "random_fold_in" else key.ndim
     try:
         expand = _rewriting(_EXPANSIONS[name](first, params), _hash_rule)
-        return _traced_eqns(eqn, expand)
+        # Under the draw's own recorded settings (a `jax.threefry_partitionable` block
+        # around it picks the algorithm), as JAX's lowering of it would be.
+        with eqn.ctx.manager:
+            return _traced_eqns(eqn, expand)
     except (TypeError, ValueError):  # another JAX's expansions: keep JAX's own draw
         return None
 

@@ -194,3 +194,33 @@ def test_an_eager_call_of_a_built_step_compiles_nothing_new():
         jax.config.update("jax_log_compiles", before)
         logger.removeHandler(handler)
     assert not [m for m in compiled if "Compiling" in m], compiled
+
+
+@pytest.mark.parametrize("partitionable", [False, True])
+def test_a_local_threefry_partitionable_setting_is_kept(partitionable):
+    """A draw traced under ``jax.threefry_partitionable(...)`` is expanded with that
+    algorithm, as JAX's own lowering of it reads the setting recorded on the equation."""
+
+    def fn(key):
+        with jax.threefry_partitionable(partitionable):
+            k1, k2 = jax.random.split(key)
+            return jax.random.bits(k1, (5, 3)), jax.random.key_data(jax.random.fold_in(k2, 9))
+
+    assert_same(jax.jit(unrolled_threefry(fn))(jax.random.key(7)), jax.jit(fn)(jax.random.key(7)))
+
+
+def test_split_fold_in_and_scanned_draws_leave_no_loop():
+    text = jax.jit(unrolled_threefry(scanned)).lower(KEYS, X).as_text()
+    assert text.count("stablehlo.while") == 1  # the scan's own loop only
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the steps rewrite on the CPU only")
+def test_built_steps_draw_unrolled_when_jitted(dropout_data):
+    tx = optax.sgd(0.1)
+    graphdef, state = nnx.split(Dropped(nnx.Rngs(0)))
+    batch = {k: v[:8] for k, v in dropout_data.items()}
+    step = make_train_step(mse, tx)
+    lowered = jax.jit(step.update, static_argnums=0).lower(
+        graphdef, state, init_opt_state(tx, state), batch
+    )
+    assert "stablehlo.while" not in lowered.as_text()
