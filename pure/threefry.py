@@ -162,7 +162,7 @@ _EXPANSIONS = _expansions()
 
 def _draw_rule(eqn: Any) -> list[Any] | None:
     if eqn.primitive is threefry2x32_p:  # a draw on raw key data (jax.extend's hash)
-        return _traced_eqns(eqn, _unrolled_hash)
+        return _hash_rule(eqn)
     name = eqn.primitive.name
     if _EXPANSIONS is None or name not in _EXPANSIONS:
         return None

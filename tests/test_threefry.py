@@ -1,7 +1,8 @@
 """``unrolled_threefry``: a function's draws rewritten into JAX's threefry hash, unrolled.
 The reference for every draw is ``jax.random`` itself (the same function, unwrapped): the
 bits must be equal; the rewritten program must have no loop left for the hash; and the
-training loops (so ``fit``) must apply it on the CPU."""
+steps nnxscan builds (so ``fit``) must apply it on the CPU when traced, not when called
+eagerly."""
 
 from __future__ import annotations
 
