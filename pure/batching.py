@@ -8,7 +8,9 @@ cut their orders here, so a loop of pure functions and ``Trainer.fit`` see the s
 - :func:`full_then_tail`: the rule every epoch and every evaluation follows: scan the full
   batches, then the tail once, as a step of its own shape.
 - :func:`take_batch`: rows of every leaf of a data set, by index (:func:`take_rows`);
-  :func:`steps_per_gather`: how many steps' batches a scan gathers at once.
+  :func:`steps_per_gather`: how many steps' batches a scan gathers at once;
+  :func:`slices_in_loop`: whether a loop body may take its batch by an index read from an
+  array (the CPU), or gathers the call's batches before the loop (an accelerator).
 - :func:`shard_batch`, :func:`constrain_sharding`: a batch (an array) on a sharding inside
   traced code, on an Explicit or an Auto mesh.
 
@@ -37,6 +39,7 @@ __all__ = [
     "cut_batches",
     "full_then_tail",
     "shard_batch",
+    "slices_in_loop",
     "steps_per_gather",
     "take_batch",
     "take_rows",
@@ -294,16 +297,43 @@ NARROW_GATHER_BUDGET_BYTES = 24 * 1024 * 1024
 LOOP_GATHER_BYTES = 64 * 1024
 
 
+#: The budget on an accelerator (any backend but the CPU): there a copy of a call's batches
+#: is cheap (device memory is fast, and large), while a loop body that takes its batch by
+#: an index read from an array waits for that index every step (see ``slices_in_loop``).
+ACCELERATOR_GATHER_BUDGET_BYTES = 256 * 1024 * 1024
+
+
+def slices_in_loop() -> bool:
+    """Whether a loop body takes each step's batch by an index READ FROM AN ARRAY (a whole
+    stacked batch by number, a slice of the stored rows): on the CPU only.
+
+    On the CPU that index is a load like any other. On an accelerator a dynamic slice's
+    offset must reach the chip's scalar unit first: an index that lives in an array in
+    device memory costs every step a round trip there (measured on a TPU v5e: a small MLP's
+    step 4.9 -> 6.7 µs, docs/performance.md), where an offset computed from the loop's
+    own counter costs nothing. So there ``scan_indexed_steps`` gathers the call's batches
+    once, before the loop (in chunks of steps beyond the gather budget), and scans them.
+
+    Example:
+      >>> slices_in_loop() == (jax.default_backend() == "cpu")
+      True
+    """
+    return jax.default_backend() == "cpu"
+
+
 def _gather_budget(data: Any) -> int:
-    """The default bytes one gather of a call may copy for ``data``'s rows: the narrow
-    budget (24 MiB) when rows that gather through bytes hold at least 90% of a row's
-    bytes (an image or feature vector beside its int label), else 4 MiB. A call whose
-    batches take more is gathered in chunks of steps (``scan_indexed_steps``).
+    """The default bytes one gather of a call may copy for ``data``'s rows: on the CPU, the
+    narrow budget (24 MiB) when rows that gather through bytes hold at least 90% of a row's
+    bytes (an image or feature vector beside its int label), else 4 MiB; on an accelerator
+    ``ACCELERATOR_GATHER_BUDGET_BYTES`` (256 MiB). A call whose batches take more is
+    gathered in chunks of steps (``scan_indexed_steps``).
 
     Example:
       >>> _gather_budget({"x": np.zeros((100, 64), np.float32), "y": np.zeros(100, np.int32)})
       25165824
     """
+    if not slices_in_loop():
+        return ACCELERATOR_GATHER_BUDGET_BYTES
     leaves = jax.tree.leaves(data)
     total = _batch_bytes(data, 1)
     narrow = sum(_batch_bytes(x, 1) for x in leaves if _gathers_as_bytes(x))
@@ -341,13 +371,21 @@ def steps_per_gather(data: Any, rows_per_step: int, budget: int | None = None) -
     return max(1, budget // max(per_step, 1))
 
 
-def _gathers_in_loop(data: Any, per_step: int) -> bool:
-    """Whether a call over the gather budget gathers each step's batch (``per_step``
-    bytes) inside its loop: at least ``LOOP_GATHER_BYTES`` of rows that do not gather as
-    bytes (see ``LOOP_GATHER_BYTES``)."""
-    return per_step >= LOOP_GATHER_BYTES and not any(
-        _gathers_as_bytes(x) for x in jax.tree.leaves(data)
-    )
+def _gathers_in_loop(data: Any, per_step: int, by_rows: bool = True) -> bool:
+    """Whether each step gathers its batch (``per_step`` bytes) inside the loop body rather
+    than the call's batches being gathered before it. On the CPU, for a call over the gather
+    budget: at least ``LOOP_GATHER_BYTES`` of rows that do not gather as bytes (see
+    ``LOOP_GATHER_BYTES``). On an accelerator, for any call whose batches take at least
+    ``LOOP_GATHER_BYTES`` gathered ``by_rows`` (a vector of row indices a step: a TPU v5e
+    then overlaps the gather with the step's work, where a copy of a call's wide batches
+    made first cost the compute-bound MLP's step 1.5x; docs/performance.md); never for
+    whole stacked batches taken by number (a scalar offset read from an array waits for
+    the chip's scalar unit every step: ``slices_in_loop``)."""
+    if per_step < LOOP_GATHER_BYTES:
+        return False
+    if not slices_in_loop():
+        return by_rows
+    return not any(_gathers_as_bytes(x) for x in jax.tree.leaves(data))
 
 
 def _batch_bytes(data: Any, batch_size: int) -> int:

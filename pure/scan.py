@@ -95,8 +95,14 @@ def scan_indexed_steps(
     way: the step sees the same rows. A call that gathers most of ``data`` at once (an
     epoch) gathers narrow rows through a byte view on the CPU
     (:func:`nnxscan.pure.batching.take_rows`: bitwise the same rows, several times
-    faster). A ``(steps,)`` index (whole stacked batches) takes
-    each step's batch by a dynamic slice, which costs nothing extra in the loop.
+    faster). On the CPU a ``(steps,)`` index (whole stacked batches) takes each step's
+    batch by a dynamic slice, which costs nothing extra in the loop there, and so does
+    ``batch_rows``; on an accelerator both are gathered before the loop like any index
+    (a loop body that reads its slice's offset from an array waits for it every step
+    there: :func:`nnxscan.pure.batching.slices_in_loop`), within a gather budget of 256 MiB
+    (``ACCELERATOR_GATHER_BUDGET_BYTES``) rather than the CPU's 4 MiB; and there a
+    ``(steps, batch)`` index whose batches take ``LOOP_GATHER_BYTES`` or more gathers each
+    step's batch in the loop body whatever the budget (the chip overlaps it with the step).
 
     Args:
       step: a pure step, ``step(graphdef, state, opt_state, batch) -> (state, opt_state,
@@ -111,9 +117,9 @@ def scan_indexed_steps(
       unroll: forwarded to ``lax.scan``; ``True`` unrolls fully (no loop left).
       batch_sharding: shard each batch's leading axis, e.g. ``NamedSharding(mesh,
         P("data"))``, for data-parallel steps.
-      gather_budget: the most bytes of examples one gather copies; by default 4 MiB, or
-        24 MiB when the rows are narrow enough to gather as bytes (see
-        ``docs/performance.md``).
+      gather_budget: the most bytes of examples one gather copies; by default 4 MiB on
+        the CPU, or 24 MiB when the rows are narrow enough to gather as bytes there, and
+        256 MiB on an accelerator (see ``docs/performance.md``).
       batch_rows: with a ``(steps,)`` index, step ``j`` trains the rows
         ``indices[j] * batch_rows`` to ``indices[j] * batch_rows + batch_rows - 1`` of
         ``data`` (a data set in its stored order, cut into batches of ``batch_rows``): each
@@ -138,21 +144,18 @@ def scan_indexed_steps(
       >>> state, opt_state, losses = in_order(step, graphdef, state, opt_state, data,
       ...                                     np.arange(n // 32), batch_rows=32)
     """
-    if batch_rows is not None:
-        if indices.ndim != 1:
-            raise ValueError(
-                f"batch_rows takes a (steps,) index of batch numbers, got indices of shape "
-                f"{tuple(indices.shape)}; pass batch_rows=None for a (steps, batch) index."
-            )
+    if batch_rows is not None and not batching.slices_in_loop():
+        # An accelerator: the same rows as a (steps, batch_rows) index, gathered before
+        # the loop (an index read from an array costs a loop body there every step).
         rows = checks.check_count(batch_rows, "batch_rows", 1)
-        num_batches = _num_rows(data) // rows
-        if not isinstance(indices, jax.core.Tracer) and indices.size:
-            low, high = int(np.min(indices)), int(np.max(indices))
-            if low < 0 or high >= num_batches:
-                raise ValueError(
-                    f"batch numbers must lie in [0, {num_batches}) for {_num_rows(data)} "
-                    f"examples in batches of {rows}, got {low}..{high}."
-                )
+        _check_batch_numbers(indices, data, rows)
+        # Clamped as the CPU's dynamic slice clamps a traced batch number out of range.
+        numbers = jnp.clip(indices, 0, _num_rows(data) // rows - 1)
+        indices = numbers[:, None] * rows + jnp.arange(rows, dtype=numbers.dtype)
+        batch_rows = None
+    elif batch_rows is not None:
+        rows = checks.check_count(batch_rows, "batch_rows", 1)
+        _check_batch_numbers(indices, data, rows)
 
         def batch_of(i):
             # A dynamic slice of the stored rows: no gather, no copy of the data.
@@ -162,7 +165,7 @@ def scan_indexed_steps(
             step, graphdef, state, opt_state, indices, batch_of,
             unroll=unroll, batch_sharding=batch_sharding,
         )  # fmt: skip
-    if indices.ndim == 1:
+    if indices.ndim == 1 and batching.slices_in_loop():
         return _loops.scan_batches(
             step, graphdef, state, opt_state, indices, lambda i: batching.take_batch(data, i),
             unroll=unroll, batch_sharding=batch_sharding,
@@ -182,13 +185,16 @@ def scan_indexed_steps(
     steps, per_step = indices.shape[0], batching._batch_bytes(data, rows_per_step)
     chunk = max(1, gather_budget // max(per_step, 1))
     data_bytes = batching._batch_bytes(data, _num_rows(data))
-    if chunk >= steps:  # the whole call in one gather
+    in_loop = batching._gathers_in_loop(data, per_step, by_rows=indices.ndim > 1)
+    # An accelerator gathers wide batches in the loop within the budget too (the CPU only
+    # over it, below).
+    if chunk >= steps and not (in_loop and not batching.slices_in_loop()):
         # Through bytes when the call reads most of the data (an epoch): the byte view
         # then costs at most one more pass over the data, where it is not fused.
         as_bytes = 2 * steps * per_step >= data_bytes
         carry, outs = run_chunk((state, opt_state), indices, as_bytes)
         return (*carry, outs)
-    if batching._gathers_in_loop(data, per_step):
+    if in_loop:
         # Big batches of wide rows: each step gathers its own batch in the loop body, as
         # fast as a chunk's gather per row, and no outer loop of chunks for XLA to compile.
         return _loops.scan_batches(
@@ -236,6 +242,24 @@ def _chunks_with_rest(step, graphdef, carry, data, indices, chunk, as_bytes, bat
     carry, outs = jax.lax.scan(run_chunk, carry, (chunks, counts))
     outs = jax.tree.map(lambda x: x.reshape(num_chunks * chunk, *x.shape[2:])[:steps], outs)
     return (*carry, outs)
+
+
+def _check_batch_numbers(indices: Any, data: Any, rows: int) -> None:
+    """``batch_rows``' index: ``(steps,)`` batch numbers below ``n // rows`` (checked when
+    the index is concrete)."""
+    if indices.ndim != 1:
+        raise ValueError(
+            f"batch_rows takes a (steps,) index of batch numbers, got indices of shape "
+            f"{tuple(indices.shape)}; pass batch_rows=None for a (steps, batch) index."
+        )
+    num_batches = _num_rows(data) // rows
+    if not isinstance(indices, jax.core.Tracer) and indices.size:
+        low, high = int(np.min(indices)), int(np.max(indices))
+        if low < 0 or high >= num_batches:
+            raise ValueError(
+                f"batch numbers must lie in [0, {num_batches}) for {_num_rows(data)} "
+                f"examples in batches of {rows}, got {low}..{high}."
+            )
 
 
 def _num_rows(data: Any) -> int:

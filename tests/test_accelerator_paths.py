@@ -1,0 +1,135 @@
+"""The accelerator's loops, run on the CPU: what ``scan_indexed_steps`` compiles where
+``nnxscan.pure.batching.slices_in_loop()`` is False (any backend but the CPU).
+
+There a loop body must not take its batch by an index read from an array (a TPU waits for
+each such index every step), so a call's batches are gathered before the loop, in chunks
+beyond the gather budget. Forced here on the CPU, the reference is the CPU's own path: the
+same step on the same rows, so the results are BITWISE equal (one backend, one step
+body), and the loop bodies are inspected for what they no longer do.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnxscan.pure import batching, init_opt_state, make_train_step, scan_indexed_steps, scan_steps
+
+from conftest import MLP, assert_trees_close, make_data, xent
+
+TX = optax.adam(1e-2)
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    data = make_data(n=64)
+    step = make_train_step(xent, TX)
+    graphdef, state = nnx.split(MLP(rngs=nnx.Rngs(0)))
+    return data, step, graphdef, state, init_opt_state(TX, state)
+
+
+def _run(setup, data, indices, **options):
+    _, step, graphdef, state, opt_state = setup
+
+    def call(s, o):
+        return scan_indexed_steps(step, graphdef, s, o, data, indices, **options)
+
+    return jax.jit(call)(state, opt_state), jax.make_jaxpr(call)(state, opt_state)
+
+
+def _loop_bodies(jaxpr) -> list[str]:
+    """The text of each loop's body, outermost first."""
+    bodies = []
+    for eqn in jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            bodies.append(str(eqn.params["jaxpr"]))
+        elif eqn.primitive.name == "while":
+            bodies.append(str(eqn.params["body_jaxpr"]))
+    return bodies
+
+
+def _ops(text: str) -> tuple[int, int]:
+    return text.count("dynamic_slice"), text.count("gather[")
+
+
+def _stacked_body(setup, batches) -> str:
+    """The body of ``scan_steps`` over batches stacked by hand: what a loop that takes no
+    index from an array holds (the step's own slices and gathers)."""
+    _, step, graphdef, state, opt_state = setup
+    jaxpr = jax.make_jaxpr(lambda s, o: scan_steps(step, graphdef, s, o, batches))(state, opt_state)
+    (body,) = _loop_bodies(jaxpr)
+    return body
+
+
+def _on_accelerator(monkeypatch):
+    monkeypatch.setattr(batching, "slices_in_loop", lambda: False)
+
+
+def test_stacked_batches_gather_before_the_loop_bitwise(setup, monkeypatch):
+    """A ``(steps,)`` index of whole stacked batches (``scan_train``'s, a stream chunk's):
+    the CPU slices each step's batch in the loop; the accelerator gathers them first."""
+    data = setup[0]
+    stacked = jax.tree.map(lambda v: v.reshape(8, BS, *v.shape[1:]), data)
+    numbers = np.array([3, 0, 7, 7, 1, 2], np.int32)  # any order, repeated
+    cpu, cpu_jaxpr = _run(setup, stacked, numbers)
+    reference = _ops(_stacked_body(setup, jax.tree.map(lambda v: v[numbers], stacked)))
+    assert sum(_ops(_loop_bodies(cpu_jaxpr)[0])) == sum(reference) + 2  # takes x's and y's
+    _on_accelerator(monkeypatch)
+    accel, jaxpr = _run(setup, stacked, numbers)
+    assert_trees_close(accel, cpu, exact=True)
+    (body,) = _loop_bodies(jaxpr)  # one loop, its batches gathered before it
+    assert _ops(body) == reference
+
+
+def test_batch_numbers_gather_their_rows_before_the_loop_bitwise(setup, monkeypatch):
+    """``batch_rows`` (an unshuffled epoch's batches by number) on an accelerator: the same
+    rows gathered before the loop, bitwise the CPU's slices."""
+    data = setup[0]
+    numbers = np.array([2, 0, 7, 7, 3], np.int32)
+    cpu, _ = _run(setup, data, numbers, batch_rows=BS)
+    _on_accelerator(monkeypatch)
+    accel, jaxpr = _run(setup, data, numbers, batch_rows=BS)
+    assert_trees_close(accel, cpu, exact=True)
+    (body,) = _loop_bodies(jaxpr)
+    rows = numbers[:, None] * BS + np.arange(BS)
+    assert _ops(body) == _ops(_stacked_body(setup, jax.tree.map(lambda v: v[rows], data)))
+    with pytest.raises(ValueError, match=r"batch numbers must lie in \[0, 8\).*got 0\.\.8"):
+        _run(setup, data, np.array([0, 8]), batch_rows=BS)
+
+
+def test_an_accelerator_gathers_wide_batches_in_the_loop_and_stacked_ones_in_chunks(
+    setup, monkeypatch
+):
+    """Big batches of wide rows (``LOOP_GATHER_BYTES`` a step): an accelerator gathers each
+    step's batch inside the one loop even within the gather budget (the CPU gathers them
+    first); the same batches stacked and taken by number, over the budget, run in chunks
+    of steps gathered once each (no index read from an array inside a loop). Bitwise the
+    CPU's results both."""
+    din = batching.LOOP_GATHER_BYTES // (4 * BS)  # a batch of float32 rows: 64 KiB
+    data = make_data(n=64, din=din)
+    _, step, _, _, _ = setup
+    graphdef, state = nnx.split(MLP(din, rngs=nnx.Rngs(0)))
+    wide = (data, step, graphdef, state, init_opt_state(TX, state))
+    order = np.random.default_rng(0).permutation(64).astype(np.int32).reshape(8, BS)
+    cpu, cpu_jaxpr = _run(wide, data, order)
+    reference = _ops(_stacked_body(wide, jax.tree.map(lambda v: v[order], data)))
+    assert _ops(_loop_bodies(cpu_jaxpr)[0]) == reference  # the CPU gathers them first
+    stacked = jax.tree.map(lambda v: v[order], data)  # (8, BS, din): a 64 KiB row each
+    numbers = np.array([5, 1, 1, 7, 0, 2, 3], np.int32)
+    budget = 3 * batching._batch_bytes(stacked, 1)
+    cpu_stacked, _ = _run(wide, stacked, numbers, gather_budget=budget)
+
+    _on_accelerator(monkeypatch)
+    assert batching._gather_budget(data) == batching.ACCELERATOR_GATHER_BUDGET_BYTES
+    accel, jaxpr = _run(wide, data, order)
+    assert_trees_close(accel, cpu, exact=True)
+    (body,) = _loop_bodies(jaxpr)
+    assert _ops(body)[1] == reference[1] + len(data)  # a gather a leaf a step, in the loop
+    accel_stacked, jaxpr = _run(wide, stacked, numbers, gather_budget=budget)
+    assert_trees_close(accel_stacked, cpu_stacked, exact=True)
+    (outer,) = _loop_bodies(jaxpr)
+    assert "scan[" in outer or "while[" in outer  # chunks: a loop in a loop
