@@ -180,8 +180,7 @@ def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> Any:
         placement.check_batch_size(jax.tree.leaves(batches)[0].shape[1])
         batches = placement.put_chunk(batches, device)  # each step's batch split over data
         execution = engine.execution(abstract_batch(batches, drop_leading=True), owner.layout)
-        indices = placement.put_data(np.arange(num, dtype=np.int32), device=device)
-        calls = plan_calls(execution.plan, batches, indices, num)
+        calls = plan_calls(execution.plan, batches, None, num)  # the stacked batches in order
     else:
         placement.check_batch_size(batch_size)
         batches = placement.put_data(batches, state)

@@ -227,7 +227,6 @@ class Engine:
             batch_size=options.batch_size, drop_remainder=options.drop_remainder,
             tail_divisor=self.placement.local_data_parallel(), prefetch=options.prefetch,
             batch_lead=layout.data_lead,
-            put_indices=functools.partial(self.placement.put_data, device=device_of(state)),
         )  # fmt: skip
         return epoch_calls, execution
 

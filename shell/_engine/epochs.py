@@ -224,11 +224,8 @@ class StreamEpochs:
         prefetch: bool,
         tail_divisor: int = 1,
         batch_lead: tuple[int, ...] = (),
-        put_indices: Callable[[Any], Any] = lambda x: x,
     ):
         self.source, self.plan = source, plan
-        # A chunk's index array, placed next to the data once per chunk length.
-        self._indices = functools.cache(lambda length: put_indices(_arange(length)))
         self._pending = [first_epoch]
         # One checker for the whole fit: the step was traced on the first batch.
         self.checker = BatchChecker(batch_size, lead=batch_lead, hint=source.hint)
@@ -252,13 +249,13 @@ class StreamEpochs:
         try:
             for chunk in stream:
                 sink: list = []
-                indices = self._indices(chunk.steps)
                 for start, length in self.plan.chunks(chunk.steps):
                     if left < length:  # the budget ends before the epoch: so does the call
                         stats.ended = lambda: False
                         if left <= 0:
                             return
-                    yield Call(chunk.data, indices, start, min(length, left), sink=sink)
+                    # The chunk's batches in order: no index (programs.chunk_runner).
+                    yield Call(chunk.data, None, start, min(length, left), sink=sink)
                     left -= length
                 if previous is not None:
                     jax.block_until_ready(previous)

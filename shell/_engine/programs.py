@@ -29,6 +29,7 @@ from nnxscan.pure import (
     nnx_train_step,
     paused_gc,
     scan_indexed_steps,
+    scan_steps,
     skip_nonfinite,
     step_outputs,
 )
@@ -60,7 +61,7 @@ class _HashOnce:
 
     def __init__(self, key: Hashable):
         try:
-            self.hash = hash(key)
+            self.hash = hash(tuple(map(_hash_of, key))) if type(key) is tuple else _hash_of(key)
         except TypeError:
             # A Variable with dict metadata (nnx.Param(x, info={...})) makes a treedef or
             # graphdef unhashable; its repr is deterministic and says the same.
@@ -73,6 +74,25 @@ class _HashOnce:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _HashOnce) and self.hash == other.hash and self.key == other.key
+
+
+# Hashes of the graphdefs looked up lately, by identity: the owner's reads give the same
+# graphdef object call after call (shell/_engine/snapshot.py), and hashing one walks its
+# whole graph (~0.1 ms for a small MLP), more than once per call.
+_GRAPHDEF_HASHES: OrderedDict[int, tuple[Any, int]] = OrderedDict()
+
+
+def _hash_of(x: Any) -> int:
+    if not isinstance(x, nnx.GraphDef):
+        return hash(x)
+    known = _GRAPHDEF_HASHES.get(id(x))
+    if known is not None and known[0] is x:
+        return known[1]
+    value = hash(x)
+    _GRAPHDEF_HASHES[id(x)] = (x, value)  # holding x keeps its id from being reused
+    if len(_GRAPHDEF_HASHES) > _MAX_CACHED:
+        _GRAPHDEF_HASHES.popitem(last=False)
+    return value
 
 
 def _lookup(cache: OrderedDict, key: Hashable, build: Callable[[], Any]) -> Any:
@@ -221,18 +241,31 @@ def chunk_runner(
     """The jitted ``run(leaves, data, indices, active, start, length=, unroll=, rows=) -> (leaves,
     outs, halted)`` of every training call: it trains the steps ``start:start+length`` of
     ``indices`` (batch numbers of ``rows`` stored examples each when ``rows`` is given) with
-    ``scan_indexed_steps``, and keeps the new carry where it was placed (``carry_shardings``)."""
+    ``scan_indexed_steps``, or with ``indices=None`` the stacked batches
+    ``data[start:start+length]`` in order with ``scan_steps``, and keeps the new carry where
+    it was placed (``carry_shardings``)."""
 
     def run(leaves, data, indices, active, start, *, length, unroll, rows=None):
         state, opt_state = jax.tree.unflatten(carry_def, leaves)
-        idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=0)
         carry = HaltState(opt_state, jnp.zeros(layout.shape, bool)) if halts else opt_state
         carry = layout.enter(carry, active)
-        data, idx = layout.gathered(data, idx)
-        state, carry, outs = scan_indexed_steps(
-            step, graphdef, state, carry, data, idx, unroll=unroll,
-            batch_sharding=batch_sharding, batch_rows=rows,
-        )  # fmt: skip
+        if indices is None:
+            # Stacked batches in order (scan_train's, a stream chunk's): the loop scans
+            # their slice, each step's batch at the loop's own counter. Nothing is copied
+            # when the call trains them all, and no step reads its batch's place from an
+            # array (an accelerator would wait for it every step: pure.batching).
+            batches = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, length), data)
+            state, carry, outs = scan_steps(
+                step, graphdef, state, carry, batches, unroll=unroll,
+                batch_sharding=batch_sharding,
+            )  # fmt: skip
+        else:
+            idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=0)
+            data, idx = layout.gathered(data, idx)
+            state, carry, outs = scan_indexed_steps(
+                step, graphdef, state, carry, data, idx, unroll=unroll,
+                batch_sharding=batch_sharding, batch_rows=rows,
+            )  # fmt: skip
         carry = layout.leave(carry)
         opt_state, halted = carry if halts else (carry, jnp.zeros(layout.shape, bool))
         leaves = jax.tree.leaves((state, opt_state))
