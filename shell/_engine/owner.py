@@ -29,6 +29,7 @@ from nnxscan.pure.checks import check_transform
 from nnxscan.pure.step_node import step_node
 from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._engine.placement import context_mesh
+from nnxscan.shell._engine.snapshot import remember, retrace
 from nnxscan.shell._module_check import check_module
 
 # ``write(leaves, treedef, steps)``: the carry ``(state, opt_state)`` as ``jax.tree.flatten``
@@ -233,13 +234,24 @@ class ModelOwner:
         can't differentiate hijax Variables a forward pass updates or creates). Writing
         back (``nnx.update``) puts the values into the user's hijax Variables."""
         node = self.node if node is None else node
+        if node is self.node and self._hijax is not True:
+            found = retrace(node)
+            if found is not None:
+                return found
         if self._hijax is None:  # the first split tells (a leaf walk, once per owner)
             graphdef, state = nnx.split(node)
             hijax = holds_hijax(state)
             if node is self.node:
                 self._hijax = hijax
-            return nnx.split(nnx.with_vars(node, hijax=False)) if hijax else (graphdef, state)
-        return nnx.split(nnx.with_vars(node, hijax=False) if self._hijax else node)
+            if hijax:
+                return nnx.split(nnx.with_vars(node, hijax=False))
+        elif self._hijax:
+            return nnx.split(nnx.with_vars(node, hijax=False))
+        else:
+            graphdef, state = nnx.split(node)
+        if node is self.node:
+            remember(node, graphdef, state)  # the next reads retrace it, not walk again
+        return graphdef, state
 
     def read(self) -> tuple[nnx.GraphDef, nnx.State, Any]:
         """``(graphdef, state, opt_state)`` of the user's objects (their own buffers)."""
@@ -328,8 +340,10 @@ class ModelOwner:
 
             return write
 
-        build = optimizer_state_builder(self._synced)
         optimizer = self._synced
+        # Built on first need: direct writes (the usual case) never need it, and building
+        # it walks the optimizer's graph.
+        builder: list = []
 
         def write_with_optimizer(leaves: list, treedef: Any, steps: int) -> None:
             self.release_reads()
@@ -338,9 +352,11 @@ class ModelOwner:
             if direct(leaves, treedef):
                 optimizer.step.set_raw_value(step_array)
             else:
+                if not builder:
+                    builder.append(optimizer_state_builder(optimizer))
                 state, opt_state = jax.tree.unflatten(treedef, leaves)
                 nnx.update(self.node, state)
-                nnx.update(optimizer, build(opt_state, step_array))
+                nnx.update(optimizer, builder[0](opt_state, step_array))
             self._step_cache = (optimizer.step.get_value(), new_step)
 
         return write_with_optimizer

@@ -363,13 +363,21 @@ def _commit(tree: Any, device: Any) -> Any:
     # Arrays already committed to the device pass through: device_put costs host time per
     # leaf even when it has nothing to do (docs/performance.md), and fit calls this every
     # time. Arrays the user sharded over several devices keep their sharding.
-    placed = [
-        x
-        if isinstance(x, jax.Array)
-        and (len(x.devices()) > 1 or (x.committed and x.devices() == {device}))
-        else jax.device_put(x, device)
-        for x in leaves
+    moving = [
+        i
+        for i, x in enumerate(leaves)
+        if not (
+            isinstance(x, jax.Array)
+            and (len(x.devices()) > 1 or (x.committed and x.devices() == {device}))
+        )
     ]
+    if not moving:  # a new container all the same: callers count who holds the leaves
+        return jax.tree.unflatten(treedef, leaves)
+    # One device_put for every leaf that moves: its host cost is per call, not per leaf.
+    moved = jax.device_put([leaves[i] for i in moving], device)
+    placed = list(leaves)
+    for i, x in zip(moving, moved, strict=True):
+        placed[i] = x
     return jax.tree.unflatten(treedef, placed)
 
 
