@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 __all__ = ["optax_state_from_optimizer", "optimizer_state_builder"]
@@ -72,7 +73,7 @@ _STRUCTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _expected_structure(optimizer: nnx.Optimizer, params: nnx.State) -> tuple[Any, list]:
     """``(treedef, [(leaf path, shape), ...])`` of ``optimizer.tx.init(params)``."""
     leaves, treedef = jax.tree.flatten(params)
-    key = (optimizer.tx, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+    key = (optimizer.tx, treedef, tuple(_shape_dtype(x) for x in leaves))
     known = _STRUCTURES.get(optimizer)
     if known is not None and known[0] == key:
         return known[1]
@@ -84,6 +85,12 @@ def _expected_structure(optimizer: nnx.Optimizer, params: nnx.State) -> tuple[An
     structure = (jax.tree.structure(template), shapes)
     _STRUCTURES[optimizer] = (key, structure)
     return structure
+
+
+def _shape_dtype(x: Any) -> tuple:
+    if isinstance(x, jax.Array | np.ndarray):  # the usual leaf, without jnp's dtype rules
+        return (x.shape, x.dtype)
+    return (jnp.shape(x), jnp.result_type(x))
 
 
 def optimizer_state_builder(optimizer: nnx.Optimizer) -> Callable[[Any, Any], nnx.State]:
