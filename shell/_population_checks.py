@@ -180,8 +180,11 @@ def check_best(metric: Any, mode: Any, latest: dict, num_members: int) -> np.nda
     return values
 
 
-def call_model_fn(model_fn: Callable, seed: int) -> nnx.Module:
-    model = model_fn(nnx.Rngs(seed))
+def call_model_fn(model_fn: Callable, seed: int, rngs: nnx.Rngs | None = None) -> nnx.Module:
+    """``model_fn(nnx.Rngs(seed))``, checked to be an NNX module. ``rngs``: the ``nnx.Rngs``
+    to pass instead (one made from a traced key under a members' ``vmap``); ``seed`` then
+    only names the call in an error."""
+    model = model_fn(nnx.Rngs(seed) if rngs is None else rngs)
     if is_linen(model):
         raise TypeError(
             f"model_fn(nnx.Rngs({seed})) returned {type(model).__name__}, a Flax Linen module, "

@@ -16,7 +16,7 @@ from nnxscan.pure.checks import check_count
 from nnxscan.shell import _population_checks as checks
 from nnxscan.shell._config import Config
 from nnxscan.shell._engine.layout import Members
-from nnxscan.shell._engine.members import build_members
+from nnxscan.shell._engine.member_build import build_members
 from nnxscan.shell._engine.options import FitArguments
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan

@@ -11,7 +11,6 @@ run's ``shared_order``). Each member's state is that of its node: the model, or
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,14 +21,11 @@ from nnxscan.pure import (
     hyperparam_value,
     member_state,
     select_members,
-    stack_states,
-    with_hyperparams,
 )
-from nnxscan.pure.step_node import step_node, unpack_step_node
+from nnxscan.pure.step_node import unpack_step_node
 from nnxscan.shell._engine.layout import Members
-from nnxscan.shell._engine.owner import WriteBack, check_meta_ints, metric_logs, split_plain
+from nnxscan.shell._engine.owner import WriteBack, check_meta_ints, metric_logs
 from nnxscan.shell._engine.programs import member_metrics
-from nnxscan.shell._population_checks import call_model_fn
 
 
 class StackedOwner:
@@ -242,43 +238,3 @@ class StackedOwner:
 # One program per state structure: the index is an argument, not a constant (slicing each
 # leaf eagerly would compile a slice per leaf shape).
 _take_member = jax.jit(member_state)
-
-
-def build_members(
-    model_fn: Any,
-    init_opt: Callable[[nnx.GraphDef, Any], Any],
-    seeds: tuple[int, ...],
-    hyperparams: dict[str, tuple],
-    *,
-    rngs: Any = None,
-    metrics: nnx.Metric | None = None,
-) -> StackedOwner:
-    """Builds every member (``model_fn(nnx.Rngs(seed))``, its node with call-time Rngs and metrics,
-    its opt_state ``init_opt(graphdef, state)`` on its own split, with its hyperparameters) and
-    stacks them in an owner."""
-    graphdef, model_graphdef, states, opt_states = None, None, [], []
-    for i, seed in enumerate(seeds):
-        model = call_model_fn(model_fn, seed)
-        member_rngs = rngs(seed) if callable(rngs) and not isinstance(rngs, nnx.Rngs) else rngs
-        if member_rngs is not None and not isinstance(member_rngs, nnx.Rngs):
-            raise TypeError(
-                f"rngs(seed) must return an nnx.Rngs, got {type(member_rngs).__name__}."
-            )
-        member_graphdef, state = split_plain(step_node(model, member_rngs, metrics))
-        if graphdef is None:
-            graphdef, model_graphdef = member_graphdef, nnx.split(model)[0]
-        elif member_graphdef != graphdef:
-            raise ValueError(
-                f"model_fn built member {i} (seed {seed}) with a different structure from "
-                f"member 0 (seed {seeds[0]}): every member must be the same architecture; "
-                f"only the seed may change."
-            )
-        opt_state = init_opt(member_graphdef, state)
-        values = {name: v[i] for name, v in hyperparams.items()}
-        states.append(state)
-        opt_states.append(with_hyperparams(opt_state, **values) if values else opt_state)
-    return StackedOwner(
-        graphdef, stack_states(states), stack_states(opt_states),
-        model_graphdef=model_graphdef, seeds=seeds, hyperparams=hyperparams,
-        with_rngs=rngs is not None, metrics=metrics,
-    )  # fmt: skip
