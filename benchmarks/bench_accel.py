@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import itertools
 import os
 import platform
 import random
@@ -52,39 +51,13 @@ from flax import nnx
 # Python -P (PYTHONSAFEPATH, as the accelerator's set-up sets it) leaves this folder off the path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _workloads import ByteLM, next_byte_loss, source_windows
+from bench_epoch import nnx_scan_epoch
+from bench_train import MLP, TutorialCNN  # no BatchNorm, no Dropout: nothing drawn
 
 from nnxscan.pure import init_opt_state, make_train_step, scan_steps
 from nnxscan.shell import Population, Trainer, scan_train
 
 # -- workloads ----------------------------------------------------------------------------------
-
-
-class MLP(nnx.Module):
-    def __init__(self, sizes, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = nnx.relu(layer(x))
-        return self.layers[-1](x)
-
-
-class TutorialCNN(nnx.Module):
-    """The Flax NNX MNIST tutorial's CNN, sized for 8x8 inputs (no BatchNorm or Dropout:
-    the same math in every variant, with nothing drawn)."""
-
-    def __init__(self, *, rngs: nnx.Rngs):
-        self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
-        self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
-        self.linear1 = nnx.Linear(2 * 2 * 64, 256, rngs=rngs)
-        self.linear2 = nnx.Linear(256, 10, rngs=rngs)
-
-    def __call__(self, x):
-        pool = lambda h: nnx.avg_pool(h, window_shape=(2, 2), strides=(2, 2))  # noqa: E731
-        x = pool(nnx.relu(self.conv1(x)))
-        x = pool(nnx.relu(self.conv2(x)))
-        x = x.reshape(x.shape[0], -1)
-        return self.linear2(nnx.relu(self.linear1(x)))
 
 
 def xent(model, batch):
@@ -159,16 +132,7 @@ def variants(name: str, steps: int) -> dict[str, Callable[[], object]]:
     e_model = build()
     e_opt = nnx.Optimizer(e_model, TX, wrt=nnx.Param)
 
-    @nnx.jit
-    def nnx_epoch(model, optimizer, batches):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-        def body(carry, b):
-            model, optimizer = carry
-            value, grads = nnx.value_and_grad(loss)(model, b)
-            optimizer.update(model, grads)
-            return (model, optimizer), value
-
-        return body((model, optimizer), batches)[1]
+    nnx_epoch = nnx_scan_epoch(loss)
 
     out["nnx.scan"] = lambda: nnx_epoch(e_model, e_opt, stacked)
 

@@ -29,8 +29,9 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
   :func:`hyperparam_names`, :func:`hyperparam_value`: the hyperparameters
   ``optax.inject_hyperparams`` keeps in an optax state.
 - :func:`build_compiled`: a module built in one compiled call (its initializers compile
-  once, together, not op by op); :func:`paused_gc`: Python's garbage collector paused
-  while a program traces.
+  once, together, not op by op); :func:`compile_once`: a program that runs once compiled
+  sooner on the CPU; :func:`paused_gc`: Python's garbage collector paused while a program
+  traces.
 - :mod:`nnxscan.pure.hyper`: networks run on generated weights.
 - :mod:`nnxscan.pure.batching` (orders cut into batches, the full-then-tail rule),
   :mod:`nnxscan.pure.step_node` (the model with its call-time Rngs and NNX metrics) and
@@ -45,7 +46,7 @@ Example:
   ...     step, graphdef, state, opt_state, batches)
 """
 
-from nnxscan.pure.build import build_compiled, paused_gc
+from nnxscan.pure.build import build_compiled, compile_once, paused_gc
 from nnxscan.pure.conv_layout import canonical_conv_layout
 from nnxscan.pure.epoch import epoch_order, make_epoch
 from nnxscan.pure.evaluation import make_eval_step, make_evaluate, make_evaluate_metrics
@@ -78,6 +79,7 @@ __all__ = [
     "all_finite",
     "build_compiled",
     "canonical_conv_layout",
+    "compile_once",
     "epoch_order",
     "halt_after_nonfinite",
     "hyperparam_names",

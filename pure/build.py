@@ -45,7 +45,7 @@ try:  # jax internals: without them (another jax), draws compile one by one, as 
 except ImportError:  # pragma: no cover - depends on the installed jax
     threefry2x32_p = None
 
-__all__ = ["build_compiled", "paused_gc"]
+__all__ = ["build_compiled", "compile_once", "paused_gc"]
 
 M = TypeVar("M")
 
@@ -60,8 +60,19 @@ _ONCE_WHERE_KNOWN = {**_ONCE, "xla_cpu_use_fusion_emitters": False}
 _MERGED_ENTRIES = 2**24
 
 
-def _compile_once(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """``lowered`` compiled for compile time, with the options this XLA knows."""
+def compile_once(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """``lowered`` compiled for a program that runs once: on the CPU with XLA's options that
+    compile it sooner (LLVM's -O1 and, where this XLA still has it, the older fusion code
+    generator: the same bits on the builds measured, docs/performance.md); elsewhere as it
+    is. What :func:`build_compiled` and a population's build of its members use.
+
+    Example:
+      >>> init = compile_once(jax.jit(lambda key: jax.random.normal(key, (4,))).lower(key))
+      >>> init(key).shape
+      (4,)
+    """
+    if jax.default_backend() != "cpu":
+        return lowered.compile()
     try:
         return lowered.compile(_ONCE_WHERE_KNOWN)
     except jax.errors.JaxRuntimeError as error:
@@ -127,7 +138,7 @@ def build_compiled(constructor: Callable[[], M]) -> M:
             "nnx.Rngs advanced by an initializer, say). Create it inside: "
             "build_compiled(lambda: Model(rngs=nnx.Rngs(0)))."
         ) from error
-    leaves = _compile_once(lowered)()
+    leaves = compile_once(lowered)()
     return nnx.merge(graphdefs[-1], jax.tree.unflatten(treedefs[-1], leaves))
 
 

@@ -331,7 +331,7 @@ PUBLIC = {
         "stack_states", "unstack_states", "with_hyperparams", "vmap_members", "MembersState",
         "HaltState", "scan_indexed_steps", "member_state", "select_members",
         "hyperparam_names", "hyperparam_value", "nnx_train_step", "step_outputs",
-        "skip_nonfinite", "build_compiled", "paused_gc",
+        "skip_nonfinite", "build_compiled", "compile_once", "paused_gc",
     },
     "nnxscan.shell": {
         "Trainer", "scan_train", "History", "Plan", "EarlyStopping", "LambdaCallback",

@@ -304,7 +304,9 @@ def test_building_members_compiles_one_program(compile_count):
 
 
 def test_an_xla_that_refuses_the_compile_options_builds_with_those_it_knows(monkeypatch):
-    monkeypatch.setitem(members_module._ONCE_WHERE_KNOWN, "xla_no_such_option_here", True)
+    from nnxscan.pure import build
+
+    monkeypatch.setitem(build._ONCE_WHERE_KNOWN, "xla_no_such_option_here", True)
     _, state, _ = build_members(lambda r: MLP(hidden=6, rngs=r), init_opt(TX), (0, 1), {}).read()
     for i, seed in enumerate((0, 1)):
         assert_member(state, i, eager(lambda r: MLP(hidden=6, rngs=r), seed)[1])

@@ -16,7 +16,13 @@ import numpy as np
 from flax import nnx
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, subjaxprs
 
-from nnxscan.pure import hyperparam_value, paused_gc, stack_states, with_hyperparams
+from nnxscan.pure import (
+    compile_once,
+    hyperparam_value,
+    paused_gc,
+    stack_states,
+    with_hyperparams,
+)
 from nnxscan.pure.step_node import step_node
 from nnxscan.pure.threefry import unrolled_threefry
 from nnxscan.shell._engine.members import StackedOwner
@@ -141,12 +147,6 @@ _UNTRACEABLE = (
     NotImplementedError,
 )
 _INT32 = (-(2**31), 2**31 - 1)
-# XLA:CPU's options that compile a program run once sooner (nnxscan.pure.build_compiled's):
-# LLVM's -O1 and the older fusion code generator. On a 2-core CPU, 1,024 small MLPs and
-# their Adam states: 0.5 s to compile instead of 5.6 s, and they run in 0.24 s instead of
-# 0.8 s. An XLA that lacks the second option refuses it before compiling (~2 ms).
-_ONCE = {"xla_backend_optimization_level": 1}
-_ONCE_WHERE_KNOWN = {**_ONCE, "xla_cpu_use_fusion_emitters": False}
 # From this many random entries drawn (all members'), a CPU build draws them through JAX's
 # threefry hash unrolled (nnxscan.pure.threefry: the same bits). XLA:CPU runs JAX's loop of
 # the hash at ~20-28 ns an entry here, the unrolled hash at 2-5 ns, which compiles and
@@ -226,7 +226,9 @@ def _build_in_one_program(
     args = (list(closed.consts), seed_array, rngs_state, values)
     with paused_gc():
         lowered = jax.jit(program).lower(*args)
-    state, opt_state = _compiled_once(lowered)(*args)
+    # XLA:CPU's options for a program run once (pure.compile_once): 1,024 small MLPs and
+    # their Adam states compile in 0.5 s instead of 5.6 s here, and run in 0.24 s, not 0.8.
+    state, opt_state = compile_once(lowered)(*args)
     return graphdef, model_graphdef, state, opt_state
 
 
@@ -274,15 +276,3 @@ def _constants_as_arguments(closed: ClosedJaxpr) -> ClosedJaxpr:
         debug_info=info._replace(arg_names=names),
     )
     return ClosedJaxpr(hoisted, [])
-
-
-def _compiled_once(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """``lowered`` compiled for compile time on the CPU (:data:`_ONCE`); as it is elsewhere."""
-    if jax.default_backend() != "cpu":
-        return lowered.compile()
-    try:
-        return lowered.compile(_ONCE_WHERE_KNOWN)
-    except jax.errors.JaxRuntimeError as error:
-        if "No such compile option" not in str(error):
-            raise
-    return lowered.compile(_ONCE)

@@ -82,10 +82,10 @@ def _is_variable(x: Any) -> bool:
 
 
 # Spec entries: (kind, ...). A graph node: ("node", weakref, {attr: spec}); seen before:
-# ("seen", weakref); a Variable: ("var", type, metadata, position); a tuple, a list, a
-# dict or a State by contents: ("tuple", type, [specs]) / ("list", [specs]) /
-# ("dict", type, {key: spec}); anything else: ("value", value), compared by identity or,
-# for plain values (ints, strings...), equality.
+# ("seen", weakref); a Variable: ("var", type, metadata, position); a tuple or a list, a
+# dict or a State by contents: ("sequence", type, [specs]) / ("dict", type, {key: spec});
+# anything else: ("value", value), compared by identity or, for plain values (ints,
+# strings...), equality.
 _PLAIN = (int, float, str, bool, bytes, type(None))
 
 
@@ -105,10 +105,8 @@ def _spec_of(x: Any, positions: dict[int, int], seen: set[int]) -> tuple:
         except TypeError:
             raise _Unfollowable from None
         return ("node", ref, {k: _spec_of(v, positions, seen) for k, v in vars(x).items()})
-    if isinstance(x, tuple):
-        return ("tuple", type(x), [_spec_of(v, positions, seen) for v in x])
-    if type(x) is list:
-        return ("list", [_spec_of(v, positions, seen) for v in x])
+    if isinstance(x, tuple) or type(x) is list:
+        return ("sequence", type(x), [_spec_of(v, positions, seen) for v in x])
     if type(x) is dict or isinstance(x, nnx.State):
         items = x.items() if type(x) is dict else vars(x)["_mapping"].items()
         return ("dict", type(x), {k: _spec_of(v, positions, seen) for k, v in items})
@@ -145,17 +143,11 @@ def _matches(x: Any, spec: tuple, found: list) -> bool:
         return True
     if kind == "seen":
         return spec[1]() is x
-    if kind == "tuple":
+    if kind == "sequence":  # a tuple (of its own type) or a list
         return (
             type(x) is spec[1]
             and len(x) == len(spec[2])
             and all(_matches(v, s, found) for v, s in zip(x, spec[2], strict=True))
-        )
-    if kind == "list":
-        return (
-            type(x) is list
-            and len(x) == len(spec[1])
-            and all(_matches(v, s, found) for v, s in zip(x, spec[1], strict=True))
         )
     if kind == "dict":
         if type(x) is not spec[1]:
