@@ -297,34 +297,35 @@ NARROW_GATHER_BUDGET_BYTES = 24 * 1024 * 1024
 LOOP_GATHER_BYTES = 64 * 1024
 
 
-#: The budget on an accelerator (any backend but the CPU): there a copy of a call's batches
+#: The budget on a TPU (``slices_in_loop()`` False): there a copy of a call's batches
 #: is cheap (device memory is fast, and large), while a loop body that takes its batch by
 #: an index read from an array waits for that index every step (see ``slices_in_loop``).
 ACCELERATOR_GATHER_BUDGET_BYTES = 256 * 1024 * 1024
 
 
 def slices_in_loop() -> bool:
-    """Whether a loop body takes each step's batch by an index READ FROM AN ARRAY (a whole
-    stacked batch by number, a slice of the stored rows): on the CPU only.
+    """Whether a loop body may take each step's batch by an index READ FROM AN ARRAY (a
+    whole stacked batch by number, a slice of the stored rows): everywhere but on a TPU.
 
-    On the CPU that index is a load like any other. On an accelerator a dynamic slice's
-    offset must reach the chip's scalar unit first: an index that lives in an array in
-    device memory costs every step a round trip there (measured on a TPU v5e: a small MLP's
-    step 4.9 -> 6.7 µs, docs/performance.md), where an offset computed from the loop's
-    own counter costs nothing. So there ``scan_indexed_steps`` gathers the call's batches
-    once, before the loop (in chunks of steps beyond the gather budget), and scans them.
+    On the CPU that index is a load like any other. On a TPU a dynamic slice's offset must
+    reach the chip's scalar unit first: an index that lives in an array in device memory
+    costs every step a round trip there (a TPU v5e: a small MLP's step 4.9 -> 6.6 µs,
+    docs/performance.md), where an offset computed from the loop's own counter costs
+    nothing. So there ``scan_indexed_steps`` gathers the call's batches once, before the
+    loop (in chunks of steps beyond the gather budget), and scans them. A GPU keeps the
+    CPU's rules until they are measured there.
 
     Example:
-      >>> slices_in_loop() == (jax.default_backend() == "cpu")
+      >>> slices_in_loop() == (jax.default_backend() != "tpu")
       True
     """
-    return jax.default_backend() == "cpu"
+    return jax.default_backend() != "tpu"
 
 
 def _gather_budget(data: Any) -> int:
     """The default bytes one gather of a call may copy for ``data``'s rows: on the CPU, the
     narrow budget (24 MiB) when rows that gather through bytes hold at least 90% of a row's
-    bytes (an image or feature vector beside its int label), else 4 MiB; on an accelerator
+    bytes (an image or feature vector beside its int label), else 4 MiB; on a TPU
     ``ACCELERATOR_GATHER_BUDGET_BYTES`` (256 MiB). A call whose batches take more is
     gathered in chunks of steps (``scan_indexed_steps``).
 

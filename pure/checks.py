@@ -250,16 +250,14 @@ def _wrapped(value: Any) -> Any:
     return inner if callable(inner) else None
 
 
-@functools.lru_cache(maxsize=256)
-def _globals_loaded(code: types.CodeType) -> frozenset[str]:
+def _globals_loaded(code: types.CodeType) -> set[str]:
     """The global names ``code`` loads, with those of the functions and lambdas defined
-    inside it (they read the same globals). Cached per code object: reading the bytecode
-    costs more than a short compiled call, and the check runs on every ``scan_train``."""
+    inside it (they read the same globals)."""
     loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             loaded |= _globals_loaded(const)
-    return frozenset(loaded)
+    return loaded
 
 
 def _captured(fn: Any, depth: int = 2, seen: set[int] | None = None) -> list[tuple[str, Any]]:

@@ -97,7 +97,7 @@ def scan_indexed_steps(
     (:func:`nnxscan.pure.batching.take_rows`: bitwise the same rows, several times
     faster). On the CPU a ``(steps,)`` index (whole stacked batches) takes each step's
     batch by a dynamic slice, which costs nothing extra in the loop there, and so does
-    ``batch_rows``; on an accelerator both are gathered before the loop like any index
+    ``batch_rows``; on a TPU both are gathered before the loop like any index
     (a loop body that reads its slice's offset from an array waits for it every step
     there: :func:`nnxscan.pure.batching.slices_in_loop`), within a gather budget of 256 MiB
     (``ACCELERATOR_GATHER_BUDGET_BYTES``) rather than the CPU's 4 MiB; and there a
@@ -119,7 +119,7 @@ def scan_indexed_steps(
         P("data"))``, for data-parallel steps.
       gather_budget: the most bytes of examples one gather copies; by default 4 MiB on
         the CPU, or 24 MiB when the rows are narrow enough to gather as bytes there, and
-        256 MiB on an accelerator (see ``docs/performance.md``).
+        256 MiB on a TPU (see ``docs/performance.md``).
       batch_rows: with a ``(steps,)`` index, step ``j`` trains the rows
         ``indices[j] * batch_rows`` to ``indices[j] * batch_rows + batch_rows - 1`` of
         ``data`` (a data set in its stored order, cut into batches of ``batch_rows``): each
@@ -149,9 +149,10 @@ def scan_indexed_steps(
         # the loop (an index read from an array costs a loop body there every step).
         rows = checks.check_count(batch_rows, "batch_rows", 1)
         _check_batch_numbers(indices, data, rows)
-        # Clamped as the CPU's dynamic slice clamps a traced batch number out of range.
-        numbers = jnp.clip(indices, 0, _num_rows(data) // rows - 1)
-        indices = numbers[:, None] * rows + jnp.arange(rows, dtype=numbers.dtype)
+        # The first rows clamped as the CPU's dynamic slice clamps them (a traced batch
+        # number out of range, or the last rows when rows do not divide n).
+        first = jnp.clip(indices * rows, 0, _num_rows(data) - rows)
+        indices = first[:, None] + jnp.arange(rows, dtype=first.dtype)
         batch_rows = None
     elif batch_rows is not None:
         rows = checks.check_count(batch_rows, "batch_rows", 1)
@@ -165,7 +166,8 @@ def scan_indexed_steps(
             step, graphdef, state, opt_state, indices, batch_of,
             unroll=unroll, batch_sharding=batch_sharding,
         )  # fmt: skip
-    if indices.ndim == 1 and batching.slices_in_loop():
+    if indices.ndim == 1 and (batching.slices_in_loop() or not jax.tree.leaves(data)):
+        # (No data: a step that draws its own batch; its index is only a step count.)
         return _loops.scan_batches(
             step, graphdef, state, opt_state, indices, lambda i: batching.take_batch(data, i),
             unroll=unroll, batch_sharding=batch_sharding,

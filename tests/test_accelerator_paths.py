@@ -65,6 +65,22 @@ def _stacked_body(setup, batches) -> str:
     return body
 
 
+def _by_hand(setup, batches):
+    """The independent reference: a hand-written jitted ``lax.scan`` of the step over
+    batches stacked with numpy indexing (what a user's own loop trains)."""
+    _, step, graphdef, state, opt_state = setup
+
+    def run(s, o):
+        def body(carry, batch):
+            s, o, loss = step(graphdef, *carry, batch)
+            return (s, o), loss
+
+        (s, o), losses = jax.lax.scan(body, (s, o), batches)
+        return s, o, losses
+
+    return jax.jit(run)(state, opt_state)
+
+
 def _on_accelerator(monkeypatch):
     monkeypatch.setattr(batching, "slices_in_loop", lambda: False)
 
@@ -81,6 +97,8 @@ def test_stacked_batches_gather_before_the_loop_bitwise(setup, monkeypatch):
     _on_accelerator(monkeypatch)
     accel, jaxpr = _run(setup, stacked, numbers)
     assert_trees_close(accel, cpu, exact=True)
+    assert_trees_close(accel, _by_hand(setup, jax.tree.map(lambda v: v[numbers], stacked)),
+                       exact=True)  # fmt: skip
     (body,) = _loop_bodies(jaxpr)  # one loop, its batches gathered before it
     assert _ops(body) == reference
 
@@ -94,8 +112,9 @@ def test_batch_numbers_gather_their_rows_before_the_loop_bitwise(setup, monkeypa
     _on_accelerator(monkeypatch)
     accel, jaxpr = _run(setup, data, numbers, batch_rows=BS)
     assert_trees_close(accel, cpu, exact=True)
-    (body,) = _loop_bodies(jaxpr)
     rows = numbers[:, None] * BS + np.arange(BS)
+    assert_trees_close(accel, _by_hand(setup, jax.tree.map(lambda v: v[rows], data)), exact=True)
+    (body,) = _loop_bodies(jaxpr)
     assert _ops(body) == _ops(_stacked_body(setup, jax.tree.map(lambda v: v[rows], data)))
     with pytest.raises(ValueError, match=r"batch numbers must lie in \[0, 8\).*got 0\.\.8"):
         _run(setup, data, np.array([0, 8]), batch_rows=BS)
@@ -133,3 +152,42 @@ def test_an_accelerator_gathers_wide_batches_in_the_loop_and_stacked_ones_in_chu
     assert_trees_close(accel_stacked, cpu_stacked, exact=True)
     (outer,) = _loop_bodies(jaxpr)
     assert "scan[" in outer or "while[" in outer  # chunks: a loop in a loop
+
+
+def test_batch_numbers_past_the_end_clamp_as_the_cpu_does(setup, monkeypatch):
+    """A traced batch number out of range (and rows that do not divide the data): the
+    accelerator takes the rows the CPU's dynamic slice clamps to."""
+    data = jax.tree.map(lambda v: v[:61], setup[0])  # 61 rows: 7 batches of 8, 5 left
+    numbers = np.array([6, 9, 0], np.int32)
+    _, step, graphdef, state, opt_state = setup
+
+    def call(s, o, numbers):  # traced numbers: no host check, clamped
+        return scan_indexed_steps(step, graphdef, s, o, data, numbers, batch_rows=BS)
+
+    cpu = jax.jit(call)(state, opt_state, numbers)
+    _on_accelerator(monkeypatch)
+    accel = jax.jit(call)(state, opt_state, numbers)
+    assert_trees_close(accel, cpu, exact=True)
+    rows = np.minimum(numbers * BS, 61 - BS)[:, None] + np.arange(BS)  # lax.dynamic_slice's
+    assert_trees_close(accel, _by_hand(setup, jax.tree.map(lambda v: v[rows], data)), exact=True)
+
+
+def test_a_step_without_data_runs_on_an_accelerator(monkeypatch):
+    """``fit(None, steps_per_epoch=K)``: the index is only a step count (nothing is
+    gathered); the accelerator's rule leaves it so, and trains what the CPU trains."""
+    from nnxscan.pure import Step
+    from nnxscan.shell import Trainer
+
+    def update(graphdef, state, opt_state, batch):
+        assert batch is None
+        return state, opt_state + 1, opt_state.astype(np.float32)
+
+    def losses():  # a new Step each time: a program of its own, traced under the rule
+        step = Step(lambda graphdef, state: np.int32(0), update)
+        trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=step)
+        return trainer.fit(None, epochs=2, steps_per_epoch=3, progress=False).losses
+
+    cpu = losses()
+    _on_accelerator(monkeypatch)
+    np.testing.assert_array_equal(losses(), cpu)
+    np.testing.assert_array_equal(cpu, np.arange(6, dtype=np.float32))  # 6 steps, in order

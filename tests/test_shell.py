@@ -334,8 +334,10 @@ def test_bad_constructor_arguments():
 
 
 def test_program_cache_is_bounded():
+    from nnxscan.shell._engine.caching import MAX_CACHED
+
     before = len(programs_module._TRAIN)
-    for _ in range(programs_module._MAX_CACHED + 5):
+    for _ in range(MAX_CACHED + 5):
         programs_module.train_program(lambda m, b: 0.0, TX, nnx.Param, False)
-    assert len(programs_module._TRAIN) <= programs_module._MAX_CACHED
-    assert before <= programs_module._MAX_CACHED
+    assert len(programs_module._TRAIN) <= MAX_CACHED
+    assert before <= MAX_CACHED

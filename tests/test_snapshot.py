@@ -60,6 +60,9 @@ STRUCTURAL = {
 
 @pytest.mark.parametrize("change", list(CHANGES) + list(STRUCTURAL))
 def test_a_retrace_is_what_nnx_split_gives_after_any_change(change):
+    """Followed exactly when ``nnx.split`` would give the same graphdef (a new value, an
+    equal plain attribute, a Variable replaced by one of the same type and metadata), and
+    then it gives nnx.split's state; given up otherwise (the owner splits again)."""
     model, optimizer = _model_and_optimizer()
     node = (model, optimizer)
     snapshot = GraphSnapshot(node, *nnx.split(node))
@@ -67,12 +70,49 @@ def test_a_retrace_is_what_nnx_split_gives_after_any_change(change):
     assert_split_of(snapshot.split(node), node)
     (CHANGES | STRUCTURAL)[change](model, optimizer)
     found = snapshot.split(node)
-    if change in CHANGES:
-        assert_split_of(found, node)  # the same structure: still followed
-    elif found is not None:  # followed only if nnx.split agrees (a same-type Variable)
+    if found is not None:  # followed only where it is nnx.split's answer
         assert_split_of(found, node)
-    else:
-        assert change != "a new value"
+    if nnx.split(node)[0] != snapshot.graphdef:
+        assert found is None
+    if change in ("a replaced Variable", "a replaced optimizer moment") or change in CHANGES:
+        assert found is not None  # these keep the graphdef: the cheap path must hold them
+
+
+def test_weights_tied_after_the_snapshot_are_not_followed():
+    """``m.b = m.a`` after the snapshot: one Variable in two places, so nnx.split gives
+    another graphdef with fewer leaves (the tied weights train as one)."""
+
+    class Two(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+
+    model = Two()
+    snapshot = GraphSnapshot(model, *nnx.split(model))
+    model.b.kernel = model.a.kernel
+    assert nnx.split(model)[0] != snapshot.graphdef and snapshot.split(model) is None
+
+
+def test_a_model_holding_itself_through_a_static_attribute_is_freed():
+    """A bound method kept as an attribute makes the graphdef hold the model: such a model
+    is not remembered (a snapshot would keep it alive), and is freed when dropped."""
+
+    class Holder(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+            self.act = self.relu  # a static attribute that refers to the module
+
+        def relu(self, x):
+            return nnx.relu(x)
+
+    first = Holder()
+    assert not GraphSnapshot(first, *nnx.split(first)).followable
+    remember(first, *nnx.split(first))
+    assert retrace(first) is None
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None
 
 
 def test_lists_dicts_shared_modules_and_rngs_are_followed():
@@ -92,6 +132,10 @@ def test_lists_dicts_shared_modules_and_rngs_are_followed():
     snapshot = GraphSnapshot(node, *nnx.split(node))
     model.b = nnx.Linear(2, 2, rngs=nnx.Rngs(4))  # no longer shared
     assert snapshot.split(node) is None
+    attention = nnx.MultiHeadAttention(2, 4, decode=False, rngs=nnx.Rngs(0))  # FrozenDicts
+    snapshot = GraphSnapshot(attention, *nnx.split(attention))
+    assert snapshot.followable
+    assert_split_of(snapshot.split(attention), attention)
     bn = BNDropout(rngs=nnx.Rngs(0))
     snapshot = GraphSnapshot(bn, *nnx.split(bn))
     assert_split_of(snapshot.split(bn), bn)

@@ -293,7 +293,7 @@ def run_calls(
             with held_interrupts() as interrupted:
                 leaves = live.donatable() if donate else live.leaves
                 compiled, started = _cache_size(run), time.perf_counter()
-                key = call_key(indices, length, unroll, rows)
+                key = call_key(indices, length, unroll, rows, data)
                 if ready is not None:
                     ready(key)
                 # A call of a new shape may trace its program: with the collector paused
@@ -336,9 +336,12 @@ def run_calls(
     return outs
 
 
-def call_key(indices: Any, length: int, unroll: Any, rows: Any) -> Hashable:
-    """What tells a call's program from another's within one fit (its runner, data and
-    carry being the fit's): the indices' shape and the static options."""
+def call_key(indices: Any, length: int, unroll: Any, rows: Any, data: Any = None) -> Hashable:
+    """What tells a call's program from another's within one fit (its runner and carry
+    being the fit's): the indices' shape and the static options; for stacked batches in
+    order (``indices=None``: a stream's chunks, whose lengths may differ) the data's steps."""
+    if indices is None:
+        return ("in order", np.shape(jax.tree.leaves(data)[0])[0], length, unroll)
     return (np.shape(indices), length, unroll, rows)
 
 

@@ -373,7 +373,7 @@ class FitLoop:
             seen_stretches.add(shape)
             for call in placeholder_calls(stretch):
                 unroll = self.execution.plan.unroll if call.unroll is None else call.unroll
-                key = call_key(call.indices, call.length, unroll, call.rows)
+                key = call_key(call.indices, call.length, unroll, call.rows, call.data)
                 if key not in seen and seen:  # the first call compiles as it runs
                     args = (live.leaves, call.data, call.indices, mask, call.start)
                     options = dict(length=call.length, unroll=unroll, rows=call.rows)

@@ -210,7 +210,12 @@ def _build_in_one_program(
     # The build's constants (weights a model_fn loads, a shared template's state) are
     # arguments of the program, not constants embedded in it: a pretrained model would
     # otherwise be compiled into the program's text.
-    run = jaxpr_as_fun(_constants_as_arguments(closed))
+    try:
+        run = jaxpr_as_fun(_constants_as_arguments(closed))
+    except (AttributeError, TypeError):  # another jax's jaxpr: its constants stay embedded
+        run, consts = jaxpr_as_fun(closed), []
+    else:
+        consts = list(closed.consts)
     if jax.default_backend() == "cpu" and _drawn_entries(closed.jaxpr) >= _UNROLL_FROM:
         run = unrolled_threefry(run)
     treedef = jax.tree.structure(shapes)
@@ -223,12 +228,19 @@ def _build_in_one_program(
             opt_state = jax.vmap(lambda o, v: with_hyperparams(o, **v))(opt_state, values)
         return state, opt_state
 
-    args = (list(closed.consts), seed_array, rngs_state, values)
+    args = (consts, seed_array, rngs_state, values)
     with paused_gc():
         lowered = jax.jit(program).lower(*args)
-    # XLA:CPU's options for a program run once (pure.compile_once): 1,024 small MLPs and
-    # their Adam states compile in 0.5 s instead of 5.6 s here, and run in 0.24 s, not 0.8.
-    state, opt_state = compile_once(lowered)(*args)
+    try:
+        # XLA:CPU's options for a program run once (pure.compile_once): 1,024 small MLPs and
+        # their Adam states compile in 0.5 s instead of 5.6 s here, run in 0.24 s, not 0.8.
+        state, opt_state = compile_once(lowered)(*args)
+    except jax.errors.JaxRuntimeError as error:
+        # Every member's initialiser temporaries at once may not fit where one member's
+        # did (a large model, many members): build them one at a time then.
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        return None
     return graphdef, model_graphdef, state, opt_state
 
 

@@ -35,76 +35,16 @@ from nnxscan.pure import (
 )
 from nnxscan.pure.batching import constrain_sharding
 from nnxscan.pure.step_node import unpack_step_node
+from nnxscan.shell._engine.caching import identity_key as _identity_key
+from nnxscan.shell._engine.caching import lookup as _lookup
 from nnxscan.shell._engine.plans import StepTraits, step_traits
 from nnxscan.shell._engine.trace_notes import noting_batch
 
 if TYPE_CHECKING:
     from nnxscan.shell._engine.layout import Layout
 
-_MAX_CACHED = 32
 _TRAIN: OrderedDict[Hashable, TrainProgram] = OrderedDict()
 _EVAL: OrderedDict[Hashable, Callable] = OrderedDict()
-
-
-def _identity_key(obj: Any) -> Hashable:
-    try:
-        hash(obj)
-        return obj
-    except TypeError:
-        return ("id", id(obj))
-
-
-class _HashOnce:
-    """A cache key that hashes once: hashing a GraphDef walks the whole graph."""
-
-    __slots__ = ("hash", "key")
-
-    def __init__(self, key: Hashable):
-        try:
-            self.hash = hash(tuple(map(_hash_of, key))) if type(key) is tuple else _hash_of(key)
-        except TypeError:
-            # A Variable with dict metadata (nnx.Param(x, info={...})) makes a treedef or
-            # graphdef unhashable; its repr is deterministic and says the same.
-            key = ("repr", repr(key))
-            self.hash = hash(key)
-        self.key = key
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _HashOnce) and self.hash == other.hash and self.key == other.key
-
-
-# Hashes of the graphdefs looked up lately, by identity: the owner's reads give the same
-# graphdef object call after call (shell/_engine/snapshot.py), and hashing one walks its
-# whole graph (~0.1 ms for a small MLP), more than once per call.
-_GRAPHDEF_HASHES: OrderedDict[int, tuple[Any, int]] = OrderedDict()
-
-
-def _hash_of(x: Any) -> int:
-    if not isinstance(x, nnx.GraphDef):
-        return hash(x)
-    known = _GRAPHDEF_HASHES.get(id(x))
-    if known is not None and known[0] is x:
-        return known[1]
-    value = hash(x)
-    _GRAPHDEF_HASHES[id(x)] = (x, value)  # holding x keeps its id from being reused
-    if len(_GRAPHDEF_HASHES) > _MAX_CACHED:
-        _GRAPHDEF_HASHES.popitem(last=False)
-    return value
-
-
-def _lookup(cache: OrderedDict, key: Hashable, build: Callable[[], Any]) -> Any:
-    key = _HashOnce(key)
-    value = cache.get(key)
-    if value is not None:
-        cache.move_to_end(key)
-        return value
-    value = cache[key] = build()
-    if len(cache) > _MAX_CACHED:
-        cache.popitem(last=False)
-    return value
 
 
 class TrainProgram:

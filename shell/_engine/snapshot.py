@@ -13,16 +13,19 @@ node types it does not know), makes it give up: the caller splits again.
 
 It holds the user's objects only weakly (NNX objects by weak reference, Variables not at
 all: they are found anew through their parents), so a cache of snapshots keeps no model,
-and no device buffer, alive.
+and no device buffer, alive — except through its graphdef's static values (a bound method
+kept as a module attribute holds its module), which is why the cache keeps a few models'.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import jax
 from flax import nnx
+from flax.core import FrozenDict
 from flax.nnx import graphlib
 
 
@@ -70,6 +73,8 @@ class GraphSnapshot:
         found: list = [None] * self._size
         if not _matches(node, self._spec, found) or any(v is None for v in found):
             return None
+        if len({id(v) for v in found}) != self._size:
+            return None  # one Variable now in two places (weights tied since): another graphdef
         return self.graphdef, jax.tree.unflatten(self._state_def, found)
 
 
@@ -97,6 +102,8 @@ def _spec_of(x: Any, positions: dict[int, int], seen: set[int]) -> tuple:
             raise _Unfollowable  # its value does not live in the Variable object
         return ("var", type(x), dict(x._var_metadata), positions[id(x)])
     if graphlib.is_graph_node(x):
+        if not isinstance(x, nnx.Pytree):
+            raise _Unfollowable  # a graph node of another make: its children are its own
         if id(x) in seen:
             return ("seen", weakref.ref(x))
         seen.add(id(x))
@@ -107,12 +114,42 @@ def _spec_of(x: Any, positions: dict[int, int], seen: set[int]) -> tuple:
         return ("node", ref, {k: _spec_of(v, positions, seen) for k, v in vars(x).items()})
     if isinstance(x, tuple) or type(x) is list:
         return ("sequence", type(x), [_spec_of(v, positions, seen) for v in x])
-    if type(x) is dict or isinstance(x, nnx.State):
-        items = x.items() if type(x) is dict else vars(x)["_mapping"].items()
-        return ("dict", type(x), {k: _spec_of(v, positions, seen) for k, v in items})
+    if type(x) is dict or isinstance(x, nnx.State | FrozenDict):
+        return ("dict", type(x), {k: _spec_of(v, positions, seen) for k, v in _items(x).items()})
     if isinstance(x, jax.Array) or (graphlib.is_node(x) and not _opaque(x)):
         raise _Unfollowable  # an array outside a Variable, or a pytree node of unknown make
+    if _holds_nnx(x):
+        # A bound method of a module kept as an attribute (or a partial, a closure over
+        # one): kept here it would keep that module alive.
+        raise _Unfollowable
     return ("value", x)
+
+
+def _items(x: Any) -> Any:
+    """A dict's, a State's or a FrozenDict's items, as a mapping."""
+    return vars(x)["_mapping"] if isinstance(x, nnx.State) else x
+
+
+def _holds_nnx(value: Any) -> bool:
+    """Whether a static value refers to an NNX object: a bound method's ``__self__``, a
+    ``functools.partial``'s function and arguments, a function's closure cells."""
+    held = [getattr(value, "__self__", None), getattr(value, "func", None)]
+    held += list(getattr(value, "args", ()) or ()) + list(
+        (getattr(value, "keywords", None) or {}).values()
+    )
+    for cell in getattr(value, "__closure__", None) or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return any(
+        isinstance(h, nnx.Pytree | nnx.Variable) or (h is not value and _bound_to_nnx(h))
+        for h in held
+    )
+
+
+def _bound_to_nnx(value: Any) -> bool:
+    return isinstance(getattr(value, "__self__", None), nnx.Pytree | nnx.Variable)
 
 
 def _opaque(x: Any) -> bool:
@@ -152,7 +189,7 @@ def _matches(x: Any, spec: tuple, found: list) -> bool:
     if kind == "dict":
         if type(x) is not spec[1]:
             return False
-        items = x if type(x) is dict else vars(x)["_mapping"]
+        items = _items(x)
         expected = spec[2]
         if len(items) != len(expected):
             return False
@@ -175,25 +212,33 @@ def _same_metadata(now: dict, then: dict) -> bool:
         return False
 
 
-# The snapshots of the nodes split lately, by their first object (a model): weakly, so a
-# snapshot lives as long as its model does. A few per model (a fit's node and an
-# evaluation's differ: the model alone, or with its Rngs and metrics).
-_SNAPSHOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The snapshots of the nodes split lately, by their first object (a model), a few per model
+# (a fit's node and an evaluation's differ: the model alone, or with its Rngs and metrics).
+# Held weakly by the model, and at most _MODELS models: a snapshot holds its graphdef, whose
+# static values (a bound method kept as an attribute) may hold the model itself, which would
+# otherwise keep it, and its device buffers, alive for good.
+_SNAPSHOTS: OrderedDict[int, tuple[weakref.ref, list[GraphSnapshot]]] = OrderedDict()
 _PER_MODEL = 4
+_MODELS = 8
 
 
 def _key(node: Any) -> Any:
     return node[0] if isinstance(node, tuple) and node else node
 
 
+def _entry(node: Any) -> list[GraphSnapshot] | None:
+    model = _key(node)
+    entry = _SNAPSHOTS.get(id(model))
+    if entry is None or entry[0]() is not model:
+        return None
+    _SNAPSHOTS.move_to_end(id(model))
+    return entry[1]
+
+
 def retrace(node: Any) -> tuple[nnx.GraphDef, nnx.State] | None:
     """``nnx.split(node)`` from a snapshot :func:`remember` kept, when the graph is as it was
     then; else None (split it, and remember that)."""
-    try:
-        snapshots = _SNAPSHOTS.get(_key(node))
-    except TypeError:  # not weakly referable: never remembered
-        return None
-    for snapshot in snapshots or ():
+    for snapshot in _entry(node) or ():
         found = snapshot.split(node)
         if found is not None:
             return found
@@ -205,9 +250,23 @@ def remember(node: Any, graphdef: nnx.GraphDef, state: nnx.State) -> None:
     snapshot = GraphSnapshot(node, graphdef, state)
     if not snapshot.followable:
         return
-    try:
-        snapshots = _SNAPSHOTS.setdefault(_key(node), [])
-    except TypeError:
-        return
+    snapshots = _entry(node)
+    if snapshots is None:
+        model = _key(node)
+        key = id(model)
+        try:
+            ref = weakref.ref(model, lambda _, key=key: _forget(key))
+        except TypeError:  # not weakly referable: never remembered
+            return
+        snapshots = []
+        _SNAPSHOTS[key] = (ref, snapshots)
+        while len(_SNAPSHOTS) > _MODELS:
+            _SNAPSHOTS.popitem(last=False)
     snapshots.insert(0, snapshot)
     del snapshots[_PER_MODEL:]
+
+
+def _forget(key: int) -> None:
+    entry = _SNAPSHOTS.get(key)
+    if entry is not None and entry[0]() is None:
+        del _SNAPSHOTS[key]
