@@ -168,16 +168,7 @@ def _matches(x: Any, spec: tuple, found: list) -> bool:
             return True
         return slot is x  # a Variable shared by two parents: the same one still
     if kind == "node":
-        if spec[1]() is not x:
-            return False
-        attributes, expected = vars(x), spec[2]
-        if len(attributes) != len(expected):
-            return False
-        for key, value in attributes.items():
-            child = expected.get(key)
-            if child is None or not _matches(value, child, found):
-                return False
-        return True
+        return spec[1]() is x and _same_children(vars(x), spec[2], found)
     if kind == "seen":
         return spec[1]() is x
     if kind == "sequence":  # a tuple (of its own type) or a list
@@ -187,21 +178,22 @@ def _matches(x: Any, spec: tuple, found: list) -> bool:
             and all(_matches(v, s, found) for v, s in zip(x, spec[2], strict=True))
         )
     if kind == "dict":
-        if type(x) is not spec[1]:
-            return False
-        items = _items(x)
-        expected = spec[2]
-        if len(items) != len(expected):
-            return False
-        for key, value in items.items():
-            child = expected.get(key)
-            if child is None or not _matches(value, child, found):
-                return False
-        return True
+        return type(x) is spec[1] and _same_children(_items(x), spec[2], found)
     before = spec[1]  # "value"
     if x is before:
         return True
     return type(x) is type(before) and isinstance(x, _PLAIN) and x == before
+
+
+def _same_children(children: Any, expected: dict, found: list) -> bool:
+    """The same keys as ``expected``, each child matching its spec."""
+    if len(children) != len(expected):
+        return False
+    for key, value in children.items():
+        child = expected.get(key)
+        if child is None or not _matches(value, child, found):
+            return False
+    return True
 
 
 def _same_metadata(now: dict, then: dict) -> bool:
