@@ -234,22 +234,21 @@ class ModelOwner:
         can't differentiate hijax Variables a forward pass updates or creates). Writing
         back (``nnx.update``) puts the values into the user's hijax Variables."""
         node = self.node if node is None else node
-        if node is self.node and self._hijax is not True:
-            found = retrace(node)
+        own = node is self.node
+        if own and self._hijax is not True:
+            found = retrace(node)  # the last split, when the graph is as it was
             if found is not None:
                 return found
+        if self._hijax:
+            return nnx.split(nnx.with_vars(node, hijax=False))
+        graphdef, state = nnx.split(node)
         if self._hijax is None:  # the first split tells (a leaf walk, once per owner)
-            graphdef, state = nnx.split(node)
             hijax = holds_hijax(state)
-            if node is self.node:
+            if own:
                 self._hijax = hijax
             if hijax:
                 return nnx.split(nnx.with_vars(node, hijax=False))
-        elif self._hijax:
-            return nnx.split(nnx.with_vars(node, hijax=False))
-        else:
-            graphdef, state = nnx.split(node)
-        if node is self.node:
+        if own:
             remember(node, graphdef, state)  # the next reads retrace it, not walk again
         return graphdef, state
 
