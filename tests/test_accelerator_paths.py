@@ -1,11 +1,14 @@
-"""The accelerator's loops, run on the CPU: what ``scan_indexed_steps`` compiles where
-``nnxscan.pure.batching.slices_in_loop()`` is False (any backend but the CPU).
+"""The TPU's loops, run on the CPU: what ``scan_indexed_steps`` compiles where
+``nnxscan.pure.batching.slices_in_loop()`` is False (a TPU).
 
 There a loop body must not take its batch by an index read from an array (a TPU waits for
 each such index every step), so a call's batches are gathered before the loop, in chunks
-beyond the gather budget. Forced here on the CPU, the reference is the CPU's own path: the
-same step on the same rows, so the results are BITWISE equal (one backend, one step
-body), and the loop bodies are inspected for what they no longer do.
+beyond the gather budget. Forced here on the CPU, the references are a hand-written
+``lax.scan`` of the step over batches gathered with numpy indexing, and the CPU's own path:
+the same step on the same rows. Those are other programs, and XLA:CPU may pick other
+kernels for them on another CPU, so results are compared to float32 rounding (rtol 1e-5,
+atol 1e-6: a wrong row or a skipped step moves them by far more); the loop bodies are
+inspected for what they no longer do. Integer outputs (the data-less step's) are exact.
 """
 
 from __future__ import annotations
@@ -96,9 +99,9 @@ def test_stacked_batches_gather_before_the_loop_bitwise(setup, monkeypatch):
     assert sum(_ops(_loop_bodies(cpu_jaxpr)[0])) == sum(reference) + 2  # takes x's and y's
     _on_accelerator(monkeypatch)
     accel, jaxpr = _run(setup, stacked, numbers)
-    assert_trees_close(accel, cpu, exact=True)
+    assert_trees_close(accel, cpu)
     assert_trees_close(accel, _by_hand(setup, jax.tree.map(lambda v: v[numbers], stacked)),
-                       exact=True)  # fmt: skip
+                       )  # fmt: skip
     (body,) = _loop_bodies(jaxpr)  # one loop, its batches gathered before it
     assert _ops(body) == reference
 
@@ -111,9 +114,9 @@ def test_batch_numbers_gather_their_rows_before_the_loop_bitwise(setup, monkeypa
     cpu, _ = _run(setup, data, numbers, batch_rows=BS)
     _on_accelerator(monkeypatch)
     accel, jaxpr = _run(setup, data, numbers, batch_rows=BS)
-    assert_trees_close(accel, cpu, exact=True)
+    assert_trees_close(accel, cpu)
     rows = numbers[:, None] * BS + np.arange(BS)
-    assert_trees_close(accel, _by_hand(setup, jax.tree.map(lambda v: v[rows], data)), exact=True)
+    assert_trees_close(accel, _by_hand(setup, jax.tree.map(lambda v: v[rows], data)))
     (body,) = _loop_bodies(jaxpr)
     assert _ops(body) == _ops(_stacked_body(setup, jax.tree.map(lambda v: v[rows], data)))
     with pytest.raises(ValueError, match=r"batch numbers must lie in \[0, 8\).*got 0\.\.8"):
@@ -145,11 +148,11 @@ def test_an_accelerator_gathers_wide_batches_in_the_loop_and_stacked_ones_in_chu
     _on_accelerator(monkeypatch)
     assert batching._gather_budget(data) == batching.ACCELERATOR_GATHER_BUDGET_BYTES
     accel, jaxpr = _run(wide, data, order)
-    assert_trees_close(accel, cpu, exact=True)
+    assert_trees_close(accel, cpu)
     (body,) = _loop_bodies(jaxpr)
     assert _ops(body)[1] == reference[1] + len(data)  # a gather a leaf a step, in the loop
     accel_stacked, jaxpr = _run(wide, stacked, numbers, gather_budget=budget)
-    assert_trees_close(accel_stacked, cpu_stacked, exact=True)
+    assert_trees_close(accel_stacked, cpu_stacked)
     (outer,) = _loop_bodies(jaxpr)
     assert "scan[" in outer or "while[" in outer  # chunks: a loop in a loop
 
@@ -167,9 +170,9 @@ def test_batch_numbers_past_the_end_clamp_as_the_cpu_does(setup, monkeypatch):
     cpu = jax.jit(call)(state, opt_state, numbers)
     _on_accelerator(monkeypatch)
     accel = jax.jit(call)(state, opt_state, numbers)
-    assert_trees_close(accel, cpu, exact=True)
+    assert_trees_close(accel, cpu)
     rows = np.minimum(numbers * BS, 61 - BS)[:, None] + np.arange(BS)  # lax.dynamic_slice's
-    assert_trees_close(accel, _by_hand(setup, jax.tree.map(lambda v: v[rows], data)), exact=True)
+    assert_trees_close(accel, _by_hand(setup, jax.tree.map(lambda v: v[rows], data)))
 
 
 def test_a_step_without_data_runs_on_an_accelerator(monkeypatch):
