@@ -13,6 +13,9 @@ batch):
   floor       a hand-written ``jax.jit(lax.scan)`` over batches stacked on the device, the
               step written with ``nnx.split``/``nnx.merge`` (the same math as nnxscan's),
               carry donated
+  floor, shuffled  the same scan over a shuffled epoch: ``jax.random.permutation`` and the
+              gather of every batch in the program, before the loop (PureJaxRL's way):
+              the floor of what ``fit`` computes
   nnx.scan    Flax's ``nnx.scan`` inside ``nnx.jit``, model and optimizer as ``nnx.Carry``
   scan_steps  ``jax.jit(nnxscan.pure.scan_steps)`` over the same stacked batches
   scan_train  ``nnxscan.shell.scan_train`` over the same stacked batches
@@ -105,18 +108,18 @@ def variants(name: str, steps: int) -> dict[str, Callable[[], object]]:
     params, rest = nnx.split_state(state, nnx.Param, ...)
     floor_carry = [params, rest, TX.init(params)]
 
+    def body(carry, b):
+        params, rest, opt_state = carry
+
+        def f(p):
+            model = nnx.merge(graphdef, p, rest)
+            return loss(model, b), nnx.state(model, nnx.Not(nnx.Param))
+
+        (value, rest), grads = jax.value_and_grad(f, has_aux=True)(params)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), rest, opt_state), value
+
     def floor(params, rest, opt_state, batches):
-        def body(carry, b):
-            params, rest, opt_state = carry
-
-            def f(p):
-                model = nnx.merge(graphdef, p, rest)
-                return loss(model, b), nnx.state(model, nnx.Not(nnx.Param))
-
-            (value, rest), grads = jax.value_and_grad(f, has_aux=True)(params)
-            updates, opt_state = TX.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), rest, opt_state), value
-
         (params, rest, opt_state), losses = jax.lax.scan(body, (params, rest, opt_state), batches)
         return params, rest, opt_state, losses
 
@@ -127,6 +130,23 @@ def variants(name: str, steps: int) -> dict[str, Callable[[], object]]:
         return losses
 
     out["floor"] = run_floor
+
+    # The floor of a shuffled epoch (what fit trains): the permutation drawn and the batches
+    # gathered in the program before the scan, as PureJaxRL's minibatches are.
+    def shuffled(params, rest, opt_state, flat, key):
+        order = jax.random.permutation(key, steps * batch)
+        batches = jax.tree.map(lambda a: a[order].reshape(steps, batch, *a.shape[1:]), flat)
+        return floor(params, rest, opt_state, batches)
+
+    shuffled_jit = jax.jit(shuffled, donate_argnums=(0, 1, 2))
+    shuffled_carry = jax.tree.map(jax.numpy.copy, floor_carry)
+    key = jax.random.key(0)
+
+    def run_shuffled():
+        *shuffled_carry[:], losses = shuffled_jit(*shuffled_carry, flat, key)
+        return losses
+
+    out["floor, shuffled"] = run_shuffled
 
     # Flax's nnx.scan.
     e_model = build()
@@ -250,12 +270,15 @@ def population_rows(members: int, epochs: int) -> list[str]:
     whole = time.perf_counter() - start
     trainer = Trainer(model_fn(nnx.Rngs(0)), TX, xent)
     trainer.fit(data, epochs=epochs, batch_size=32, progress=False)  # warm
-    warm = []
+    warm, gaps = [], []
     for seed in range(3):
         trainer = Trainer(model_fn(nnx.Rngs(seed)), TX, xent)
         start = time.perf_counter()
-        trainer.fit(data, epochs=epochs, batch_size=32, seed=seed, progress=False)
+        alone = trainer.fit(data, epochs=epochs, batch_size=32, seed=seed, progress=False)
         warm.append(time.perf_counter() - start)
+        # member `seed` trains what a lone fit of that seed trains (docs/populations.md)
+        ours, theirs = np.asarray(history.losses)[:, seed], np.asarray(alone.losses)
+        gaps.append(float(np.max(np.abs(ours - theirs) / np.maximum(np.abs(theirs), 1e-6))))
     warm_fit = statistics.median(warm)
     losses = np.asarray(history.epochs[-1]["loss"])
     return [
@@ -267,6 +290,8 @@ def population_rows(members: int, epochs: int) -> list[str]:
         f"| whole run, {members} members x {epochs} epochs | {whole:.2f} | |",
         f"| one warm Trainer.fit x {members} | {warm_fit * members:.2f} | "
         f"{warm_fit * members / whole:.1f}x the population |",
+        f"\nmembers 0-2 against their lone Trainer.fit, every step's loss: largest relative "
+        f"difference {max(gaps):.2e}",
         f"\nlast epoch's loss over members: min {losses.min():.4f}, median "
         f"{np.median(losses):.4f}, max {losses.max():.4f}",
     ]
