@@ -47,7 +47,7 @@ def optax_state_from_optimizer(optimizer: nnx.Optimizer, params: nnx.State) -> A
             f"variables. Was the optimizer built for another model?"
         )
     for (path, want), got in zip(shapes, leaves, strict=True):
-        if want != tuple(jnp.shape(got)):
+        if want != (got.shape if isinstance(got, jax.Array) else tuple(jnp.shape(got))):
             raise ValueError(
                 f"the nnx.Optimizer's state leaf {path} has shape {tuple(jnp.shape(got))}, "
                 f"but this model needs {want}. Was the optimizer built for another model?"

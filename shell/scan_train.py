@@ -151,7 +151,7 @@ def scan_train(
             model, optimizer, loss_fn, train_step, tuple(extras), opt_state, rngs
         )
     else:
-        owner = ModelOwner(model, optimizer, rngs=rngs)
+        owner = ModelOwner(model, optimizer, rngs=rngs, hold_reads=True)
         program = train_program(loss_fn, owner.tx, owner.wrt, False, with_rngs=rngs is not None)
         finish = _losses_only
     placement = Placement(mesh, data_axis, rules=shardings, tx=owner.tx, wrt=owner.wrt)

@@ -363,10 +363,16 @@ class FitLoop:
         run = live.runner(self.execution.donate)
         if not schedule.fuse or placeholder_calls is None or not hasattr(run, "lower"):
             return [], []
+        stretches = list(schedule.stretches())
+        if len(stretches) == 1 and len(stretches[0].calls) == 1:
+            # One call (a fit of one epoch, say): it compiles as it runs, and nothing is
+            # left to lower, so no placeholder order is made and placed (host time a short
+            # fit felt).
+            return [], []
         seen_stretches, seen, first, later = set(), set(), [], []
         self._device = device_of(live.leaves)  # where the members' mask goes
         mask = self._active_mask()
-        for stretch in schedule.stretches():
+        for stretch in stretches:
             shape = (stretch.epochs, stretch.skip, stretch.steps, stretch.calls)
             if shape in seen_stretches:
                 continue

@@ -123,6 +123,9 @@ class ModelOwner:
       rngs, metrics: call-time ``nnx.Rngs`` and NNX metrics that travel with the model
         through every compiled call (the step splits ``(model, rngs, metrics)``) and are
         written back with it.
+      hold_reads: for an owner made for one call (``scan_train``): the objects' read made
+        here is held (as in :meth:`reads_held`) until :meth:`release_reads`, so the call's
+        set-up does not walk them again. Nothing the user runs may come in between.
     """
 
     layout = ONE_MODEL
@@ -135,6 +138,7 @@ class ModelOwner:
         *,
         rngs: nnx.Rngs | None = None,
         metrics: nnx.Metric | None = None,
+        hold_reads: bool = False,
     ):
         check_module(model)
         check_rngs_and_metrics(rngs, metrics)
@@ -154,9 +158,12 @@ class ModelOwner:
         if optimizer is None:
             self._opt_state = init_opt_state(tx, self.read_state(), wrt)
         else:
-            params, _ = split_wrt(self.read_state(), wrt)
-            optax_state_from_optimizer(optimizer, params)  # validates, raises early
             self._opt_state = None
+            # hold_reads: this read is the one the call being set up uses (its set-up
+            # runs no user code in between, as reads_held's does): the objects are walked
+            # once, not once here and again for the call.
+            self._holding = hold_reads
+            self.read()  # validates the optimizer's optax state: raises early
 
     @classmethod
     def of_step(

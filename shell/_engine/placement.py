@@ -340,7 +340,7 @@ class Placement:
         population's per-member chunk ``(steps, members, batch, ...)`` (``layout``'s batch
         has a members axis): members over ``member_axis`` too."""
         if self.mesh is None:
-            return jax.device_put(tree, device)
+            return _commit(tree, device)
         lead = layout.batch_spec(self.member_axis)
         sharding = NamedSharding(self.mesh, PartitionSpec(None, *lead, self._data_entry()))
         if jax.process_count() > 1:
@@ -361,8 +361,10 @@ def _put(x: Any, sharding: Any) -> Any:
 def _commit(tree: Any, device: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     # Arrays already committed to the device pass through: device_put costs host time per
-    # leaf even when it has nothing to do (docs/performance.md), and fit calls this every
-    # time. Arrays the user sharded over several devices keep their sharding.
+    # call even when it has nothing to do (docs/performance.md), and fit and scan_train
+    # call this every time. An uncommitted array is committed (a compiled call's cache
+    # tells committed arguments from uncommitted ones: one of each would compile twice).
+    # Arrays the user sharded over several devices keep their sharding.
     moving = [
         i
         for i, x in enumerate(leaves)
