@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import subprocess
 
@@ -12,6 +13,16 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+
+# -- on an accelerator -------------------------------------------------------------------------
+# The suite's references are float32 formulas and per-step loops: on a TPU, JAX's default
+# precision multiplies float32 in bfloat16 passes (~3 digits; ~7 at "highest", see
+# docs/performance.md), so a run on an accelerator compares at "highest". Subprocesses of a
+# test need no chip, and one process holds it at a time there: they get the CPU. Nothing
+# changes on the CPU, where CI runs.
+if jax.default_backend() != "cpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # read by subprocesses; this one's backend is up
 
 # -- compile counting -------------------------------------------------------------------------
 
