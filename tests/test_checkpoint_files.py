@@ -1,0 +1,197 @@
+"""What a checkpoint directory holds besides the checkpoints, against what a user or a
+killed run leaves there: a lock file that is a link, a lock a forked worker inherited, a
+step folder that is a link, a disk that fills up.
+
+The references are independent of the code under test: a snapshot of every file (and link)
+taken before the call, the same fit on a clean directory, the files a run never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnxscan.adapters.checkpoint import (
+    Checkpointer,
+    CheckpointLockedError,
+    all_steps,
+    save_checkpoint,
+)
+from nnxscan.shell import Trainer
+
+from conftest import MLP, make_data, state_arrays, xent
+
+DATA = make_data(32)
+BATCH = 8  # 4 steps an epoch
+TX = optax.sgd(0.1)
+
+
+def new_trainer() -> Trainer:
+    return Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
+
+
+def fit(trainer: Trainer, directory: pathlib.Path, epochs: int = 1, **options) -> None:
+    trainer.fit(DATA, epochs=epochs, batch_size=BATCH, seed=0, checkpoint_dir=directory,
+                progress=False, **options)  # fmt: skip
+
+
+def snapshot(root: pathlib.Path) -> dict[str, tuple]:
+    """Every entry under ``root``, links not followed: a link's target, a file's bytes."""
+    out = {}
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        for name in dirs + files:
+            entry = pathlib.Path(folder, name)
+            key = str(entry.relative_to(root))
+            if entry.is_symlink():
+                out[key] = ("link", os.readlink(entry))
+            elif entry.is_dir():
+                out[key] = ("dir",)
+            elif not entry.is_file():  # a fifo: never opened (that would block)
+                out[key] = ("other", entry.lstat().st_mode)
+            else:
+                out[key] = ("file", entry.read_bytes())
+    return out
+
+
+def assert_untouched(trainer: Trainer, before: list) -> None:
+    for a, b in zip(state_arrays(trainer.model), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert (trainer.epoch, trainer.step) == (0, 0)
+
+
+# -- item 4: the lock file is never followed through a link -----------------------------------
+
+
+@pytest.mark.parametrize("kind", ["link_to_a_file", "dangling_link", "link_to_a_folder",
+                                  "hard_link", "fifo"])  # fmt: skip
+def test_a_lock_file_that_is_a_link_is_refused_and_nothing_is_written_through_it(
+    tmp_path, kind, compile_count
+):
+    directory, outside = tmp_path / "run", tmp_path / "outside"
+    directory.mkdir()
+    outside.mkdir()
+    users_file = outside / "notes.txt"
+    users_file.write_text("the user's own file\n")
+    lock = directory / ".nnxscan-lock"
+    if kind == "link_to_a_file":
+        lock.symlink_to(users_file)
+    elif kind == "dangling_link":
+        lock.symlink_to(outside / "created_by_nobody")
+    elif kind == "link_to_a_folder":
+        lock.symlink_to(outside)
+    elif kind == "hard_link":
+        os.link(users_file, lock)
+    else:
+        os.mkfifo(lock)
+    before = snapshot(tmp_path)
+    trainer = new_trainer()
+    model_before = state_arrays(trainer.model)
+    compiles = compile_count()
+    what = {"hard_link": "a hard link", "fifo": "not a regular file"}.get(kind, "a symbolic link")
+    with pytest.raises(ValueError, match=rf"lock file {lock} is {what}"):
+        fit(trainer, directory)
+    assert compile_count() == compiles  # refused before anything compiled
+    assert_untouched(trainer, model_before)
+    with pytest.raises(ValueError, match=rf"lock file {lock} is {what}"):
+        save_checkpoint(directory, 0, {"meta": {"step": 0}})
+    assert snapshot(tmp_path) == before  # nothing written, created or removed anywhere
+    lock.unlink()  # what the error says to do
+    fit(trainer, directory)
+    assert all_steps(directory) == [4]
+    assert snapshot(outside) == {k[len("outside/") :]: v for k, v in before.items()
+                                 if k.startswith("outside/")}  # fmt: skip
+
+
+# -- item 5: a forked child of a killed run --------------------------------------------------
+
+# The run: takes the directory's lock, starts a worker, reports both pids, then waits to be
+# killed. "fork": as a multiprocessing data loader's workers are started (Python's fork
+# hooks run); "libc": fork() called from C (a native library's workers; no Python hook runs).
+_RUN_WITH_A_WORKER = textwrap.dedent(
+    """
+    import ctypes, multiprocessing, os, sys, time
+    from nnxscan.adapters.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(sys.argv[1])
+    checkpointer.lock()
+    if sys.argv[2] == "fork":
+        worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+        worker.start()
+        child = worker.pid
+    else:
+        child = ctypes.PyDLL(None).fork()
+        if child == 0:
+            time.sleep(600)
+            os._exit(0)
+    print(os.getpid(), child, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _start_run_with_a_worker(directory: pathlib.Path, how: str) -> tuple[int, int]:
+    run = subprocess.Popen(
+        [sys.executable, "-c", _RUN_WITH_A_WORKER, str(directory), how],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    try:
+        parent, child = map(int, run.stdout.readline().split())
+    except BaseException:
+        run.kill()
+        raise
+    run.kill()  # SIGKILL: the run dies, its worker lives on
+    run.wait(timeout=60)
+    assert parent == run.pid
+    return parent, child
+
+
+@pytest.mark.slow  # another Python process and its worker
+def test_a_worker_forked_by_a_killed_run_does_not_keep_the_directory_locked(tmp_path):
+    directory = tmp_path / "run"
+    _, child = _start_run_with_a_worker(directory, "fork")
+    try:
+        os.kill(child, 0)  # the worker is alive...
+        trainer = new_trainer()
+        fit(trainer, directory)  # ...and the directory is free: the next run trains
+        assert all_steps(directory) == [4]
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.slow  # another Python process and its worker
+def test_a_lock_kept_by_a_child_of_a_killed_run_names_that_child(tmp_path):
+    """A child forked outside Python (no at-fork hook) keeps its copy of the lock: the error
+    names the live process that holds it, and says the recorded one has ended."""
+    directory = tmp_path / "run"
+    parent, child = _start_run_with_a_worker(directory, "libc")
+    try:
+        trainer = new_trainer()
+        before = state_arrays(trainer.model)
+        with pytest.raises(CheckpointLockedError) as error:
+            fit(trainer, directory)
+        message = str(error.value)
+        assert f"held by process {child} (" in message
+        assert f"names process {parent}, which has ended" in message
+        assert_untouched(trainer, before)
+    finally:
+        os.kill(child, signal.SIGKILL)
+    for _ in range(600):  # the kernel drops the lock once the child is reaped by init
+        try:
+            with Checkpointer(directory) as checkpointer:
+                checkpointer.lock()
+            break
+        except CheckpointLockedError:
+            time.sleep(0.05)
+    fit(new_trainer(), directory)
+    assert all_steps(directory) == [4]
