@@ -82,7 +82,21 @@ def remove_leftovers(path: pathlib.Path) -> None:
         return
     for entry in os.scandir(path):
         if entry.name.endswith((TMP_SUFFIX, DELETING_SUFFIX)):
-            shutil.rmtree(entry.path, ignore_errors=True)
+            with contextlib.suppress(OSError):  # tried again at the next run's first save
+                remove(pathlib.Path(entry.path))
+
+
+def remove(entry: pathlib.Path) -> None:
+    """Removes ``entry`` if it exists: a symbolic link (or a file) as itself, never what it
+    points to; a folder with everything in it (``shutil.rmtree`` unlinks the links inside)."""
+    try:
+        info = os.lstat(entry)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        shutil.rmtree(entry)
+    else:
+        os.unlink(entry)
 
 
 def _fsync(path: pathlib.Path) -> None:
@@ -109,8 +123,7 @@ def write(
     files)`` of the model state's orbax item (``_orbax_item.write_item``), or None."""
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / f"{step}{TMP_SUFFIX}"
-    if tmp.exists():  # a save of this step killed mid-way: replaced, not an obstacle
-        shutil.rmtree(tmp)
+    remove(tmp)  # a save of this step killed mid-way: replaced, not an obstacle
     tmp.mkdir()
     # The item's store commits in tensorstore's threads while arrays.bin is written here.
     finish_item = None if item is None else _orbax_item.write_item(tmp / ITEM, *item)
@@ -254,12 +267,25 @@ def read_log(path: pathlib.Path, start: int, end: int) -> bytes:
 
 
 def delete(path: pathlib.Path, step: int) -> None:
-    """Deletes checkpoint ``step`` (either storage) so that it stops listing at once."""
+    """Deletes checkpoint ``step`` (either storage) so that it stops listing at once. A step
+    folder that is a symbolic link is removed as a link: what it points to stays.
+
+    Raises:
+      OSError: it could not be deleted; the message names it (the errno is the system's).
+    """
     doomed = path / f"{step}{DELETING_SUFFIX}"
-    if doomed.exists():
-        shutil.rmtree(doomed)
-    os.rename(path / str(step), doomed)
-    shutil.rmtree(doomed)
+    try:
+        remove(doomed)
+        os.rename(path / str(step), doomed)
+        remove(doomed)
+    except OSError as error:
+        raise OSError(
+            error.errno,
+            f"could not delete checkpoint {step} of {path} ({path / str(step)}, renamed "
+            f"{doomed.name} while deleted): {error.strerror or error}. The newer "
+            f"checkpoints are on disk: make it deletable (or delete it), then resume",
+            str(path / str(step)),
+        ) from error
 
 
 def keep_newest(path: pathlib.Path, max_to_keep: int) -> None:

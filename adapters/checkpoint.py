@@ -301,10 +301,12 @@ class Checkpointer:
         self.lock()
         # One write at a time, in order: the previous one finishes before this one starts.
         self.wait()
-        manager = None if own_files else self._orbax_manager()
         if self._steps is None:
             self._steps = _files.finished_steps(self.path)
         steps = self._steps
+        if not own_files:
+            self._unlink_linked_steps([*steps, step][: -self.max_to_keep])
+        manager = None if own_files else self._orbax_manager()
         if step in steps and replace:
             if manager is not None:
                 manager.delete(step)
@@ -335,6 +337,17 @@ class Checkpointer:
             self._write_orbax(manager, step, manifest, buffers, layout.packs, tree.get("state"))
         self._steps = [*steps, step][-self.max_to_keep :]  # what max_to_keep will leave
         return self.path / str(step)
+
+    def _unlink_linked_steps(self, doomed: list[int]) -> None:
+        """Removes the step folders among ``doomed`` (those orbax's ``max_to_keep`` deletes
+        after the next save) that are symbolic links, as links: orbax would fail on them
+        (``rmtree`` of a link) after the save, and must never delete what they point to."""
+        if jax.process_index() != 0:
+            return
+        for old in doomed:
+            if (self.path / str(old)).is_symlink():
+                _files.delete(self.path, old)
+                self._steps.remove(old)
 
     def _write_files(
         self, step: int, manifest: dict[str, Any], buffers: dict, item: Any, log: bytes

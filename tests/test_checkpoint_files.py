@@ -40,8 +40,8 @@ def new_trainer() -> Trainer:
     return Trainer(MLP(rngs=nnx.Rngs(0)), TX, xent)
 
 
-def fit(trainer: Trainer, directory: pathlib.Path, epochs: int = 1, **options) -> None:
-    trainer.fit(DATA, epochs=epochs, batch_size=BATCH, seed=0, checkpoint_dir=directory,
+def fit(trainer: Trainer, directory: pathlib.Path, epochs: int = 1, **options):
+    return trainer.fit(DATA, epochs=epochs, batch_size=BATCH, seed=0, checkpoint_dir=directory,
                 progress=False, **options)  # fmt: skip
 
 
@@ -195,3 +195,82 @@ def test_a_lock_kept_by_a_child_of_a_killed_run_names_that_child(tmp_path):
             time.sleep(0.05)
     fit(new_trainer(), directory)
     assert all_steps(directory) == [4]
+
+
+# -- item 6: a step folder that is a symbolic link --------------------------------------------
+
+
+def test_an_old_step_folder_that_is_a_link_is_removed_as_a_link(tmp_path):
+    """A user keeps checkpoint 4 elsewhere and links it into the run's directory; the run
+    resumed to 5 epochs deletes the link (max_to_keep=3), never what it points to, loses no
+    save and leaves nothing behind: the same as the same resume on a directory of its own."""
+    directory, reference, kept = tmp_path / "run", tmp_path / "reference", tmp_path / "kept"
+    for where in (directory, reference):
+        fit(new_trainer(), where)
+    (directory / "4").rename(kept)
+    (directory / "4").symlink_to(kept)
+    kept_before = snapshot(kept)
+
+    resumed, straight = new_trainer(), new_trainer()
+    history = fit(resumed, directory, epochs=5, resume=True)
+    want = fit(straight, reference, epochs=5, resume=True)
+    assert all_steps(directory) == all_steps(reference) == [12, 16, 20]
+    assert sorted(os.listdir(directory)) == sorted(os.listdir(reference))  # no *-deleting
+    assert snapshot(kept) == kept_before  # the link's target is whole
+    for a, b in zip(state_arrays(resumed.model), state_arrays(straight.model), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(history.losses, want.losses)
+
+
+def test_replacing_a_step_that_is_a_link_replaces_the_link(tmp_path):
+    directory, kept = tmp_path / "run", tmp_path / "kept"
+    save_checkpoint(directory, 3, {"meta": {"step": 3}})
+    (directory / "3").rename(kept)
+    (directory / "3").symlink_to(kept)
+    kept_before = snapshot(kept)
+    save_checkpoint(directory, 3, {"meta": {"step": 30}}, replace=True)
+    assert not (directory / "3").is_symlink() and all_steps(directory) == [3]
+    assert snapshot(kept) == kept_before
+
+
+def test_a_checkpoint_that_cannot_be_deleted_is_named_and_the_new_one_is_kept(
+    tmp_path, monkeypatch
+):
+    import errno
+    import shutil
+
+    from nnxscan.adapters import _checkpoint_files
+
+    directory = tmp_path / "run"
+    save_checkpoint(directory, 1, {"meta": {"step": 1}})
+    real = shutil.rmtree
+
+    def busy(path, *args, **kwargs):
+        if pathlib.Path(path).name.startswith("1."):
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(_checkpoint_files.shutil, "rmtree", busy)
+    with pytest.raises(OSError, match=rf"could not delete checkpoint 1 of {directory} ") as error:
+        save_checkpoint(directory, 2, {"meta": {"step": 2}}, max_to_keep=1)
+    assert error.value.errno == errno.EBUSY
+    assert error.value.filename == str(directory / "1")
+    assert all_steps(directory) == [2]  # the due save is on disk
+    monkeypatch.undo()
+    save_checkpoint(directory, 3, {"meta": {"step": 3}}, max_to_keep=1)  # cleans up after
+    assert sorted(os.listdir(directory)) == [".nnxscan-lock", "3"]
+
+
+def test_orbax_storage_removes_an_old_step_that_is_a_link_as_a_link(tmp_path):
+    import jax.numpy as jnp
+
+    directory, kept = tmp_path / "run", tmp_path / "kept"
+    save_checkpoint(directory, 1, {"state": {"w": jnp.ones(3)}}, storage="orbax")
+    (directory / "1").rename(kept)
+    (directory / "1").symlink_to(kept)
+    kept_before = snapshot(kept)
+    for step in (2, 3, 4):  # max_to_keep=3: the link goes with the save of 4
+        save_checkpoint(directory, step, {"state": {"w": jnp.ones(3)}}, storage="orbax")
+    assert all_steps(directory) == [2, 3, 4]
+    assert sorted(os.listdir(directory)) == [".nnxscan-lock", "2", "3", "4"]
+    assert snapshot(kept) == kept_before
