@@ -83,10 +83,11 @@ importing it configures absl logging on the root logger.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import pathlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -233,7 +234,8 @@ class Checkpointer:
     def wait(self) -> None:
         """Returns once the save in flight (if any) is on disk; re-raises its failure."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            with self._disk_errors("the checkpoint in flight was not written"):
+                self._manager.wait_until_finished()
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
             try:
@@ -393,9 +395,22 @@ class Checkpointer:
             items["state"] = ocp.args.StandardSave(state)
         # force: the step checks of save() replace orbax's save-interval policy. With async
         # checkpointing this returns once the arrays are on the host.
-        manager.save(step, args=ocp.args.Composite(**items), force=True)
-        if not self.asynchronous:
-            manager.wait_until_finished()
+        with self._disk_errors(f"checkpoint {step} was not written"):
+            manager.save(step, args=ocp.args.Composite(**items), force=True)
+            if not self.asynchronous:
+                manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _disk_errors(self, what: str) -> Iterator[None]:
+        """tensorstore's errors from orbax's writes (``ValueError: RESOURCE_EXHAUSTED ...``)
+        as the ``OSError`` users catch, naming the directory (``_files.disk_error``)."""
+        try:
+            yield
+        except ValueError as error:
+            translated = _files.disk_error(error, self.path, what)
+            if translated is error:
+                raise
+            raise translated from error
 
     def close(self) -> None:
         """Waits for the save in flight, writes what was appended to the run log since,

@@ -274,3 +274,111 @@ def test_orbax_storage_removes_an_old_step_that_is_a_link_as_a_link(tmp_path):
     assert all_steps(directory) == [2, 3, 4]
     assert sorted(os.listdir(directory)) == [".nnxscan-lock", "2", "3", "4"]
     assert snapshot(kept) == kept_before
+
+
+# -- item 8: a full disk ----------------------------------------------------------------------
+
+# What tensorstore raises when the disk fills up under the model state's orbax item (seen on
+# a 256 KiB tmpfs, the step and hashes aside).
+_TENSORSTORE_DISK_FULL = (
+    'RESOURCE_EXHAUSTED: Error writing "l1.kernel/.zarray" in OCDBT database at local file '
+    '"{item}/": Failed writing: "{item}/d/b67a0dffa00fb59f08b2b3a8c659c4fc.__lock": Failed '
+    "to write 21948 bytes to file 4: No space left on device [os_error_code='28']"
+)
+
+
+def test_a_full_disk_while_the_state_item_is_written_is_an_oserror_and_loses_nothing(
+    tmp_path, monkeypatch
+):
+    """The third save's state/ write fails as tensorstore fails on a full disk: fit raises an
+    OSError (ENOSPC) naming the directory; the checkpoints before are the files they were,
+    nothing of the failed one is left, and resuming once there is space ends as the run
+    never interrupted."""
+    import errno
+
+    from nnxscan.adapters import _orbax_item
+
+    directory, reference = tmp_path / "run", tmp_path / "reference"
+    fit(new_trainer(), directory, epochs=2)
+    before = snapshot(directory)
+    real = _orbax_item.write_item
+
+    def disk_full(path, *args):
+        finish = real(path, *args)
+
+        def failed():
+            finish()
+            raise ValueError(_TENSORSTORE_DISK_FULL.format(item=path))
+
+        return failed
+
+    monkeypatch.setattr(_orbax_item, "write_item", disk_full)
+    with pytest.raises(OSError, match=rf"No space left on device in checkpoint directory "
+                       rf"{directory}: checkpoint 12 was not written") as error:  # fmt: skip
+        fit(new_trainer(), directory, epochs=4, resume=True)
+    assert error.value.errno == errno.ENOSPC and error.value.filename == str(directory)
+    after = snapshot(directory)
+    log = "history.jsonl"
+    assert after[log][1].startswith(before[log][1])  # only appended to (cut at resume)
+    assert {k: v for k, v in after.items() if k != log} == {
+        k: v for k, v in before.items() if k != log
+    }  # checkpoints 4 and 8 as they were; no 12, no 12.nnxscan-tmp
+    monkeypatch.undo()
+    resumed, straight = new_trainer(), new_trainer()
+    history = fit(resumed, directory, epochs=4, resume=True)
+    want = fit(straight, reference, epochs=4)
+    assert all_steps(directory) == all_steps(reference) == [8, 12, 16]
+    for a, b in zip(state_arrays(resumed.model), state_arrays(straight.model), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(history.losses, want.losses)
+
+
+_FILL_A_TINY_DISK = textwrap.dedent(
+    """
+    import errno, sys
+    import numpy as np
+    from nnxscan.adapters.checkpoint import all_steps, restore_checkpoint, save_checkpoint
+
+    directory, storage = sys.argv[1], sys.argv[2]
+    small = {"state": {"w": np.arange(10, dtype=np.float32)}}
+    save_checkpoint(directory, 0, small, storage=storage)
+    big = np.random.default_rng(0).normal(size=60_000).astype(np.float32)  # 240 kB
+    try:
+        save_checkpoint(directory, 1, {"state": {"w": big}}, storage=storage)
+    except OSError as error:
+        assert error.errno == errno.ENOSPC, error
+        assert error.filename == directory and directory in str(error), error
+    else:
+        raise AssertionError("the save of 240 kB on a 256 kB disk succeeded")
+    assert all_steps(directory) == [0]
+    tree, step = restore_checkpoint(directory, small)
+    np.testing.assert_array_equal(tree["state"]["w"], small["state"]["w"])
+    print("ok", flush=True)
+    """
+)
+
+
+def _can_mount_a_tmpfs() -> bool:
+    try:
+        done = subprocess.run(["unshare", "-r", "-m", "mount", "-t", "tmpfs", "tmpfs", "/mnt"],
+                              capture_output=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.slow  # another process, on a real (tiny) full disk
+@pytest.mark.parametrize("storage", ["auto", "orbax"])
+def test_a_really_full_disk_is_an_oserror_with_the_earlier_checkpoint_intact(tmp_path, storage):
+    if not _can_mount_a_tmpfs():
+        pytest.skip("no user namespace here to mount a tiny tmpfs in (unshare -r -m)")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    script = tmp_path / "fill.py"
+    script.write_text(_FILL_A_TINY_DISK)
+    command = (f"mount -t tmpfs -o size=256k tmpfs {mount} && "
+               f"exec {sys.executable} {script} {mount / 'run'} {storage}")  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(["unshare", "-r", "-m", "sh", "-c", command], capture_output=True,
+                          text=True, timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
