@@ -202,8 +202,9 @@ class Checkpointer:
         (every process writes its shards into the same directory).
 
         Raises:
-          CheckpointLockedError: another writer holds the directory.
-          ValueError: the path is a file, or not writable.
+          CheckpointLockedError: another writer holds the directory (the holder named).
+          ValueError: the path is a file, or not writable; or its lock file is a symbolic
+            link, a hard link or not a regular file (never written through).
         """
         if self._locked:
             return
@@ -469,6 +470,10 @@ def save_checkpoint(
       TypeError: a leaf of another type (its path is named).
       FileExistsError: checkpoint ``step`` already exists (and not ``replace``).
       ValueError: ``step`` is older than the latest checkpoint, or not a non-negative int.
+      OSError: the write failed; a full disk is errno ENOSPC naming the directory (also
+        when tensorstore raised it as a ValueError), with the earlier checkpoints intact.
+        A checkpoint ``max_to_keep`` could not delete is named (step folders that are
+        symbolic links are removed as links).
 
     Example:
       >>> tree = {"state": nnx.state(model), "opt_state": opt_state,
@@ -555,6 +560,7 @@ def restore_checkpoint(
     *,
     step: int | None = None,
     fallback: bool = False,
+    check_item: bool = False,
 ) -> tuple[dict[str, Any], int]:
     """Restores the latest (or the given) checkpoint into the structure of ``like``.
 
@@ -577,6 +583,11 @@ def restore_checkpoint(
       step: the checkpoint to restore; ``None`` picks the latest.
       fallback: with ``step=None``, skip corrupt checkpoints (newest first, each with a
         warning) and restore the newest good one (see :func:`newest_good`).
+      check_item: also read the checkpoint's ``state/`` item — the copy of the model state
+        that Flax's own ``StandardCheckpointer`` restores, checking nothing — and refuse the
+        checkpoint (:class:`CorruptCheckpointError`) unless it holds exactly the restored,
+        verified ``state`` (``like`` must have a ``"state"`` entry). Costs a second read of
+        the model state; ``load_model`` does it.
 
     Returns:
       ``(tree, step)``: the restored tree, in ``like``'s structure (Variables and optax
@@ -610,9 +621,15 @@ def restore_checkpoint(
 
     template = _read.template_of(like, pairs, wanted)
 
+    if check_item and "state" not in like:
+        raise ValueError("check_item=True checks the model state: like needs a 'state' entry")
+
     def read(step: int) -> dict[str, Any]:
         matched, arrays = _read.read(path / str(step), template)
-        return jax.tree.unflatten(treedef, _read.rebuild(matched, arrays))
+        tree = jax.tree.unflatten(treedef, _read.rebuild(matched, arrays))
+        if check_item:
+            _read.check_item(path / str(step), tree["state"])
+        return tree
 
     if fallback and step is None:
         tree, step, _ = newest_good(path, read)
