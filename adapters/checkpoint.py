@@ -94,9 +94,10 @@ import jax
 
 from nnxscan.adapters import _checkpoint_files as _files
 from nnxscan.adapters import _checkpoint_layout as _layout
+from nnxscan.adapters import _checkpoint_lock as _lock
 from nnxscan.adapters import _checkpoint_manifest as _manifest
 from nnxscan.adapters import _checkpoint_read as _read
-from nnxscan.adapters._checkpoint_files import CheckpointLockedError
+from nnxscan.adapters._checkpoint_lock import CheckpointLockedError
 from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
 from nnxscan.pure.checks import check_count
 
@@ -210,7 +211,7 @@ class Checkpointer:
             return
         _files.check_directory(self.path)
         if jax.process_index() == 0:
-            self._lock = _files.lock(self.path)
+            self._lock = _lock.lock(self.path)
         self._locked = True
 
     def _orbax_manager(self) -> Any:
@@ -429,7 +430,7 @@ class Checkpointer:
                 thread, self._thread = self._thread, None
                 thread.shutdown(wait=True)
             lock, self._lock, self._locked = self._lock, None, False
-            _files.unlock(lock)
+            _lock.unlock(lock)
 
     def __enter__(self) -> Checkpointer:
         return self
