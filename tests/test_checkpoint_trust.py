@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -211,6 +212,10 @@ CRAFTED = {
     "negative_epoch": (_set_leaf("['meta']['epoch']", value=-5), r"\['epoch'\] is -5"),
     "negative_step": (_set_leaf("['meta']['step']", value=-5), r"\['step'\] is -5"),
     "leaf_listed_twice": (_listed_twice, "listed twice"),
+    "leaf_offset_inside_another_leaf": (
+        lambda r: leaf(r, MU).update(offset=leaf(r, KERNEL)["offset"] + 1),
+        "overlap",
+    ),
     "wrong_crc": (_set_buffer(crc32="00000000"), "crc32"),
 }
 
@@ -227,6 +232,25 @@ def test_a_crafted_manifest_is_refused_before_anything_changes(copy, case, tmp_p
         assert f"{copy} step 12" in str(error.value)
     assert_untouched(trainer, before)
     assert not (tmp_path.parent / "x").exists() and not (copy.parent / "x").exists()
+
+
+def test_a_sharded_storage_manifest_whose_leaf_overlaps_another_is_refused(tmp_path):
+    """orbax's storage (what sharded arrays are written through) validates its manifest by
+    the same rules: a crafted element offset inside another leaf's elements loaded that
+    leaf's values silently before. Reference: the arrays saved."""
+    model = BNDropout(rngs=nnx.Rngs(3))
+    save_checkpoint(tmp_path, 5, {"state": nnx.state(model)}, storage="orbax")
+    metadata = tmp_path / "5" / "manifest" / "metadata"
+    record = json.loads(metadata.read_text())
+    kernel, bias = (leaf(record, f"['state']['{n}']") for n in ("l1']['kernel", "l2']['bias"))
+    assert kernel["buffer"] == bias["buffer"]
+    bias["offset"] = kernel["offset"] + 1
+    metadata.write_text(json.dumps(record))
+    like = {"state": nnx.split(nnx.eval_shape(lambda: BNDropout(rngs=nnx.Rngs(0))))[1]}
+    bias_path, kernel_path = (re.escape(str(p)) for p in (bias["path"], kernel["path"]))
+    overlap = rf"step 5: leaf {bias_path}: its elements .* overlap those of leaf {kernel_path}"
+    with pytest.raises(CorruptCheckpointError, match=overlap):
+        restore_checkpoint(tmp_path, like)
 
 
 def test_a_checkpoint_without_checksums_from_an_older_nnxscan_still_restores(copy, run):
