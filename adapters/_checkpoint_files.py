@@ -33,11 +33,13 @@ recorded (what a killed process appended after its last finished checkpoint).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import pathlib
 import re
 import shutil
-import socket
+import stat
 import zlib
 from typing import Any
 
@@ -80,7 +82,21 @@ def remove_leftovers(path: pathlib.Path) -> None:
         return
     for entry in os.scandir(path):
         if entry.name.endswith((TMP_SUFFIX, DELETING_SUFFIX)):
-            shutil.rmtree(entry.path, ignore_errors=True)
+            with contextlib.suppress(OSError):  # tried again at the next run's first save
+                remove(pathlib.Path(entry.path))
+
+
+def remove(entry: pathlib.Path) -> None:
+    """Removes ``entry`` if it exists: a symbolic link (or a file) as itself, never what it
+    points to; a folder with everything in it (``shutil.rmtree`` unlinks the links inside)."""
+    try:
+        info = os.lstat(entry)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        shutil.rmtree(entry)
+    else:
+        os.unlink(entry)
 
 
 def _fsync(path: pathlib.Path) -> None:
@@ -104,16 +120,53 @@ def write(
     runs (``_checkpoint_layout.fill`` makes copies, never views of device buffers), packed into
     ``arrays.bin``, each on a 64-byte boundary, its crc32 in the manifest (which carries
     its own: :func:`_checkpoint_manifest.dumps_checked`). ``item``: ``(leaves, arrays,
-    files)`` of the model state's orbax item (``_orbax_item.write_item``), or None."""
-    path.mkdir(parents=True, exist_ok=True)
+    files)`` of the model state's orbax item (``_orbax_item.write_item``), or None.
+
+    A failed write removes ``<step>.nnxscan-tmp`` (what it held is freed) and leaves every
+    finished checkpoint as it was.
+
+    Raises:
+      OSError: the disk is full (errno ENOSPC), or another error of the system's, named by
+        errno, from tensorstore (which raises ValueError) or from Python's own writes; the
+        message names the directory and the step (see :func:`disk_error`).
+    """
     tmp = path / f"{step}{TMP_SUFFIX}"
-    if tmp.exists():  # a save of this step killed mid-way: replaced, not an obstacle
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    # The item's store commits in tensorstore's threads while arrays.bin is written here.
-    finish_item = None if item is None else _orbax_item.write_item(tmp / ITEM, *item)
-    placed, written = {}, [tmp / DATA]
-    with open(tmp / DATA, "wb") as file:
+    finish_item = None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        remove(tmp)  # a save of this step killed mid-way: replaced, not an obstacle
+        tmp.mkdir()
+        # The item's store commits in tensorstore's threads while arrays.bin is written here.
+        finish_item = None if item is None else _orbax_item.write_item(tmp / ITEM, *item)
+        placed, written = _write_data(tmp / DATA, buffers), [tmp / DATA]
+        text = _manifest.dumps_checked({**manifest, "buffers": placed})
+        written.append(_write_file(tmp / MANIFEST, text))  # one write, not dozens
+        if finish_item is not None:
+            written += finish_item()
+        # Every file and folder reaches the disk before the rename makes it a checkpoint.
+        for written_path in (*written, tmp):
+            _fsync(written_path)
+        final = path / str(step)
+        os.rename(tmp, final)
+        _fsync(path)
+    except BaseException as error:
+        if finish_item is not None:  # tensorstore's threads are done with tmp first
+            with contextlib.suppress(Exception):
+                finish_item()
+        with contextlib.suppress(OSError):
+            remove(tmp)
+        translated = disk_error(error, path, f"checkpoint {step} was not written")
+        if translated is error:
+            raise
+        raise translated from error
+    return final
+
+
+def _write_data(where: pathlib.Path, buffers: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Writes the buffers into ``arrays.bin``, each on a 64-byte boundary; returns each one's
+    record (offset, dtype, size, crc32)."""
+    placed = {}
+    with open(where, "wb") as file:
         offset = 0
         for name, buffer in buffers.items():
             padding = -offset % _ALIGN
@@ -125,17 +178,42 @@ def write(
                             "crc32": f"{zlib.crc32(data):08x}"}  # fmt: skip
             file.write(data)
             offset += buffer.nbytes
-    text = _manifest.dumps_checked({**manifest, "buffers": placed})
-    written.append(_write_file(tmp / MANIFEST, text))  # one write, not dozens
-    if finish_item is not None:
-        written += finish_item()
-    # Every file and folder reaches the disk before the rename makes it a checkpoint.
-    for written_path in (*written, tmp):
-        _fsync(written_path)
-    final = path / str(step)
-    os.rename(tmp, final)
-    _fsync(path)
-    return final
+    return placed
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_error(error: BaseException, path: pathlib.Path, what: str) -> BaseException:
+    """The error to raise for ``error``, met writing into checkpoint directory ``path``.
+
+    A full disk (or quota) is an ``OSError`` with errno ENOSPC (EDQUOT) that names the
+    directory, whether Python's own write raised it (without a path) or tensorstore
+    (``ValueError: RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']``);
+    any other system error tensorstore reports becomes an ``OSError`` of its errno. Every
+    other error is returned as it is."""
+    code = None
+    if isinstance(error, OSError) and error.errno in _DISK_FULL:
+        code = error.errno
+    elif isinstance(error, ValueError):  # tensorstore's
+        found = _OS_ERROR_CODE.search(str(error))
+        if found is not None:
+            code = int(found[1])
+        elif "No space left on device" in str(error):
+            code = errno.ENOSPC
+    if code is None:
+        return error
+    if code in _DISK_FULL:
+        advice = "Free some space there (or give the run another directory), then resume"
+    else:
+        advice = f"The system said: {error}"
+    return OSError(
+        code,
+        f"{os.strerror(code)} in checkpoint directory {path}: {what}; the checkpoints "
+        f"written before are intact. {advice}",
+        str(path),
+    )
 
 
 def _write_file(where: pathlib.Path, content: bytes) -> pathlib.Path:
@@ -214,15 +292,21 @@ def log_size(path: pathlib.Path) -> int:
 def append_log(path: pathlib.Path, data: bytes) -> None:
     """Appends ``data`` to the run log and fsyncs it (and the directory, when the log is
     new): on disk before the checkpoint written next refers to it."""
-    path.mkdir(parents=True, exist_ok=True)
-    log = path / LOG
-    new = not log.exists()
-    with open(log, "ab") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    if new:
-        _fsync(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        log = path / LOG
+        new = not log.exists()
+        with open(log, "ab") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        if new:
+            _fsync(path)
+    except OSError as error:  # a torn line is cut off by the next resume
+        translated = disk_error(error, path, f"the run log {LOG} was not appended to")
+        if translated is error:
+            raise
+        raise translated from error
 
 
 def truncate_log(path: pathlib.Path, size: int) -> None:
@@ -252,12 +336,25 @@ def read_log(path: pathlib.Path, start: int, end: int) -> bytes:
 
 
 def delete(path: pathlib.Path, step: int) -> None:
-    """Deletes checkpoint ``step`` (either storage) so that it stops listing at once."""
+    """Deletes checkpoint ``step`` (either storage) so that it stops listing at once. A step
+    folder that is a symbolic link is removed as a link: what it points to stays.
+
+    Raises:
+      OSError: it could not be deleted; the message names it (the errno is the system's).
+    """
     doomed = path / f"{step}{DELETING_SUFFIX}"
-    if doomed.exists():
-        shutil.rmtree(doomed)
-    os.rename(path / str(step), doomed)
-    shutil.rmtree(doomed)
+    try:
+        remove(doomed)
+        os.rename(path / str(step), doomed)
+        remove(doomed)
+    except OSError as error:
+        raise OSError(
+            error.errno,
+            f"could not delete checkpoint {step} of {path} ({path / str(step)}, renamed "
+            f"{doomed.name} while deleted): {error.strerror or error}. The newer "
+            f"checkpoints are on disk: make it deletable (or delete it), then resume",
+            str(path / str(step)),
+        ) from error
 
 
 def keep_newest(path: pathlib.Path, max_to_keep: int) -> None:
@@ -278,52 +375,6 @@ def set_aside(path: pathlib.Path, step: int, reason: str) -> pathlib.Path:
     os.rename(path / str(step), target)
     _fsync(path)
     return target
-
-
-class CheckpointLockedError(RuntimeError):
-    """Another process (or another writer in this one) is writing checkpoints into the same
-    directory: two runs on one ``checkpoint_dir`` would mix their steps and run logs."""
-
-
-LOCK = ".nnxscan-lock"
-
-
-def lock(path: pathlib.Path) -> int | None:
-    """Takes the directory's writer lock (an advisory ``flock`` on ``<path>/.nnxscan-lock``,
-    released when the file is closed, or by the kernel when the process dies however it
-    dies); returns its file descriptor (None where ``fcntl`` does not exist, on Windows).
-    The file names the holder (process id and host) for the error a second writer gets.
-
-    Raises:
-      CheckpointLockedError: another open lock holds it, naming the directory and holder.
-    """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows: no advisory locks, no check
-        return None
-    path.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip() or "unknown"
-        os.close(descriptor)
-        raise CheckpointLockedError(
-            f"checkpoint directory {path} is in use by another run ({holder}): two runs "
-            f"writing one directory would mix their checkpoints and run logs. Wait for it "
-            f"to end (or stop it), or give this run another checkpoint_dir."
-        ) from None
-    except BaseException:
-        os.close(descriptor)
-        raise
-    os.ftruncate(descriptor, 0)
-    os.pwrite(descriptor, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-    return descriptor
-
-
-def unlock(descriptor: int | None) -> None:
-    if descriptor is not None:
-        os.close(descriptor)  # releases the flock
 
 
 def check_directory(path: pathlib.Path) -> None:

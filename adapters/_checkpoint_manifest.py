@@ -234,7 +234,30 @@ def validate(
             raise refuse(f"leaf {record.path}", "it is listed twice")
         seen.add(record.path)
         records.append(record)
+    _refuse_overlaps(records, refuse)
     return records, buffers
+
+
+def _refuse_overlaps(records: list[Leaf], refuse: _Refusal) -> None:
+    """Leaves share no element of a buffer: nnxscan packs them one after another, so a
+    leaf whose elements lie inside another's (a crafted offset) would load that other
+    leaf's values silently."""
+    by_buffer: dict[str, list[tuple[int, int, str]]] = {}
+    for record in records:
+        if record.buffer:
+            end = record.offset + _elements(record.data_shape)
+            by_buffer.setdefault(record.buffer, []).append((record.offset, end, record.path))
+    for buffer, spans in by_buffer.items():
+        reached, holder = 0, ""  # the furthest element the leaves so far hold, and whose
+        for start, end, path in sorted(spans):
+            if start < min(end, reached):
+                raise refuse(
+                    f"leaf {path}",
+                    f"its elements [{start}, {end}) overlap those of leaf {holder} (up to "
+                    f"{reached}) in buffer {buffer!r}",
+                )
+            if end > reached:
+                reached, holder = end, path
 
 
 def _legacy_orbax_buffers(leaves: list) -> dict[str, dict[str, Any]]:

@@ -9,6 +9,7 @@ refused as it is read, before any leaf is rebuilt.
 
 from __future__ import annotations
 
+import os
 import pathlib
 from typing import Any, NamedTuple
 
@@ -259,3 +260,54 @@ def read(where: pathlib.Path, template: Template) -> tuple[list, dict[str, Any]]
 
 def rebuild(matched: list, arrays: dict[str, Any]) -> list:
     return [_rebuild_leaf(record, leaf, arrays) for record, leaf in matched]
+
+
+def check_item(where: pathlib.Path, state: Any) -> None:
+    """Refuses a checkpoint whose ``state/`` item — what Flax's own
+    ``StandardCheckpointer().restore(<step>/state, ...)`` reads, and checks nothing of —
+    does not hold exactly ``state``: the model state just read from the checkpoint and
+    verified (crc32s, manifest). Nothing to check when the checkpoint has no item.
+
+    Raises:
+      CorruptCheckpointError: the item is a symbolic link, cannot be read, or holds other
+        values (a flipped bit, another run's item), naming the first differing leaf.
+    """
+    item = where / _files.ITEM
+    if not os.path.lexists(item):
+        return
+
+    def refuse(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"checkpoint {where.parent} step {where.name}: its {_files.ITEM}/ item, what "
+            f"Flax's StandardCheckpointer restores (without any check), {what}. Flax's code "
+            f"would load other weights than the checkpoint's verified ones: restore another "
+            f"checkpoint, or load this one with nnxscan (load_model, Trainer.restore)."
+        )
+
+    if item.is_symlink():
+        raise refuse(f"is a symbolic link (to {os.readlink(item)})")
+    ocp = orbax()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        restored = checkpointer.restore(item, abstract)
+    except Exception as error:  # orbax raises many kinds for a damaged or foreign item
+        raise refuse(f"cannot be read ({type(error).__name__}: {error})") from None
+    finally:
+        checkpointer.close()
+    want = jax.tree_util.tree_flatten_with_path(state)[0]
+    got = jax.tree.leaves(restored)
+    if len(got) != len(want):
+        raise refuse(f"holds {len(got)} arrays where the model state has {len(want)}")
+    for (path, a), b in zip(want, got, strict=True):
+        a, b = _raw_bytes(a), _raw_bytes(b)
+        if a.shape != b.shape or not np.array_equal(a, b):
+            raise refuse(f"holds other values at {jax.tree_util.keystr(path)}")
+
+
+def _raw_bytes(array: Any) -> np.ndarray:
+    """An array's bytes (a PRNG key's raw data), to compare bitwise (NaNs included)."""
+    if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+        array = jax.random.key_data(array)
+    host = np.ascontiguousarray(np.asarray(array))
+    return host.view(np.uint8).reshape(*host.shape, host.dtype.itemsize)

@@ -83,19 +83,21 @@ importing it configures absl logging on the root logger.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import pathlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
 
 from nnxscan.adapters import _checkpoint_files as _files
 from nnxscan.adapters import _checkpoint_layout as _layout
+from nnxscan.adapters import _checkpoint_lock as _lock
 from nnxscan.adapters import _checkpoint_manifest as _manifest
 from nnxscan.adapters import _checkpoint_read as _read
-from nnxscan.adapters._checkpoint_files import CheckpointLockedError
+from nnxscan.adapters._checkpoint_lock import CheckpointLockedError
 from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
 from nnxscan.pure.checks import check_count
 
@@ -201,14 +203,15 @@ class Checkpointer:
         (every process writes its shards into the same directory).
 
         Raises:
-          CheckpointLockedError: another writer holds the directory.
-          ValueError: the path is a file, or not writable.
+          CheckpointLockedError: another writer holds the directory (the holder named).
+          ValueError: the path is a file, or not writable; or its lock file is a symbolic
+            link, a hard link or not a regular file (never written through).
         """
         if self._locked:
             return
         _files.check_directory(self.path)
         if jax.process_index() == 0:
-            self._lock = _files.lock(self.path)
+            self._lock = _lock.lock(self.path)
         self._locked = True
 
     def _orbax_manager(self) -> Any:
@@ -233,7 +236,8 @@ class Checkpointer:
     def wait(self) -> None:
         """Returns once the save in flight (if any) is on disk; re-raises its failure."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            with self._disk_errors("the checkpoint in flight was not written"):
+                self._manager.wait_until_finished()
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
             try:
@@ -301,10 +305,12 @@ class Checkpointer:
         self.lock()
         # One write at a time, in order: the previous one finishes before this one starts.
         self.wait()
-        manager = None if own_files else self._orbax_manager()
         if self._steps is None:
             self._steps = _files.finished_steps(self.path)
         steps = self._steps
+        if not own_files:
+            self._unlink_linked_steps([*steps, step][: -self.max_to_keep])
+        manager = None if own_files else self._orbax_manager()
         if step in steps and replace:
             if manager is not None:
                 manager.delete(step)
@@ -335,6 +341,17 @@ class Checkpointer:
             self._write_orbax(manager, step, manifest, buffers, layout.packs, tree.get("state"))
         self._steps = [*steps, step][-self.max_to_keep :]  # what max_to_keep will leave
         return self.path / str(step)
+
+    def _unlink_linked_steps(self, doomed: list[int]) -> None:
+        """Removes the step folders among ``doomed`` (those orbax's ``max_to_keep`` deletes
+        after the next save) that are symbolic links, as links: orbax would fail on them
+        (``rmtree`` of a link) after the save, and must never delete what they point to."""
+        if jax.process_index() != 0:
+            return
+        for old in doomed:
+            if (self.path / str(old)).is_symlink():
+                _files.delete(self.path, old)
+                self._steps.remove(old)
 
     def _write_files(
         self, step: int, manifest: dict[str, Any], buffers: dict, item: Any, log: bytes
@@ -380,9 +397,22 @@ class Checkpointer:
             items["state"] = ocp.args.StandardSave(state)
         # force: the step checks of save() replace orbax's save-interval policy. With async
         # checkpointing this returns once the arrays are on the host.
-        manager.save(step, args=ocp.args.Composite(**items), force=True)
-        if not self.asynchronous:
-            manager.wait_until_finished()
+        with self._disk_errors(f"checkpoint {step} was not written"):
+            manager.save(step, args=ocp.args.Composite(**items), force=True)
+            if not self.asynchronous:
+                manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _disk_errors(self, what: str) -> Iterator[None]:
+        """tensorstore's errors from orbax's writes (``ValueError: RESOURCE_EXHAUSTED ...``)
+        as the ``OSError`` users catch, naming the directory (``_files.disk_error``)."""
+        try:
+            yield
+        except ValueError as error:
+            translated = _files.disk_error(error, self.path, what)
+            if translated is error:
+                raise
+            raise translated from error
 
     def close(self) -> None:
         """Waits for the save in flight, writes what was appended to the run log since,
@@ -400,7 +430,7 @@ class Checkpointer:
                 thread, self._thread = self._thread, None
                 thread.shutdown(wait=True)
             lock, self._lock, self._locked = self._lock, None, False
-            _files.unlock(lock)
+            _lock.unlock(lock)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -441,6 +471,10 @@ def save_checkpoint(
       TypeError: a leaf of another type (its path is named).
       FileExistsError: checkpoint ``step`` already exists (and not ``replace``).
       ValueError: ``step`` is older than the latest checkpoint, or not a non-negative int.
+      OSError: the write failed; a full disk is errno ENOSPC naming the directory (also
+        when tensorstore raised it as a ValueError), with the earlier checkpoints intact.
+        A checkpoint ``max_to_keep`` could not delete is named (step folders that are
+        symbolic links are removed as links).
 
     Example:
       >>> tree = {"state": nnx.state(model), "opt_state": opt_state,
@@ -527,6 +561,7 @@ def restore_checkpoint(
     *,
     step: int | None = None,
     fallback: bool = False,
+    check_item: bool = False,
 ) -> tuple[dict[str, Any], int]:
     """Restores the latest (or the given) checkpoint into the structure of ``like``.
 
@@ -549,6 +584,11 @@ def restore_checkpoint(
       step: the checkpoint to restore; ``None`` picks the latest.
       fallback: with ``step=None``, skip corrupt checkpoints (newest first, each with a
         warning) and restore the newest good one (see :func:`newest_good`).
+      check_item: also read the checkpoint's ``state/`` item — the copy of the model state
+        that Flax's own ``StandardCheckpointer`` restores, checking nothing — and refuse the
+        checkpoint (:class:`CorruptCheckpointError`) unless it holds exactly the restored,
+        verified ``state`` (``like`` must have a ``"state"`` entry). Costs a second read of
+        the model state; ``load_model`` does it.
 
     Returns:
       ``(tree, step)``: the restored tree, in ``like``'s structure (Variables and optax
@@ -582,9 +622,15 @@ def restore_checkpoint(
 
     template = _read.template_of(like, pairs, wanted)
 
+    if check_item and "state" not in like:
+        raise ValueError("check_item=True checks the model state: like needs a 'state' entry")
+
     def read(step: int) -> dict[str, Any]:
         matched, arrays = _read.read(path / str(step), template)
-        return jax.tree.unflatten(treedef, _read.rebuild(matched, arrays))
+        tree = jax.tree.unflatten(treedef, _read.rebuild(matched, arrays))
+        if check_item:
+            _read.check_item(path / str(step), tree["state"])
+        return tree
 
     if fallback and step is None:
         tree, step, _ = newest_good(path, read)

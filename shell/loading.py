@@ -6,7 +6,9 @@ so does :func:`load_model`, from any checkpoint a ``Trainer`` (``fit`` with a
 wrote: it reads the model state alone (the optimizer state and counters stay unread), checked
 as every restore is (manifest, crc32s, shapes), and builds a new module from it. Flax's own
 ``ocp.StandardCheckpointer().restore(<checkpoint_dir>/<step>/state, abstract_state)`` reads
-the same state (see docs/checkpoints.md).
+the same state from the checkpoint's ``state/`` item but checks nothing; ``load_model``
+also checks that item holds exactly the verified arrays, so a checkpoint it accepts is one
+Flax's restore loads as saved (see docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -30,14 +32,19 @@ def load_model(
       step: the checkpoint to load; None: the newest good one (a damaged newer one is
         skipped with a warning).
 
+    The checkpoint's ``state/`` item (what Flax's ``StandardCheckpointer`` restores,
+    verifying nothing) is read too and must hold exactly the verified model state: a
+    flipped bit there, another checkpoint's item or a symbolic link makes the checkpoint
+    damaged.
+
     Returns:
       A new module: ``model``'s graph with the checkpoint's state (parameters, batch
       statistics, RNG state), every array on the default device.
 
     Raises:
       FileNotFoundError: no such directory or checkpoint.
-      CorruptCheckpointError: (a ValueError) the checkpoint is damaged (``step`` given), or
-        every checkpoint is.
+      CorruptCheckpointError: (a ValueError) the checkpoint is damaged, its ``state/``
+        item included (``step`` given), or every checkpoint is.
       ValueError: the checkpoint's model does not fit ``model`` (the first differing path
         and both shapes are named).
 
@@ -54,5 +61,7 @@ def load_model(
             f"{type(model).__name__}."
         )
     graphdef, state = nnx.split(model)
-    tree, _ = restore_checkpoint(directory, {"state": state}, step=step, fallback=step is None)
+    tree, _ = restore_checkpoint(
+        directory, {"state": state}, step=step, fallback=step is None, check_item=True
+    )
     return nnx.merge(graphdef, tree["state"])

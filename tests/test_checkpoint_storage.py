@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from nnxscan.adapters import _checkpoint_files, _checkpoint_layout
-from nnxscan.adapters._checkpoint_files import LOCK
+from nnxscan.adapters._checkpoint_lock import LOCK
 from nnxscan.adapters.checkpoint import (
     Checkpointer,
     CorruptCheckpointError,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -211,6 +212,10 @@ CRAFTED = {
     "negative_epoch": (_set_leaf("['meta']['epoch']", value=-5), r"\['epoch'\] is -5"),
     "negative_step": (_set_leaf("['meta']['step']", value=-5), r"\['step'\] is -5"),
     "leaf_listed_twice": (_listed_twice, "listed twice"),
+    "leaf_offset_inside_another_leaf": (
+        lambda r: leaf(r, MU).update(offset=leaf(r, KERNEL)["offset"] + 1),
+        "overlap",
+    ),
     "wrong_crc": (_set_buffer(crc32="00000000"), "crc32"),
 }
 
@@ -227,6 +232,25 @@ def test_a_crafted_manifest_is_refused_before_anything_changes(copy, case, tmp_p
         assert f"{copy} step 12" in str(error.value)
     assert_untouched(trainer, before)
     assert not (tmp_path.parent / "x").exists() and not (copy.parent / "x").exists()
+
+
+def test_a_sharded_storage_manifest_whose_leaf_overlaps_another_is_refused(tmp_path):
+    """orbax's storage (what sharded arrays are written through) validates its manifest by
+    the same rules: a crafted element offset inside another leaf's elements loaded that
+    leaf's values silently before. Reference: the arrays saved."""
+    model = BNDropout(rngs=nnx.Rngs(3))
+    save_checkpoint(tmp_path, 5, {"state": nnx.state(model)}, storage="orbax")
+    metadata = tmp_path / "5" / "manifest" / "metadata"
+    record = json.loads(metadata.read_text())
+    kernel, bias = (leaf(record, f"['state']['{n}']") for n in ("l1']['kernel", "l2']['bias"))
+    assert kernel["buffer"] == bias["buffer"]
+    bias["offset"] = kernel["offset"] + 1
+    metadata.write_text(json.dumps(record))
+    like = {"state": nnx.split(nnx.eval_shape(lambda: BNDropout(rngs=nnx.Rngs(0))))[1]}
+    bias_path, kernel_path = (re.escape(str(p)) for p in (bias["path"], kernel["path"]))
+    overlap = rf"step 5: leaf {bias_path}: its elements .* overlap those of leaf {kernel_path}"
+    with pytest.raises(CorruptCheckpointError, match=overlap):
+        restore_checkpoint(tmp_path, like)
 
 
 def test_a_checkpoint_without_checksums_from_an_older_nnxscan_still_restores(copy, run):
@@ -455,6 +479,53 @@ def test_flax_guide_restore_code_loads_the_model_of_an_nnxscan_checkpoint(run):
         np.testing.assert_array_equal(got, want)
     key = model.drop.rngs.key[...]
     assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)  # a typed key, as saved
+
+
+def _flip_in_item(item: pathlib.Path, value: np.ndarray) -> None:
+    """Flips a low mantissa bit of ``value``'s second element where the item's store keeps
+    its bytes (the item is uncompressed: its chunk is in one of the store's data files)."""
+    raw = value.tobytes()
+    hits = [f for f in (item / "d").iterdir() if raw in f.read_bytes()]
+    assert len(hits) == 1
+    flip_bit(hits[0], hits[0].read_bytes().index(raw) + 4, 1)
+
+
+@pytest.mark.parametrize("damage", ["flipped_weight_bit", "another_checkpoints_item",
+                                    "link_to_another_item"])  # fmt: skip
+def test_flax_restore_of_the_item_checks_nothing_and_load_model_refuses(copy, run, damage):
+    """What docs/checkpoints.md says: Flax's restore of ``<step>/state`` loads whatever is
+    there; ``load_model`` checks that the item holds the checkpoint's verified arrays,
+    refuses checkpoint 12 and falls back to 8. Reference: the arrays training held."""
+    import orbax.checkpoint as ocp
+
+    _, at_epoch = run
+    item = copy / "12" / "state"
+    abstract_model = nnx.eval_shape(lambda: BNDropout(rngs=nnx.Rngs(0)))
+    abstract_state = nnx.split(abstract_model)[1]
+    if damage == "flipped_weight_bit":
+        kernel = ocp.StandardCheckpointer().restore(item, abstract_state)["l1"]["kernel"][...]
+        _flip_in_item(item, np.asarray(kernel))
+    else:
+        shutil.rmtree(item)
+        if damage == "another_checkpoints_item":
+            shutil.copytree(copy / "8" / "state", item)
+        else:
+            item.symlink_to(copy / "8" / "state")
+    flax_loaded = state_arrays(ocp.StandardCheckpointer().restore(item, abstract_state))
+    differing = [
+        int(np.sum(a != b)) for a, b in zip(flax_loaded, at_epoch[12], strict=True)
+    ]  # silently other weights: one bit of one kernel, or another step's
+    assert sum(differing) == 1 if damage == "flipped_weight_bit" else sum(differing) > 1
+    with pytest.raises(CorruptCheckpointError, match=r"step 12: its state/ item") as error:
+        load_model(copy, abstract_model, step=12)
+    reason = {"flipped_weight_bit": "holds other values at ['l1']['kernel']",
+              "another_checkpoints_item": "holds other values at ['",
+              "link_to_another_item": "is a symbolic link"}[damage]  # fmt: skip
+    assert reason in str(error.value)
+    with pytest.warns(UserWarning, match="skipped checkpoint 12"):
+        model = load_model(copy, abstract_model)  # the newest whose item is whole: 8
+    for got, want in zip(state_arrays(model), at_epoch[8], strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_load_model_restores_the_model_alone_into_an_abstract_one(run):

@@ -53,6 +53,33 @@ def test_fit_equals_per_step_nnx_loop_for_every_plan(data, execution):
     np.testing.assert_allclose(history.epochs[1]["loss"], ref_losses[8:].mean(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("execution", ["auto", "scan", "step"])
+def test_data_smaller_than_a_batch_trains_one_short_batch_with_drop_remainder_false(
+    data, execution
+):
+    """The error for batch_size > examples says "or drop_remainder=False to train on one
+    short batch": that call trains each epoch on one batch of every example, as the plain
+    per-step loop does on the same (shuffled) batch."""
+    small = {k: v[:5] for k, v in data.items()}
+    ref = BNDropout(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(ref, TX, wrt=nnx.Param)
+    ref_losses = []
+    for epoch in range(3):
+        order = np.random.default_rng((4, epoch)).permutation(5)
+        batch = {k: v[order] for k, v in small.items()}  # the one short batch
+        ref_losses += reference_loop(ref, optimizer, xent, [batch])
+    model = BNDropout(rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TX, xent, execution=execution)
+    with pytest.raises(ValueError, match="or drop_remainder=False to train on one short batch"):
+        trainer.fit(small, epochs=3, batch_size=BS, seed=4, progress=False)
+    assert trainer.step == 0
+    history = trainer.fit(small, epochs=3, batch_size=BS, seed=4, drop_remainder=False,
+                          progress=False)  # fmt: skip
+    assert (trainer.epoch, trainer.step) == (3, 3)
+    np.testing.assert_allclose(history.losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(model, ref)
+
+
 def test_fit_with_nnx_optimizer_updates_it_like_optimizer_update(data):
     ref, ref_opt, _ = reference_fit(MLP, data, epochs=2)
     model = MLP(rngs=nnx.Rngs(0))

@@ -191,7 +191,7 @@ class Engine:
         if options.batch_size is None:
             raise ValueError("batch_size is required when data is a data set of arrays.")
         n = layout.examples(data)
-        batch_size = check_batch_size(options.batch_size, n, drop_remainder=True)
+        batch_size = check_batch_size(options.batch_size, n, drop_remainder=options.drop_remainder)
         self.placement.check_batch_size(batch_size)
         if not options.drop_remainder:
             self.placement.check_batch_size(n % batch_size or batch_size)
