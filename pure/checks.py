@@ -13,6 +13,7 @@ a trace, and every message names the offending leaf path and the sizes involved.
 - :func:`check_batch_size`: a batch size that leaves at least one batch.
 - :func:`check_transform`: an optax transform (``optax.MultiSteps`` included).
 - :func:`check_no_captured_nnx`: a function that captures no NNX object.
+- :func:`globals_loaded`: the global names a code object loads (what the check above reads).
 - :func:`abstract_batch`: shapes and dtypes of a batch, to trace a step before any data
   reaches it (``jax.eval_shape``).
 
@@ -45,6 +46,7 @@ __all__ = [
     "check_leading_size",
     "check_no_captured_nnx",
     "check_transform",
+    "globals_loaded",
 ]
 
 
