@@ -197,12 +197,13 @@ def sigterm_at(step: int) -> LambdaCallback:
     return LambdaCallback(on_call_end=maybe_send)
 
 
-def test_a_mid_epoch_resume_keeps_the_metrics_partial_sums(tmp_path):
+@pytest.mark.parametrize("at", [11, 16], ids=["mid_epoch", "epoch_end"])
+def test_a_mid_epoch_resume_keeps_the_metrics_partial_sums(tmp_path, at):
     straight, want = fit_with_metrics(callbacks=[same_calls()])
-    with pytest.raises(Preempted, match="at step 11 "):  # calls end at 3, 6, 8, 11, 14, ...
-        fit_with_metrics(tmp_path, [sigterm_at(11)])
+    with pytest.raises(Preempted, match=f"at step {at} "):  # calls end at 3, 6, 8, 11, 14, 16
+        fit_with_metrics(tmp_path, [sigterm_at(at)])
     resumed, history = fit_with_metrics(tmp_path)
-    # train_loss of epoch 1 averages all its 8 steps, 3 of them trained before the resume.
+    # train_loss of epoch 1 averages all its 8 steps, 3 (or 8) trained before the resume.
     assert [e["train_loss"] for e in history.epochs] == [e["train_loss"] for e in want.epochs]
     same_history(history, want)
     assert_trees_close(resumed.model, straight.model, exact=True)
