@@ -277,7 +277,9 @@ def run_calls(
     ready: Callable[[Hashable], None] | None = None,
 ) -> list[Any]:
     """Runs the compiled calls in order; returns each call's stacked outputs. ``ready(key)``
-    (a :func:`call_key`) returns once a program compiling ahead for that call is ready."""
+    (a :func:`call_key`) returns once a program compiling ahead for that call is ready.
+    ``should_stop()`` is asked before each call starts and after each ends: once it says
+    True, no further call starts."""
     plan, donate = execution
     # The per-step plan writes back once per stretch of calls (per-step Python would cost
     # more than the step) unless something looks at the objects after every call.
@@ -286,6 +288,10 @@ def run_calls(
     outs, called = [], set()
     try:
         for data, indices, start, length, sink, unroll, rows in calls:
+            if should_stop is not None and should_stop():
+                # A stop (a signal) that came while the previous call's hooks ran, or while
+                # this one's batches were read: no call starts after it.
+                break
             mask = None if active is None else active()
             unroll = plan.unroll if unroll is None else unroll
             # Ctrl-C is held only around the call and its bookkeeping, not while waiting

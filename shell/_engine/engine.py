@@ -165,7 +165,10 @@ class Engine:
         run.setdefault("history", History(losses=empty_losses(owner.layout)))
         schedule = Schedule.of(options.epochs, options.max_steps, whole_run=whole_run,
                                at=(owner.epoch, owner.epoch_step, owner.step))  # fmt: skip
-        if schedule.spent(owner.epoch, owner.step):  # nothing left to train
+        # An epoch whose steps all ran before a preemption, but not its end (evaluation,
+        # hooks), is ended even when the budget is spent: known once its length is.
+        unended = owner.epoch_step > 0 and not stream
+        if schedule.spent(owner.epoch, owner.step) and not unended:  # nothing left to train
             return _finished(**run)
         if data is None:
             epoch_calls, execution = self._steps(options, layout)
@@ -177,6 +180,10 @@ class Engine:
         execution = execution._replace(  # a data set's (a stream's chunks are its own)
             plan=with_steps_per_call(execution.plan, options.steps_per_call)
         )
+        if schedule.spent(owner.epoch, owner.step) and (
+            owner.epoch_step != epoch_calls.steps_per_epoch
+        ):
+            return _finished(**run)
         owner.begin_run(options.run_keys)  # every input is known good now
         loop = FitLoop(
             program=self.program, execution=execution, owner=owner,

@@ -194,8 +194,9 @@ class NonFiniteLossWarning(UserWarning):
 
 class Preempted(Exception):
     """``fit`` received SIGTERM (a preemption notice): it finished the compiled call in
-    flight, saved a checkpoint, closed its writers and stopped. Run the same ``fit`` with
-    ``resume=True`` to go on from there.
+    flight, started nothing more (no call, no evaluation), saved a checkpoint, closed its
+    writers and stopped. Run the same ``fit`` with ``resume=True`` to go on from there
+    (an epoch whose steps all ran before the signal is evaluated and ended there).
 
     Example:
       >>> try:
@@ -290,8 +291,11 @@ class FitLoop:
         """Trains what ``schedule`` plans, in ``epoch_calls``' calls, from the owner's state, onto
         ``history`` (a resumed run's so far, else empty)."""
         owner = self.owner
-        # An epoch's train_<metric> logs cover exactly that epoch's steps: start afresh.
-        owner.reset_metrics()
+        # An epoch's train_<metric> logs cover exactly that epoch's steps: start afresh,
+        # unless this fit goes on inside an epoch (a resume from a mid-epoch checkpoint,
+        # whose metrics hold the sums of the epoch's steps trained before it).
+        if owner.epoch_step == 0:
+            owner.reset_metrics()
         # No local keeps the owner's arrays: the first call counts who else references
         # them (see calls.LiveState.donatable).
         live = LiveState(
@@ -324,6 +328,8 @@ class FitLoop:
             with caught_signals(self.checkpoints is not None) as self._signals, bar:
                 self.callbacks("on_train_begin")
                 for stretch in schedule.stretches(lambda: owner.step):
+                    if self._signals:  # came between calls: nothing more starts
+                        self._preempted(history, [])
                     if self._stop_requested or not self.layout.trains(owner):
                         break
                     if not self._train(history, live, epoch_calls, stretch, bar, injected):
@@ -473,18 +479,36 @@ class FitLoop:
         finally:
             # The epochs count as soon as all their steps are in the model, even if an
             # interrupt lands later (in the progress bar or the host sync).
-            complete = stretch.complete(owner.step - first_step, stats.ended)
-            owner.epoch, owner.epoch_step = stretch.reached(owner.step - first_step, complete)
+            trained = owner.step - first_step
+            complete = stretch.complete(trained, stats.ended)
+            owner.epoch, owner.epoch_step = stretch.reached(trained, complete)
             finished = owner.epoch - epoch
-            if outs and finished and (not complete or self._signals):  # fit is ending
+            if outs and finished and not complete:  # fit is ending
                 self._log_finished(history, stretch, finished, complete, outs, start)
-        if self._signals:
-            self._preempted(history, outs, complete)
-        if not outs and not (skip and complete):  # stopped before the epoch's first call
-            return False
-        if outs:
+        if not outs and not (skip and complete) and not self._signals:
+            return False  # stopped before the epoch's first call
+
+        def on_signal() -> None:
+            """A signal before the epoch's end (its metrics, evaluation, hooks) began: they
+            are left to the resumed run, which finds the epoch with all its steps trained
+            and none logged (``epoch_step`` = its steps) and ends it. Saves and raises.
+            (Epochs fuse only without checkpoints: a stretch here is one epoch.)"""
+            if not self._signals:
+                return
+            if complete and count == 1:
+                owner.epoch, owner.epoch_step = epoch, skip + trained
+            elif complete:
+                self._log_finished(history, stretch, count, complete, outs, start)
+            self._preempted(history, outs)
+
+        if outs:  # the host sync: waits for the calls to finish
             stacked, wall_time = host_outputs(outs, start)
-        else:  # a resumed stream epoch whose every batch was trained before the interruption
+        on_signal()
+        if skip and complete and not outs:
+            # The end of an epoch trained whole before a preemption: the checkpoint of
+            # this step holds the epoch unended, so the next save of this step replaces it.
+            owner.loaded_since_checkpoint = True
+        if not outs:  # a resumed epoch whose every step was trained before the interruption
             empty = empty_losses(self.layout)
             stacked, wall_time = ((empty, None) if self.program.has_aux else empty), 0.0
         if skip:  # the resumed epoch's first steps were trained before the interruption
@@ -494,12 +518,12 @@ class FitLoop:
         timing = (wall_time / count, (live.compile_s - compiled_before) / count)
         for i, piece in enumerate([stacked] if count == 1 else split_steps(stacked, count)):
             self._log_epoch(history, epoch + i, piece, timing, stats, complete, live,
-                            injected, bar)  # fmt: skip
+                            injected, bar, on_signal)  # fmt: skip
         return not self._stop_requested and self.layout.trains(owner)
 
     def _log_finished(self, history, stretch, finished, complete, outs, start) -> None:
         """Logs the ``finished`` first epochs of a stretch that an error or a signal ends
-        (fused epochs stopped between their calls, or an epoch a preemption completed):
+        (fused epochs stopped between their calls):
         their losses and aux means, in the History the error carries; no hooks run."""
         stacked, wall_time = host_outputs(outs, start)
         if stretch.skip:  # the resumed epoch's first steps were trained before
@@ -574,10 +598,14 @@ class FitLoop:
         finally:
             owner.epoch_step = complete_epoch_step
 
-    def _preempted(self, history: History, outs: list, complete: bool) -> None:
-        """A SIGTERM or SIGINT arrived: the current call finished (an epoch it completed is
-        logged); save, then raise."""
-        partial, aux = (empty_losses(self.layout), {}) if complete else self._losses_so_far(outs)
+    def _preempted(self, history: History, outs: list) -> None:
+        """A SIGTERM or SIGINT arrived: the call in flight finished, and no other started.
+        Save where the owner stands (``outs``: the calls of its unfinished epoch since the
+        last resume, or since the epoch began), then raise."""
+        if self.owner.epoch_step:
+            partial, aux = self._losses_so_far(outs)
+        else:  # at an epoch boundary
+            partial, aux = empty_losses(self.layout), {}
         self.checkpoints.save(history, partial, None, aux)
         self.checkpoints.close()  # on disk before the process is told it may exit
         signum = self._signals[0]
@@ -585,14 +613,20 @@ class FitLoop:
             raise KeyboardInterrupt
         raise Preempted(
             f"fit stopped on signal {signal.Signals(signum).name} after the compiled call in "
-            f"flight; a checkpoint at step {self.owner.step} holds everything: run the same "
-            f"fit with resume=True to go on."
+            f"flight (if any), starting nothing more; a checkpoint at step {self.owner.step} "
+            f"holds everything: run the same fit with resume=True to go on."
         )
 
-    def _log_epoch(self, history, epoch, outputs, timing, stats, complete, live, injected, bar):
-        """One epoch's logs: losses, metrics, evaluation; then the on_epoch_end hooks."""
+    def _log_epoch(
+        self, history, epoch, outputs, timing, stats, complete, live, injected, bar, on_signal
+    ):
+        """One epoch's logs: losses, metrics, evaluation; then the on_epoch_end hooks.
+        ``on_signal()`` saves and raises if a signal came: asked before the epoch's end
+        (metrics, evaluation) begins."""
         owner = self.owner
         logs, losses = self._logs(epoch, outputs, timing, stats)
+        if complete:
+            on_signal()
         if owner.metrics is not None:
             logs.update({f"train_{k}": v for k, v in owner.take_metrics().items()})
             # take_metrics reset the metrics: the next epoch starts from them.

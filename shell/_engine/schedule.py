@@ -110,6 +110,11 @@ class Schedule:
         """The stretches in order, each assumed to train all its steps; ``step_now()``, the
         owner's global step as each starts, cuts a stream's epoch where the budget ends."""
         epoch, skip, step = self.epoch, self.skip, self.step
+        if self.per_epoch is not None and 0 < skip == self.per_epoch:
+            # An epoch trained whole before a preemption, its end (evaluation, hooks) not
+            # run: a stretch of no steps ends it, whatever the budget.
+            yield self._stretch(epoch, skip, 0)
+            epoch, skip = epoch + 1, 0
         while not self.spent(epoch, step := step if step_now is None else step_now()):
             left = None if self.stop_at is None else self.stop_at - step
             stretch = self._stretch(epoch, skip, left)
