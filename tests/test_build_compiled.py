@@ -75,6 +75,7 @@ def test_build_compiled_falls_back_when_xla_refuses_an_option(monkeypatch):
     _assert_built_alike(constructor(), build_compiled(constructor))
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_build_compiled_under_disable_jit_builds_eagerly():
     # As jax.jit(build)() does under disable_jit: the constructor runs op by op (whose
     # float rounding differs from the default eager build's jitted ops in the last bit).
@@ -169,6 +170,7 @@ def merged(monkeypatch):
     return sizes
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_a_builds_draws_are_one_hash_with_each_draws_own_bits(merged):
     constructor = lambda: _Draws(nnx.Rngs(0))  # noqa: E731
     eager, built = constructor(), build_compiled(constructor)

@@ -75,6 +75,7 @@ def _pure_loop(model_cls, data, epochs, seed, *, drop_remainder=True):
     return state, opt_state, np.concatenate(losses)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 @pytest.mark.parametrize("model_cls", [MLP, BNDropout], ids=["mlp", "batchnorm_dropout"])
 def test_a_loop_of_pure_epochs_reproduces_fit_bitwise(data, model_cls):
     model = model_cls(rngs=nnx.Rngs(0))
@@ -90,6 +91,7 @@ def test_a_loop_of_pure_epochs_reproduces_fit_bitwise(data, model_cls):
     np.testing.assert_array_equal(np.concatenate([first.losses, last.losses]), losses)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_the_next_fit_finds_its_epoch_order_drawn_ahead(data, monkeypatch):
     """While a fit's last call trains, the next epoch's order is drawn (once per distinct
     seed): the next fit draws only the epoch after its own."""
@@ -113,6 +115,7 @@ def test_the_next_fit_finds_its_epoch_order_drawn_ahead(data, monkeypatch):
     assert drawn == [(5, 3), (3, 3), (5, 3)]
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_a_loop_of_pure_epochs_reproduces_fit_with_the_short_batch_kept(data):
     data = {k: v[:60] for k, v in data.items()}  # 60 = 7 batches of 8 + 4
     model = MLP(rngs=nnx.Rngs(0))
@@ -128,6 +131,7 @@ def test_a_loop_of_pure_epochs_reproduces_fit_with_the_short_batch_kept(data):
     np.testing.assert_allclose(history.losses, losses, **ACROSS_PROGRAMS)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 @pytest.mark.parametrize("num_examples", [BS, 5 * BS], ids=["one_step_epochs", "five_steps"])
 def test_unshuffled_fit_is_bitwise_make_epoch_and_scan_steps(data, num_examples):
     """``fit(shuffle=False)`` = ``make_epoch(shuffle=False)`` (no order) = ``scan_steps`` on
@@ -171,6 +175,7 @@ def indexed_epoch(din: int):
     return data, step, graphdef, state, opt_state, order
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 @pytest.mark.parametrize("din", [4, 40], ids=["narrow_rows", "rows_gathered_as_bytes"])
 def test_epochs_over_the_gather_budget_run_in_chunks_bitwise(din):
     """An epoch whose batches exceed the gather budget runs as chunks of steps, each
@@ -252,6 +257,7 @@ def test_steps_per_gather_is_the_longest_call_with_one_loop(din):
     assert batching.steps_per_gather(data, BS) == batching._gather_budget(data) // per_step
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_big_batches_of_wide_rows_over_the_budget_gather_in_the_loop_bitwise():
     """A call over the gather budget whose batches take ``LOOP_GATHER_BYTES`` or more of
     rows too wide to gather as bytes gathers each step's batch inside the ONE loop (no
@@ -344,6 +350,7 @@ def test_an_unshuffled_fit_keeping_its_short_batch_slices_then_gathers_bitwise(d
     np.testing.assert_allclose(history.losses, np.concatenate(losses), **ACROSS_PROGRAMS)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_an_unshuffled_population_fit_is_bitwise_its_pure_epochs(data):
     """``Population.fit(shuffle=False)`` = a loop of ``make_epoch`` of the members' step
     (``vmap_members``) over every member's stored order."""
@@ -425,6 +432,7 @@ def test_make_epoch_checks_the_order_before_tracing(data):
         epoch(graphdef, state, opt_state, data, None)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_make_epoch_still_shuffles_on_the_device_with_a_key(data):
     """A typed key and a legacy uint32 key are keys, not orders: both permute the same."""
     step = make_train_step(xent, TX)
@@ -615,6 +623,7 @@ def accuracy_metric(model, batch):
     return (model(batch["x"]).argmax(-1) == batch["y"]).mean()
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_a_ctrl_c_between_fused_calls_counts_the_finished_epochs_and_the_next_fit_goes_on(
     data, monkeypatch
 ):

@@ -275,6 +275,7 @@ def assert_to_rounding(got: list[np.ndarray], want: list[np.ndarray], what: str)
             np.testing.assert_array_equal(a, b, err_msg=f"{what}, leaf {i}")
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_rewritten_step_equals_the_jitted_step(case):
     rewritten = jax.jit(canonical_conv_layout(case.step), static_argnums=0)
     for i, (got, want) in enumerate(
@@ -428,6 +429,7 @@ def test_a_canonical_forward_convolution_is_left_alone():
 # -- under other transforms -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_under_vmap_over_stacked_models():
     """vmap batches the (rewritten) convolution into a grouped one: close, not promised
     bitwise (the batching rule runs on other dimension numbers than the untouched step's)."""
@@ -447,6 +449,7 @@ def test_under_vmap_over_stacked_models():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_under_an_outer_grad():
     """jax.grad of a rewritten loss: the outer gradient's own convolutions are not rewritten
     (they do not exist when the loss is traced); rewriting the gradient function itself

@@ -51,6 +51,7 @@ def _run(arrays, name):
     return [arrays[k] for k in keys]
 
 
+@pytest.mark.slow  # mesh4: a 4-device subprocess (~30 s), the slow lane's
 @pytest.mark.parametrize("name", ["dp", "fsdp"])
 def test_sharded_fit_equals_single_device_fit(mesh4, name):
     arrays, _ = mesh4
@@ -58,6 +59,7 @@ def test_sharded_fit_equals_single_device_fit(mesh4, name):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # mesh4: a 4-device subprocess (~30 s), the slow lane's
 def test_checkpoints_and_evaluate_on_a_mesh(mesh4):
     arrays, info = mesh4
     for a, b in zip(_run(arrays, "straight"), _run(arrays, "resumed"), strict=True):
@@ -68,12 +70,14 @@ def test_checkpoints_and_evaluate_on_a_mesh(mesh4):
     assert 0.0 <= evaluations["before"]["accuracy"] <= 1.0
 
 
+@pytest.mark.slow  # mesh4: a 4-device subprocess (~30 s), the slow lane's
 def test_the_pure_epoch_takes_the_same_sharding_hint(mesh4):
     arrays, _ = mesh4
     for a, b in zip(_run(arrays, "pure_plain"), _run(arrays, "pure_sharded"), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # mesh4: a 4-device subprocess (~30 s), the slow lane's
 def test_the_state_is_placed_as_asked(mesh4):
     _, info = mesh4
     assert set(info["shardings"]["dp"].values()) == {str(P())}  # replicated
@@ -83,6 +87,7 @@ def test_the_state_is_placed_as_asked(mesh4):
     assert fsdp["['l1']['bias'].value"] == str(P())  # 64 elements < fsdp_min_size
 
 
+@pytest.mark.slow  # mesh4: a 4-device subprocess (~30 s), the slow lane's
 def test_a_batch_that_does_not_divide_over_the_devices_is_a_clear_error(mesh4):
     _, info = mesh4
     assert "batch size 6 does not divide by the 4 devices" in info["error"]

@@ -131,6 +131,7 @@ def numpy_mlp(p, x):
     return h @ p["out"]["kernel"] + p["out"]["bias"]
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_conditional_generates_from_the_conditions_own_embedding(conditional):
     x = np.random.default_rng(0).normal(size=(6, 3)).astype(np.float32)
     p = as_arrays(nnx.state(conditional, nnx.Param))
@@ -507,6 +508,7 @@ def assert_bitwise(a, b):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 @pytest.mark.parametrize("kind", list(HEADS_KINDS))
 def test_the_heads_vector_holds_the_generated_params_in_the_heads_own_order(kind):
     hnet = vector_hnet(kind)

@@ -88,6 +88,7 @@ def test_rerunning_the_same_fit_with_resume_ends_bitwise_where_a_straight_run_en
     same_history(history, ref_history)  # the History up to the restore point comes back
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_an_unshuffled_run_cut_mid_epoch_resumes_bitwise(tmp_path):
     """``shuffle=False`` slices its batches by number: a resume skips the trained ones."""
     ref_model, ref_trainer, _ = straight(2, steps_per_call=3, shuffle=False)

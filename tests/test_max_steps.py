@@ -119,6 +119,7 @@ def test_max_steps_fuses_the_whole_epochs_it_reaches_and_trains_the_same_bits(st
     assert [e["steps"] for e in history.epochs] == [8, 8, 3] and history.epochs[2]["stopped"]
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_the_progress_total_is_the_calls_fit_makes(monkeypatch, tmp_path):
     """Calls of 3 steps, a budget that ends inside an epoch, a resume inside another: the
     bar's total counts the calls made, not whole epochs'."""
@@ -230,6 +231,7 @@ def scanned(seed: int, steps: int):
     return state, np.asarray(losses)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_a_step_without_data_trains_max_steps_and_resumes_inside_its_epoch(tmp_path):
     options = dict(steps_per_epoch=10, steps_per_call=4, progress=False)
     saved = dict(checkpoint_dir=tmp_path, resume=True, **options)
@@ -249,6 +251,7 @@ def test_a_step_without_data_trains_max_steps_and_resumes_inside_its_epoch(tmp_p
     assert_trees_close(straight.model, state, **ACROSS_PROGRAMS)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_a_population_of_a_step_without_data_trains_max_steps_per_member():
     population = Population(lambda rngs: MLP(rngs=rngs), train_step=SAMPLER, seeds=[0, 1])
     history = population.fit(None, max_steps=13, steps_per_epoch=10, progress=False)

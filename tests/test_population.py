@@ -227,6 +227,7 @@ def test_aux_logs_and_a_kept_short_batch_match_trainer(data):
     assert_trees_close(pop.member(1), model)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_evaluate_equals_each_members_trainer_evaluate(data):
     pop = Population(bn_dropout, TX, xent, seeds=SEEDS)
     history = pop.fit(data, epochs=2, batch_size=BS)

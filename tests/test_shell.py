@@ -53,6 +53,7 @@ def test_fit_equals_per_step_nnx_loop_for_every_plan(data, execution):
     np.testing.assert_allclose(history.epochs[1]["loss"], ref_losses[8:].mean(), rtol=1e-5)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 @pytest.mark.parametrize("execution", ["auto", "scan", "step"])
 def test_data_smaller_than_a_batch_trains_one_short_batch_with_drop_remainder_false(
     data, execution

@@ -124,6 +124,7 @@ def test_single_use_iterator_trains_one_epoch(batches):
     assert_trees_close(model, ref)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_ragged_final_batch_is_dropped_with_a_warning_or_kept(batches):
     short = {k: v[:3] for k, v in batches[0].items()}
     stream = [*batches[:6], short]
@@ -144,6 +145,7 @@ def test_ragged_final_batch_is_dropped_with_a_warning_or_kept(batches):
     assert_trees_close(kept, ref_kept)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_arrays_with_steps_per_call_and_kept_tail_compile_once(compile_count):
     d = make_data(n=62)  # 15 batches of 4 and a tail of 2
     order = np.arange(62)
@@ -297,6 +299,7 @@ def test_an_epoch_with_other_shapes_names_the_epoch(batches):
     assert_trees_close(model, ref)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_a_streamed_cnn_keeps_calls_of_four_unrolled_steps():
     from conftest import SmallCNN
 

@@ -70,6 +70,7 @@ X = jnp.arange(24.0).reshape(4, 6)
 KEYS = jax.random.split(jax.random.key(3), 4)
 
 
+@pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 @pytest.mark.parametrize(
     "fn, args",
     [
