@@ -17,7 +17,9 @@ Layout of one checkpoint (both storages name a finished checkpoint by its step):
       arrays.bin           the packed buffers, one per dtype, each starting on a 64-byte
                            boundary
       state/               the model state (the tree's "state" entry) again, as an orbax
-                           item Flax's own code restores (_orbax_item.py)
+                           item Flax's own code restores (_orbax_item.py), in the newest
+                           checkpoint a checkpointer leaves when it closes: added to the
+                           finished checkpoint by :func:`add_item`, off the training path
 
 Atomicity, as orbax's: a checkpoint is written into ``<step>.nnxscan-tmp/``, every file
 fsync'ed, then renamed to ``<step>/`` (atomic on a POSIX filesystem) and the directory
@@ -84,6 +86,9 @@ def remove_leftovers(path: pathlib.Path) -> None:
         if entry.name.endswith((TMP_SUFFIX, DELETING_SUFFIX)):
             with contextlib.suppress(OSError):  # tried again at the next run's first save
                 remove(pathlib.Path(entry.path))
+        elif _STEP_NAME.fullmatch(entry.name):  # an item add_item did not finish
+            with contextlib.suppress(OSError):
+                remove(pathlib.Path(entry.path) / f"{ITEM}{TMP_SUFFIX}")
 
 
 def remove(entry: pathlib.Path) -> None:
@@ -112,37 +117,31 @@ def write(
     step: int,
     manifest: dict[str, Any],
     buffers: dict[str, np.ndarray],
-    item: tuple[list, list, dict[str, bytes]] | None = None,
 ) -> pathlib.Path:
     """Writes checkpoint ``step`` under ``path`` atomically; returns ``<path>/<step>``.
 
     ``buffers``: name -> flat, contiguous host array that nobody else writes to while this
     runs (``_checkpoint_layout.fill`` makes copies, never views of device buffers), packed into
     ``arrays.bin``, each on a 64-byte boundary, its crc32 in the manifest (which carries
-    its own: :func:`_checkpoint_manifest.dumps_checked`). ``item``: ``(leaves, arrays,
-    files)`` of the model state's orbax item (``_orbax_item.write_item``), or None.
+    its own: :func:`_checkpoint_manifest.dumps_checked`). The model state's orbax item is
+    added afterwards, to the checkpoints that get one (:func:`add_item`).
 
     A failed write removes ``<step>.nnxscan-tmp`` (what it held is freed) and leaves every
     finished checkpoint as it was.
 
     Raises:
       OSError: the disk is full (errno ENOSPC), or another error of the system's, named by
-        errno, from tensorstore (which raises ValueError) or from Python's own writes; the
-        message names the directory and the step (see :func:`disk_error`).
+        errno, from Python's own writes; the message names the directory and the step (see
+        :func:`disk_error`).
     """
     tmp = path / f"{step}{TMP_SUFFIX}"
-    finish_item = None
     try:
         path.mkdir(parents=True, exist_ok=True)
         remove(tmp)  # a save of this step killed mid-way: replaced, not an obstacle
         tmp.mkdir()
-        # The item's store commits in tensorstore's threads while arrays.bin is written here.
-        finish_item = None if item is None else _orbax_item.write_item(tmp / ITEM, *item)
         placed, written = _write_data(tmp / DATA, buffers), [tmp / DATA]
         text = _manifest.dumps_checked({**manifest, "buffers": placed})
         written.append(_write_file(tmp / MANIFEST, text))  # one write, not dozens
-        if finish_item is not None:
-            written += finish_item()
         # Every file and folder reaches the disk before the rename makes it a checkpoint.
         for written_path in (*written, tmp):
             _fsync(written_path)
@@ -150,9 +149,6 @@ def write(
         os.rename(tmp, final)
         _fsync(path)
     except BaseException as error:
-        if finish_item is not None:  # tensorstore's threads are done with tmp first
-            with contextlib.suppress(Exception):
-                finish_item()
         with contextlib.suppress(OSError):
             remove(tmp)
         translated = disk_error(error, path, f"checkpoint {step} was not written")
@@ -160,6 +156,48 @@ def write(
             raise
         raise translated from error
     return final
+
+
+def add_item(path: pathlib.Path, step: int, item: tuple[list, list, dict[str, bytes]]) -> None:
+    """Adds the model state's orbax item, ``<step>/state/``, to the finished checkpoint
+    ``step`` (nnxscan's own files) under ``path``, atomically: written into
+    ``<step>/state.nnxscan-tmp``, every file fsync'ed, renamed to ``state`` and the step
+    folder fsync'ed. Until the rename the checkpoint is the one it was (restores read
+    ``arrays.bin``; a leftover ``state.nnxscan-tmp`` is ignored and removed by the next
+    run's first save). Nothing to do when the checkpoint is gone or has its item already.
+
+    Raises:
+      OSError: as :func:`write` (a full disk is errno ENOSPC naming the directory); the
+        temporary item is removed, the checkpoint stays as it was, without an item.
+    """
+    final = path / str(step)
+    if not final.is_dir() or os.path.lexists(final / ITEM):
+        return
+    tmp = final / f"{ITEM}{TMP_SUFFIX}"
+    finish_item = None
+    try:
+        remove(tmp)
+        finish_item = _orbax_item.write_item(tmp, *item)
+        written, finish_item = finish_item(), None
+        for written_path in written:
+            _fsync(written_path)
+        os.rename(tmp, final / ITEM)
+        _fsync(final)
+    except BaseException as error:
+        if finish_item is not None:  # tensorstore's threads are done with tmp first
+            with contextlib.suppress(Exception):
+                finish_item()
+        with contextlib.suppress(OSError):
+            remove(tmp)
+        translated = disk_error(
+            error,
+            path,
+            f"the {ITEM}/ item of checkpoint {step} was not written (the "
+            f"checkpoint is whole without it)",
+        )
+        if translated is error:
+            raise
+        raise translated from error
 
 
 def _write_data(where: pathlib.Path, buffers: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import statistics
 import sys
 import tempfile
@@ -31,6 +32,7 @@ import time
 import jax
 from _workloads import WORKLOADS
 
+from nnxscan.adapters import _checkpoint_files
 from nnxscan.adapters.checkpoint import Checkpointer, all_steps
 from nnxscan.shell import LambdaCallback, Trainer
 from nnxscan.shell._edges import checkpointing as _checkpointing
@@ -103,8 +105,33 @@ VARIANTS = {
     "epoch callback": {"callbacks": [LambdaCallback(on_epoch_end=_nothing)]},
     "sync": {"checkpoint_async": False},
     "async": {},
+    # The model state's state/ item (for Flax's code) written with every save, as nnxscan
+    # did before issue 58 item 9; now only the newest checkpoint gets one, at fit's end.
+    "async, state/ every save": {"storage": "item every save"},
     "async, orbax": {"storage": "orbax"},
 }
+
+
+class ItemEverySave(Checkpointer):
+    """The checkpointer as it was before issue 58 item 9: every save also writes the
+    model state's ``state/`` item (tensorstore's store), and ``max_to_keep`` deletes it
+    again. (Then the item's store committed while ``arrays.bin`` was written, with one
+    pass of fsyncs; here it is added once the checkpoint is renamed: a rename and an
+    fsync more a save.)"""
+
+    def _write_files(self, step, manifest, buffers, log):
+        item = None if self._item is None else self._item[1]
+        super()._write_files(step, manifest, buffers, log)
+        if item is None:
+            return
+        if self._in_flight is None:  # synchronous: written already
+            _checkpoint_files.add_item(self.path, step, item)
+            _checkpoint_files.keep_newest(self.path, self.max_to_keep)
+        else:
+            written = self._in_flight
+            self._in_flight = self._thread.submit(
+                lambda: (written.result(), _checkpoint_files.add_item(self.path, step, item))
+            )
 
 
 @contextlib.contextmanager
@@ -123,6 +150,8 @@ def storage(name: str | None):
 
 
 def _checkpointer(name, directory, *, max_to_keep=3, asynchronous=True):
+    if name == "item every save":
+        return ItemEverySave(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
     return Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name)
 
 
@@ -167,6 +196,7 @@ def main() -> None:
                         help="which tables, comma-separated")  # fmt: skip
     args = parser.parse_args()
     tables = args.tables.split(",")
+    print(f"load average before: {_load()}", flush=True)
     if "every-epoch" in tables:
         every_epoch_table(args.reps)
     if "per-save" in tables:
@@ -175,15 +205,21 @@ def main() -> None:
         print("\n| workload | resume (restore) ms |\n|---|---:|")
         for name in ("mlp_digits", "lm_200"):
             print(resume_cost(name, args.reps), flush=True)
+    print(f"\nload average after: {_load()}")
+
+
+def _load() -> str:
+    """The machine's 1/5/15-minute load averages and its cores (what else ran meanwhile)."""
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} cores"
 
 
 def every_epoch_table(reps: int) -> None:
     print(
         "| workload | epochs x steps | fit s, no checkpoints | an epoch callback instead s | "
         "÷ none | every epoch, sync s | ÷ none | every epoch, async s | ÷ none | "
-        "async through orbax s | ÷ none |"
+        "async, state/ every save (before) s | ÷ none | async through orbax s | ÷ none |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, epochs, steps in (("lm_24", 4, 8), ("mlp_digits", 10, None)):
         print(every_epoch(name, epochs, steps, reps), flush=True)
 

@@ -88,10 +88,10 @@ def truncated_by_a_kill(monkeypatch, at: str, calls: int = 3):
             raise Killed
         append(path, data)
 
-    def dying_write(path, step, manifest, buffers, item):
+    def dying_write(path, step, manifest, buffers):
         if at == "before_checkpoint" and count[0] == calls:
             raise Killed
-        return write(path, step, manifest, buffers, item)
+        return write(path, step, manifest, buffers)
 
     monkeypatch.setattr(files, "append_log", dying_append)
     monkeypatch.setattr(files, "write", dying_write)
