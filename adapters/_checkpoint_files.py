@@ -270,10 +270,11 @@ def storage_of(step_path: pathlib.Path) -> str | None:
     return None
 
 
-def read_manifest(step_path: pathlib.Path) -> tuple[Any, bool]:
-    """The manifest (parsed) and whether it carried a matching crc32 (version 4). Raises
-    ValueError for one that does not parse or whose crc32 does not match."""
-    with open(step_path / MANIFEST, "rb") as file:
+def read_manifest(step_path: pathlib.Path, file: pathlib.Path | None = None) -> tuple[Any, bool]:
+    """The manifest (parsed) and whether it carried a matching crc32 (version 4; orbax's
+    storage, whose manifest is ``file``: version 5). Raises ValueError for one that does
+    not parse or whose crc32 does not match."""
+    with open(step_path / MANIFEST if file is None else file, "rb") as file:
         raw = file.read(_MAX_MANIFEST + 1)
     if len(raw) > _MAX_MANIFEST:
         raise ValueError(f"it is larger than {_MAX_MANIFEST} bytes")

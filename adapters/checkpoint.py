@@ -90,10 +90,12 @@ import contextlib
 import os
 import pathlib
 import warnings
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
 
 from nnxscan.adapters import _checkpoint_files as _files
 from nnxscan.adapters import _checkpoint_layout as _layout
@@ -127,6 +129,10 @@ def _resolve(directory: str | os.PathLike[str]) -> pathlib.Path:
 
 def _as_step(step: Any, what: str) -> int:
     return check_count(step, what, 0)
+
+
+def _crc32(buffer: np.ndarray) -> str:
+    return f"{zlib.crc32(np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)):08x}"
 
 
 def _orbax_state(state: Any) -> bool:
@@ -392,11 +398,16 @@ class Checkpointer:
         ocp = _read.orbax()
         arrays = buffers
         packs = {name: buffers[name] for name in layout_packs}
+        # Each packed buffer's crc32 (a host copy, whole in every process), and the
+        # manifest's own: orbax's JsonSave writes json.dumps of it, the checked text.
         manifest = {
             **manifest,
-            "buffers": {n: {"dtype": a.dtype.name, "size": a.size} for n, a in packs.items()},
+            "buffers": {
+                n: {"dtype": a.dtype.name, "size": a.size, "crc32": _crc32(a)}
+                for n, a in packs.items()
+            },
         }
-        items = {"manifest": ocp.args.JsonSave(manifest)}
+        items = {"manifest": ocp.args.JsonSave(_manifest.with_crc32(manifest))}
         if arrays:
             items["arrays"] = ocp.args.PyTreeSave(arrays)
         if _orbax_state(state):  # the model state as Flax's guide saves it: <step>/state
