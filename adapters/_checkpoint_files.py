@@ -22,9 +22,11 @@ Layout of one checkpoint (both storages name a finished checkpoint by its step):
                            finished checkpoint by :func:`add_item`, off the training path
 
 Atomicity, as orbax's: a checkpoint is written into ``<step>.nnxscan-tmp/``, every file
-fsync'ed, then renamed to ``<step>/`` (atomic on a POSIX filesystem) and the directory
-fsync'ed. A checkpoint is deleted by renaming it to ``<step>.nnxscan-deleting`` first, so
-a process killed mid-delete never leaves a half-deleted checkpoint that lists as finished.
+fsync'ed (all at once, with the run log's new bytes: one journal commit, not five), then
+renamed to ``<step>/`` (atomic on a POSIX filesystem) and the directory fsync'ed (for
+asynchronous saves, by the next save's fsyncs or the checkpointer's close). A checkpoint
+is deleted by renaming it to ``<step>.nnxscan-deleting`` first, so a process killed
+mid-delete never leaves a half-deleted checkpoint that lists as finished.
 
 The run log, ``<directory>/history.jsonl``, is shared by both storages: bytes only ever
 appended (and fsync'ed) before the checkpoint that refers to them is renamed into place,
@@ -42,6 +44,7 @@ import pathlib
 import re
 import shutil
 import stat
+import threading
 import zlib
 from typing import Any
 
@@ -112,13 +115,52 @@ def _fsync(path: pathlib.Path) -> None:
         os.close(descriptor)
 
 
+def sync_directory(path: pathlib.Path) -> None:
+    """fsyncs the checkpoint directory: the renames and deletions in it reach the disk."""
+    with contextlib.suppress(FileNotFoundError):
+        _fsync(path)
+
+
+def _fsync_all(paths: list[pathlib.Path]) -> None:
+    """fsyncs every path, all at once (one thread each, the last on this one), and returns
+    once every one is done; raises the first error. Concurrent fsyncs on one filesystem
+    share the journal's commits (ext4, xfs): a checkpoint's four waits for the disk become
+    about one. Threads made per call: a pool would not survive a fork."""
+    errors: list[BaseException] = []
+
+    def sync(target: pathlib.Path) -> None:
+        try:
+            _fsync(target)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=sync, args=(p,), daemon=True) for p in paths[:-1]]
+    for thread in threads:
+        thread.start()
+    if paths:
+        sync(paths[-1])
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def write(
     path: pathlib.Path,
     step: int,
     manifest: dict[str, Any],
     buffers: dict[str, np.ndarray],
+    log: bytes = b"",
+    *,
+    sync_directory: bool = True,
 ) -> pathlib.Path:
     """Writes checkpoint ``step`` under ``path`` atomically; returns ``<path>/<step>``.
+
+    ``log``: bytes appended to the run log first (:func:`append_log`), fsync'ed with the
+    checkpoint's files, before the rename. ``sync_directory=False``: the rename reaches
+    the disk with the directory's next fsync (the next write's, or
+    :func:`sync_directory`'s) instead of before this returns: a power loss meanwhile may
+    lose this checkpoint (never tear it; the one before stays), a killed process cannot.
 
     ``buffers``: name -> flat, contiguous host array that nobody else writes to while this
     runs (``_checkpoint_layout.fill`` makes copies, never views of device buffers), packed into
@@ -135,19 +177,22 @@ def write(
         :func:`disk_error`).
     """
     tmp = path / f"{step}{TMP_SUFFIX}"
+    written = append_log(path, log, sync=False) if log else []
     try:
         path.mkdir(parents=True, exist_ok=True)
         remove(tmp)  # a save of this step killed mid-way: replaced, not an obstacle
         tmp.mkdir()
-        placed, written = _write_data(tmp / DATA, buffers), [tmp / DATA]
+        written.append(tmp / DATA)
+        placed = _write_data(tmp / DATA, buffers)
         text = _manifest.dumps_checked({**manifest, "buffers": placed})
         written.append(_write_file(tmp / MANIFEST, text))  # one write, not dozens
-        # Every file and folder reaches the disk before the rename makes it a checkpoint.
-        for written_path in (*written, tmp):
-            _fsync(written_path)
+        # Every file and folder (and the log's bytes) reaches the disk before the rename
+        # makes it a checkpoint; the directory too, with the previous write's rename.
+        _fsync_all([*written, tmp, path])
         final = path / str(step)
         os.rename(tmp, final)
-        _fsync(path)
+        if sync_directory:
+            _fsync(path)
     except BaseException as error:
         with contextlib.suppress(OSError):
             remove(tmp)
@@ -179,8 +224,7 @@ def add_item(path: pathlib.Path, step: int, item: tuple[list, list, dict[str, by
         remove(tmp)
         finish_item = _orbax_item.write_item(tmp, *item)
         written, finish_item = finish_item(), None
-        for written_path in written:
-            _fsync(written_path)
+        _fsync_all(written)
         os.rename(tmp, final / ITEM)
         _fsync(final)
     except BaseException as error:
@@ -328,19 +372,21 @@ def log_size(path: pathlib.Path) -> int:
         return 0
 
 
-def append_log(path: pathlib.Path, data: bytes) -> None:
+def append_log(path: pathlib.Path, data: bytes, *, sync: bool = True) -> list[pathlib.Path]:
     """Appends ``data`` to the run log and fsyncs it (and the directory, when the log is
-    new): on disk before the checkpoint written next refers to it."""
+    new): on disk before the checkpoint written next refers to it. ``sync=False``: returns
+    those paths for the caller to fsync (with its own) instead."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         log = path / LOG
         new = not log.exists()
         with open(log, "ab") as file:
             file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        if new:
-            _fsync(path)
+        unsynced = [log, path] if new else [log]
+        if sync:
+            _fsync_all(unsynced)
+            return []
+        return unsynced
     except OSError as error:  # a torn line is cut off by the next resume
         translated = disk_error(error, path, f"the run log {LOG} was not appended to")
         if translated is error:

@@ -369,9 +369,11 @@ class Checkpointer:
 
     def _write_files(self, step: int, manifest: dict[str, Any], buffers: dict, log: bytes) -> None:
         def write() -> None:
-            if log:
-                _files.append_log(self.path, log)
-            _files.write(self.path, step, manifest, buffers)
+            # The rename of an asynchronous save reaches the disk with the next save's
+            # fsyncs, or close()'s: one wait for the disk a save instead of two.
+            _files.write(
+                self.path, step, manifest, buffers, log, sync_directory=not self.asynchronous
+            )
             _files.keep_newest(self.path, self.max_to_keep)
 
         if not self._cleaned:
@@ -442,6 +444,8 @@ class Checkpointer:
         more than the rest of the checkpoint. A failed save leaves no item to write."""
         try:
             self.wait()
+            if self._thread is not None:  # asynchronous saves' last renames, deletions
+                _files.sync_directory(self.path)
             log = self._take_log()
             if log:
                 _files.append_log(self.path, log)

@@ -21,6 +21,7 @@ On the digits MLP of ``_workloads.py`` (and the byte-level LM, a model 30x large
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -32,7 +33,7 @@ import time
 import jax
 from _workloads import WORKLOADS
 
-from nnxscan.adapters import _checkpoint_files
+from nnxscan.adapters import _checkpoint_files, _checkpoint_manifest, _orbax_item
 from nnxscan.adapters.checkpoint import Checkpointer, all_steps
 from nnxscan.shell import LambdaCallback, Trainer
 from nnxscan.shell._edges import checkpointing as _checkpointing
@@ -105,33 +106,55 @@ VARIANTS = {
     "epoch callback": {"callbacks": [LambdaCallback(on_epoch_end=_nothing)]},
     "sync": {"checkpoint_async": False},
     "async": {},
-    # The model state's state/ item (for Flax's code) written with every save, as nnxscan
-    # did before issue 58 item 9; now only the newest checkpoint gets one, at fit's end.
-    "async, state/ every save": {"storage": "item every save"},
+    # The writes as they were before issue 58 item 9 (ItemEverySave): the model state's
+    # state/ item with every save, and one fsync after another.
+    "async, before": {"storage": "item every save"},
     "async, orbax": {"storage": "orbax"},
 }
 
 
 class ItemEverySave(Checkpointer):
-    """The checkpointer as it was before issue 58 item 9: every save also writes the
-    model state's ``state/`` item (tensorstore's store), and ``max_to_keep`` deletes it
-    again. (Then the item's store committed while ``arrays.bin`` was written, with one
-    pass of fsyncs; here it is added once the checkpoint is renamed: a rename and an
-    fsync more a save.)"""
+    """The checkpointer's writes as they were before issue 58 item 9 (nnxscan at commit
+    98832c3): every save also writes the model state's ``state/`` item (its tensorstore
+    store committed while ``arrays.bin`` is written), fsyncs the run log, then every file
+    and folder one after another, and the directory after the rename; ``max_to_keep``
+    deletes the item again."""
 
     def _write_files(self, step, manifest, buffers, log):
         item = None if self._item is None else self._item[1]
-        super()._write_files(step, manifest, buffers, log)
-        if item is None:
-            return
-        if self._in_flight is None:  # synchronous: written already
-            _checkpoint_files.add_item(self.path, step, item)
+        self._item = None  # written here, not by close()
+
+        def write() -> None:
+            if log:
+                _checkpoint_files.append_log(self.path, log)  # fsync'ed on its own
+            _write_before(self.path, step, manifest, buffers, item)
             _checkpoint_files.keep_newest(self.path, self.max_to_keep)
-        else:
-            written = self._in_flight
-            self._in_flight = self._thread.submit(
-                lambda: (written.result(), _checkpoint_files.add_item(self.path, step, item))
-            )
+
+        if not self.asynchronous:
+            write()
+            return
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self._in_flight = self._thread.submit(write)
+
+
+def _write_before(path, step, manifest, buffers, item):
+    """``_checkpoint_files.write`` of commit 98832c3 (its error handling aside)."""
+    files = _checkpoint_files
+    tmp = path / f"{step}{files.TMP_SUFFIX}"
+    path.mkdir(parents=True, exist_ok=True)
+    files.remove(tmp)
+    tmp.mkdir()
+    finish_item = None if item is None else _orbax_item.write_item(tmp / files.ITEM, *item)
+    placed, written = files._write_data(tmp / files.DATA, buffers), [tmp / files.DATA]
+    text = _checkpoint_manifest.dumps_checked({**manifest, "buffers": placed})
+    written.append(files._write_file(tmp / files.MANIFEST, text))
+    if finish_item is not None:
+        written += finish_item()
+    for written_path in (*written, tmp):
+        files._fsync(written_path)
+    os.rename(tmp, path / str(step))
+    files._fsync(path)
 
 
 @contextlib.contextmanager
@@ -217,7 +240,8 @@ def every_epoch_table(reps: int) -> None:
     print(
         "| workload | epochs x steps | fit s, no checkpoints | an epoch callback instead s | "
         "÷ none | every epoch, sync s | ÷ none | every epoch, async s | ÷ none | "
-        "async, state/ every save (before) s | ÷ none | async through orbax s | ÷ none |"
+        "async as before (state/ every save, fsyncs one by one) s | ÷ none | "
+        "async through orbax s | ÷ none |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, epochs, steps in (("lm_24", 4, 8), ("mlp_digits", 10, None)):
