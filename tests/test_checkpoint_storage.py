@@ -281,3 +281,38 @@ def test_orbax_checkpoints_without_checksums_still_restore_and_a_stripped_v5_is_
         del entry["crc32"]
     manifest.write_text(json.dumps(record))
     assert_same(restore_checkpoint(tmp_path, every_kind(0))[0], saved)
+
+
+def test_asynchronous_saves_sync_each_rename_with_the_next_save_or_close(tmp_path, monkeypatch):
+    """Every checkpoint's files are fsync'ed before its rename; an asynchronous save's
+    rename reaches the disk with the directory's fsync of the next save, or of close()
+    (a synchronous save's before it returns). Reference: the order of the calls."""
+    import os
+
+    events = []
+    fsync, rename = _checkpoint_files._fsync, os.rename
+    monkeypatch.setattr(_checkpoint_files, "_fsync", lambda p: (events.append(("fsync", p)),
+                                                                fsync(p))[1])  # fmt: skip
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", b)), rename(a, b))[1])
+    directory = tmp_path.resolve()
+    with Checkpointer(directory, max_to_keep=5) as checkpointer:
+        for step in (1, 2):
+            checkpointer.save(step, {"w": np.arange(3.0) + step})
+            checkpointer.wait()
+    renamed = [i for i, e in enumerate(events) if e == ("rename", directory / "1")]
+    synced = [i for i, e in enumerate(events) if e == ("fsync", directory)]
+    assert (
+        renamed
+        and synced
+        and min(s for s in synced if s > renamed[0]) < events.index(("rename", directory / "2"))
+    )  # the next save's fsyncs carry the first rename
+    last = events.index(("rename", directory / "2"))
+    assert any(i > last for i in synced)  # close() carries the last one
+    for step in (1, 2):
+        files = {directory / f"{step}.nnxscan-tmp" / n for n in ("arrays.bin", "manifest.json")}
+        at = events.index(("rename", directory / str(step)))
+        assert files <= {p for kind, p in events[:at] if kind == "fsync"}
+    events.clear()
+    save_checkpoint(directory, 3, {"w": np.arange(3.0)})  # synchronous: synced on return
+    at = events.index(("rename", directory / "3"))
+    assert ("fsync", directory) in events[at:]
