@@ -17,12 +17,16 @@ Layout of one checkpoint (both storages name a finished checkpoint by its step):
       arrays.bin           the packed buffers, one per dtype, each starting on a 64-byte
                            boundary
       state/               the model state (the tree's "state" entry) again, as an orbax
-                           item Flax's own code restores (_orbax_item.py)
+                           item Flax's own code restores (_orbax_item.py), in the newest
+                           checkpoint a checkpointer leaves when it closes: added to the
+                           finished checkpoint by :func:`add_item`, off the training path
 
 Atomicity, as orbax's: a checkpoint is written into ``<step>.nnxscan-tmp/``, every file
-fsync'ed, then renamed to ``<step>/`` (atomic on a POSIX filesystem) and the directory
-fsync'ed. A checkpoint is deleted by renaming it to ``<step>.nnxscan-deleting`` first, so
-a process killed mid-delete never leaves a half-deleted checkpoint that lists as finished.
+fsync'ed (all at once, with the run log's new bytes: one journal commit, not five), then
+renamed to ``<step>/`` (atomic on a POSIX filesystem) and the directory fsync'ed (for
+asynchronous saves, by the next save's fsyncs or the checkpointer's close). A checkpoint
+is deleted by renaming it to ``<step>.nnxscan-deleting`` first, so a process killed
+mid-delete never leaves a half-deleted checkpoint that lists as finished.
 
 The run log, ``<directory>/history.jsonl``, is shared by both storages: bytes only ever
 appended (and fsync'ed) before the checkpoint that refers to them is renamed into place,
@@ -40,6 +44,7 @@ import pathlib
 import re
 import shutil
 import stat
+import threading
 import zlib
 from typing import Any
 
@@ -84,6 +89,9 @@ def remove_leftovers(path: pathlib.Path) -> None:
         if entry.name.endswith((TMP_SUFFIX, DELETING_SUFFIX)):
             with contextlib.suppress(OSError):  # tried again at the next run's first save
                 remove(pathlib.Path(entry.path))
+        elif _STEP_NAME.fullmatch(entry.name):  # an item add_item did not finish
+            with contextlib.suppress(OSError):
+                remove(pathlib.Path(entry.path) / f"{ITEM}{TMP_SUFFIX}")
 
 
 def remove(entry: pathlib.Path) -> None:
@@ -107,52 +115,85 @@ def _fsync(path: pathlib.Path) -> None:
         os.close(descriptor)
 
 
+def sync_directory(path: pathlib.Path) -> None:
+    """fsyncs the checkpoint directory: the renames and deletions in it reach the disk."""
+    with contextlib.suppress(FileNotFoundError):
+        _fsync(path)
+
+
+def _fsync_all(paths: list[pathlib.Path]) -> None:
+    """fsyncs every path, all at once (one thread each, the last on this one), and returns
+    once every one is done; raises the first error. Concurrent fsyncs on one filesystem
+    share the journal's commits (ext4, xfs): a checkpoint's four waits for the disk become
+    about one. Threads made per call: a pool would not survive a fork."""
+    errors: list[BaseException] = []
+
+    def sync(target: pathlib.Path) -> None:
+        try:
+            _fsync(target)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=sync, args=(p,), daemon=True) for p in paths[:-1]]
+    for thread in threads:
+        thread.start()
+    if paths:
+        sync(paths[-1])
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def write(
     path: pathlib.Path,
     step: int,
     manifest: dict[str, Any],
     buffers: dict[str, np.ndarray],
-    item: tuple[list, list, dict[str, bytes]] | None = None,
+    log: bytes = b"",
+    *,
+    sync_directory: bool = True,
 ) -> pathlib.Path:
     """Writes checkpoint ``step`` under ``path`` atomically; returns ``<path>/<step>``.
+
+    ``log``: bytes appended to the run log first (:func:`append_log`), fsync'ed with the
+    checkpoint's files, before the rename. ``sync_directory=False``: the rename reaches
+    the disk with the directory's next fsync (the next write's, or
+    :func:`sync_directory`'s) instead of before this returns: a power loss meanwhile may
+    lose this checkpoint (never tear it; the one before stays), a killed process cannot.
 
     ``buffers``: name -> flat, contiguous host array that nobody else writes to while this
     runs (``_checkpoint_layout.fill`` makes copies, never views of device buffers), packed into
     ``arrays.bin``, each on a 64-byte boundary, its crc32 in the manifest (which carries
-    its own: :func:`_checkpoint_manifest.dumps_checked`). ``item``: ``(leaves, arrays,
-    files)`` of the model state's orbax item (``_orbax_item.write_item``), or None.
+    its own: :func:`_checkpoint_manifest.dumps_checked`). The model state's orbax item is
+    added afterwards, to the checkpoints that get one (:func:`add_item`).
 
     A failed write removes ``<step>.nnxscan-tmp`` (what it held is freed) and leaves every
     finished checkpoint as it was.
 
     Raises:
       OSError: the disk is full (errno ENOSPC), or another error of the system's, named by
-        errno, from tensorstore (which raises ValueError) or from Python's own writes; the
-        message names the directory and the step (see :func:`disk_error`).
+        errno, from Python's own writes; the message names the directory and the step (see
+        :func:`disk_error`).
     """
     tmp = path / f"{step}{TMP_SUFFIX}"
-    finish_item = None
+    written = append_log(path, log, sync=False) if log else []
     try:
         path.mkdir(parents=True, exist_ok=True)
         remove(tmp)  # a save of this step killed mid-way: replaced, not an obstacle
         tmp.mkdir()
-        # The item's store commits in tensorstore's threads while arrays.bin is written here.
-        finish_item = None if item is None else _orbax_item.write_item(tmp / ITEM, *item)
-        placed, written = _write_data(tmp / DATA, buffers), [tmp / DATA]
+        written.append(tmp / DATA)
+        placed = _write_data(tmp / DATA, buffers)
         text = _manifest.dumps_checked({**manifest, "buffers": placed})
         written.append(_write_file(tmp / MANIFEST, text))  # one write, not dozens
-        if finish_item is not None:
-            written += finish_item()
-        # Every file and folder reaches the disk before the rename makes it a checkpoint.
-        for written_path in (*written, tmp):
-            _fsync(written_path)
+        # Every file and folder (and the log's bytes) reaches the disk before the rename
+        # makes it a checkpoint; the directory too, with the previous write's rename.
+        _fsync_all([*written, tmp, path])
         final = path / str(step)
         os.rename(tmp, final)
-        _fsync(path)
+        if sync_directory:
+            _fsync(path)
     except BaseException as error:
-        if finish_item is not None:  # tensorstore's threads are done with tmp first
-            with contextlib.suppress(Exception):
-                finish_item()
         with contextlib.suppress(OSError):
             remove(tmp)
         translated = disk_error(error, path, f"checkpoint {step} was not written")
@@ -160,6 +201,47 @@ def write(
             raise
         raise translated from error
     return final
+
+
+def add_item(path: pathlib.Path, step: int, item: tuple[list, list, dict[str, bytes]]) -> None:
+    """Adds the model state's orbax item, ``<step>/state/``, to the finished checkpoint
+    ``step`` (nnxscan's own files) under ``path``, atomically: written into
+    ``<step>/state.nnxscan-tmp``, every file fsync'ed, renamed to ``state`` and the step
+    folder fsync'ed. Until the rename the checkpoint is the one it was (restores read
+    ``arrays.bin``; a leftover ``state.nnxscan-tmp`` is ignored and removed by the next
+    run's first save). Nothing to do when the checkpoint is gone or has its item already.
+
+    Raises:
+      OSError: as :func:`write` (a full disk is errno ENOSPC naming the directory); the
+        temporary item is removed, the checkpoint stays as it was, without an item.
+    """
+    final = path / str(step)
+    if not final.is_dir() or os.path.lexists(final / ITEM):
+        return
+    tmp = final / f"{ITEM}{TMP_SUFFIX}"
+    finish_item = None
+    try:
+        remove(tmp)
+        finish_item = _orbax_item.write_item(tmp, *item)
+        written, finish_item = finish_item(), None
+        _fsync_all(written)
+        os.rename(tmp, final / ITEM)
+        _fsync(final)
+    except BaseException as error:
+        if finish_item is not None:  # tensorstore's threads are done with tmp first
+            with contextlib.suppress(Exception):
+                finish_item()
+        with contextlib.suppress(OSError):
+            remove(tmp)
+        translated = disk_error(
+            error,
+            path,
+            f"the {ITEM}/ item of checkpoint {step} was not written (the "
+            f"checkpoint is whole without it)",
+        )
+        if translated is error:
+            raise
+        raise translated from error
 
 
 def _write_data(where: pathlib.Path, buffers: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -232,10 +314,11 @@ def storage_of(step_path: pathlib.Path) -> str | None:
     return None
 
 
-def read_manifest(step_path: pathlib.Path) -> tuple[Any, bool]:
-    """The manifest (parsed) and whether it carried a matching crc32 (version 4). Raises
-    ValueError for one that does not parse or whose crc32 does not match."""
-    with open(step_path / MANIFEST, "rb") as file:
+def read_manifest(step_path: pathlib.Path, file: pathlib.Path | None = None) -> tuple[Any, bool]:
+    """The manifest (parsed) and whether it carried a matching crc32 (version 4; orbax's
+    storage, whose manifest is ``file``: version 5). Raises ValueError for one that does
+    not parse or whose crc32 does not match."""
+    with open(step_path / MANIFEST if file is None else file, "rb") as file:
         raw = file.read(_MAX_MANIFEST + 1)
     if len(raw) > _MAX_MANIFEST:
         raise ValueError(f"it is larger than {_MAX_MANIFEST} bytes")
@@ -289,19 +372,21 @@ def log_size(path: pathlib.Path) -> int:
         return 0
 
 
-def append_log(path: pathlib.Path, data: bytes) -> None:
+def append_log(path: pathlib.Path, data: bytes, *, sync: bool = True) -> list[pathlib.Path]:
     """Appends ``data`` to the run log and fsyncs it (and the directory, when the log is
-    new): on disk before the checkpoint written next refers to it."""
+    new): on disk before the checkpoint written next refers to it. ``sync=False``: returns
+    those paths for the caller to fsync (with its own) instead."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         log = path / LOG
         new = not log.exists()
         with open(log, "ab") as file:
             file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        if new:
-            _fsync(path)
+        unsynced = [log, path] if new else [log]
+        if sync:
+            _fsync_all(unsynced)
+            return []
+        return unsynced
     except OSError as error:  # a torn line is cut off by the next resume
         translated = disk_error(error, path, f"the run log {LOG} was not appended to")
         if translated is error:

@@ -14,13 +14,17 @@ and before anything reaches a model. The rules:
   lie inside that buffer; the buffer's dtype is the leaf's (a key's data is uint32);
 - each buffer: a non-negative byte offset and element count whose bytes lie inside
   ``arrays.bin`` (the only file buffers are read from), a dtype from :data:`DTYPES`, and
-  (version 4) a crc32 of its bytes, checked when it is read.
+  (version 4) a crc32 of its bytes, checked when it is read; in orbax's storage (version
+  5) each packed buffer (an orbax array of ``arrays/``) carries its crc32 too.
 
 Every refusal is a :class:`CorruptCheckpointError` (a ValueError) naming the checkpoint
 directory, the step, the leaf path or buffer, and what is wrong.
 
 The manifest file itself carries a crc32 of its JSON text (:func:`dumps_checked`): a
-flipped bit anywhere in it is caught before it is parsed into records.
+flipped bit anywhere in it is caught before it is parsed into records. Orbax's storage
+writes the same text (orbax's ``JsonSave`` writes ``json.dumps`` of the record, which is
+:func:`dumps_checked`'s text when the record's first member is its crc32:
+:func:`with_crc32`) since version 5; its manifests of version 4 and before carry none.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ import jax.numpy as jnp
 
 FORMAT = "nnxscan.checkpoint"
 # 2: small arrays packed into one buffer per dtype; 3: own files storage; 4: crc32s of the
-# manifest and of every buffer (and the model state as an orbax item, beside).
-VERSION = 4
+# manifest and of every buffer (and the model state as an orbax item, beside); 5: the same
+# crc32s in orbax's storage (its manifest, and its packed buffers).
+VERSION = 5
 PYTHON_KINDS = {"bool": bool, "int": int, "float": float, "str": str}
 ARRAY_KINDS = ("array", "key")
 # The key implementations jax ships, with the trailing shape of their raw key data.
@@ -137,6 +142,13 @@ def dumps_checked(record: dict[str, Any]) -> bytes:
     return b'{"crc32": "%08x", ' % zlib.crc32(body) + body[1:]
 
 
+def with_crc32(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with a first member ``crc32``: ``json.dumps`` of it (what orbax's
+    ``JsonSave`` writes) is :func:`dumps_checked`'s text, which :func:`loads_checked`
+    verifies."""
+    return {"crc32": f"{zlib.crc32(json.dumps(record).encode()):08x}", **record}
+
+
 def loads_checked(raw: bytes) -> tuple[Any, bool]:
     """Parses ``raw``; returns ``(record, checked)``. ``checked`` is False for text that
     carries no crc (written before version 4). Raises ValueError for text that does not
@@ -201,7 +213,8 @@ def validate(
       data_size: the size in bytes of ``arrays.bin`` (None if missing), for nnxscan's
         own files storage: every buffer must lie inside it. False for orbax's storage,
         whose packed buffers are orbax arrays (their sizes are checked on read).
-      checked: the manifest carried a matching crc32 (version 4 requires one).
+      checked: the manifest carried a matching crc32 (required from version 4 in own
+        files, from version 5 in orbax's storage).
 
     Raises:
       CorruptCheckpointError: the first thing wrong, named.
@@ -217,13 +230,13 @@ def validate(
             f"checkpoint {where} has format version {version}, newer than this nnxscan "
             f"reads ({VERSION}): upgrade nnxscan"
         )
-    if version >= 4 and not checked:
-        raise refuse("manifest", "version 4 manifests carry a crc32, this one has none")
+    own_files = data_size is not False
+    if not checked and (version >= 5 or (version >= 4 and own_files)):
+        raise refuse("manifest", f"version {version} manifests carry a crc32, this one has none")
     leaves = raw.get("leaves")
     if not isinstance(leaves, list):
         raise refuse("manifest", "it has no list of leaves")
     declared = raw.get("buffers")
-    own_files = data_size is not False
     if declared is None and not own_files and version < 4:
         declared = _legacy_orbax_buffers(leaves)
     buffers = _validate_buffers(declared or {}, version, refuse, data_size)
@@ -308,10 +321,12 @@ def _validate_buffers(
                     f"it needs bytes [{offset}, {offset + nbytes}) of {DATA}, which holds "
                     f"{data_size} bytes (truncated?)",
                 )
-            crc = entry.get("crc32")
-            if version >= 4 and not (isinstance(crc, str) and re.fullmatch(r"[0-9a-f]{8}", crc)):
+            record.update(offset=offset, nbytes=nbytes)
+        crc = entry.get("crc32")
+        if version >= (4 if data_size is not False else 5):
+            if not (isinstance(crc, str) and re.fullmatch(r"[0-9a-f]{8}", crc)):
                 raise refuse(what, f"crc32 {crc!r} is not 8 hex digits")
-            record.update(offset=offset, crc32=crc, nbytes=nbytes)
+            record["crc32"] = crc
         out[name] = record
     return out
 

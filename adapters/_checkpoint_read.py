@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import zlib
 from typing import Any, NamedTuple
 
 import jax
@@ -27,6 +28,8 @@ from nnxscan.adapters._checkpoint_manifest import (
 from nnxscan.adapters._extras import require_extra
 
 _OPT_STATE = "['opt_state']"
+# Where orbax's JsonSave writes the manifest item of orbax's storage.
+ORBAX_MANIFEST = "manifest/metadata"
 _STATE = "['state']"
 
 
@@ -212,16 +215,19 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
     step = int(where.name)
     options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
     # create=False: reading must not create the directory, nor write anything into it.
+    # The manifest's text, read as written (orbax's JsonSave: json.dumps of the record),
+    # its crc32 checked before it is parsed.
+    manifest_file = where / ORBAX_MANIFEST
+    try:
+        raw, checked = _files.read_manifest(where, manifest_file)
+    except (OSError, ValueError) as error:
+        raise CorruptCheckpointError(
+            f"checkpoint {where.parent} step {step}: its manifest {manifest_file} cannot be "
+            f"read: {error}. Restore another checkpoint (resume=True and restore() without "
+            f"a step skip a damaged one)."
+        ) from None
+    records, buffers = _manifest.validate(raw, where, checked=checked)
     with ocp.CheckpointManager(where.parent, options=options) as manager:
-        try:
-            args = ocp.args.Composite(manifest=ocp.args.JsonRestore())
-            raw = manager.restore(step, args=args)["manifest"]
-        except Exception as error:  # orbax raises many kinds for a damaged item
-            raise CorruptCheckpointError(
-                f"checkpoint {where.parent} step {step}: orbax cannot read its manifest "
-                f"({type(error).__name__}: {error}). Restore another checkpoint."
-            ) from None
-        records, buffers = _manifest.validate(raw, where)
         matched = _matched(records, template, where)
         restore_args = {
             record.name: _restore_args(ocp, record, leaf)
@@ -235,10 +241,21 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
             item = ocp.args.PyTreeRestore(restore_args=restore_args)
             arrays = manager.restore(step, args=ocp.args.Composite(arrays=item))["arrays"]
     for name, held in buffers.items():
-        if name in arrays and np.asarray(arrays[name]).size < held["size"]:
+        if name not in arrays:
+            continue
+        host = np.asarray(arrays[name]).reshape(-1)
+        if host.size < held["size"]:
             raise CorruptCheckpointError(
                 f"checkpoint {where.parent} step {step}: buffer {name!r} holds "
-                f"{np.asarray(arrays[name]).size} of its {held['size']} elements."
+                f"{host.size} of its {held['size']} elements."
+            )
+        crc = held.get("crc32")
+        if crc is not None and f"{zlib.crc32(host.view(np.uint8)):08x}" != crc:
+            raise CorruptCheckpointError(
+                f"checkpoint {where.parent} step {step}: buffer {name!r} in "
+                f"{where / 'arrays'} (orbax's item): its bytes do not match their crc32 "
+                f"(damaged on disk). Restore another checkpoint (resume=True and restore() "
+                f"without a step skip a damaged one)."
             )
     return matched, arrays
 

@@ -33,7 +33,10 @@ checkpoint by its step, so one listing, one ``max_to_keep`` and one reader serve
                                         each buffer's file, offset, dtype, size and crc32
         arrays.bin                      the packed buffers, raw
         state/                          the model state again, as an orbax item (OCDBT,
-                                        zarr) that Flax's StandardCheckpointer reads
+                                        zarr) that Flax's StandardCheckpointer reads:
+                                        in the newest checkpoint a Checkpointer saved,
+                                        added when it closes (state.nnxscan-tmp/ while
+                                        it is written; ignored, removed later)
       <step>/                           or orbax's
         _CHECKPOINT_METADATA            orbax: when it was written
         manifest/metadata               the manifest
@@ -87,10 +90,12 @@ import contextlib
 import os
 import pathlib
 import warnings
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
 
 from nnxscan.adapters import _checkpoint_files as _files
 from nnxscan.adapters import _checkpoint_layout as _layout
@@ -126,6 +131,10 @@ def _as_step(step: Any, what: str) -> int:
     return check_count(step, what, 0)
 
 
+def _crc32(buffer: np.ndarray) -> str:
+    return f"{zlib.crc32(np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)):08x}"
+
+
 def _orbax_state(state: Any) -> bool:
     """Whether orbax writes the model state as its own item (every leaf an array)."""
     return state is not None and all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(state))
@@ -146,11 +155,12 @@ class Checkpointer:
 
     Storage: a tree one process holds whole (every single-process run not sharded over
     devices) is written as nnxscan's own files: a raw file of packed buffers, the model
-    state as an orbax item Flax's code restores, and a JSON manifest, every buffer with a
-    crc32 — a fraction of the CPU orbax's own save costs (docs/checkpoints.md), CPU that a
-    background write takes from training. Arrays sharded over devices or processes go through one
-    orbax ``CheckpointManager`` (each process writes its shards). ``storage="orbax"``
-    writes every checkpoint through orbax. :func:`restore_checkpoint` reads both, and a
+    state as an orbax item Flax's code restores (the newest checkpoint's, written by
+    :meth:`close`), and a JSON manifest, every buffer with a crc32 — a fraction of the CPU
+    orbax's own save costs (docs/checkpoints.md), CPU that a background write takes from
+    training. Arrays sharded over devices or processes go through one orbax
+    ``CheckpointManager`` (each process writes its shards). ``storage="orbax"`` writes
+    every checkpoint through orbax. :func:`restore_checkpoint` reads both, and a
     directory may hold both.
 
     One checkpointer per directory: the first save (or :meth:`lock`) takes an advisory lock
@@ -193,6 +203,9 @@ class Checkpointer:
         self._log_pending: list[bytes] = []
         self._lock: int | None = None  # the directory's writer lock, once taken
         self._locked = False
+        # (step, item) of the newest checkpoint saved as own files: its state/ item, for
+        # Flax's code, is written by close() (one per run, off the training path).
+        self._item: tuple[int, Any] | None = None
 
     def lock(self) -> None:
         """Takes the directory's writer lock now (the first save or log append takes it
@@ -330,11 +343,12 @@ class Checkpointer:
                 f"or delete the newer checkpoints first."
             )
         log = self._take_log()  # before this checkpoint, in the same write
+        self._item = None  # an older checkpoint's item is not written any more
         if own_files:
-            item = None
             if layout.item:
-                item = ([leaf for _, leaf in layout.item], item_arrays, layout.item_files)
-            self._write_files(step, manifest, buffers, item, log)
+                leaves = [leaf for _, leaf in layout.item]
+                self._item = (step, (leaves, item_arrays, layout.item_files))
+            self._write_files(step, manifest, buffers, log)
         else:
             if log:  # orbax writes in its own threads: the log is on disk first
                 _files.append_log(self.path, log)
@@ -353,13 +367,13 @@ class Checkpointer:
                 _files.delete(self.path, old)
                 self._steps.remove(old)
 
-    def _write_files(
-        self, step: int, manifest: dict[str, Any], buffers: dict, item: Any, log: bytes
-    ) -> None:
+    def _write_files(self, step: int, manifest: dict[str, Any], buffers: dict, log: bytes) -> None:
         def write() -> None:
-            if log:
-                _files.append_log(self.path, log)
-            _files.write(self.path, step, manifest, buffers, item)
+            # The rename of an asynchronous save reaches the disk with the next save's
+            # fsyncs, or close()'s: one wait for the disk a save instead of two.
+            _files.write(
+                self.path, step, manifest, buffers, log, sync_directory=not self.asynchronous
+            )
             _files.keep_newest(self.path, self.max_to_keep)
 
         if not self._cleaned:
@@ -386,11 +400,16 @@ class Checkpointer:
         ocp = _read.orbax()
         arrays = buffers
         packs = {name: buffers[name] for name in layout_packs}
+        # Each packed buffer's crc32 (a host copy, whole in every process), and the
+        # manifest's own: orbax's JsonSave writes json.dumps of it, the checked text.
         manifest = {
             **manifest,
-            "buffers": {n: {"dtype": a.dtype.name, "size": a.size} for n, a in packs.items()},
+            "buffers": {
+                n: {"dtype": a.dtype.name, "size": a.size, "crc32": _crc32(a)}
+                for n, a in packs.items()
+            },
         }
-        items = {"manifest": ocp.args.JsonSave(manifest)}
+        items = {"manifest": ocp.args.JsonSave(_manifest.with_crc32(manifest))}
         if arrays:
             items["arrays"] = ocp.args.PyTreeSave(arrays)
         if _orbax_state(state):  # the model state as Flax's guide saves it: <step>/state
@@ -415,13 +434,25 @@ class Checkpointer:
             raise translated from error
 
     def close(self) -> None:
-        """Waits for the save in flight, writes what was appended to the run log since,
-        then releases its threads and the directory's lock."""
+        """Waits for the save in flight, writes what was appended to the run log since, adds
+        the model state's ``state/`` item (what Flax's ``StandardCheckpointer`` restores)
+        to the newest checkpoint it saved, then releases its threads and the directory's
+        lock.
+
+        Only the newest checkpoint gets the item, here: writing one per save (tensorstore's
+        files, written, synced, then deleted by ``max_to_keep``) cost a small model's run
+        more than the rest of the checkpoint. A failed save leaves no item to write."""
         try:
             self.wait()
+            if self._thread is not None:  # asynchronous saves' last renames, deletions
+                _files.sync_directory(self.path)
             log = self._take_log()
             if log:
                 _files.append_log(self.path, log)
+            if self._item is not None:
+                (step, item), self._item = self._item, None
+                if jax.process_index() == 0:
+                    _files.add_item(self.path, step, item)
         finally:
             if self._manager is not None:
                 manager, self._manager = self._manager, None

@@ -21,8 +21,10 @@ On the digits MLP of ``_workloads.py`` (and the byte-level LM, a model 30x large
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import functools
+import os
 import statistics
 import sys
 import tempfile
@@ -31,6 +33,7 @@ import time
 import jax
 from _workloads import WORKLOADS
 
+from nnxscan.adapters import _checkpoint_files, _checkpoint_manifest, _orbax_item
 from nnxscan.adapters.checkpoint import Checkpointer, all_steps
 from nnxscan.shell import LambdaCallback, Trainer
 from nnxscan.shell._edges import checkpointing as _checkpointing
@@ -103,8 +106,55 @@ VARIANTS = {
     "epoch callback": {"callbacks": [LambdaCallback(on_epoch_end=_nothing)]},
     "sync": {"checkpoint_async": False},
     "async": {},
+    # The writes as they were before issue 58 item 9 (ItemEverySave): the model state's
+    # state/ item with every save, and one fsync after another.
+    "async, before": {"storage": "item every save"},
     "async, orbax": {"storage": "orbax"},
 }
+
+
+class ItemEverySave(Checkpointer):
+    """The checkpointer's writes as they were before issue 58 item 9 (nnxscan at commit
+    98832c3): every save also writes the model state's ``state/`` item (its tensorstore
+    store committed while ``arrays.bin`` is written), fsyncs the run log, then every file
+    and folder one after another, and the directory after the rename; ``max_to_keep``
+    deletes the item again."""
+
+    def _write_files(self, step, manifest, buffers, log):
+        item = None if self._item is None else self._item[1]
+        self._item = None  # written here, not by close()
+
+        def write() -> None:
+            if log:
+                _checkpoint_files.append_log(self.path, log)  # fsync'ed on its own
+            _write_before(self.path, step, manifest, buffers, item)
+            _checkpoint_files.keep_newest(self.path, self.max_to_keep)
+
+        if not self.asynchronous:
+            write()
+            return
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self._in_flight = self._thread.submit(write)
+
+
+def _write_before(path, step, manifest, buffers, item):
+    """``_checkpoint_files.write`` of commit 98832c3 (its error handling aside)."""
+    files = _checkpoint_files
+    tmp = path / f"{step}{files.TMP_SUFFIX}"
+    path.mkdir(parents=True, exist_ok=True)
+    files.remove(tmp)
+    tmp.mkdir()
+    finish_item = None if item is None else _orbax_item.write_item(tmp / files.ITEM, *item)
+    placed, written = files._write_data(tmp / files.DATA, buffers), [tmp / files.DATA]
+    text = _checkpoint_manifest.dumps_checked({**manifest, "buffers": placed})
+    written.append(files._write_file(tmp / files.MANIFEST, text))
+    if finish_item is not None:
+        written += finish_item()
+    for written_path in (*written, tmp):
+        files._fsync(written_path)
+    os.rename(tmp, path / str(step))
+    files._fsync(path)
 
 
 @contextlib.contextmanager
@@ -123,6 +173,8 @@ def storage(name: str | None):
 
 
 def _checkpointer(name, directory, *, max_to_keep=3, asynchronous=True):
+    if name == "item every save":
+        return ItemEverySave(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
     return Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name)
 
 
@@ -167,6 +219,7 @@ def main() -> None:
                         help="which tables, comma-separated")  # fmt: skip
     args = parser.parse_args()
     tables = args.tables.split(",")
+    print(f"load average before: {_load()}", flush=True)
     if "every-epoch" in tables:
         every_epoch_table(args.reps)
     if "per-save" in tables:
@@ -175,15 +228,22 @@ def main() -> None:
         print("\n| workload | resume (restore) ms |\n|---|---:|")
         for name in ("mlp_digits", "lm_200"):
             print(resume_cost(name, args.reps), flush=True)
+    print(f"\nload average after: {_load()}")
+
+
+def _load() -> str:
+    """The machine's 1/5/15-minute load averages and its cores (what else ran meanwhile)."""
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} cores"
 
 
 def every_epoch_table(reps: int) -> None:
     print(
         "| workload | epochs x steps | fit s, no checkpoints | an epoch callback instead s | "
         "÷ none | every epoch, sync s | ÷ none | every epoch, async s | ÷ none | "
+        "async as before (state/ every save, fsyncs one by one) s | ÷ none | "
         "async through orbax s | ÷ none |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, epochs, steps in (("lm_24", 4, 8), ("mlp_digits", 10, None)):
         print(every_epoch(name, epochs, steps, reps), flush=True)
 

@@ -6,9 +6,10 @@ so does :func:`load_model`, from any checkpoint a ``Trainer`` (``fit`` with a
 wrote: it reads the model state alone (the optimizer state and counters stay unread), checked
 as every restore is (manifest, crc32s, shapes), and builds a new module from it. Flax's own
 ``ocp.StandardCheckpointer().restore(<checkpoint_dir>/<step>/state, abstract_state)`` reads
-the same state from the checkpoint's ``state/`` item but checks nothing; ``load_model``
-also checks that item holds exactly the verified arrays, so a checkpoint it accepts is one
-Flax's restore loads as saved (see docs/checkpoints.md).
+the same state from the checkpoint's ``state/`` item (the newest checkpoint of a run has
+one) but checks nothing; ``load_model`` also checks that item, when there is one, holds
+exactly the verified arrays, so a checkpoint it accepts is one Flax's restore loads as
+saved, or cannot load at all (no item; see docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ def load_model(
         skipped with a warning).
 
     The checkpoint's ``state/`` item (what Flax's ``StandardCheckpointer`` restores,
-    verifying nothing) is read too and must hold exactly the verified model state: a
-    flipped bit there, another checkpoint's item or a symbolic link makes the checkpoint
-    damaged.
+    verifying nothing; written for the newest checkpoint of a run) is read too when there
+    is one and must hold exactly the verified model state: a flipped bit there, another
+    checkpoint's item or a symbolic link makes the checkpoint damaged.
 
     Returns:
       A new module: ``model``'s graph with the checkpoint's state (parameters, batch

@@ -193,3 +193,126 @@ def test_a_save_reusing_a_known_layout_writes_what_a_fresh_layout_writes(tmp_pat
                 assert file.read_bytes() == fresh.read_bytes(), (index, file.name)
             restored, _ = restore_checkpoint(tmp_path / f"cached{index}", tree, step=step)
             assert_same(restored, tree)
+
+
+# -- crc32s in orbax's storage (version 5) ------------------------------------------------------
+
+
+def _files_of(root) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_orbax_storage_manifest_and_packed_buffers_carry_crc32s(tmp_path):
+    import json
+    import zlib
+
+    saved = every_kind(5)
+    where = save_checkpoint(tmp_path, 5, saved, storage="orbax")
+    text = (where / "manifest" / "metadata").read_bytes()
+    record = json.loads(text)
+    assert record["version"] == 5
+    body = json.dumps({k: v for k, v in record.items() if k != "crc32"}).encode()
+    assert record["crc32"] == f"{zlib.crc32(body):08x}"  # of the rest of the text, as written
+    assert record["buffers"] and all("crc32" in b for b in record["buffers"].values())
+    # Reference: each packed buffer as orbax's own PyTree restore reads it.
+    import orbax.checkpoint as ocp
+
+    arrays = ocp.PyTreeCheckpointer().restore(where / "arrays")
+    for name, entry in record["buffers"].items():
+        assert f"{zlib.crc32(np.asarray(arrays[name]).tobytes()):08x}" == entry["crc32"]
+    assert_same(restore_checkpoint(tmp_path, every_kind(0))[0], saved)
+
+
+def test_a_flipped_bit_in_the_orbax_manifest_is_refused_naming_the_file(tmp_path):
+    saved = every_kind(1)
+    save_checkpoint(tmp_path, 1, saved, storage="orbax")
+    save_checkpoint(tmp_path, 2, every_kind(2), storage="orbax")
+    manifest = tmp_path / "2" / "manifest" / "metadata"
+    text = bytearray(manifest.read_bytes())
+    text[text.index(b'"value": 0.2}') + 11] ^= 1  # lr 0.2 -> 0.3: still valid JSON
+    manifest.write_bytes(bytes(text))
+    before = _files_of(tmp_path)
+    with pytest.raises(CorruptCheckpointError, match=rf"step 2: its manifest {manifest} cannot "
+                       r"be read: its crc32 does not match"):  # fmt: skip
+        restore_checkpoint(tmp_path, every_kind(0), step=2)
+    with pytest.warns(UserWarning, match="skipped checkpoint 2"):
+        tree, step = restore_checkpoint(tmp_path, every_kind(0), fallback=True)
+    assert step == 1
+    assert_same(tree, saved)
+    assert _files_of(tmp_path) == before  # the failed restores wrote nothing
+
+
+def test_another_checkpoints_orbax_arrays_are_refused_naming_the_buffer(tmp_path):
+    """A copied-in arrays/ item (the same shapes, other values) loaded silently before the
+    packed buffers carried crc32s."""
+    import shutil
+
+    save_checkpoint(tmp_path, 1, every_kind(1), storage="orbax")
+    save_checkpoint(tmp_path, 2, every_kind(2), storage="orbax")
+    shutil.rmtree(tmp_path / "2" / "arrays")
+    shutil.copytree(tmp_path / "1" / "arrays", tmp_path / "2" / "arrays")
+    before = _files_of(tmp_path)
+    with pytest.raises(CorruptCheckpointError, match=rf"step 2: buffer 'pack_\w+' in "
+                       rf"{tmp_path / '2' / 'arrays'} \(orbax's item\): its bytes do not "
+                       r"match their crc32"):  # fmt: skip
+        restore_checkpoint(tmp_path, every_kind(0), step=2)
+    assert _files_of(tmp_path) == before
+
+
+def test_orbax_checkpoints_without_checksums_still_restore_and_a_stripped_v5_is_refused(
+    tmp_path,
+):
+    """Version 4 and before wrote no crc32s in orbax's storage: read unchecked, as the own
+    files of version 3 are. A version 5 manifest without its crc32 is damaged."""
+    import json
+
+    saved = every_kind(3)
+    save_checkpoint(tmp_path, 3, saved, storage="orbax")
+    manifest = tmp_path / "3" / "manifest" / "metadata"
+    record = json.loads(manifest.read_bytes())
+    del record["crc32"]
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(CorruptCheckpointError, match="version 5 manifests carry a crc32"):
+        restore_checkpoint(tmp_path, every_kind(0))
+    record["version"] = 4
+    for entry in record["buffers"].values():
+        del entry["crc32"]
+    manifest.write_text(json.dumps(record))
+    assert_same(restore_checkpoint(tmp_path, every_kind(0))[0], saved)
+
+
+def test_asynchronous_saves_sync_each_rename_with_the_next_save_or_close(tmp_path, monkeypatch):
+    """Every checkpoint's files are fsync'ed before its rename; an asynchronous save's
+    rename reaches the disk with the directory's fsync of the next save, or of close()
+    (a synchronous save's before it returns). Reference: the order of the calls."""
+    import os
+
+    events = []
+    fsync, rename = _checkpoint_files._fsync, os.rename
+    monkeypatch.setattr(_checkpoint_files, "_fsync", lambda p: (events.append(("fsync", p)),
+                                                                fsync(p))[1])  # fmt: skip
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", b)), rename(a, b))[1])
+    directory = tmp_path.resolve()
+    with Checkpointer(directory, max_to_keep=5) as checkpointer:
+        for step in (1, 2):
+            checkpointer.save(step, {"w": np.arange(3.0) + step})
+            checkpointer.wait()
+    renamed = [i for i, e in enumerate(events) if e == ("rename", directory / "1")]
+    synced = [i for i, e in enumerate(events) if e == ("fsync", directory)]
+    assert (
+        renamed
+        and synced
+        and min(s for s in synced if s > renamed[0]) < events.index(("rename", directory / "2"))
+    )  # the next save's fsyncs carry the first rename
+    last = events.index(("rename", directory / "2"))
+    assert any(i > last for i in synced)  # close() carries the last one
+    for step in (1, 2):
+        files = {directory / f"{step}.nnxscan-tmp" / n for n in ("arrays.bin", "manifest.json")}
+        at = events.index(("rename", directory / str(step)))
+        assert files <= {p for kind, p in events[:at] if kind == "fsync"}
+    events.clear()
+    save_checkpoint(directory, 3, {"w": np.arange(3.0)})  # synchronous: synced on return
+    at = events.index(("rename", directory / "3"))
+    assert ("fsync", directory) in events[at:]

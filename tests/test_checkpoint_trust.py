@@ -50,8 +50,9 @@ def new_trainer(seed: int = 0) -> Trainer:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A 3-epoch run with a checkpoint every epoch, and the model's arrays at each epoch's
-    end as the training process held them (the reference the checkpoints must match)."""
+    """A 3-epoch run with a checkpoint every epoch, resumed after each epoch, and the
+    model's arrays at each epoch's end as the training process held them (the reference
+    the checkpoints must match)."""
     directory = tmp_path_factory.mktemp("trusted") / "run"
     trainer = new_trainer()
     at_epoch = {}
@@ -59,9 +60,12 @@ def run(tmp_path_factory):
     def keep(trainer, epoch, logs):
         at_epoch[trainer.step] = state_arrays(trainer.model)
 
-    trainer.fit(DATA, epochs=3, batch_size=BATCH, seed=0, checkpoint_dir=directory,
-                callbacks=[LambdaCallback(on_epoch_end=keep)], progress=False)  # fmt: skip
+    for epochs in (1, 2, 3):  # three fits: each leaves its newest checkpoint a state/ item
+        trainer.fit(DATA, epochs=epochs, batch_size=BATCH, seed=0, checkpoint_dir=directory,
+                    callbacks=[LambdaCallback(on_epoch_end=keep)], progress=False,
+                    resume=True)  # fmt: skip
     assert all_steps(directory) == [4, 8, 12]
+    assert all((directory / str(step) / "state").is_dir() for step in (4, 8, 12))
     return directory, at_epoch
 
 
@@ -163,7 +167,7 @@ def test_every_buffer_and_the_manifest_carry_a_crc32_of_their_bytes(run):
 
     step = run[0] / "12"
     record = manifest_of(step)
-    assert record["version"] == 4 and record["buffers"]
+    assert record["version"] == 5 and record["buffers"]
     data = (step / "arrays.bin").read_bytes()
     for entry in record["buffers"].values():
         nbytes = entry["size"] * np.dtype(jax.numpy.dtype(entry["dtype"])).itemsize
@@ -245,7 +249,8 @@ def test_a_sharded_storage_manifest_whose_leaf_overlaps_another_is_refused(tmp_p
     kernel, bias = (leaf(record, f"['state']['{n}']") for n in ("l1']['kernel", "l2']['bias"))
     assert kernel["buffer"] == bias["buffer"]
     bias["offset"] = kernel["offset"] + 1
-    metadata.write_text(json.dumps(record))
+    del record["crc32"]  # crafted: written back with a matching crc32
+    metadata.write_bytes(_checkpoint_manifest.dumps_checked(record))
     like = {"state": nnx.split(nnx.eval_shape(lambda: BNDropout(rngs=nnx.Rngs(0))))[1]}
     bias_path, kernel_path = (re.escape(str(p)) for p in (bias["path"], kernel["path"]))
     overlap = rf"step 5: leaf {bias_path}: its elements .* overlap those of leaf {kernel_path}"
@@ -479,6 +484,59 @@ def test_flax_guide_restore_code_loads_the_model_of_an_nnxscan_checkpoint(run):
         np.testing.assert_array_equal(got, want)
     key = model.drop.rngs.key[...]
     assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)  # a typed key, as saved
+
+
+def test_only_the_newest_checkpoint_a_fit_leaves_carries_the_state_item(tmp_path):
+    """One state/ item a fit, added to its newest checkpoint as it ends (not one a save):
+    Flax's restore of it gives the weights of a fit without checkpoints, bitwise, and the
+    older checkpoints, without an item, still load through load_model (verified)."""
+    import orbax.checkpoint as ocp
+
+    directory = tmp_path / "run"
+    trainer, straight = new_trainer(), new_trainer()
+    trainer.fit(DATA, epochs=3, batch_size=BATCH, seed=0, checkpoint_dir=directory,
+                progress=False)  # fmt: skip
+    straight.fit(DATA, epochs=3, batch_size=BATCH, seed=0, progress=False)
+    assert all_steps(directory) == [4, 8, 12]
+    assert [(directory / str(s) / "state").exists() for s in (4, 8, 12)] == [0, 0, 1]
+    abstract_model = nnx.eval_shape(lambda: BNDropout(rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract_model)
+    flax_loaded = ocp.StandardCheckpointer().restore(directory / "12" / "state", abstract_state)
+    want = state_arrays(straight.model)
+    for got, expected in zip(state_arrays(nnx.merge(graphdef, flax_loaded)), want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    older = load_model(directory, abstract_model, step=8)  # no item: arrays.bin, verified
+    assert len(state_arrays(older)) == len(want)
+
+
+def test_a_kill_while_the_item_is_added_leaves_a_checkpoint_that_loads_and_resumes(copy):
+    """What a process killed while close() writes the item leaves: the newest checkpoint
+    whole, no state/, a partial state.nnxscan-tmp. load_model verifies and loads it (the
+    partial item ignored); a resume trains on from it bitwise as a run never interrupted,
+    removes the leftover and gives its own newest checkpoint the item."""
+    import orbax.checkpoint as ocp
+
+    newest = copy / "12"
+    partial = newest / "state.nnxscan-tmp"
+    (newest / "state").rename(partial)
+    (partial / "_METADATA").unlink()  # killed before the metadata files were written
+    abstract_model = nnx.eval_shape(lambda: BNDropout(rngs=nnx.Rngs(0)))
+    straight = new_trainer()
+    straight.fit(DATA, epochs=3, batch_size=BATCH, seed=0, progress=False)
+    loaded = load_model(copy, abstract_model)  # step 12, no warning
+    for got, want in zip(state_arrays(loaded), state_arrays(straight.model), strict=True):
+        np.testing.assert_array_equal(got, want)
+    resumed = new_trainer()
+    resumed.fit(DATA, epochs=4, batch_size=BATCH, checkpoint_dir=copy, resume=True,
+                progress=False)  # fmt: skip
+    straight.fit(DATA, epochs=1, batch_size=BATCH, progress=False)  # its 4th epoch
+    for got, want in zip(state_arrays(resumed.model), state_arrays(straight.model), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert all_steps(copy) == [8, 12, 16] and not partial.exists()
+    abstract_state = nnx.split(abstract_model)[1]
+    flax_loaded = ocp.StandardCheckpointer().restore(copy / "16" / "state", abstract_state)
+    for got, want in zip(state_arrays(flax_loaded), state_arrays(straight.model), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def _flip_in_item(item: pathlib.Path, value: np.ndarray) -> None:

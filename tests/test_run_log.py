@@ -80,18 +80,19 @@ def truncated_by_a_kill(monkeypatch, at: str, calls: int = 3):
     class Killed(BaseException):
         pass
 
-    def dying_append(path, data):
+    def dying_append(path, data, **options):
         count[0] += 1
         if at == "mid_append" and count[0] == calls:
             with open(path / files.LOG, "ab") as file:
                 file.write(data[: len(data) // 2])
             raise Killed
-        append(path, data)
+        return append(path, data, **options)
 
-    def dying_write(path, step, manifest, buffers, item):
-        if at == "before_checkpoint" and count[0] == calls:
+    def dying_write(path, step, manifest, buffers, log=b"", **options):
+        if at == "before_checkpoint" and count[0] == calls - 1:
+            files.append_log(path, log)  # this save's append (counted), then the kill
             raise Killed
-        return write(path, step, manifest, buffers, item)
+        return write(path, step, manifest, buffers, log, **options)
 
     monkeypatch.setattr(files, "append_log", dying_append)
     monkeypatch.setattr(files, "write", dying_write)
