@@ -45,7 +45,6 @@ import re
 import shutil
 import stat
 import threading
-import zlib
 from typing import Any
 
 import jax.numpy as jnp
@@ -257,7 +256,7 @@ def _write_data(where: pathlib.Path, buffers: dict[str, np.ndarray]) -> dict[str
             data = buffer.reshape(-1).view(np.uint8).data
             # crc32 here, on the writer's thread (zlib releases the GIL for large buffers).
             placed[name] = {"offset": offset, "dtype": buffer.dtype.name, "size": buffer.size,
-                            "crc32": f"{zlib.crc32(data):08x}"}  # fmt: skip
+                            "crc32": _manifest.buffer_crc32(buffer)}  # fmt: skip
             file.write(data)
             offset += buffer.nbytes
     return placed
@@ -355,7 +354,7 @@ def read_buffers(
                     f"bytes (truncated)"
                 )
             crc = where.get("crc32")
-            if crc is not None and f"{zlib.crc32(view):08x}" != crc:
+            if crc is not None and _manifest.buffer_crc32(view) != crc:
                 raise ValueError(
                     f"buffer {name!r} in {DATA}: its bytes do not match their crc32 "
                     f"(damaged on disk)"

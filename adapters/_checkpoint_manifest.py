@@ -37,6 +37,7 @@ import zlib
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 FORMAT = "nnxscan.checkpoint"
 # 2: small arrays packed into one buffer per dtype; 3: own files storage; 4: crc32s of the
@@ -140,6 +141,12 @@ def dumps_checked(record: dict[str, Any]) -> bytes:
     if body == b"{}":
         return b'{"crc32": "%08x"}' % zlib.crc32(body)
     return b'{"crc32": "%08x", ' % zlib.crc32(body) + body[1:]
+
+
+def buffer_crc32(buffer: Any) -> str:
+    """The crc32 a manifest records for a buffer: of its raw bytes, in C order, as eight
+    hex digits (both storages, written and checked alike)."""
+    return f"{zlib.crc32(np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)):08x}"
 
 
 def with_crc32(record: dict[str, Any]) -> dict[str, Any]:

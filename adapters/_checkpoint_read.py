@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import zlib
 from typing import Any, NamedTuple
 
 import jax
@@ -250,7 +249,7 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
                 f"{host.size} of its {held['size']} elements."
             )
         crc = held.get("crc32")
-        if crc is not None and f"{zlib.crc32(host.view(np.uint8)):08x}" != crc:
+        if crc is not None and _manifest.buffer_crc32(host) != crc:
             raise CorruptCheckpointError(
                 f"checkpoint {where.parent} step {step}: buffer {name!r} in "
                 f"{where / 'arrays'} (orbax's item): its bytes do not match their crc32 "

@@ -90,12 +90,10 @@ import contextlib
 import os
 import pathlib
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
-import numpy as np
 
 from nnxscan.adapters import _checkpoint_files as _files
 from nnxscan.adapters import _checkpoint_layout as _layout
@@ -129,10 +127,6 @@ def _resolve(directory: str | os.PathLike[str]) -> pathlib.Path:
 
 def _as_step(step: Any, what: str) -> int:
     return check_count(step, what, 0)
-
-
-def _crc32(buffer: np.ndarray) -> str:
-    return f"{zlib.crc32(np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)):08x}"
 
 
 def _orbax_state(state: Any) -> bool:
@@ -405,7 +399,7 @@ class Checkpointer:
         manifest = {
             **manifest,
             "buffers": {
-                n: {"dtype": a.dtype.name, "size": a.size, "crc32": _crc32(a)}
+                n: {"dtype": a.dtype.name, "size": a.size, "crc32": _manifest.buffer_crc32(a)}
                 for n, a in packs.items()
             },
         }
