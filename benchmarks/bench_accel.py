@@ -183,10 +183,9 @@ def timed(run: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def device_seconds(run: Callable[[], object], calls: int = 3) -> float | None:
-    """The profiler's XLA module time of one call (None on the CPU, which reports none)."""
-    if jax.default_backend() == "cpu":
-        return None
+def device_lines(run: Callable[[], object], calls: int = 3) -> list:
+    """The profiler's device timelines (``XLA Modules``, ``XLA Ops``, ...) of ``calls``
+    calls of ``run``: what the device planes of one trace hold."""
     from jax.profiler import ProfileData
 
     directory = tempfile.mkdtemp()
@@ -195,12 +194,18 @@ def device_seconds(run: Callable[[], object], calls: int = 3) -> float | None:
         timed(run)
     jax.profiler.stop_trace()
     (path,) = glob.glob(directory + "/**/*.xplane.pb", recursive=True)
-    total = 0.0
-    for plane in ProfileData.from_file(path).planes:
-        if plane.name.startswith("/device:"):
-            for line in plane.lines:
-                if line.name == "XLA Modules":
-                    total += sum(ev.duration_ns for ev in line.events)
+    planes = ProfileData.from_file(path).planes
+    return [line for plane in planes if plane.name.startswith("/device:") for line in plane.lines]
+
+
+def device_seconds(run: Callable[[], object], calls: int = 3) -> float | None:
+    """The profiler's XLA module time of one call (None on the CPU, which reports none)."""
+    if jax.default_backend() == "cpu":
+        return None
+    lines = device_lines(run, calls)
+    total = sum(
+        ev.duration_ns for line in lines if line.name == "XLA Modules" for ev in line.events
+    )
     return total / calls / 1e9
 
 

@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import glob
 import io
 import logging
 import os
 import pstats
 import sys
-import tempfile
 import time
 from collections import defaultdict
 
@@ -42,7 +40,7 @@ from flax import nnx
 
 # Python -P (PYTHONSAFEPATH, as the accelerator's set-up sets it) leaves this folder off the path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_accel import TX, WORKLOADS, timed, variants, xent
+from bench_accel import TX, WORKLOADS, device_lines, timed, variants, xent
 from bench_train import MLP
 
 from nnxscan.shell import Population, Trainer
@@ -50,33 +48,23 @@ from nnxscan.shell import Population, Trainer
 
 def op_table(run, top: int) -> list[str]:
     """The ``top`` XLA ops of one call of ``run`` by device time (summed by op name)."""
-    from jax.profiler import ProfileData
-
     timed(run)
     timed(run)
-    directory = tempfile.mkdtemp()
-    jax.profiler.start_trace(directory)
-    timed(run)
-    jax.profiler.stop_trace()
-    (path,) = glob.glob(directory + "/**/*.xplane.pb", recursive=True)
     by_op: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     category: dict[str, str] = {}
     module_ns = 0.0
-    for plane in ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:"):
+    for line in device_lines(run, calls=1):
+        if line.name == "XLA Modules":
+            module_ns += sum(ev.duration_ns for ev in line.events)
+        if line.name != "XLA Ops":
             continue
-        for line in plane.lines:
-            if line.name == "XLA Modules":
-                module_ns += sum(ev.duration_ns for ev in line.events)
-            if line.name != "XLA Ops":
-                continue
-            for ev in line.events:
-                by_op[ev.name] += ev.duration_ns
-                counts[ev.name] += 1
-                if ev.name not in category:
-                    stats = dict(ev.stats)
-                    category[ev.name] = str(stats.get("hlo_category", stats.get("category", "")))
+        for ev in line.events:
+            by_op[ev.name] += ev.duration_ns
+            counts[ev.name] += 1
+            if ev.name not in category:
+                stats = dict(ev.stats)
+                category[ev.name] = str(stats.get("hlo_category", stats.get("category", "")))
     total = sum(by_op.values()) or 1.0
     rows = [
         f"module time {module_ns / 1e3:.0f} µs, ops summed {total / 1e3:.0f} µs",
