@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -23,6 +24,16 @@ from flax import nnx
 if jax.default_backend() != "cpu":
     jax.config.update("jax_default_matmul_precision", "highest")
     os.environ["JAX_PLATFORMS"] = "cpu"  # read by subprocesses; this one's backend is up
+
+
+@contextlib.contextmanager
+def float64_checks():
+    """float64 for a finite-difference check, on the CPU: there float64 is native, where a
+    TPU emulates it (and XLA:TPU fails to lower float64 ``truncated_normal`` inits, jax
+    0.10.2). On the CPU backend this is ``jax.enable_x64(True)`` alone."""
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        yield
+
 
 # -- compile counting -------------------------------------------------------------------------
 
@@ -216,6 +227,22 @@ def state_arrays(node) -> list[np.ndarray]:
 # them; a wrong step (a batch out of order, a missed update, another dropout mask) is
 # orders of magnitude larger.
 ACROSS_PROGRAMS = dict(rtol=1e-5, atol=1e-6)
+
+# On an accelerator the same comparisons hold to wider bounds, even at "highest" matmul
+# precision (set above): XLA:TPU's float32 transcendentals and reductions are not numpy's
+# float64 ones, and it fuses each program its own way. Measured on a TPU v5e (jax 0.10.2):
+# formulas against float64 numpy up to 2.9e-5 absolute / 2.8e-4 relative (a hypernetwork's
+# generated weights, values 0.01-2) and 1.4e-6 absolute (a log-probability); the tutorial
+# CNN's BatchNorm statistics after 6 Adam steps, per-step against scanned, 1.6e-4 absolute
+# on values of 0.005-0.06 (a batch out of order moves them by ~1e-2).
+FLOAT32_ON_ACCELERATOR = dict(rtol=1e-3, atol=5e-5)
+TRAINED_CNN_ON_ACCELERATOR = dict(rtol=1e-2, atol=5e-4)
+
+
+def tolerance(rtol: float, atol: float, *, accelerator: dict = FLOAT32_ON_ACCELERATOR) -> dict:
+    """``dict(rtol=, atol=)`` on the CPU, where the suite's bounds were set; ``accelerator``
+    on any other backend (see above)."""
+    return dict(rtol=rtol, atol=atol) if jax.default_backend() == "cpu" else dict(accelerator)
 
 
 def assert_trees_close(a, b, *, rtol=1e-5, atol=1e-6, exact=False):

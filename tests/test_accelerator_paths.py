@@ -1,12 +1,12 @@
-"""The TPU's loops, run on the CPU: what ``scan_indexed_steps`` compiles where
-``nnxscan.pure.batching.slices_in_loop()`` is False (a TPU).
+"""The TPU's loops, on any backend: what ``scan_indexed_steps`` compiles where
+``nnxscan.pure.batching.slices_in_loop()`` is False (a TPU), beside the CPU's rule.
 
 There a loop body must not take its batch by an index read from an array (a TPU waits for
 each such index every step), so a call's batches are gathered before the loop, in chunks
-beyond the gather budget. Forced here on the CPU, the references are a hand-written
-``lax.scan`` of the step over batches gathered with numpy indexing, and the CPU's own path:
-the same step on the same rows. Those are other programs, and XLA:CPU may pick other
-kernels for them on another CPU, so results are compared to float32 rounding (rtol 1e-5,
+beyond the gather budget. Both rules are forced here, whatever the backend; the references
+are a hand-written ``lax.scan`` of the step over batches gathered with numpy indexing, and
+the CPU rule's own path: the same step on the same rows. Those are other programs, and XLA
+may pick other kernels for them, so results are compared to float32 rounding (rtol 1e-5,
 atol 1e-6: a wrong row or a skipped step moves them by far more); the loop bodies are
 inspected for what they no longer do. Integer outputs (the data-less step's) are exact.
 """
@@ -82,6 +82,13 @@ def _by_hand(setup, batches):
         return s, o, losses
 
     return jax.jit(run)(state, opt_state)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_rule_first(monkeypatch):
+    """Each test runs the CPU's rule first and then forces the TPU's, whatever the backend
+    (on a TPU the default rule is already the TPU's)."""
+    monkeypatch.setattr(batching, "slices_in_loop", lambda: True)
 
 
 def _on_accelerator(monkeypatch):

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -97,7 +98,7 @@ def _terminal_frames(width: int, *, calls_per_epoch: int | None, rate: float, lo
     with RunProgress(calls, True, console=console) as bar:
         for epoch in (11, 12):
             for _ in range(calls_per_epoch or 5):
-                bar.call_done(epoch, 10, jnp.array([0.5, loss]))
+                bar.call_done(epoch, 10, jax.block_until_ready(jnp.array([0.5, loss])))
             bar.epoch_done(epoch, {**EPOCH_LOGS, "loss": loss, "steps_per_sec": rate})
     frames = re.split(r"[\r\n]", ANSI.sub("", out.getvalue()))
     return [frame for frame in frames if frame.strip()]
@@ -171,7 +172,10 @@ def test_the_terminal_line_shows_each_calls_mean_of_the_steps_scalar_logs():
         with RunProgress(61 * 16, True, has_aux=True, console=console) as bar:
             for call in range(2):
                 aux = {"episode_return": jnp.asarray(returns[call]), "per_env": jnp.zeros((3, 4))}
-                bar.call_done(0, 3, (jnp.asarray(losses[call]), aux))
+                # Ready outputs: the line shows only what is ready (it never waits), and
+                # on an accelerator a fresh transfer may still be under way.
+                out_of_call = jax.block_until_ready((jnp.asarray(losses[call]), aux))
+                bar.call_done(0, 3, out_of_call)
                 bar._progress.refresh()  # draw this call's frame now
                 frames_after.append(re.split(r"[\r\n]", ANSI.sub("", out.getvalue()))[-1])
         for frame in frames_after[-2:]:
@@ -209,7 +213,7 @@ def test_log_names_choose_the_scalar_logs_of_the_line_in_their_order():
         out = io.StringIO()
         console = Console(width=80, force_terminal=True, file=out)
         with RunProgress(61 * 16, True, has_aux=True, console=console, log_names=names) as bar:
-            bar.call_done(0, 3, (jnp.asarray([26.5, 26.5, 26.47]), aux))
+            bar.call_done(0, 3, jax.block_until_ready((jnp.asarray([26.5, 26.5, 26.47]), aux)))
             bar._progress.refresh()  # draw this call's frame now
             shown[names is None] = re.split(r"[\r\n]", ANSI.sub("", out.getvalue()))[-1]
     assert "episode_return" not in shown[True] and "actor_loss -0.001963" in shown[True]

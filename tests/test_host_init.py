@@ -91,7 +91,10 @@ def test_constant_inits_compile_nothing(compile_count):
     jax.block_until_ready(state)
     before = compile_count()
     opt_state = init_opt_state(optax.adam(1e-3), state)
-    assert compile_count() == before
+    # The host path is the CPU's (pure/_host_init.py): on an accelerator a host copy is no
+    # cheaper than a program, so there the init is ``tx.init`` itself, compiles and all.
+    if jax.default_backend() == "cpu":
+        assert compile_count() == before
     _assert_same(optax.adam(1e-3).init(nnx.state(model, nnx.Param)), opt_state)
 
 

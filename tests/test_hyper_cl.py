@@ -22,6 +22,7 @@ from flax import nnx
 from nnxscan.pure import epoch_order, hyper, init_opt_state, make_epoch, make_train_step
 from nnxscan.shell import train_tasks
 
+from conftest import float64_checks, tolerance
 from hyper_models import MLP, Wide, as_arrays
 
 
@@ -263,7 +264,7 @@ def test_param_dtype_reaches_the_heads_and_chunk_options_need_chunk_size():
     "chunk_size", [None, pytest.param(7, marks=pytest.mark.slow)], ids=["heads", "chunked"]
 )
 def test_gradients_through_conditional_generation_match_finite_differences(chunk_size):
-    with jax.enable_x64(True):
+    with float64_checks():
         f64 = jnp.float64
         target = MLP(3, 5, 2, param_dtype=f64, rngs=nnx.Rngs(3))
         hnet = hyper.ConditionalHypernetwork(
@@ -552,7 +553,7 @@ def test_the_chunked_vector_is_the_documented_formula_with_no_axis_moved():
     h = np.asarray(nnx.jit(lambda m: m.trunk(m.embed(1)))(hnet), np.float64)
     want = chunked_reference(hnet.heads, hnet.spec, h, condition=1, own_order=True)
     got = nnx.jit(lambda m: m.generate_vector(1))(hnet)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, want, **tolerance(1e-5, 1e-6))
 
 
 def test_generate_vectors_takes_a_shared_or_per_condition_z():

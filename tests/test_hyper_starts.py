@@ -21,7 +21,7 @@ from flax import nnx
 from nnxscan.pure import hyper
 from nnxscan.shell import Trainer
 
-from conftest import ACROSS_PROGRAMS
+from conftest import ACROSS_PROGRAMS, tolerance
 from hyper_models import MLP, as_arrays
 
 
@@ -226,7 +226,7 @@ def test_per_condition_chunk_embeddings_make_each_condition_its_own_chunks():
     for c in range(3):
         h = np.asarray(trunk_out(hnet, c), np.float64)
         reference = _reference_with_table(heads, spec, h, c)
-        np.testing.assert_allclose(generate(hnet, c), reference, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(generate(hnet, c), reference, **tolerance(1e-4, 1e-5))
     # Changing condition 2's chunk embeddings leaves conditions 0 and 1 bitwise as they were.
     before = [np.asarray(generate(hnet, c)) for c in range(3)]
     heads.chunk_embeddings[...] = heads.chunk_embeddings[...].at[2].add(1.0)
@@ -376,7 +376,7 @@ def test_structured_chunks_reassemble_to_the_targets_shapes(units):
     for path, value in hyper.spec.variable_leaves(params):
         name = "/".join(path)
         assert value.shape == dict((leaf.name, leaf.shape) for leaf in spec.leaves)[name]
-        np.testing.assert_allclose(value, reference[name], rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(value, reference[name], **tolerance(1e-4, 1e-5), err_msg=name)
     # Chunk k of the hidden layer is its units k·units.. only: kernel columns and bias entries.
     first_hidden = heads.layers[0][2]  # the bn layer's chunks come first
     k = 1

@@ -152,7 +152,10 @@ def test_only_the_shell_calls_nnx_update(path):
 def test_no_top_level_pure_or_shell_package_is_installed():
     import nnxscan.pure
 
-    assert pathlib.Path(nnxscan.pure.__file__).parent == ROOT / "pure"
+    # An editable install maps nnxscan.pure onto the checkout's pure/; a wheel (how the
+    # accelerator machine runs the suite) installs it as nnxscan/pure in site-packages.
+    where = pathlib.Path(nnxscan.pure.__file__).parent
+    assert where in (ROOT / "pure", pathlib.Path(nnxscan.__file__).parent / "pure")
     for name in ("pure", "shell", "adapters"):
         spec = importlib.util.find_spec(name)
         # From the repository root, the folders themselves are importable; anywhere else

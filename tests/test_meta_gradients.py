@@ -21,6 +21,8 @@ from nnxscan.pure import (
 )
 from nnxscan.shell import Trainer
 
+from conftest import float64_checks
+
 
 def mse(model, batch):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
@@ -44,7 +46,7 @@ def _central_difference(f, x, h):
 
 @pytest.mark.parametrize("loop", ["scan_steps", pytest.param("make_epoch", marks=pytest.mark.slow)])
 def test_hypergradient_of_the_learning_rate_matches_central_differences(loop):
-    with jax.enable_x64(True):  # a context: no global flag outlives the test
+    with float64_checks():  # a context: no global flag outlives the test
         rng = np.random.default_rng(0)
         x = rng.uniform(-2, 2, (20, 16, 1))
         batches = {"x": x, "y": np.sin(x)}
