@@ -21,6 +21,13 @@ from nnxscan.pure.checks import abstract_batch, check_batch_size, check_leading_
 from nnxscan.shell._engine.calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.epochs import ArrayEpochs
+from nnxscan.shell._engine.kept_setup import (
+    batch_key,
+    call_key,
+    forget,
+    keep_after_call,
+    kept,
+)
 from nnxscan.shell._engine.owner import ModelOwner
 from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.plans import Plan, resolve_plan
@@ -146,6 +153,13 @@ def scan_train(
     else:
         batch_size = check_batch_size(batch_size, num, drop_remainder=drop_remainder)
     explicit = resolve_plan(execution)
+    keep_key = None
+    if train_step is None and batch_size is None:
+        # The same objects, loss and options as a call before: its set-up is reused.
+        keep_key = call_key(loss_fn, rngs, explicit, mesh, data_axis, shardings)
+        outs = _kept_call(keep_key, model, optimizer, rngs, batches, num)
+        if outs is not None:
+            return outs
     if train_step is not None:  # after the data's checks: a Step's init runs here
         owner, program, finish = _user_step(
             model, optimizer, loss_fn, train_step, tuple(extras), opt_state, rngs
@@ -163,16 +177,50 @@ def scan_train(
     # One walk of the objects serves set-up's reads (released before the first call).
     with placement.context(), owner.reads_held():
         try:
-            outs = _scan(engine, placement, batches, num, batch_size, drop_remainder)
+            outs, kept_parts = _scan(engine, placement, batches, num, batch_size, drop_remainder)
         except BaseException as error:
+            if optimizer is not None:
+                forget(optimizer)
             if finish is _outputs_and_opt_state and owner.step > 0:  # some steps trained
                 _keep_opt_state(error, owner)
             raise
+    if keep_key is not None:
+        keep_after_call(keep_key, owner, program, placement, *kept_parts)
     return finish(outs, owner)
 
 
-def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> Any:
-    """Runs the calls; returns the step's outputs, each leaf stacked over every step."""
+def _kept_call(key: tuple, model, optimizer, rngs, batches: Any, num: int) -> Any:
+    """The call on the set-up a call before kept (``kept_setup.py``), or None when there is
+    none to reuse (the objects changed, a new batch shape): then the full set-up runs."""
+    setup = kept(key, optimizer)
+    if setup is None:
+        return None
+    variables = setup.variables(model, optimizer, rngs)
+    if variables is None:
+        return None
+    with setup.placement.context():
+        placed = setup.placement.put_chunk(batches, setup.device)
+        execution = setup.executions.get(batch_key(placed))
+        if execution is None or execution.donate != setup.donate:
+            return None
+        try:
+            outs = setup.run(variables, optimizer, execution, placed, num)
+        except BaseException:
+            forget(optimizer)
+            raise
+    return _stacked(outs)
+
+
+def _stacked(outs: list) -> Any:
+    """The calls' outputs as one: each leaf stacked over every step."""
+    if len(outs) == 1:
+        return outs[0]
+    return jax.tree.map(lambda *calls: jnp.concatenate(calls), *outs)
+
+
+def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> tuple[Any, tuple]:
+    """Runs the calls; returns the step's outputs, each leaf stacked over every step, and
+    what a kept set-up takes (``kept_setup.keep_after_call``)."""
     owner, program = engine.owner, engine.program
     _, state, opt_state = owner.read()
     device = device_of(state)
@@ -199,9 +247,7 @@ def _scan(engine, placement, batches, num, batch_size, drop_remainder) -> Any:
     # No local keeps the owner's arrays: the first call counts who else references them.
     del state, opt_state
     outs = run_calls(program, execution, live, calls)
-    if len(outs) == 1:
-        return outs[0]
-    return jax.tree.map(lambda *calls: jnp.concatenate(calls), *outs)
+    return _stacked(outs), (live, device, execution, batches)
 
 
 def _check_steps_axis(batches: Any) -> None:

@@ -354,15 +354,15 @@ class ModelOwner:
         def write_with_optimizer(leaves: list, treedef: Any, steps: int) -> None:
             self.release_reads()
             new_step = self.step + steps
-            step_array = _step_array(new_step)
+            new_array = step_array(new_step)
             if direct(leaves, treedef):
-                optimizer.step.set_raw_value(step_array)
+                optimizer.step.set_raw_value(new_array)
             else:
                 if not builder:
                     builder.append(optimizer_state_builder(optimizer))
                 state, opt_state = jax.tree.unflatten(treedef, leaves)
                 nnx.update(self.node, state)
-                nnx.update(optimizer, builder[0](opt_state, step_array))
+                nnx.update(optimizer, builder[0](opt_state, new_array))
             self._step_cache = (optimizer.step.get_value(), new_step)
 
         return write_with_optimizer
@@ -425,7 +425,7 @@ class ModelOwner:
         else:
             # Build the optimizer's update before touching the model: it can still raise.
             update = optimizer_state_builder(self._synced)(
-                tree["opt_state"], _step_array(meta["step"])
+                tree["opt_state"], step_array(meta["step"])
             )
             nnx.update(self.node, tree["state"])
             nnx.update(self._synced, update)
@@ -435,7 +435,7 @@ class ModelOwner:
         self.loaded_since_checkpoint = False
 
 
-def _step_array(step: int) -> jax.Array:
+def step_array(step: int) -> jax.Array:
     """An optimizer's step counter as a uint32 array where ``jnp.asarray`` puts one
     (replicated over the context's mesh, else the default device), placed from the host:
     ``jnp.asarray`` would compile a conversion of its own, a program the run does not
