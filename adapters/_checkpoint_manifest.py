@@ -184,9 +184,7 @@ class _Refusal:
 
     def __call__(self, what: str, problem: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
-            f"checkpoint {self.where.parent} step {self.where.name}: {what}: {problem}. "
-            f"Restore another checkpoint (resume=True and restore() without a step skip a "
-            f"damaged one; restore(step=...) picks one), or save this one anew."
+            f"checkpoint {self.where.parent} step {self.where.name}: {what}: {problem}."
         )
 
 

@@ -660,8 +660,21 @@ def restore_checkpoint(
     if fallback and step is None:
         tree, step, _ = newest_good(path, read)
         return tree, step
+    asked = step
     step = _pick_step(path, step)
-    return read(step), step
+    try:
+        return read(step), step
+    except CorruptCheckpointError as error:
+        # A note, not the message: ``newest_good``'s warnings quote the message of a
+        # checkpoint it skipped, where this advice would be false.
+        error.add_note(
+            f"Restore another checkpoint: all_steps({str(path)!r}) lists them, and "
+            f"restore_checkpoint(directory, like, fallback=True) restores the newest good one."
+            if asked is not None
+            else "restore_checkpoint(directory, like, fallback=True) skips a damaged "
+            "checkpoint and restores the newest good one."
+        )
+        raise
 
 
 def read_log(directory: str | os.PathLike[str], start: int, end: int) -> bytes:

@@ -288,6 +288,44 @@ def test_restore_without_a_step_skips_a_damaged_newest_one_and_warns(copy, run):
     assert all_steps(copy) == [4, 8, 12]  # restore() only reads: nothing moved or deleted
 
 
+def test_each_damage_message_gives_advice_only_where_it_is_true(copy):
+    """Skipped for an older one: the warning says so and advises nothing. Asked for by step:
+    the error says how to get the newest good one instead. Read through the adapter: the
+    advice names its own call, as a note (newest_good quotes the message of what it skips)."""
+    flip_kernel_bit(copy / "12")
+    with pytest.warns(UserWarning) as warned:
+        new_trainer(seed=7).restore(copy)
+    (message,) = [str(w.message) for w in warned if "skipped" in str(w.message)]
+    assert "restored 8, the newest good one" in message
+    assert "Restore another" not in message and "skip a damaged" not in message
+    for call, fallback in [
+        (lambda t: t.restore(copy, step=12), "restore() without step="),
+        (lambda t: t.fit(DATA, epochs=3, batch_size=BATCH, checkpoint_dir=copy, resume=12,
+                         progress=False), "fit(resume=True)"),
+    ]:  # fmt: skip
+        with pytest.raises(CorruptCheckpointError) as raised:
+            call(new_trainer(seed=7))
+        text = str(raised.value)
+        assert text.startswith(f"checkpoint {copy.resolve()} step 12")
+        assert text.endswith(
+            f"Restore another checkpoint: {fallback} skips a damaged one and restores the "
+            f"newest good one."
+        )
+    like = {"state": nnx.state(new_trainer().model)}
+    with pytest.raises(CorruptCheckpointError) as raised:
+        restore_checkpoint(copy, like, step=12)
+    assert "Restore another" not in str(raised.value)
+    assert (
+        "fallback=True" in raised.value.__notes__[0] and "all_steps(" in raised.value.__notes__[0]
+    )
+    with pytest.raises(CorruptCheckpointError) as raised:
+        restore_checkpoint(copy, like)  # the newest, without fallback
+    assert raised.value.__notes__[0].startswith(
+        "restore_checkpoint(directory, like, fallback=True)"
+    )
+    assert restore_checkpoint(copy, like, fallback=True)[1] == 8
+
+
 def test_resume_skips_a_damaged_newest_checkpoint_and_ends_as_the_uninterrupted_run(copy, run):
     flip_kernel_bit(copy / "12")
     trainer = new_trainer(seed=7)
