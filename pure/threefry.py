@@ -4,8 +4,8 @@ sooner on the CPU.
 ``jax.random`` draws with the threefry-2x32 hash. JAX lowers it as a straight line of 20
 rounds on GPUs, but on the CPU as a loop of 5 iterations of 4 rounds (to spare an older
 XLA:CPU the compile of the long line). Today's XLA:CPU does the opposite: it compiles each
-such loop as a program of its own and runs it slower (one dropout mask of 32x28x28x32,
-jax 0.10.2: 0.68 s to compile and 3.3 ms a call rolled, 0.09 s and 1.5 ms unrolled). A
+such loop as a program of its own, which costs a compile of its own and keeps XLA from
+fusing the rounds with the code around them (docs/performance.md measures both). A
 training step with dropout draws through several of them.
 
 :func:`unrolled_threefry` rewrites a traced function's draws into the hash's integer

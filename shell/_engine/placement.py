@@ -6,8 +6,8 @@ uncommitted and committed inputs compile once. With a ``jax.sharding.Mesh`` (``m
 the one ``jax.set_mesh`` put in context when the call runs) every variable's sharding is
 decided once per call by the rules docs/scaling.md lists, first match wins: a path rule, the
 array's own ``NamedSharding``, its NNX annotation, the FSDP rule, replicated (one leaf's rule
-lives in ``specs``). A population's members axis is sharded over ``member_axis``; batches
-split over the data axes. The compiled calls pin the carry's shardings in and out, so a
+is ``Placement._variable_spec``; its parts, in ``nnxscan.adapters._sharding_rules``). A
+population's members axis is sharded over ``member_axis``; batches split over the data axes. The compiled calls pin the carry's shardings in and out, so a
 model comes back sharded exactly as it went in.
 """
 
