@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry2x32_p, threefry_prng_impl
 
-from nnxscan.pure.conv_layout import _rewriting, _traced_eqns
+from nnxscan.pure.conv_dimensions import _rewriting, _traced_eqns
 
 __all__ = ["unrolled_threefry"]
 

@@ -1,5 +1,5 @@
 """Checkpoints nnxscan can trust: damage is caught, crafted manifests are refused, a damaged
-newest checkpoint is skipped, one writer per directory, and Flax's own code loads them.
+newest checkpoint is skipped, one run per directory, and Flax's own code loads them.
 
 The references are independent of the reader: the model's live arrays at each epoch's end
 (copied by a callback while the checkpoints were written), the uninterrupted run, a copy of
@@ -393,7 +393,7 @@ def test_a_damaged_run_log_falls_back_to_the_checkpoint_whose_lines_are_whole(co
     assert start == 0 and log.stat().st_size == end
 
 
-# -- one writer per directory -----------------------------------------------------------------
+# -- one run per directory --------------------------------------------------------------------
 
 
 def test_a_second_writer_of_a_directory_is_refused_before_it_trains(tmp_path):
@@ -409,7 +409,7 @@ def test_a_second_writer_of_a_directory_is_refused_before_it_trains(tmp_path):
                         progress=False)  # fmt: skip
         assert_untouched(trainer, before)
     trainer.fit(DATA, epochs=1, batch_size=BATCH, checkpoint_dir=directory, progress=False)
-    assert all_steps(directory) == [4]  # the lock went with the first writer
+    assert all_steps(directory) == [4]  # the lock went with the first run
 
 
 _HOLD_THE_LOCK = textwrap.dedent(

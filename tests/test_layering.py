@@ -265,12 +265,12 @@ def test_the_cycle_finder_finds_a_cycle():
 # layer does (BatchNorm's running mean): Hypernetwork writes back the batch statistics and
 # RNG counts its target's forward moved. That is the module's own state under its own call,
 # not a mutation of a user object from outside; nothing else in pure/ may assign in place.
-# canonical_conv_layout's memo of rewritten jaxprs is a trace-time cache (dict entries, no
+# canonical_conv_dimensions's memo of rewritten jaxprs is a trace-time cache (dict entries, no
 # pytree or Variable), like jax.jit's own.
 IN_PLACE_ALLOWED = {
     ("pure/hyper/hypernetwork.py", "_write_back_changes"),
-    ("pure/conv_layout.py", "put"),
-    ("pure/conv_layout.py", "keep_nested"),
+    ("pure/conv_dimensions.py", "put"),
+    ("pure/conv_dimensions.py", "keep_nested"),
 }
 
 
@@ -327,7 +327,7 @@ PUBLIC = {
     "nnxscan.pure": {
         "Step", "make_train_step", "init_opt_state", "scan_steps", "make_epoch", "epoch_order",
         "make_eval_step", "make_evaluate", "make_evaluate_metrics", "split_wrt",
-        "all_finite", "tree_select", "halt_after_nonfinite", "canonical_conv_layout",
+        "all_finite", "tree_select", "halt_after_nonfinite", "canonical_conv_dimensions",
         "stack_states", "unstack_states", "with_hyperparams", "vmap_members", "MembersState",
         "HaltState", "scan_indexed_steps", "member_state", "select_members",
         "hyperparam_names", "hyperparam_value", "nnx_train_step", "step_outputs",

@@ -7,8 +7,9 @@ the one ``jax.set_mesh`` put in context when the call runs) every variable's sha
 decided once per call by the rules docs/scaling.md lists, first match wins: a path rule, the
 array's own ``NamedSharding``, its NNX annotation, the FSDP rule, replicated (one leaf's rule
 is ``Placement._variable_spec``; its parts, in ``nnxscan.adapters._sharding_rules``). A
-population's members axis is sharded over ``member_axis``; batches split over the data axes. The compiled calls pin the carry's shardings in and out, so a
-model comes back sharded exactly as it went in.
+population's members axis is sharded over ``member_axis``; batches split over the data axes.
+The compiled calls pin the carry's shardings in and out, so a model comes back sharded
+exactly as it went in.
 """
 
 from __future__ import annotations
