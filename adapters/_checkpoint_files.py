@@ -348,17 +348,9 @@ def read_buffers(
             view = buffer.view(np.uint8)
             file.seek(where["offset"])
             got = file.readinto(view)
-            if got != where["nbytes"]:
-                raise ValueError(
-                    f"buffer {name!r}: {DATA} ended after {got} of its {where['nbytes']} "
-                    f"bytes (truncated)"
-                )
-            crc = where.get("crc32")
-            if crc is not None and _manifest.buffer_crc32(view) != crc:
-                raise ValueError(
-                    f"buffer {name!r} in {DATA}: its bytes do not match their crc32 "
-                    f"(damaged on disk)"
-                )
+            _manifest.check_buffer_read(
+                name, DATA, got, where["nbytes"], "bytes", view, where.get("crc32")
+            )
             out[name] = buffer
     return out
 

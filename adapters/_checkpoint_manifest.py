@@ -149,6 +149,25 @@ def buffer_crc32(buffer: Any) -> str:
     return f"{zlib.crc32(np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)):08x}"
 
 
+def check_buffer_read(
+    name: str, stored_in: str, got: int, want: int, unit: str, data: Any, crc: str | None
+) -> None:
+    """A buffer read back whole (``got`` of its ``want`` ``unit``) with the bytes its crc32
+    (when the manifest has one) says, in either storage.
+
+    Raises:
+      ValueError: naming the buffer, where it is stored, and what is wrong.
+    """
+    if got < want:
+        raise ValueError(
+            f"buffer {name!r}: {stored_in} ended after {got} of its {want} {unit} (truncated)"
+        )
+    if crc is not None and buffer_crc32(data) != crc:
+        raise ValueError(
+            f"buffer {name!r} in {stored_in}: its bytes do not match their crc32 (damaged on disk)"
+        )
+
+
 def with_crc32(record: dict[str, Any]) -> dict[str, Any]:
     """``record`` with a first member ``crc32``: ``json.dumps`` of it (what orbax's
     ``JsonSave`` writes) is :func:`dumps_checked`'s text, which :func:`loads_checked`

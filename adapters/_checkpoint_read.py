@@ -240,18 +240,15 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
         if name not in arrays:
             continue
         host = np.asarray(arrays[name]).reshape(-1)
-        if host.size < held["size"]:
-            raise CorruptCheckpointError(
-                f"checkpoint {where.parent} step {step}: buffer {name!r} holds "
-                f"{host.size} of its {held['size']} elements."
+        stored_in = f"{where / 'arrays'} (orbax's item)"
+        try:
+            _manifest.check_buffer_read(
+                name, stored_in, host.size, held["size"], "elements", host, held.get("crc32")
             )
-        crc = held.get("crc32")
-        if crc is not None and _manifest.buffer_crc32(host) != crc:
+        except ValueError as error:
             raise CorruptCheckpointError(
-                f"checkpoint {where.parent} step {step}: buffer {name!r} in "
-                f"{where / 'arrays'} (orbax's item): its bytes do not match their crc32 "
-                f"(damaged on disk)."
-            )
+                f"checkpoint {where.parent} step {step}: {error}."
+            ) from None
     return matched, arrays
 
 

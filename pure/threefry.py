@@ -58,11 +58,11 @@ def unrolled_threefry(fn: F) -> F:
     traces ``fn``: call it under ``jax.jit`` (called eagerly it compiles ``fn`` every time).
 
     Args:
-      fn: the function to wrap, e.g. a training step ``step(graphdef, state, opt_state,
-        batch)``.
+      fn: any function that draws with ``jax.random`` (a loss, a model's forward, a whole
+        training step).
 
     Returns:
-      A function with ``fn``'s signature and results.
+      ``fn`` with its draws unrolled: the same signature, the same random bits.
 
     Example:
       >>> noisy = unrolled_threefry(lambda key, x: x + jax.random.normal(key, x.shape))

@@ -225,7 +225,9 @@ class FrontDoor:
         fed with ``loss_fn`` (the Flax tutorial's ``eval_step``), by default the
         trainer's own: the result is ``metrics.compute()`` of a fresh copy. With
         ``eval_mode`` the model runs after ``model.eval()``. Nothing the trainer holds
-        changes. See docs/evaluation.md.
+        changes. A ``Population`` evaluates every member, vmapped in one call: ``{name:
+        values (N,)}``, which :meth:`Population.best` can then look up by name. See
+        docs/evaluation.md.
 
         Example:
           >>> def accuracy(model, batch):
@@ -237,10 +239,15 @@ class FrontDoor:
         """
         if metric_fn is None:
             self._needs_metric_fn("evaluate")
-        return evaluate(
+        values = evaluate(
             self._engine, data, metric_fn, batch_size=batch_size, eval_mode=eval_mode,
             metrics=metrics, update_metrics=update_metrics,
         )  # fmt: skip
+        return self._evaluated(values)
+
+    def _evaluated(self, values: dict[str, Any]) -> dict[str, Any]:
+        """What ``evaluate`` returns of the values computed (a Population keeps them too)."""
+        return values
 
     def _needs_metric_fn(self, what: str) -> None:
         """A user's step has no NNX metrics fed by a loss: only a metric_fn evaluates it."""

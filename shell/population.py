@@ -230,21 +230,8 @@ class Population(FrontDoor):
         self._latest.update({k: v for k, v in per_member.items() if k != "active"})
         return history
 
-    def evaluate(
-        self,
-        data: Any,
-        metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
-        *,
-        batch_size: int,
-        eval_mode: bool = True,
-    ) -> dict[str, np.ndarray]:
-        """``Trainer.evaluate`` of every member, vmapped in one call: ``{name: values (N,)}``.
-
-        Example:
-          >>> pop.evaluate(test, accuracy, batch_size=256)
-          {'accuracy': array([0.95, 0.97, 0.96, 0.91], dtype=float32)}
-        """
-        values = super().evaluate(data, metric_fn, batch_size=batch_size, eval_mode=eval_mode)
+    def _evaluated(self, values: dict[str, Any]) -> dict[str, np.ndarray]:
+        """``evaluate``'s values, one per member: what :meth:`best` looks up by name."""
         values = {k: np.asarray(v, np.float32) for k, v in values.items()}
         self._latest.update(values)
         return values
