@@ -195,6 +195,19 @@ def loads_checked(raw: bytes) -> tuple[Any, bool]:
 # -- the manifest -------------------------------------------------------------------------
 
 
+def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...], where: str = "") -> None:
+    """A restored checkpoint's counters must be non-negative ints (a corrupted or crafted one raises
+    before anything is written, and changes nothing); ``where``: the checkpoint, for the message."""
+    for name in names:
+        value = meta[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CorruptCheckpointError(
+                f"{where or 'checkpoint'}: leaf ['meta']['{name}'] is {value!r}, not a "
+                f"non-negative int: the checkpoint is damaged or was not written by "
+                f"nnxscan; restore another one."
+            )
+
+
 class _Refusal:
     """Builds the errors of one manifest's validation: each names where and what."""
 

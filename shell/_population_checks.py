@@ -12,7 +12,7 @@ from flax import nnx
 from nnxscan.pure import Step, hyperparam_names, init_opt_state, with_hyperparams
 from nnxscan.pure.checks import check_count, check_transform
 from nnxscan.shell._front_door import check_seed
-from nnxscan.shell._module_check import is_linen
+from nnxscan.shell._module_check import call_model_fn
 from nnxscan.shell._user_steps import check_pure_step
 
 
@@ -178,24 +178,3 @@ def check_best(metric: Any, mode: Any, latest: dict, num_members: int) -> np.nda
     if np.isnan(values).all():
         raise ValueError("every member's value is NaN: there is no best member.")
     return values
-
-
-def call_model_fn(model_fn: Callable, seed: int, rngs: nnx.Rngs | None = None) -> nnx.Module:
-    """``model_fn(nnx.Rngs(seed))``, checked to be an NNX module. ``rngs``: the ``nnx.Rngs``
-    to pass instead (one made from a traced key under a members' ``vmap``); ``seed`` then
-    only names the call in an error."""
-    model = model_fn(nnx.Rngs(seed) if rngs is None else rngs)
-    if is_linen(model):
-        raise TypeError(
-            f"model_fn(nnx.Rngs({seed})) returned {type(model).__name__}, a Flax Linen module, "
-            f"not an nnx.Module: return it wrapped, e.g. model_fn=lambda rngs: "
-            f"nnxscan.adapters.linen.LinenModule({type(model).__name__}(...), sample_x, "
-            f"rngs=rngs), which initializes it from an example input and lets model.eval() "
-            f"switch its train mode (docs/porting.md, 'A Linen model')."
-        )
-    if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"model_fn(nnx.Rngs({seed})) returned {type(model).__name__}, not an nnx.Module: "
-            f"it must build and return one module, e.g. model_fn=lambda rngs: MLP(rngs=rngs)."
-        )
-    return model

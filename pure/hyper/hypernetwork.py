@@ -34,7 +34,7 @@ from nnxscan.pure.hyper.spec import (
 from nnxscan.pure.hyper.structured import StructuredHeads
 from nnxscan.pure.hyper.variance import check_init
 
-__all__ = ["FrozenParam", "GeneratedSlot", "Hypernetwork"]
+__all__ = ["FrozenParam", "GeneratedSlot", "Hypernetwork", "HypernetworkOptions"]
 
 
 class GeneratedSlot(nnx.Variable):

@@ -11,16 +11,19 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from nnxscan.adapters import _checkpoint_files, _checkpoint_manifest, _log_values
+from nnxscan.adapters._checkpoint_manifest import check_meta_ints
 from nnxscan.shell._edges.warn import warn
-from nnxscan.shell._engine.owner import Owner, check_meta_ints
-from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell.history import History
+
+if TYPE_CHECKING:  # the engine's types only: the edges import nothing of the engine
+    from nnxscan.shell._engine.owner import Owner
+    from nnxscan.shell._engine.placement import Placement
 
 
 def _adapter() -> Any:

@@ -382,14 +382,3 @@ def _commit(tree: Any, device: Any) -> Any:
     for i, x in zip(moving, moved, strict=True):
         placed[i] = x
     return jax.tree.unflatten(treedef, placed)
-
-
-def to_host(tree: Any) -> Any:
-    """``jax.device_get`` that also reads replicated arrays spanning several processes."""
-
-    def get(x: Any) -> Any:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return np.asarray(x.addressable_shards[0].data)
-        return x
-
-    return jax.device_get(jax.tree.map(get, tree))
