@@ -16,9 +16,9 @@ from typing import Any
 
 from flax import nnx
 
-from nnxscan.pure import Step
 from nnxscan.pure.checks import check_count
 from nnxscan.shell._config import Config
+from nnxscan.shell._construction import loss_options_given, step_kind
 from nnxscan.shell._edges import checkpointing as _checkpointing
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.evaluation import evaluate
@@ -67,42 +67,30 @@ class FrontDoor:
     wrt = Config("The filter of the trained variables (None for a Step).")
 
     def _check_step(
-        self,
-        train_step: Any,
-        tx: Any,
-        loss_fn: Any,
-        *,
-        on_nonfinite: Any,
-        execution: Any,
-        wrt: Any,
-        has_aux: Any,
-        accumulate: Any,
-        rngs: Any,
-        metrics: Any,
-        update_metrics: Any,
-        extras: tuple = (),
-        model: Any = None,
+        self, options: dict[str, Any], tx: Any, loss_fn: Any, *, model: Any = None
     ) -> None:
         """Checks a user's ``train_step`` XOR the step built from ``tx`` and ``loss_fn`` with its
-        options, the non-finite policy and the plan; keeps what the program is built from."""
+        options (``options``: the front door's, defaults filled in by
+        :func:`~nnxscan.shell._construction.construction_options`), the non-finite policy
+        and the plan; keeps what the program is built from."""
+        on_nonfinite, train_step = options["on_nonfinite"], options["train_step"]
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(NONFINITE_POLICIES)}."
             )
-        self._plan = resolve_plan(execution)
+        self._plan = resolve_plan(options["execution"])
+        self._step_kind = step_kind(train_step)
         self._config = dict(train_step=train_step, on_nonfinite=on_nonfinite)
-        if train_step is not None:
-            given = dict(
-                tx=tx is not None, loss_fn=loss_fn is not None, wrt=wrt is not nnx.Param,
-                has_aux=bool(has_aux), accumulate=accumulate != 1, rngs=rngs is not None,
-                metrics=metrics is not None, update_metrics=update_metrics is not None,
-            )  # fmt: skip
-            refuse_loss_options([name for name, value in given.items() if value])
+        if self._step_kind != "loss":
+            positional = [name for name, x in (("tx", tx), ("loss_fn", loss_fn)) if x is not None]
+            refuse_loss_options(positional + loss_options_given(options))
             self._config.update(loss_fn=None, has_aux=False, update_metrics=None, accumulate=1)
             return
         if tx is None or loss_fn is None:
             raise TypeError(f"{type(self).__name__} needs {self._usage}")
-        if extras:
+        rngs, metrics, update_metrics = (options[n] for n in ("rngs", "metrics", "update_metrics"))
+        has_aux, accumulate = options["has_aux"], options["accumulate"]
+        if options.get("extras"):
             raise TypeError(
                 f"extras= goes with a stateful train_step=fn; pass rngs= and metrics= to a "
                 f"{type(self).__name__} built from a loss."
@@ -131,7 +119,7 @@ class FrontDoor:
                 rngs is not None, c["update_metrics"],
             )  # fmt: skip
         else:
-            pure = isinstance(c["train_step"], Step)
+            pure = self._step_kind == "pure"
             program = (step_program if pure else nnx_step_program)(
                 c["train_step"], c["on_nonfinite"]
             )

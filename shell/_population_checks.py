@@ -108,10 +108,11 @@ def check_hyperparam_names(
         raise ValueError(f"hyperparams ({owner}): {e}") from None
 
 
-def check_step_of_members(train_step: Any) -> Step:
+def check_step_of_members(train_step: Any, kind: str) -> Step:
     """``Population(model_fn, train_step=S, ...)``: ``S`` must be a pure
-    :class:`~nnxscan.pure.Step` (a population has no objects a stateful step could mutate)."""
-    if isinstance(train_step, Step):
+    :class:`~nnxscan.pure.Step` (a population has no objects a stateful step could mutate);
+    ``kind``: which step it is (``_construction.step_kind``)."""
+    if kind == "pure":
         check_pure_step(train_step, None, (), "Population(model_fn, train_step=step, seeds=...)")
         return train_step
     if callable(train_step):
@@ -129,11 +130,12 @@ def check_step_of_members(train_step: Any) -> Step:
     raise TypeError(f"train_step must be a nnxscan.pure.Step, got {type(train_step).__name__}.")
 
 
-def member_init(train_step: Any, tx: Any, wrt: Any) -> tuple[Callable, Any, Any]:
+def member_init(kind: str, train_step: Any, tx: Any, wrt: Any) -> tuple[Callable, Any, Any]:
     """``(init_opt, tx, wrt)``: each member's ``init_opt(graphdef, state)``, a user's
-    ``Step``'s (no tx, no wrt) or the built-in step's, after checking either."""
-    if train_step is not None:
-        return check_step_of_members(train_step).init, None, None
+    ``Step``'s (no tx, no wrt) or the built-in step's, after checking either; ``kind``:
+    which step was given (``_construction.step_kind``)."""
+    if kind != "loss":
+        return check_step_of_members(train_step, kind).init, None, None
     tx = check_transform(tx)
 
     def init_opt(graphdef: nnx.GraphDef, state: nnx.State) -> Any:

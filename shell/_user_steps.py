@@ -139,15 +139,17 @@ def user_step_owner(
     train_step: Any,
     extras: tuple,
     *,
+    kind: str,
     pure_call: str,
     stateful_front: str,
     init: Callable | None = None,
 ) -> Any:
     """The owner of a user's step (``Trainer``'s and ``scan_train``'s one way of taking it: a pure
-    ``Step``, or a stateful NNX function), after its checks."""
+    ``Step``, or a stateful NNX function, as ``kind`` says: ``_construction.step_kind``),
+    after its checks."""
     from nnxscan.shell._engine.owner import ModelOwner
 
-    if isinstance(train_step, Step):
+    if kind == "pure":
         check_pure_step(train_step, optimizer, extras, pure_call)
         step = train_step if init is None else train_step._replace(init=init)
         return ModelOwner.of_step(model, step)

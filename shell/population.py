@@ -3,18 +3,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
 
-from nnxscan.pure import Step
 from nnxscan.pure.checks import check_count
 from nnxscan.shell import _population_checks as checks
 from nnxscan.shell._config import Config
+from nnxscan.shell._construction import PopulationArguments, construction_options
 from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.member_build import build_members
 from nnxscan.shell._engine.options import FitArguments
@@ -64,37 +63,19 @@ class Population(FrontDoor):
         model_fn: Callable[[nnx.Rngs], nnx.Module],
         tx: optax.GradientTransformation | None = None,
         loss_fn: Callable[..., Any] | None = None,
-        *,
-        seeds: Sequence[int],
-        train_step: Step | None = None,
-        hyperparams: Mapping[str, Sequence[Any]] | None = None,
-        wrt: nnx.filterlib.Filter = nnx.Param,
-        has_aux: bool = False,
-        execution: str | Plan = "auto",
-        on_nonfinite: str = "ignore",
-        accumulate: int = 1,
-        mesh: Mesh | None = None,
-        member_axis: str = "members",
-        data_axis: str | tuple[str, ...] | None = None,
-        fsdp_min_size: int | None = None,
-        shardings: Mapping[str, Any] | None = None,
-        rngs: nnx.Rngs | Callable[[int], nnx.Rngs] | None = None,
-        metrics: nnx.Metric | None = None,
-        update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
+        **options: Unpack[PopulationArguments],
     ):
+        o = construction_options("Population", options)
         checks.check_model_fn(model_fn)
-        self._check_step(
-            train_step, tx, loss_fn, on_nonfinite=on_nonfinite, execution=execution,
-            wrt=wrt, has_aux=has_aux, accumulate=accumulate, rngs=rngs, metrics=metrics,
-            update_metrics=update_metrics,
-        )  # fmt: skip
-        init_opt, tx, wrt = checks.member_init(train_step, tx, wrt)
-        seeds = checks.check_seeds(seeds)
-        hyperparams = checks.check_hyperparams(hyperparams, len(seeds))
+        self._check_step(o, tx, loss_fn)
+        train_step, rngs, metrics = o["train_step"], o["rngs"], o["metrics"]
+        init_opt, tx, wrt = checks.member_init(self._step_kind, train_step, tx, o["wrt"])
+        seeds = checks.check_seeds(o["seeds"])
+        hyperparams = checks.check_hyperparams(o["hyperparams"], len(seeds))
         checks.check_member_rngs(rngs)
         placement = Placement(
-            mesh, data_axis, fsdp_min_size, member_axis, rules=shardings, tx=tx, wrt=wrt,
-            layout=Members(len(seeds)),
+            o["mesh"], o["data_axis"], o["fsdp_min_size"], o["member_axis"],
+            rules=o["shardings"], tx=tx, wrt=wrt, layout=Members(len(seeds)),
         )  # fmt: skip
         # Members are built on the mesh they train on: a layer annotated with
         # with_partitioning is sharded as it is created, which needs the mesh in context.

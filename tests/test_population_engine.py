@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from nnxscan.shell import EarlyStopping, LambdaCallback, Population, Preempted, Trainer
+from nnxscan.shell._construction import PopulationArguments, TrainerArguments
 
 from conftest import MLP, BNDropout, assert_trees_close, make_data, xent
 
@@ -291,9 +292,12 @@ def test_trainer_and_population_share_names_defaults_and_signatures():
     assert (
         inspect.signature(Trainer.restore).parameters["step"].kind == inspect.Parameter.KEYWORD_ONLY
     )
-    shared_init = set(inspect.signature(Trainer.__init__).parameters) & set(
-        inspect.signature(Population.__init__).parameters
-    )
+    # Their construction options are declared once too, and refused alike.
+    trainer_init = inspect.signature(Trainer.__init__).parameters["options"].annotation
+    population_init = inspect.signature(Population.__init__).parameters["options"].annotation
+    assert "TrainerArguments" in str(trainer_init)
+    assert "PopulationArguments" in str(population_init)
+    shared_init = set(TrainerArguments.__annotations__) & set(PopulationArguments.__annotations__)
     assert {"wrt", "has_aux", "execution", "on_nonfinite", "accumulate", "mesh", "data_axis",
             "fsdp_min_size", "rngs", "metrics", "update_metrics"} <= shared_init  # fmt: skip
 
