@@ -227,11 +227,15 @@ class FrontDoor:
         """
         if metric_fn is None:
             self._needs_metric_fn("evaluate")
+        self._check_evaluation_metrics(metrics, update_metrics)
         values = evaluate(
             self._engine, data, metric_fn, batch_size=batch_size, eval_mode=eval_mode,
             metrics=metrics, update_metrics=update_metrics,
         )  # fmt: skip
         return self._evaluated(values)
+
+    def _check_evaluation_metrics(self, metrics: Any, update_metrics: Any) -> None:
+        """``evaluate``'s own NNX metrics, when a front door cannot take them."""
 
     def _evaluated(self, values: dict[str, Any]) -> dict[str, Any]:
         """What ``evaluate`` returns of the values computed (a Population keeps them too)."""

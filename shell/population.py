@@ -211,6 +211,15 @@ class Population(FrontDoor):
         self._latest.update({k: v for k, v in per_member.items() if k != "active"})
         return history
 
+    def _check_evaluation_metrics(self, metrics: Any, update_metrics: Any) -> None:
+        """The members carry the NNX metrics they were built with, and only those."""
+        if metrics is not None or update_metrics is not None:
+            raise TypeError(
+                "Population.evaluate takes a metric_fn, or evaluates the NNX metrics the "
+                "members were built with: Population(..., metrics=..., update_metrics=...), "
+                "then pop.evaluate(data, batch_size=...)."
+            )
+
     def _evaluated(self, values: dict[str, Any]) -> dict[str, np.ndarray]:
         """``evaluate``'s values, one per member: what :meth:`best` looks up by name."""
         values = {k: np.asarray(v, np.float32) for k, v in values.items()}

@@ -371,3 +371,11 @@ def test_the_progress_line_shows_the_members_median_and_range(capsys):
     assert f"loss median {np.median(loss):.4g}" in out
     assert f"[{loss.min():.4g}, {loss.max():.4g}] of 3 members" in out
     assert "2 of 3 training" in out
+
+
+def test_population_evaluate_refuses_metrics_its_members_were_not_built_with():
+    pop = Population(mlp, TX, xent, seeds=SEEDS)
+    metrics = nnx.metrics.Average("loss")
+    with pytest.raises(TypeError, match=r"NNX metrics the members were built with"):
+        pop.evaluate(DATA, batch_size=BS, metrics=metrics,
+                     update_metrics=lambda m, loss, aux, batch: m.update(loss=loss))  # fmt: skip
