@@ -27,6 +27,7 @@ from nnxscan.shell._engine.owner import check_rngs_and_metrics
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan, resolve_plan
 from nnxscan.shell._engine.programs import nnx_step_program, step_program, train_program
+from nnxscan.shell._tracebacks import at_the_call
 from nnxscan.shell._user_steps import check_loss_fn, refuse_loss_options
 from nnxscan.shell.history import History
 
@@ -165,6 +166,7 @@ class FrontDoor:
         """
         self._owner.load(state)
 
+    @at_the_call
     def plan_for(self, data: Any, batch_size: int) -> Plan:
         """The execution plan ``fit`` uses for this data and batch size (traces one model's
         step, compiles nothing).
@@ -193,6 +195,7 @@ class FrontDoor:
         )  # fmt: skip
         return self._engine.fit(data, checked)
 
+    @at_the_call
     def evaluate(
         self,
         data: Any,
@@ -252,6 +255,7 @@ class FrontDoor:
 
     # -- checkpoints ----------------------------------------------------------------------
 
+    @at_the_call
     def save(self, directory: str | os.PathLike[str], *, max_to_keep: int = 3) -> pathlib.Path:
         """Writes a checkpoint of everything a resume needs, numbered by the global step:
         the model state (every member's, for a population: parameters, batch statistics,
@@ -267,6 +271,7 @@ class FrontDoor:
         """
         return _checkpointing.save(self._owner, directory, max_to_keep=max_to_keep)
 
+    @at_the_call
     def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
         """Loads the newest good (or the given) checkpoint into the model and optimizer
         (the members) and the counters; returns the epoch reached.

@@ -20,6 +20,7 @@ from nnxscan.shell._engine.options import FitArguments
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._front_door import FrontDoor
+from nnxscan.shell._tracebacks import at_the_call
 from nnxscan.shell.history import History
 
 __all__ = ["Population"]
@@ -58,6 +59,7 @@ class Population(FrontDoor):
         "seeds=[...]) with a nnxscan.pure.Step."
     )
 
+    @at_the_call
     def __init__(
         self,
         model_fn: Callable[[nnx.Rngs], nnx.Module],
@@ -176,10 +178,12 @@ class Population(FrontDoor):
         values = checks.check_best(metric, mode, self._latest, len(self))
         return int(np.nanargmin(values) if mode == "min" else np.nanargmax(values))
 
+    @at_the_call
     def plan_for(self, data: Any, batch_size: int, *, member_batches: bool = False) -> Plan:
         """``Trainer.plan_for``'s plan for the members (``member_batches``: as for :meth:`fit`)."""
         return self._engine.plan_for(data, batch_size, member_batches)
 
+    @at_the_call
     def fit(
         self,
         data: Any,

@@ -39,11 +39,13 @@ from nnxscan.shell._engine.programs import (
 )
 from nnxscan.shell._engine.schedule import one_epoch
 from nnxscan.shell._module_check import check_module
+from nnxscan.shell._tracebacks import at_the_call
 from nnxscan.shell._user_steps import check_loss_fn, refuse_loss_options, user_step_owner
 
 __all__ = ["scan_train"]
 
 
+@at_the_call
 def scan_train(
     model: nnx.Module,
     optimizer: nnx.Optimizer | None = None,

@@ -18,6 +18,7 @@ from nnxscan.shell._engine.options import FitArguments
 from nnxscan.shell._engine.owner import ModelOwner
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._front_door import FrontDoor, check_seed
+from nnxscan.shell._tracebacks import at_the_call
 from nnxscan.shell._user_steps import user_step_owner
 from nnxscan.shell.history import History
 
@@ -81,6 +82,7 @@ class Trainer(FrontDoor):
         "optimizer, train_step=fn) with a stateful NNX fn(model, optimizer, batch)."
     )
 
+    @at_the_call
     def __init__(
         self,
         model: nnx.Module,
@@ -137,6 +139,7 @@ class Trainer(FrontDoor):
         """The shuffle seed of the last ``fit`` (or of the restored checkpoint)."""
         return self._owner.seed
 
+    @at_the_call
     def fit(
         self,
         data: Any,
