@@ -203,8 +203,7 @@ def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...], where: str = "
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CorruptCheckpointError(
                 f"{where or 'checkpoint'}: leaf ['meta']['{name}'] is {value!r}, not a "
-                f"non-negative int: the checkpoint is damaged or was not written by "
-                f"nnxscan; restore another one."
+                f"non-negative int: the checkpoint is damaged or was not written by nnxscan."
             )
 
 

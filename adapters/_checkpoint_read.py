@@ -287,9 +287,8 @@ def check_item(where: pathlib.Path, state: Any) -> None:
     def refuse(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"checkpoint {where.parent} step {where.name}: its {_files.ITEM}/ item, what "
-            f"Flax's StandardCheckpointer restores (without any check), {what}. Flax's code "
-            f"would load other weights than the checkpoint's verified ones: restore another "
-            f"checkpoint, or load this one with nnxscan (load_model, Trainer.restore)."
+            f"Flax's StandardCheckpointer restores (without any check), {what}: Flax's code "
+            f"would load other weights than the checkpoint's verified ones."
         )
 
     if item.is_symlink():
