@@ -1,6 +1,6 @@
 """nnxscan's own checkpoint storage: one raw file of packed buffers and a JSON manifest.
 
-Used for the trees one process holds whole (after ``_checkpoint_layout.fill`` every array is a
+Used for the trees one process holds whole (after ``_checkpoint_packing.fill`` every array is a
 host buffer), which is every single-process run that is not sharded over several devices.
 Orbax is kept for the rest (arrays sharded over devices or processes), because it writes
 each process's shards; its fixed CPU cost per save (mostly per array; measured in
@@ -162,7 +162,7 @@ def write(
     lose this checkpoint (never tear it; the one before stays), a killed process cannot.
 
     ``buffers``: name -> flat, contiguous host array that nobody else writes to while this
-    runs (``_checkpoint_layout.fill`` makes copies, never views of device buffers), packed into
+    runs (``_checkpoint_packing.fill`` makes copies, never views of device buffers), packed into
     ``arrays.bin``, each on a 64-byte boundary, its crc32 in the manifest (which carries
     its own: :func:`_checkpoint_manifest.dumps_checked`). The model state's orbax item is
     added afterwards, to the checkpoints that get one (:func:`add_item`).
@@ -254,7 +254,7 @@ def _write_data(where: pathlib.Path, buffers: dict[str, np.ndarray]) -> dict[str
             file.write(b"\0" * padding)
             offset += padding
             data = buffer.reshape(-1).view(np.uint8).data
-            # crc32 here, on the writer's thread (zlib releases the GIL for large buffers).
+            # crc32 here, on the background save thread (zlib releases the GIL for large buffers).
             placed[name] = {"offset": offset, "dtype": buffer.dtype.name, "size": buffer.size,
                             "crc32": _manifest.buffer_crc32(buffer)}  # fmt: skip
             file.write(data)
@@ -348,17 +348,9 @@ def read_buffers(
             view = buffer.view(np.uint8)
             file.seek(where["offset"])
             got = file.readinto(view)
-            if got != where["nbytes"]:
-                raise ValueError(
-                    f"buffer {name!r}: {DATA} ended after {got} of its {where['nbytes']} "
-                    f"bytes (truncated)"
-                )
-            crc = where.get("crc32")
-            if crc is not None and _manifest.buffer_crc32(view) != crc:
-                raise ValueError(
-                    f"buffer {name!r} in {DATA}: its bytes do not match their crc32 "
-                    f"(damaged on disk)"
-                )
+            _manifest.check_buffer_read(
+                name, DATA, got, where["nbytes"], "bytes", view, where.get("crc32")
+            )
             out[name] = buffer
     return out
 

@@ -1,9 +1,9 @@
-"""The writer lock of a checkpoint directory: one run writes a directory at a time.
+"""The directory lock of a checkpoint directory: one run writes a directory at a time.
 
 An advisory ``flock`` on ``<directory>/.nnxscan-lock``, held from a run's first save (or
 ``Checkpointer.lock``) until it closes, released by the kernel when the holder dies however
 it dies. The file names the holder (``process <pid> on <host>``) for the error a second
-writer gets. What a user's or a killed run's leftovers cannot do to it:
+run gets. What a user's or a killed run's leftovers cannot do to it:
 
 - the lock file is opened without following a symbolic link and must be a regular file of
   its own (no hard link): nothing is ever written through it or created outside the
@@ -27,7 +27,7 @@ import stat
 
 
 class CheckpointLockedError(RuntimeError):
-    """Another process (or another writer in this one) is writing checkpoints into the same
+    """Another process (or another Checkpointer in this one) is writing checkpoints into the same
     directory: two runs on one ``checkpoint_dir`` would mix their steps and run logs."""
 
 
@@ -49,10 +49,10 @@ def _close_in_child() -> None:
 
 
 def lock(path: pathlib.Path) -> int | None:
-    """Takes the directory's writer lock (an advisory ``flock`` on ``<path>/.nnxscan-lock``,
+    """Takes the directory lock (an advisory ``flock`` on ``<path>/.nnxscan-lock``,
     released when the file is closed, or by the kernel when the process dies however it
     dies); returns its file descriptor (None where ``fcntl`` does not exist, on Windows).
-    The file names the holder (process id and host) for the error a second writer gets.
+    The file names the holder (process id and host) for the error a second run gets.
 
     The lock file is opened without following a symbolic link (``O_NOFOLLOW``) and must be
     a regular file of its own: nothing is ever written through a link or into another

@@ -149,6 +149,25 @@ def buffer_crc32(buffer: Any) -> str:
     return f"{zlib.crc32(np.ascontiguousarray(buffer).reshape(-1).view(np.uint8)):08x}"
 
 
+def check_buffer_read(
+    name: str, stored_in: str, got: int, want: int, unit: str, data: Any, crc: str | None
+) -> None:
+    """A buffer read back whole (``got`` of its ``want`` ``unit``) with the bytes its crc32
+    (when the manifest has one) says, in either storage.
+
+    Raises:
+      ValueError: naming the buffer, where it is stored, and what is wrong.
+    """
+    if got < want:
+        raise ValueError(
+            f"buffer {name!r}: {stored_in} ended after {got} of its {want} {unit} (truncated)"
+        )
+    if crc is not None and buffer_crc32(data) != crc:
+        raise ValueError(
+            f"buffer {name!r} in {stored_in}: its bytes do not match their crc32 (damaged on disk)"
+        )
+
+
 def with_crc32(record: dict[str, Any]) -> dict[str, Any]:
     """``record`` with a first member ``crc32``: ``json.dumps`` of it (what orbax's
     ``JsonSave`` writes) is :func:`dumps_checked`'s text, which :func:`loads_checked`
@@ -176,6 +195,18 @@ def loads_checked(raw: bytes) -> tuple[Any, bool]:
 # -- the manifest -------------------------------------------------------------------------
 
 
+def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...], where: str = "") -> None:
+    """A restored checkpoint's counters must be non-negative ints (a corrupted or crafted one raises
+    before anything is written, and changes nothing); ``where``: the checkpoint, for the message."""
+    for name in names:
+        value = meta[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CorruptCheckpointError(
+                f"{where or 'checkpoint'}: leaf ['meta']['{name}'] is {value!r}, not a "
+                f"non-negative int: the checkpoint is damaged or was not written by nnxscan."
+            )
+
+
 class _Refusal:
     """Builds the errors of one manifest's validation: each names where and what."""
 
@@ -184,9 +215,7 @@ class _Refusal:
 
     def __call__(self, what: str, problem: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
-            f"checkpoint {self.where.parent} step {self.where.name}: {what}: {problem}. "
-            f"Restore another checkpoint (resume=True and restore() without a step skip a "
-            f"damaged one; restore(step=...) picks one), or save this one anew."
+            f"checkpoint {self.where.parent} step {self.where.name}: {what}: {problem}."
         )
 
 

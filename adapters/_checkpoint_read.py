@@ -194,8 +194,7 @@ def _read_files(where: pathlib.Path, template: Template) -> tuple:
     except (OSError, ValueError) as error:
         raise CorruptCheckpointError(
             f"checkpoint {where.parent} step {where.name}: its manifest {_files.MANIFEST} "
-            f"cannot be read: {error}. Restore another checkpoint (resume=True and "
-            f"restore() without a step skip a damaged one)."
+            f"cannot be read: {error}."
         ) from None
     records, buffers = _manifest.validate(raw, where, _files.data_size(where), checked=checked)
     matched = _matched(records, template, where)
@@ -204,8 +203,7 @@ def _read_files(where: pathlib.Path, template: Template) -> tuple:
         return matched, _files.read_buffers(where, buffers, names)
     except (OSError, ValueError) as error:
         raise CorruptCheckpointError(
-            f"checkpoint {where.parent} step {where.name}: {error}. Restore another "
-            f"checkpoint (resume=True and restore() without a step skip a damaged one)."
+            f"checkpoint {where.parent} step {where.name}: {error}."
         ) from None
 
 
@@ -222,8 +220,7 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
     except (OSError, ValueError) as error:
         raise CorruptCheckpointError(
             f"checkpoint {where.parent} step {step}: its manifest {manifest_file} cannot be "
-            f"read: {error}. Restore another checkpoint (resume=True and restore() without "
-            f"a step skip a damaged one)."
+            f"read: {error}."
         ) from None
     records, buffers = _manifest.validate(raw, where, checked=checked)
     with ocp.CheckpointManager(where.parent, options=options) as manager:
@@ -243,19 +240,15 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
         if name not in arrays:
             continue
         host = np.asarray(arrays[name]).reshape(-1)
-        if host.size < held["size"]:
-            raise CorruptCheckpointError(
-                f"checkpoint {where.parent} step {step}: buffer {name!r} holds "
-                f"{host.size} of its {held['size']} elements."
+        stored_in = f"{where / 'arrays'} (orbax's item)"
+        try:
+            _manifest.check_buffer_read(
+                name, stored_in, host.size, held["size"], "elements", host, held.get("crc32")
             )
-        crc = held.get("crc32")
-        if crc is not None and _manifest.buffer_crc32(host) != crc:
+        except ValueError as error:
             raise CorruptCheckpointError(
-                f"checkpoint {where.parent} step {step}: buffer {name!r} in "
-                f"{where / 'arrays'} (orbax's item): its bytes do not match their crc32 "
-                f"(damaged on disk). Restore another checkpoint (resume=True and restore() "
-                f"without a step skip a damaged one)."
-            )
+                f"checkpoint {where.parent} step {step}: {error}."
+            ) from None
     return matched, arrays
 
 
@@ -266,8 +259,7 @@ def read(where: pathlib.Path, template: Template) -> tuple[list, dict[str, Any]]
         raise CorruptCheckpointError(
             f"checkpoint {where.parent} step {where.name} holds no manifest (neither "
             f"{_files.MANIFEST} nor orbax's manifest/): deleted, emptied, or not a "
-            f"checkpoint. Restore another checkpoint (resume=True and restore() without a "
-            f"step skip a damaged one)."
+            f"checkpoint."
         )
     if storage == "files":
         return _read_files(where, template)
@@ -295,9 +287,8 @@ def check_item(where: pathlib.Path, state: Any) -> None:
     def refuse(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"checkpoint {where.parent} step {where.name}: its {_files.ITEM}/ item, what "
-            f"Flax's StandardCheckpointer restores (without any check), {what}. Flax's code "
-            f"would load other weights than the checkpoint's verified ones: restore another "
-            f"checkpoint, or load this one with nnxscan (load_model, Trainer.restore)."
+            f"Flax's StandardCheckpointer restores (without any check), {what}: Flax's code "
+            f"would load other weights than the checkpoint's verified ones."
         )
 
     if item.is_symlink():

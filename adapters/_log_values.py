@@ -53,10 +53,10 @@ def spread(logs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def numeric_logs(logs: Mapping[str, Any], num_members: int | None = None) -> dict[str, float]:
+def numeric_logs(logs: Mapping[str, Any]) -> dict[str, float]:
     """The numbers among one epoch's logs, as ``{key: float}``, arrays spread into
-    ``key/i`` (:func:`spread`; for a ``Population``, of ``num_members`` members, ``i`` is
-    the member). Anything that is not a real number (text, flags) is left out."""
+    ``key/i`` (:func:`spread`; for a ``Population``, ``i`` is the member). Anything that is
+    not a real number (text, flags) is left out."""
     out: dict[str, float] = {}
     for key, value in spread(logs).items():
         value = plain(value)

@@ -17,7 +17,7 @@ OCDBT key-value store of zarr v2 arrays; orbax reads every layout it ever wrote)
 
 Written through tensorstore's OCDBT driver in one transaction, committed while the rest of
 the checkpoint is written: a handful of files however many arrays (deleting an old
-checkpoint stays cheap), and far less of the background writer's CPU than orbax's own save
+checkpoint stays cheap), and far less of the background save thread's CPU than orbax's own save
 (its per-array machinery; docs/checkpoints.md). nnxscan itself reads
 the model state from ``arrays.bin``, checked by its crc32; this item is for Flax's code.
 What orbax writes for the same tree is the reference (tests/test_checkpoint_trust.py).

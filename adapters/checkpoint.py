@@ -27,7 +27,7 @@ writing its shards (``storage="orbax"`` sends everything there). Both name a fin
 checkpoint by its step, so one listing, one ``max_to_keep`` and one reader serve both::
 
     <directory>/                        absolute (resolved); created by the first save
-      .nnxscan-lock                     the writer lock (one writer per directory)
+      .nnxscan-lock                     the directory lock (one run per directory)
       <step>/                           nnxscan's own files (see _checkpoint_files.py)
         manifest.json                   the manifest (below), its own crc32 first, plus
                                         each buffer's file, offset, dtype, size and crc32
@@ -96,9 +96,9 @@ from typing import Any, TypeVar
 import jax
 
 from nnxscan.adapters import _checkpoint_files as _files
-from nnxscan.adapters import _checkpoint_layout as _layout
 from nnxscan.adapters import _checkpoint_lock as _lock
 from nnxscan.adapters import _checkpoint_manifest as _manifest
+from nnxscan.adapters import _checkpoint_packing as _packing
 from nnxscan.adapters import _checkpoint_read as _read
 from nnxscan.adapters._checkpoint_lock import CheckpointLockedError
 from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
@@ -185,7 +185,7 @@ class Checkpointer:
         self.asynchronous = bool(asynchronous)
         self.storage = storage
         self._manager: Any = None  # orbax's, opened by the first save that needs it
-        self._thread: Any = None  # the background writer of our own files
+        self._thread: Any = None  # the background save thread of our own files
         self._in_flight: Any = None  # that thread's Future
         self._cleaned = False  # leftovers of killed processes removed (at the first save)
         # The steps on disk or being written, newest last: read from the directory once,
@@ -195,14 +195,14 @@ class Checkpointer:
         # the first append), and the appends not yet handed to a write.
         self._log_size: int | None = None
         self._log_pending: list[bytes] = []
-        self._lock: int | None = None  # the directory's writer lock, once taken
+        self._lock: int | None = None  # the directory lock, once taken
         self._locked = False
         # (step, item) of the newest checkpoint saved as own files: its state/ item, for
         # Flax's code, is written by close() (one per run, off the training path).
         self._item: tuple[int, Any] | None = None
 
     def lock(self) -> None:
-        """Takes the directory's writer lock now (the first save or log append takes it
+        """Takes the directory lock now (the first save or log append takes it
         otherwise), creating the directory; :meth:`close` releases it. One checkpointer per
         directory: a second one, in this process or another, gets a
         :class:`CheckpointLockedError` naming the directory and the holder's process id,
@@ -210,7 +210,7 @@ class Checkpointer:
         (every process writes its shards into the same directory).
 
         Raises:
-          CheckpointLockedError: another writer holds the directory (the holder named).
+          CheckpointLockedError: another run holds the directory (the holder named).
           ValueError: the path is a file, or not writable; or its lock file is a symbolic
             link, a hard link or not a regular file (never written through).
         """
@@ -305,10 +305,10 @@ class Checkpointer:
         step = _as_step(step, "step")
         # Every leaf is checked before anything touches the disk. This copies the arrays to
         # the host: what is written is what the tree held now, whatever happens to it next.
-        layout, leaves = _layout.layout_of(tree, with_item=self.storage == "auto")
-        entries, buffers, item_arrays = _layout.fill(layout, leaves)
+        packing, leaves = _packing.packing_of(tree, with_item=self.storage == "auto")
+        entries, buffers, item_arrays = _packing.fill(packing, leaves)
         manifest = {"format": _manifest.FORMAT, "version": _manifest.VERSION, "leaves": entries}
-        own_files = self.storage == "auto" and layout.held_whole
+        own_files = self.storage == "auto" and packing.held_whole
         self.lock()
         # One write at a time, in order: the previous one finishes before this one starts.
         self.wait()
@@ -339,14 +339,14 @@ class Checkpointer:
         log = self._take_log()  # before this checkpoint, in the same write
         self._item = None  # an older checkpoint's item is not written any more
         if own_files:
-            if layout.item:
-                leaves = [leaf for _, leaf in layout.item]
-                self._item = (step, (leaves, item_arrays, layout.item_files))
+            if packing.item:
+                leaves = [leaf for _, leaf in packing.item]
+                self._item = (step, (leaves, item_arrays, packing.item_files))
             self._write_files(step, manifest, buffers, log)
         else:
             if log:  # orbax writes in its own threads: the log is on disk first
                 _files.append_log(self.path, log)
-            self._write_orbax(manager, step, manifest, buffers, layout.packs, tree.get("state"))
+            self._write_orbax(manager, step, manifest, buffers, packing.packs, tree.get("state"))
         self._steps = [*steps, step][-self.max_to_keep :]  # what max_to_keep will leave
         return self.path / str(step)
 
@@ -388,12 +388,12 @@ class Checkpointer:
         step: int,
         manifest: dict,
         buffers: dict,
-        layout_packs: dict,
+        packed: dict,
         state: Any,
     ) -> None:
         ocp = _read.orbax()
         arrays = buffers
-        packs = {name: buffers[name] for name in layout_packs}
+        packs = {name: buffers[name] for name in packed}
         # Each packed buffer's crc32 (a host copy, whole in every process), and the
         # manifest's own: orbax's JsonSave writes json.dumps of it, the checked text.
         manifest = {
@@ -638,9 +638,9 @@ def restore_checkpoint(
     """
     if not isinstance(like, dict):
         raise TypeError(f"like must be a dict of pytrees, got {type(like).__name__}")
-    pairs = _layout.flatten(like)
-    treedef = _layout.treedef_of(like, len(pairs))
-    wanted = [_layout.describe_template(path, leaf) for path, leaf in pairs]
+    pairs = _packing.flatten(like)
+    treedef = _packing.treedef_of(like, len(pairs))
+    wanted = [_packing.describe_template(path, leaf) for path, leaf in pairs]
     path = _resolve(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -660,8 +660,21 @@ def restore_checkpoint(
     if fallback and step is None:
         tree, step, _ = newest_good(path, read)
         return tree, step
+    asked = step
     step = _pick_step(path, step)
-    return read(step), step
+    try:
+        return read(step), step
+    except CorruptCheckpointError as error:
+        # A note, not the message: ``newest_good``'s warnings quote the message of a
+        # checkpoint it skipped, where this advice would be false.
+        error.add_note(
+            f"Restore another checkpoint: all_steps({str(path)!r}) lists them, and "
+            f"restore_checkpoint(directory, like, fallback=True) restores the newest good one."
+            if asked is not None
+            else "restore_checkpoint(directory, like, fallback=True) skips a damaged "
+            "checkpoint and restores the newest good one."
+        )
+        raise
 
 
 def read_log(directory: str | os.PathLike[str], start: int, end: int) -> bytes:

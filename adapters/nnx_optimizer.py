@@ -1,5 +1,5 @@
-"""Edge to ``nnx.Optimizer``: read its optax state as a plain pytree, and build the State that
-writes a trained one back.
+"""Edge to ``nnx.Optimizer``: read its optax state as a plain pytree, and build the State
+that ``nnx.update`` applies to make it hold a trained one.
 
 ``optimizer.opt_state`` wraps every optax leaf in an ``OptVariable``/``OptArray``, so its tree
 differs from ``tx.init(params)``'s. The two hold the same leaves in the same order (the

@@ -43,12 +43,6 @@ __all__ = [
 PathLike = str | os.PathLike[str]
 
 
-def _spread(logs: dict[str, Any]) -> dict[str, Any]:
-    """Logs with every array value spread into one entry per element (``key/i``, and
-    ``key/i/j`` for two axes): see :func:`nnxscan.adapters._log_values.spread`."""
-    return spread(logs)
-
-
 class CSVWriter:
     """Writes one CSV row per epoch: a column per log key, in the order keys first appear.
 
@@ -110,7 +104,7 @@ class CSVWriter:
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if not self._started:
             self._start()
-        row = {key: ("" if v is None else str(_plain(v))) for key, v in _spread(logs).items()}
+        row = {key: ("" if v is None else str(_plain(v))) for key, v in spread(logs).items()}
         self._rows.append(row)
         new = [key for key in row if key not in self._columns]
         if new:
@@ -219,7 +213,7 @@ class TensorBoardWriter:
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if self._writer is None:
             self._writer = self._summary_writer_cls(logdir=str(self.logdir))
-        for key, value in _spread(logs).items():
+        for key, value in spread(logs).items():
             value = _plain(value)
             if _is_number(value):
                 self._writer.add_scalar(f"epoch/{key}", float(value), global_step=trainer.step)

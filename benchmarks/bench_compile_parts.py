@@ -10,7 +10,7 @@ part at a time, and ``Trainer.fit``'s own program:
   gather all, then scan       the call's batches gathered in the program, then scanned
   gather as bytes, then scan  the same through the byte view (``take_batch(as_bytes=True)``)
   scan_indexed_steps          what ``fit`` runs (one gather, or chunks of gathers)
-  + conv rewrite              the same under ``canonical_conv_layout`` (``fit`` on the CPU)
+  + conv rewrite              the same under ``canonical_conv_dimensions`` (``fit`` on the CPU)
   gather per step in the loop ``x[idx]`` inside the loop body
   Trainer.fit's program       captured from a ``fit`` of the whole run
 
@@ -42,7 +42,7 @@ from flax import nnx
 from jax._src.interpreters import pxla
 
 from nnxscan.pure import (
-    canonical_conv_layout,
+    canonical_conv_dimensions,
     init_opt_state,
     make_train_step,
     scan_indexed_steps,
@@ -122,7 +122,7 @@ def programs(workload: Workload) -> dict[str, tuple[Callable, tuple]]:
         "gather all, then scan": (jit(gather_then_scan), gathered),
         "gather as bytes, then scan": (jit(as_bytes), gathered),
         "scan_indexed_steps": (jit(indexed), gathered),
-        "+ conv rewrite": (jit(canonical_conv_layout(indexed)), gathered),
+        "+ conv rewrite": (jit(canonical_conv_dimensions(indexed)), gathered),
         "gather per step in the loop": (jit(gather_in_loop), gathered),
     }
 

@@ -2,7 +2,7 @@
 
 XLA:CPU canonicalizes convolution layouts only in a program's entry computation, so inside a
 loop body the gradient convolutions of a CNN step run XLA's generic code (jax#12868).
-``nnxscan.pure.canonical_conv_layout`` makes that rewrite before XLA sees the program. For
+``nnxscan.pure.canonical_conv_dimensions`` makes that rewrite before XLA sees the program. For
 each workload this times, in one process, on the same batches (the order ``Trainer.fit(
 seed=0)`` trains):
 
@@ -10,7 +10,7 @@ seed=0)`` trains):
                   device-resident data inside the call, the state donated): ``"step"`` plan
   scan            one ``jax.jit`` around a ``lax.scan`` over the epoch's steps, the step as
                   written
-  rewritten_scan  the same scan of ``canonical_conv_layout(step)``
+  rewritten_scan  the same scan of ``canonical_conv_dimensions(step)``
 
   whole   from a fresh ``jax.jit`` (``jax.clear_caches()`` first) to ``--epochs`` epochs
           trained, compile included;
@@ -51,7 +51,7 @@ from _workloads import WORKLOADS, digits, tutorial_cnn, update_metrics
 from flax import nnx
 
 from nnxscan.pure import (
-    canonical_conv_layout,
+    canonical_conv_dimensions,
     epoch_order,
     init_opt_state,
     make_train_step,
@@ -169,7 +169,7 @@ def scan_program(step: Callable, setup: Setup) -> Callable:
 def program(name: str, setup: Setup) -> Callable:
     if name == "step":
         return per_step_program(setup)
-    step = canonical_conv_layout(setup.step) if name == "rewritten_scan" else setup.step
+    step = canonical_conv_dimensions(setup.step) if name == "rewritten_scan" else setup.step
     return scan_program(step, setup)
 
 
@@ -256,7 +256,7 @@ def table(setup: Setup, runs: dict, epochs: int, reps: int) -> str:
 def trace_cost(name: str, reps: int) -> str:
     """The shell's traces of a step without convolutions -- the plan probe's, then the
     chunk runner's (a scan of the jitted step) -- with the runner as it is and wrapped in
-    canonical_conv_layout as the shell wraps it on the CPU; interleaved, medians."""
+    canonical_conv_dimensions as the shell wraps it on the CPU; interleaved, medians."""
     workload = WORKLOADS[name](False)
     tx = workload.make_tx()
     step = make_train_step(workload.loss_fn, tx)
@@ -277,7 +277,8 @@ def trace_cost(name: str, reps: int) -> str:
                 return scan_steps(as_step, graphdef, s, o, b)
 
             jax.make_jaxpr(as_step, static_argnums=0)(graphdef, state, opt_state, batch)
-            jax.jit(canonical_conv_layout(run) if wrapped else run).trace(state, opt_state, batches)
+            program = canonical_conv_dimensions(run) if wrapped else run
+            jax.jit(program).trace(state, opt_state, batches)
             seconds[wrapped].append(time.perf_counter() - start)
     plain, wrapped = (1e3 * statistics.median(seconds[k]) for k in (False, True))
     extra = f"{wrapped - plain:+.1f} | {wrapped / plain:.2f}×"

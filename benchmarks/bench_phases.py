@@ -25,7 +25,7 @@ built``: the nodes and their ``nnx.Optimizer`` built before the clock) it record
 and, inside fit's traces, nnxscan's own parts (timed by wrapping nnxscan's internals here,
 without changing them): the plan rule's probe (``plans.step_traits``: the step traced once,
 no compile, its trace kept by jit for the program) and the convolution layout rewrite
-(``canonical_conv_layout``, around the runner's trace on the CPU). Beside the runs: the
+(``canonical_conv_dimensions``, around the runner's trace on the CPU). Beside the runs: the
 imports (each package's increment, in a new process), the model's construction (from
 empty caches: its initializers compile) and a first evaluation (``Trainer.evaluate``, a
 per-batch ``nnx.jit`` loop, Keras's ``evaluate``) with its compiles. Medians of ``--reps``
@@ -160,8 +160,8 @@ class Recorder:
     def _wrap_nnxscan(self) -> None:
         """Times nnxscan's own parts of a fit by wrapping the internals that do them."""
         _programs.step_traits = self.timed("probe", _programs.step_traits)
-        rewrite = _programs.canonical_conv_layout
-        _programs.canonical_conv_layout = lambda fn: self.timed("conv rewrite", rewrite(fn))
+        rewrite = _programs.canonical_conv_dimensions
+        _programs.canonical_conv_dimensions = lambda fn: self.timed("conv rewrite", rewrite(fn))
         _placement.Placement.put_data = self.timed("data to device", _placement.Placement.put_data)
 
 

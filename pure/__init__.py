@@ -17,8 +17,8 @@ transform (jit, scan, fori_loop, vmap, grad). No I/O, no clocks, no global state
 - :func:`all_finite`, :func:`tree_select`, :func:`halt_after_nonfinite`
   (:class:`HaltState`), :func:`skip_nonfinite`: non-finite guards that stay inside the
   compiled loop; each wraps a ``Step`` and returns one.
-- :func:`canonical_conv_layout`: a step's convolutions in the layout XLA:CPU's fast kernels
-  take, also inside a ``lax.scan`` (where XLA leaves them slow, jax#12868).
+- :func:`canonical_conv_dimensions`: a step's convolutions in the dimension order XLA:CPU's
+  fast kernels take, also inside a ``lax.scan`` (where XLA leaves them slow, jax#12868).
 - :mod:`nnxscan.pure.threefry` (``unrolled_threefry``): a function's ``jax.random`` draws
   through JAX's hash unrolled (the same bits; on the CPU compiled and run sooner than JAX's
   loop of it); the steps nnxscan builds apply it on the CPU.
@@ -47,7 +47,7 @@ Example:
 """
 
 from nnxscan.pure.build import build_compiled, compile_once, paused_gc
-from nnxscan.pure.conv_layout import canonical_conv_layout
+from nnxscan.pure.conv_dimensions import canonical_conv_dimensions
 from nnxscan.pure.epoch import epoch_order, make_epoch
 from nnxscan.pure.evaluation import make_eval_step, make_evaluate, make_evaluate_metrics
 from nnxscan.pure.members import MembersState, vmap_members
@@ -78,7 +78,7 @@ __all__ = [
     "Step",
     "all_finite",
     "build_compiled",
-    "canonical_conv_layout",
+    "canonical_conv_dimensions",
     "compile_once",
     "epoch_order",
     "halt_after_nonfinite",

@@ -1,5 +1,5 @@
-"""Helpers over a population's stacked pytrees: leaf paths, the members axis, the
-``optax.inject_hyperparams`` states in an optax state, and a check of members' orders.
+"""Helpers over a population's stacked pytrees: leaf paths, the members axis, and the
+``optax.inject_hyperparams`` states in an optax state (their names, values replaced).
 
 Internal: the public population functions (``nnxscan.pure.stack_states``,
 ``member_state``, ``hyperparam_names`` and the others in ``pure/population.py``) build on

@@ -9,15 +9,15 @@ rounding (one fused program against many small ones; the same bits on the CPUs t
 no one promises across programs), it only compiles sooner.
 
 Its random draws compile as one. Each ``jax.random`` draw is a threefry hash over its own
-counters, and XLA:CPU compiles each as a kernel of its own, most of a build's compile (five
-draws of an MLP's shapes: 0.37 s, one draw of all their entries: 0.06 s). With JAX's
+counters, and XLA:CPU compiles each as a kernel of its own, so the number of draws, not
+their sizes, sets most of a build's compile (docs/performance.md). With JAX's
 partitionable threefry (the default), a draw's bits are an elementwise hash of its key and
 each entry's index, so the draws of scalar threefry keys that are ready together are
 computed by one hash over all their keys and indices and cut apart: the same bits, by
 construction (``_merged_hashes``). Splits of a scalar key are the same hash, and so is every
 key an ``nnx.Rngs`` stream hands out (``fold_in(key, count)``: the hash of one counter
-pair), each a rolled hash loop of its own otherwise: a hypernetwork learner's twelve
-fold-ins compiled as twelve loops, 0.06 s of its 0.46 s compile. The constructor is traced
+pair), each a rolled hash loop of its own otherwise (a hypernetwork learner's twelve
+fold-ins would compile as twelve loops). The constructor is traced
 once, to a jaxpr; that jaxpr is then evaluated under ``jax.jit`` with ``jit`` calls inlined
 and the ready hashes merged: the keys first, then the draws of those keys. Keys are merged
 in that first round only; a key made from a merged one (a chain of splits) runs as an
@@ -51,10 +51,11 @@ M = TypeVar("M")
 
 # Read by XLA:CPU's backend; other backends ignore it.
 _ONCE = {"xla_backend_optimization_level": 1}
-# XLA:CPU's older fusion code generator compiles a one-shot program ~20% sooner, to the same
-# bits on the builds measured (docs/performance.md); XLA releases after jax 0.10 removed the
-# option and refuse it as the options are read, before compiling (~2 ms), so it is simply
-# tried each time (no memo: the pure core keeps no mutable state).
+# XLA:CPU's older fusion code generator compiles a one-shot program sooner, to the same bits
+# on the builds measured (docs/performance.md). Newer XLA releases removed the option and
+# refuse it while reading the options, before any compiling, so a refusal is cheap and the
+# option is simply tried each time: remembering the answer would be mutable state, which
+# the pure core does not keep.
 _ONCE_WHERE_KNOWN = {**_ONCE, "xla_cpu_use_fusion_emitters": False}
 # The most entries one merged threefry hash covers (its counters and keys: 16 bytes each).
 _MERGED_ENTRIES = 2**24

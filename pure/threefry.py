@@ -4,8 +4,8 @@ sooner on the CPU.
 ``jax.random`` draws with the threefry-2x32 hash. JAX lowers it as a straight line of 20
 rounds on GPUs, but on the CPU as a loop of 5 iterations of 4 rounds (to spare an older
 XLA:CPU the compile of the long line). Today's XLA:CPU does the opposite: it compiles each
-such loop as a program of its own and runs it slower (one dropout mask of 32x28x28x32,
-jax 0.10.2: 0.68 s to compile and 3.3 ms a call rolled, 0.09 s and 1.5 ms unrolled). A
+such loop as a program of its own, which costs a compile of its own and keeps XLA from
+fusing the rounds with the code around them (docs/performance.md measures both). A
 training step with dropout draws through several of them.
 
 :func:`unrolled_threefry` rewrites a traced function's draws into the hash's integer
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry2x32_p, threefry_prng_impl
 
-from nnxscan.pure.conv_layout import _rewriting, _traced_eqns
+from nnxscan.pure.conv_dimensions import _rewriting, _traced_eqns
 
 __all__ = ["unrolled_threefry"]
 
@@ -58,11 +58,11 @@ def unrolled_threefry(fn: F) -> F:
     traces ``fn``: call it under ``jax.jit`` (called eagerly it compiles ``fn`` every time).
 
     Args:
-      fn: the function to wrap, e.g. a training step ``step(graphdef, state, opt_state,
-        batch)``.
+      fn: any function that draws with ``jax.random`` (a loss, a model's forward, a whole
+        training step).
 
     Returns:
-      A function with ``fn``'s signature and results.
+      ``fn`` with its draws unrolled: the same signature, the same random bits.
 
     Example:
       >>> noisy = unrolled_threefry(lambda key, x: x + jax.random.normal(key, x.shape))

@@ -16,9 +16,9 @@ from typing import Any
 
 from flax import nnx
 
-from nnxscan.pure import Step
 from nnxscan.pure.checks import check_count
 from nnxscan.shell._config import Config
+from nnxscan.shell._construction import loss_options_given, step_kind
 from nnxscan.shell._edges import checkpointing as _checkpointing
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.evaluation import evaluate
@@ -27,6 +27,7 @@ from nnxscan.shell._engine.owner import check_rngs_and_metrics
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan, resolve_plan
 from nnxscan.shell._engine.programs import nnx_step_program, step_program, train_program
+from nnxscan.shell._tracebacks import at_the_call
 from nnxscan.shell._user_steps import check_loss_fn, refuse_loss_options
 from nnxscan.shell.history import History
 
@@ -67,42 +68,30 @@ class FrontDoor:
     wrt = Config("The filter of the trained variables (None for a Step).")
 
     def _check_step(
-        self,
-        train_step: Any,
-        tx: Any,
-        loss_fn: Any,
-        *,
-        on_nonfinite: Any,
-        execution: Any,
-        wrt: Any,
-        has_aux: Any,
-        accumulate: Any,
-        rngs: Any,
-        metrics: Any,
-        update_metrics: Any,
-        extras: tuple = (),
-        model: Any = None,
+        self, options: dict[str, Any], tx: Any, loss_fn: Any, *, model: Any = None
     ) -> None:
         """Checks a user's ``train_step`` XOR the step built from ``tx`` and ``loss_fn`` with its
-        options, the non-finite policy and the plan; keeps what the program is built from."""
+        options (``options``: the front door's, defaults filled in by
+        :func:`~nnxscan.shell._construction.construction_options`), the non-finite policy
+        and the plan; keeps what the program is built from."""
+        on_nonfinite, train_step = options["on_nonfinite"], options["train_step"]
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"on_nonfinite={on_nonfinite!r}; use one of {', '.join(NONFINITE_POLICIES)}."
             )
-        self._plan = resolve_plan(execution)
+        self._plan = resolve_plan(options["execution"])
+        self._step_kind = step_kind(train_step)
         self._config = dict(train_step=train_step, on_nonfinite=on_nonfinite)
-        if train_step is not None:
-            given = dict(
-                tx=tx is not None, loss_fn=loss_fn is not None, wrt=wrt is not nnx.Param,
-                has_aux=bool(has_aux), accumulate=accumulate != 1, rngs=rngs is not None,
-                metrics=metrics is not None, update_metrics=update_metrics is not None,
-            )  # fmt: skip
-            refuse_loss_options([name for name, value in given.items() if value])
+        if self._step_kind != "loss":
+            positional = [name for name, x in (("tx", tx), ("loss_fn", loss_fn)) if x is not None]
+            refuse_loss_options(positional + loss_options_given(options))
             self._config.update(loss_fn=None, has_aux=False, update_metrics=None, accumulate=1)
             return
         if tx is None or loss_fn is None:
             raise TypeError(f"{type(self).__name__} needs {self._usage}")
-        if extras:
+        rngs, metrics, update_metrics = (options[n] for n in ("rngs", "metrics", "update_metrics"))
+        has_aux, accumulate = options["has_aux"], options["accumulate"]
+        if options.get("extras"):
             raise TypeError(
                 f"extras= goes with a stateful train_step=fn; pass rngs= and metrics= to a "
                 f"{type(self).__name__} built from a loss."
@@ -131,7 +120,7 @@ class FrontDoor:
                 rngs is not None, c["update_metrics"],
             )  # fmt: skip
         else:
-            pure = isinstance(c["train_step"], Step)
+            pure = self._step_kind == "pure"
             program = (step_program if pure else nnx_step_program)(
                 c["train_step"], c["on_nonfinite"]
             )
@@ -177,6 +166,7 @@ class FrontDoor:
         """
         self._owner.load(state)
 
+    @at_the_call
     def plan_for(self, data: Any, batch_size: int) -> Plan:
         """The execution plan ``fit`` uses for this data and batch size (traces one model's
         step, compiles nothing).
@@ -205,6 +195,7 @@ class FrontDoor:
         )  # fmt: skip
         return self._engine.fit(data, checked)
 
+    @at_the_call
     def evaluate(
         self,
         data: Any,
@@ -225,7 +216,9 @@ class FrontDoor:
         fed with ``loss_fn`` (the Flax tutorial's ``eval_step``), by default the
         trainer's own: the result is ``metrics.compute()`` of a fresh copy. With
         ``eval_mode`` the model runs after ``model.eval()``. Nothing the trainer holds
-        changes. See docs/evaluation.md.
+        changes. A ``Population`` evaluates every member, vmapped in one call: ``{name:
+        values (N,)}``, which :meth:`Population.best` can then look up by name. See
+        docs/evaluation.md.
 
         Example:
           >>> def accuracy(model, batch):
@@ -237,10 +230,19 @@ class FrontDoor:
         """
         if metric_fn is None:
             self._needs_metric_fn("evaluate")
-        return evaluate(
+        self._check_evaluation_metrics(metrics, update_metrics)
+        values = evaluate(
             self._engine, data, metric_fn, batch_size=batch_size, eval_mode=eval_mode,
             metrics=metrics, update_metrics=update_metrics,
         )  # fmt: skip
+        return self._evaluated(values)
+
+    def _check_evaluation_metrics(self, metrics: Any, update_metrics: Any) -> None:
+        """``evaluate``'s own NNX metrics, when a front door cannot take them."""
+
+    def _evaluated(self, values: dict[str, Any]) -> dict[str, Any]:
+        """What ``evaluate`` returns of the values computed (a Population keeps them too)."""
+        return values
 
     def _needs_metric_fn(self, what: str) -> None:
         """A user's step has no NNX metrics fed by a loss: only a metric_fn evaluates it."""
@@ -253,6 +255,7 @@ class FrontDoor:
 
     # -- checkpoints ----------------------------------------------------------------------
 
+    @at_the_call
     def save(self, directory: str | os.PathLike[str], *, max_to_keep: int = 3) -> pathlib.Path:
         """Writes a checkpoint of everything a resume needs, numbered by the global step:
         the model state (every member's, for a population: parameters, batch statistics,
@@ -268,6 +271,7 @@ class FrontDoor:
         """
         return _checkpointing.save(self._owner, directory, max_to_keep=max_to_keep)
 
+    @at_the_call
     def restore(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
         """Loads the newest good (or the given) checkpoint into the model and optimizer
         (the members) and the counters; returns the epoch reached.

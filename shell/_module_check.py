@@ -1,8 +1,10 @@
-"""The check that a model is an NNX module, with the way out for a Flax Linen one."""
+"""The checks that a model is an NNX module (the user's, or what ``model_fn`` built), with the
+way out for a Flax Linen one."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from flax import nnx
@@ -35,3 +37,24 @@ def check_module(model: Any, name: str = "model") -> None:
     if is_linen(model):
         raise TypeError(f"{name} is a Flax Linen module ({kind}), not an nnx.Module: {LINEN_HINT}.")
     raise TypeError(f"{name} must be an nnx.Module, got {kind}.")
+
+
+def call_model_fn(model_fn: Callable, seed: int, rngs: nnx.Rngs | None = None) -> nnx.Module:
+    """``model_fn(nnx.Rngs(seed))``, checked to be an NNX module. ``rngs``: the ``nnx.Rngs``
+    to pass instead (one made from a traced key under a members' ``vmap``); ``seed`` then
+    only names the call in an error."""
+    model = model_fn(nnx.Rngs(seed) if rngs is None else rngs)
+    if is_linen(model):
+        raise TypeError(
+            f"model_fn(nnx.Rngs({seed})) returned {type(model).__name__}, a Flax Linen module, "
+            f"not an nnx.Module: return it wrapped, e.g. model_fn=lambda rngs: "
+            f"nnxscan.adapters.linen.LinenModule({type(model).__name__}(...), sample_x, "
+            f"rngs=rngs), which initializes it from an example input and lets model.eval() "
+            f"switch its train mode (docs/porting.md, 'A Linen model')."
+        )
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"model_fn(nnx.Rngs({seed})) returned {type(model).__name__}, not an nnx.Module: "
+            f"it must build and return one module, e.g. model_fn=lambda rngs: MLP(rngs=rngs)."
+        )
+    return model

@@ -12,7 +12,7 @@ from flax import nnx
 from nnxscan.pure import Step, hyperparam_names, init_opt_state, with_hyperparams
 from nnxscan.pure.checks import check_count, check_transform
 from nnxscan.shell._front_door import check_seed
-from nnxscan.shell._module_check import is_linen
+from nnxscan.shell._module_check import call_model_fn
 from nnxscan.shell._user_steps import check_pure_step
 
 
@@ -108,10 +108,11 @@ def check_hyperparam_names(
         raise ValueError(f"hyperparams ({owner}): {e}") from None
 
 
-def check_step_of_members(train_step: Any) -> Step:
+def check_step_of_members(train_step: Any, kind: str) -> Step:
     """``Population(model_fn, train_step=S, ...)``: ``S`` must be a pure
-    :class:`~nnxscan.pure.Step` (a population has no objects a stateful step could mutate)."""
-    if isinstance(train_step, Step):
+    :class:`~nnxscan.pure.Step` (a population has no objects a stateful step could mutate);
+    ``kind``: which step it is (``_construction.step_kind``)."""
+    if kind == "pure":
         check_pure_step(train_step, None, (), "Population(model_fn, train_step=step, seeds=...)")
         return train_step
     if callable(train_step):
@@ -129,11 +130,12 @@ def check_step_of_members(train_step: Any) -> Step:
     raise TypeError(f"train_step must be a nnxscan.pure.Step, got {type(train_step).__name__}.")
 
 
-def member_init(train_step: Any, tx: Any, wrt: Any) -> tuple[Callable, Any, Any]:
+def member_init(kind: str, train_step: Any, tx: Any, wrt: Any) -> tuple[Callable, Any, Any]:
     """``(init_opt, tx, wrt)``: each member's ``init_opt(graphdef, state)``, a user's
-    ``Step``'s (no tx, no wrt) or the built-in step's, after checking either."""
-    if train_step is not None:
-        return check_step_of_members(train_step).init, None, None
+    ``Step``'s (no tx, no wrt) or the built-in step's, after checking either; ``kind``:
+    which step was given (``_construction.step_kind``)."""
+    if kind != "loss":
+        return check_step_of_members(train_step, kind).init, None, None
     tx = check_transform(tx)
 
     def init_opt(graphdef: nnx.GraphDef, state: nnx.State) -> Any:
@@ -178,24 +180,3 @@ def check_best(metric: Any, mode: Any, latest: dict, num_members: int) -> np.nda
     if np.isnan(values).all():
         raise ValueError("every member's value is NaN: there is no best member.")
     return values
-
-
-def call_model_fn(model_fn: Callable, seed: int, rngs: nnx.Rngs | None = None) -> nnx.Module:
-    """``model_fn(nnx.Rngs(seed))``, checked to be an NNX module. ``rngs``: the ``nnx.Rngs``
-    to pass instead (one made from a traced key under a members' ``vmap``); ``seed`` then
-    only names the call in an error."""
-    model = model_fn(nnx.Rngs(seed) if rngs is None else rngs)
-    if is_linen(model):
-        raise TypeError(
-            f"model_fn(nnx.Rngs({seed})) returned {type(model).__name__}, a Flax Linen module, "
-            f"not an nnx.Module: return it wrapped, e.g. model_fn=lambda rngs: "
-            f"nnxscan.adapters.linen.LinenModule({type(model).__name__}(...), sample_x, "
-            f"rngs=rngs), which initializes it from an example input and lets model.eval() "
-            f"switch its train mode (docs/porting.md, 'A Linen model')."
-        )
-    if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"model_fn(nnx.Rngs({seed})) returned {type(model).__name__}, not an nnx.Module: "
-            f"it must build and return one module, e.g. model_fn=lambda rngs: MLP(rngs=rngs)."
-        )
-    return model

@@ -18,8 +18,8 @@ from flax import nnx
 from nnxscan.pure import Step
 from nnxscan.pure.checks import check_no_captured_nnx, globals_loaded
 
-#: The global names each code object loads, read once (a code object never changes;
-#: disassembling a loss at every call cost ~0.2 ms of a short ``scan_train`` call).
+#: The global names each code object loads, read once: a code object never changes, and
+#: disassembling it again at every ``scan_train`` call would cost the host at every call.
 _names = functools.lru_cache(maxsize=1024)(globals_loaded)
 
 
@@ -139,15 +139,17 @@ def user_step_owner(
     train_step: Any,
     extras: tuple,
     *,
+    kind: str,
     pure_call: str,
     stateful_front: str,
     init: Callable | None = None,
 ) -> Any:
     """The owner of a user's step (``Trainer``'s and ``scan_train``'s one way of taking it: a pure
-    ``Step``, or a stateful NNX function), after its checks."""
+    ``Step``, or a stateful NNX function, as ``kind`` says: ``_construction.step_kind``),
+    after its checks."""
     from nnxscan.shell._engine.owner import ModelOwner
 
-    if isinstance(train_step, Step):
+    if kind == "pure":
         check_pure_step(train_step, optimizer, extras, pure_call)
         step = train_step if init is None else train_step._replace(init=init)
         return ModelOwner.of_step(model, step)

@@ -28,6 +28,29 @@ DEMO_DESCRIPTION = (
 )
 
 
+#: ``nnxscan demo``'s options besides the name: (flag, help, argparse keywords).
+DEMO_OPTIONS: tuple[tuple[str, str, dict], ...] = (
+    ("--out", "folder to write the PNG to, created if missing (default: .)",
+     {"default": ".", "metavar": "OUT"}),
+    ("--seed", "seeds the data, the initial weights and the shuffling (default: 0)",
+     {"type": int, "default": 0, "metavar": "N"}),
+    ("--seeds", "ppo: train N seeds (seed, seed+1, ...) vmapped in one program (default: 1)",
+     {"type": int, "default": 1, "metavar": "N"}),
+    ("--checkpoint-dir", "ppo: train through Trainer.fit with checkpoints in DIR; run it "
+     "again after a kill to resume", {"default": None, "metavar": "DIR"}),
+    ("--sweep", "ppo: a Population of every seed x value, e.g. --sweep ent_coef=0,0.01,0.05",
+     {"default": None, "metavar": "NAME=V1,V2"}),
+    ("--steps", "lr-find: steps each learning rate trains (default: 300)",
+     {"type": int, "default": 300, "metavar": "N"}),
+    ("--no-progress", "show no progress bar (and, off a terminal, no line per epoch)",
+     {"action": "store_true"}),
+    ("--compile-cache", "keep compiled programs here, so the next run skips compiling "
+     f"(default: {DEFAULT_DIR})", {"default": DEFAULT_DIR, "metavar": "DIR"}),
+    ("--no-compile-cache", "compile everything afresh and keep nothing",
+     {"action": "store_true"}),
+)  # fmt: skip
+
+
 def _version() -> str:
     import nnxscan  # its __version__, from the installed distribution's metadata
 
@@ -54,44 +77,8 @@ def _parser() -> argparse.ArgumentParser:
         "name", nargs="?", default="digits", choices=list(DEMOS), metavar="NAME",
         help="which demo to run: " + " or ".join(DEMOS) + " (default: digits)",
     )  # fmt: skip
-    demo.add_argument(
-        "--out", default=".", metavar="OUT",
-        help="folder to write the PNG to, created if missing (default: .)",
-    )  # fmt: skip
-    demo.add_argument(
-        "--seed", type=int, default=0, metavar="N",
-        help="seeds the data, the initial weights and the shuffling (default: 0)",
-    )  # fmt: skip
-    demo.add_argument(
-        "--seeds", type=int, default=1, metavar="N",
-        help="ppo: train N seeds (seed, seed+1, ...) vmapped in one program (default: 1)",
-    )  # fmt: skip
-    demo.add_argument(
-        "--checkpoint-dir", default=None, metavar="DIR",
-        help="ppo: train through Trainer.fit with checkpoints in DIR; run it again after "
-        "a kill to resume",
-    )  # fmt: skip
-    demo.add_argument(
-        "--sweep", default=None, metavar="NAME=V1,V2",
-        help="ppo: a Population of every seed x value, e.g. --sweep ent_coef=0,0.01,0.05",
-    )  # fmt: skip
-    demo.add_argument(
-        "--steps", type=int, default=300, metavar="N",
-        help="lr-find: steps each learning rate trains (default: 300)",
-    )  # fmt: skip
-    demo.add_argument(
-        "--no-progress", action="store_true",
-        help="show no progress bar (and, off a terminal, no line per epoch)",
-    )  # fmt: skip
-    demo.add_argument(
-        "--compile-cache", default=DEFAULT_DIR, metavar="DIR",
-        help="keep compiled programs here, so the next run skips compiling "
-        f"(default: {DEFAULT_DIR})",
-    )  # fmt: skip
-    demo.add_argument(
-        "--no-compile-cache", action="store_true",
-        help="compile everything afresh and keep nothing",
-    )  # fmt: skip
+    for flag, help_text, options in DEMO_OPTIONS:
+        demo.add_argument(flag, help=help_text, **options)
     return parser
 
 

@@ -3,24 +3,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
 
-from nnxscan.pure import Step
 from nnxscan.pure.checks import check_count
 from nnxscan.shell import _population_checks as checks
 from nnxscan.shell._config import Config
+from nnxscan.shell._construction import PopulationArguments, construction_options
 from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.member_build import build_members
 from nnxscan.shell._engine.options import FitArguments
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._front_door import FrontDoor
+from nnxscan.shell._tracebacks import at_the_call
 from nnxscan.shell.history import History
 
 __all__ = ["Population"]
@@ -59,42 +59,25 @@ class Population(FrontDoor):
         "seeds=[...]) with a nnxscan.pure.Step."
     )
 
+    @at_the_call
     def __init__(
         self,
         model_fn: Callable[[nnx.Rngs], nnx.Module],
         tx: optax.GradientTransformation | None = None,
         loss_fn: Callable[..., Any] | None = None,
-        *,
-        seeds: Sequence[int],
-        train_step: Step | None = None,
-        hyperparams: Mapping[str, Sequence[Any]] | None = None,
-        wrt: nnx.filterlib.Filter = nnx.Param,
-        has_aux: bool = False,
-        execution: str | Plan = "auto",
-        on_nonfinite: str = "ignore",
-        accumulate: int = 1,
-        mesh: Mesh | None = None,
-        member_axis: str = "members",
-        data_axis: str | tuple[str, ...] | None = None,
-        fsdp_min_size: int | None = None,
-        shardings: Mapping[str, Any] | None = None,
-        rngs: nnx.Rngs | Callable[[int], nnx.Rngs] | None = None,
-        metrics: nnx.Metric | None = None,
-        update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
+        **options: Unpack[PopulationArguments],
     ):
+        o = construction_options("Population", options)
         checks.check_model_fn(model_fn)
-        self._check_step(
-            train_step, tx, loss_fn, on_nonfinite=on_nonfinite, execution=execution,
-            wrt=wrt, has_aux=has_aux, accumulate=accumulate, rngs=rngs, metrics=metrics,
-            update_metrics=update_metrics,
-        )  # fmt: skip
-        init_opt, tx, wrt = checks.member_init(train_step, tx, wrt)
-        seeds = checks.check_seeds(seeds)
-        hyperparams = checks.check_hyperparams(hyperparams, len(seeds))
+        self._check_step(o, tx, loss_fn)
+        train_step, rngs, metrics = o["train_step"], o["rngs"], o["metrics"]
+        init_opt, tx, wrt = checks.member_init(self._step_kind, train_step, tx, o["wrt"])
+        seeds = checks.check_seeds(o["seeds"])
+        hyperparams = checks.check_hyperparams(o["hyperparams"], len(seeds))
         checks.check_member_rngs(rngs)
         placement = Placement(
-            mesh, data_axis, fsdp_min_size, member_axis, rules=shardings, tx=tx, wrt=wrt,
-            layout=Members(len(seeds)),
+            o["mesh"], o["data_axis"], o["fsdp_min_size"], o["member_axis"],
+            rules=o["shardings"], tx=tx, wrt=wrt, layout=Members(len(seeds)),
         )  # fmt: skip
         # Members are built on the mesh they train on: a layer annotated with
         # with_partitioning is sharded as it is created, which needs the mesh in context.
@@ -195,10 +178,12 @@ class Population(FrontDoor):
         values = checks.check_best(metric, mode, self._latest, len(self))
         return int(np.nanargmin(values) if mode == "min" else np.nanargmax(values))
 
+    @at_the_call
     def plan_for(self, data: Any, batch_size: int, *, member_batches: bool = False) -> Plan:
         """``Trainer.plan_for``'s plan for the members (``member_batches``: as for :meth:`fit`)."""
         return self._engine.plan_for(data, batch_size, member_batches)
 
+    @at_the_call
     def fit(
         self,
         data: Any,
@@ -230,21 +215,17 @@ class Population(FrontDoor):
         self._latest.update({k: v for k, v in per_member.items() if k != "active"})
         return history
 
-    def evaluate(
-        self,
-        data: Any,
-        metric_fn: Callable[[nnx.Module, Any], Any] | None = None,
-        *,
-        batch_size: int,
-        eval_mode: bool = True,
-    ) -> dict[str, np.ndarray]:
-        """``Trainer.evaluate`` of every member, vmapped in one call: ``{name: values (N,)}``.
+    def _check_evaluation_metrics(self, metrics: Any, update_metrics: Any) -> None:
+        """The members carry the NNX metrics they were built with, and only those."""
+        if metrics is not None or update_metrics is not None:
+            raise TypeError(
+                "Population.evaluate takes a metric_fn, or evaluates the NNX metrics the "
+                "members were built with: Population(..., metrics=..., update_metrics=...), "
+                "then pop.evaluate(data, batch_size=...)."
+            )
 
-        Example:
-          >>> pop.evaluate(test, accuracy, batch_size=256)
-          {'accuracy': array([0.95, 0.97, 0.96, 0.91], dtype=float32)}
-        """
-        values = super().evaluate(data, metric_fn, batch_size=batch_size, eval_mode=eval_mode)
+    def _evaluated(self, values: dict[str, Any]) -> dict[str, np.ndarray]:
+        """``evaluate``'s values, one per member: what :meth:`best` looks up by name."""
         values = {k: np.asarray(v, np.float32) for k, v in values.items()}
         self._latest.update(values)
         return values

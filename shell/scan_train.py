@@ -8,8 +8,8 @@ pure :class:`~nnxscan.pure.Step` whose ``opt_state`` the caller holds between ca
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,12 @@ from flax import nnx
 
 from nnxscan.pure import Step
 from nnxscan.pure.checks import abstract_batch, check_batch_size, check_leading_size
+from nnxscan.shell._construction import (
+    ScanTrainArguments,
+    construction_options,
+    loss_options_given,
+    step_kind,
+)
 from nnxscan.shell._engine.calls import LiveState, plan_calls, run_calls
 from nnxscan.shell._engine.engine import Engine
 from nnxscan.shell._engine.epochs import ArrayEpochs
@@ -30,7 +36,7 @@ from nnxscan.shell._engine.kept_setup import (
 )
 from nnxscan.shell._engine.owner import ModelOwner
 from nnxscan.shell._engine.placement import Placement, device_of
-from nnxscan.shell._engine.plans import Plan, resolve_plan
+from nnxscan.shell._engine.plans import resolve_plan
 from nnxscan.shell._engine.programs import (
     OUTPUTS,
     TrainProgram,
@@ -40,27 +46,19 @@ from nnxscan.shell._engine.programs import (
 )
 from nnxscan.shell._engine.schedule import one_epoch
 from nnxscan.shell._module_check import check_module
+from nnxscan.shell._tracebacks import at_the_call
 from nnxscan.shell._user_steps import check_loss_fn, refuse_loss_options, user_step_owner
 
 __all__ = ["scan_train"]
 
 
+@at_the_call
 def scan_train(
     model: nnx.Module,
     optimizer: nnx.Optimizer | None = None,
     loss_fn: Callable[..., Any] | None = None,
     batches: Any = None,
-    *,
-    train_step: Step | Callable[..., Any] | None = None,
-    extras: Sequence[Any] = (),
-    opt_state: Any = None,
-    batch_size: int | None = None,
-    drop_remainder: bool = True,
-    rngs: nnx.Rngs | None = None,
-    execution: str | Plan = "auto",
-    mesh: jax.sharding.Mesh | None = None,
-    data_axis: str | tuple[str, ...] | None = None,
-    shardings: Mapping[str, Any] | None = None,
+    **options: Unpack[ScanTrainArguments],
 ) -> Any:
     """Trains one step per batch, compiled as one scan, on the user's model and optimizer.
 
@@ -134,15 +132,19 @@ def scan_train(
       >>> more, opt_state = scan_train(model, batches=stacked, train_step=step, opt_state=opt_state)
     """
     check_module(model)  # first: a Linen model is the cause of a missing optimizer too
+    o = construction_options("scan_train", options)
+    train_step, opt_state, rngs = o["train_step"], o["opt_state"], o["rngs"]
+    batch_size, drop_remainder, extras = o["batch_size"], o["drop_remainder"], o["extras"]
+    kind = step_kind(train_step)
     if batches is None:
         raise TypeError(
             "scan_train needs batches: scan_train(model, optimizer, loss_fn, batches), or "
             "scan_train(model, optimizer, batches=xs, train_step=fn)."
         )
-    if train_step is None:
+    if kind == "loss":
         _check_builtin(optimizer, loss_fn, extras)
         check_loss_fn(loss_fn, model, rngs)
-    if opt_state is not None and not isinstance(train_step, Step):
+    if opt_state is not None and kind != "pure":
         raise TypeError(
             "opt_state= goes with a pure Step (train_step=step); an nnx.Optimizer and a "
             "stateful train_step keep every state in their objects, updated in place."
@@ -152,23 +154,23 @@ def scan_train(
         _check_steps_axis(batches)
     else:
         batch_size = check_batch_size(batch_size, num, drop_remainder=drop_remainder)
-    explicit = resolve_plan(execution)
+    explicit = resolve_plan(o["execution"])
     keep_key = None
-    if train_step is None and batch_size is None:
+    if kind == "loss" and batch_size is None:
         # The same objects, loss and options as a call before: its set-up is reused.
-        keep_key = call_key(loss_fn, rngs, explicit, mesh, data_axis, shardings)
+        keep_key = call_key(loss_fn, rngs, explicit, o["mesh"], o["data_axis"], o["shardings"])
         outs = _kept_call(keep_key, model, optimizer, rngs, batches, num)
         if outs is not None:
             return outs
-    if train_step is not None:  # after the data's checks: a Step's init runs here
-        owner, program, finish = _user_step(
-            model, optimizer, loss_fn, train_step, tuple(extras), opt_state, rngs
-        )
+    if kind != "loss":  # after the data's checks: a Step's init runs here
+        owner, program, finish = _user_step(model, optimizer, loss_fn, kind, o)
     else:
         owner = ModelOwner(model, optimizer, rngs=rngs, hold_reads=True)
         program = train_program(loss_fn, owner.tx, owner.wrt, False, with_rngs=rngs is not None)
         finish = _losses_only
-    placement = Placement(mesh, data_axis, rules=shardings, tx=owner.tx, wrt=owner.wrt)
+    placement = Placement(
+        o["mesh"], o["data_axis"], rules=o["shardings"], tx=owner.tx, wrt=owner.wrt
+    )
     engine = Engine(
         program=program, owner=owner, placement=placement, explicit_plan=explicit,
         trainer=None, loss_fn=loss_fn,
@@ -287,26 +289,20 @@ def _check_builtin(optimizer: Any, loss_fn: Any, extras: Sequence[Any]) -> None:
 
 
 def _user_step(
-    model: nnx.Module,
-    optimizer: Any,
-    loss_fn: Any,
-    train_step: Any,
-    extras: tuple,
-    opt_state: Any,
-    rngs: Any,
+    model: nnx.Module, optimizer: Any, loss_fn: Any, kind: str, options: dict[str, Any]
 ) -> tuple[ModelOwner, TrainProgram, Callable[[Any, ModelOwner], Any]]:
-    """The owner, program and result of ``scan_train(..., train_step=...)``, after every
-    check (nothing is read from or written to the user's objects before they pass)."""
-    refuse_loss_options(
-        [name for name, x in (("loss_fn", loss_fn), ("rngs", rngs)) if x is not None]
-    )
+    """The owner, program and result of ``scan_train(..., train_step=...)`` (a step of
+    ``kind``; ``options``: scan_train's, checked), after every check (nothing is read from
+    or written to the user's objects before they pass)."""
+    refuse_loss_options(["loss_fn"] * (loss_fn is not None) + loss_options_given(options))
+    train_step, opt_state = options["train_step"], options["opt_state"]
     # The owner's opt_state is the caller's, when given, not init's.
     init = None if opt_state is None else _given(train_step, model, opt_state)
     owner = user_step_owner(
-        model, optimizer, train_step, extras, init=init, stateful_front="scan_train",
-        pure_call="scan_train(model, batches=xs, train_step=step)",
+        model, optimizer, train_step, tuple(options["extras"]), kind=kind, init=init,
+        stateful_front="scan_train", pure_call="scan_train(model, batches=xs, train_step=step)",
     )  # fmt: skip
-    if isinstance(train_step, Step):
+    if kind == "pure":
         return owner, step_program(train_step), _outputs_and_opt_state
     return owner, outputs_program(train_step), _stateful_outputs
 

@@ -7,19 +7,18 @@ A facade over the one fit engine: it checks its arguments (``_front_door``, shar
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, Unpack
 
-import jax
 import optax
 from flax import nnx
 
-from nnxscan.pure import Step
+from nnxscan.shell._construction import TrainerArguments, construction_options
 from nnxscan.shell._engine.options import FitArguments
 from nnxscan.shell._engine.owner import ModelOwner
 from nnxscan.shell._engine.placement import Placement
-from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._front_door import FrontDoor, check_seed
+from nnxscan.shell._tracebacks import at_the_call
 from nnxscan.shell._user_steps import user_step_owner
 from nnxscan.shell.history import History
 
@@ -83,48 +82,34 @@ class Trainer(FrontDoor):
         "optimizer, train_step=fn) with a stateful NNX fn(model, optimizer, batch)."
     )
 
+    @at_the_call
     def __init__(
         self,
         model: nnx.Module,
         tx_or_optimizer: optax.GradientTransformation | nnx.Optimizer | None = None,
         loss_fn: Callable[..., Any] | None = None,
         *mixed_up: Any,
-        train_step: Step | Callable[..., Any] | None = None,
-        extras: Sequence[Any] = (),
-        wrt: nnx.filterlib.Filter = nnx.Param,
-        has_aux: bool = False,
-        execution: str | Plan = "auto",
-        on_nonfinite: str = "ignore",
-        accumulate: int = 1,
-        mesh: jax.sharding.Mesh | None = None,
-        data_axis: str | tuple[str, ...] | None = None,
-        fsdp_min_size: int | None = None,
-        shardings: Mapping[str, Any] | None = None,
-        rngs: nnx.Rngs | None = None,
-        metrics: nnx.Metric | None = None,
-        update_metrics: Callable[[Any, Any, Any, Any], Any] | None = None,
+        **options: Unpack[TrainerArguments],
     ):
         # ``*mixed_up`` only catches extra positional arguments to explain them: Python's
         # own "takes 4 positional arguments but 5 were given" says nothing useful.
         _check_positional(tx_or_optimizer, loss_fn, mixed_up)
-        extras = tuple(extras)
-        self._check_step(
-            # With a user's step the second argument is the optimizer the step receives.
-            train_step, tx_or_optimizer if train_step is None else None, loss_fn,
-            on_nonfinite=on_nonfinite, execution=execution, wrt=wrt, has_aux=has_aux,
-            accumulate=accumulate, rngs=rngs, metrics=metrics, update_metrics=update_metrics,
-            extras=extras, model=model,
-        )  # fmt: skip
-        if train_step is None:
-            owner = ModelOwner(model, tx_or_optimizer, wrt, rngs=rngs, metrics=metrics)
+        o = construction_options("Trainer", options)
+        o["extras"] = tuple(o["extras"])
+        train_step, rngs = o["train_step"], o["rngs"]
+        # With a user's step the second argument is the optimizer the step receives.
+        self._check_step(o, tx_or_optimizer if train_step is None else None, loss_fn, model=model)
+        if self._step_kind == "loss":
+            owner = ModelOwner(model, tx_or_optimizer, o["wrt"], rngs=rngs, metrics=o["metrics"])
         else:
             owner = user_step_owner(
-                model, tx_or_optimizer, train_step, extras, stateful_front="Trainer",
-                pure_call="Trainer(model, train_step=step)",
+                model, tx_or_optimizer, train_step, o["extras"], kind=self._step_kind,
+                stateful_front="Trainer", pure_call="Trainer(model, train_step=step)",
             )  # fmt: skip
         placement = Placement(
-            mesh, data_axis, fsdp_min_size, rules=shardings, tx=owner.tx, wrt=owner.wrt
-        )
+            o["mesh"], o["data_axis"], o["fsdp_min_size"], rules=o["shardings"], tx=owner.tx,
+            wrt=owner.wrt,
+        )  # fmt: skip
         self._start(owner, placement, owner.tx, owner.wrt, rngs)
 
     # -- the user's objects (held by the owner) -------------------------------------------
@@ -154,6 +139,7 @@ class Trainer(FrontDoor):
         """The shuffle seed of the last ``fit`` (or of the restored checkpoint)."""
         return self._owner.seed
 
+    @at_the_call
     def fit(
         self,
         data: Any,

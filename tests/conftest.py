@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import signal
 import subprocess
@@ -33,6 +34,27 @@ def float64_checks():
     0.10.2). On the CPU backend this is ``jax.enable_x64(True)`` alone."""
     with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
         yield
+
+
+# -- a worker's exit ---------------------------------------------------------------------------
+# An xdist worker reports its results when its session finishes; execnet then gives it 5 s to
+# exit and, past them, sends it SIGINT (execnet's ``_terminate_execution``). What a worker
+# does after reporting is mostly pytest's last garbage collections, each walking every live
+# object of a long session (jit caches, arrays) and running JAX's gc callback
+# (``jax._src.lib._xla_gc_callback``); on a loaded machine they took longer than 5 s, and the
+# SIGINT's KeyboardInterrupt surfaced inside that callback, which Python reports as an
+# unraisable exception: the intermittent ``PytestUnraisableExceptionWarning: ...
+# _xla_gc_callback ... KeyboardInterrupt`` before the summary. Nothing failed. So a worker
+# collects its garbage while the controller still waits for its results, and freezes what
+# lives on (``gc.freeze``: later collections skip it), leaving those last collections little
+# to walk.
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput"):  # runs before xdist reports this worker done
+        gc.collect()
+        gc.freeze()
 
 
 # -- compile counting -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnxscan.adapters import _checkpoint_files, _checkpoint_layout
+from nnxscan.adapters import _checkpoint_files, _checkpoint_packing
 from nnxscan.adapters._checkpoint_lock import LOCK
 from nnxscan.adapters.checkpoint import (
     Checkpointer,
@@ -158,10 +158,10 @@ def test_storage_must_be_known():
         Checkpointer("anywhere", storage="zarr")
 
 
-def test_a_save_reusing_a_known_layout_writes_what_a_fresh_layout_writes(tmp_path, monkeypatch):
-    """Saves of a structure seen before reuse its layout (paths, packs, offsets); the
-    reference is the same tree saved with no layout known. Trees that differ from a known
-    one only in a leaf's dtype, shape, Python type or placement get their own layout."""
+def test_a_save_reusing_a_known_packing_writes_what_a_fresh_packing_writes(tmp_path, monkeypatch):
+    """Saves of a structure seen before reuse its packing (paths, packs, offsets); the
+    reference is the same tree saved with no packing known. Trees that differ from a known
+    one only in a leaf's dtype, shape, Python type or placement get their own packing."""
 
     def variants(step: int) -> list[dict]:
         tree = every_kind(step)
@@ -173,19 +173,19 @@ def test_a_save_reusing_a_known_layout_writes_what_a_fresh_layout_writes(tmp_pat
             {**tree, "u32": np.asarray(tree["u32"])},  # numpy instead of a device array
         ]
 
-    monkeypatch.setattr(_checkpoint_layout, "_LAYOUTS", [])  # whatever other tests saved before
+    monkeypatch.setattr(_checkpoint_packing, "_PACKINGS", [])  # whatever other tests saved before
     built = []
-    layout = _checkpoint_layout._layout
+    packing = _checkpoint_packing._packing
     monkeypatch.setattr(
-        _checkpoint_layout, "_layout", lambda *args: built.append(1) or layout(*args)
+        _checkpoint_packing, "_packing", lambda *args: built.append(1) or packing(*args)
     )
-    for step in (1, 2, 3):  # every variant's layout is known after step 1
+    for step in (1, 2, 3):  # every variant's packing is known after step 1
         for index, tree in enumerate(variants(step)):
             before = len(built)
             save_checkpoint(tmp_path / f"cached{index}", step, tree)
             assert len(built) - before == (step == 1), (step, index)
             with monkeypatch.context() as patched:
-                patched.setattr(_checkpoint_layout, "_LAYOUTS", [])  # nothing known
+                patched.setattr(_checkpoint_packing, "_PACKINGS", [])  # nothing known
                 save_checkpoint(tmp_path / f"fresh{index}", step, tree)
             cached = (tmp_path / f"cached{index}" / str(step)).iterdir()
             for file in sorted(cached):

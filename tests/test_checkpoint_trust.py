@@ -1,5 +1,5 @@
 """Checkpoints nnxscan can trust: damage is caught, crafted manifests are refused, a damaged
-newest checkpoint is skipped, one writer per directory, and Flax's own code loads them.
+newest checkpoint is skipped, one run per directory, and Flax's own code loads them.
 
 The references are independent of the reader: the model's live arrays at each epoch's end
 (copied by a callback while the checkpoints were written), the uninterrupted run, a copy of
@@ -288,6 +288,45 @@ def test_restore_without_a_step_skips_a_damaged_newest_one_and_warns(copy, run):
     assert all_steps(copy) == [4, 8, 12]  # restore() only reads: nothing moved or deleted
 
 
+def test_each_damage_message_gives_advice_only_where_it_is_true(copy):
+    """Skipped for an older one: the warning says so and advises nothing. Asked for by step:
+    the error says how to get the newest good one instead. Read through the adapter: the
+    advice names its own call, as a note (newest_good quotes the message of what it skips)."""
+    flip_kernel_bit(copy / "12")
+    with pytest.warns(UserWarning) as warned:
+        new_trainer(seed=7).restore(copy)
+    (message,) = [str(w.message) for w in warned if "skipped" in str(w.message)]
+    assert "restored 8, the newest good one" in message
+    assert "Restore another" not in message and "skip a damaged" not in message
+    for call, fallback in [
+        (lambda t: t.restore(copy, step=12), "restore() without step="),
+        (lambda t: t.fit(DATA, epochs=3, batch_size=BATCH, checkpoint_dir=copy, resume=12,
+                         progress=False), "fit(resume=True)"),
+    ]:  # fmt: skip
+        with pytest.raises(CorruptCheckpointError) as raised:
+            call(new_trainer(seed=7))
+        text = str(raised.value)
+        assert text.startswith(f"checkpoint {copy.resolve()} step 12")
+        assert text.endswith(
+            f"Restore another checkpoint: {fallback} skips a damaged one and restores the "
+            f"newest good one."
+        )
+    like = {"state": nnx.state(new_trainer().model)}
+    with pytest.raises(CorruptCheckpointError) as raised:
+        restore_checkpoint(copy, like, step=12)
+    assert "Restore another" not in str(raised.value)
+    assert (
+        "fallback=True" in raised.value.__notes__[0] and "all_steps(" in raised.value.__notes__[0]
+    )
+    with pytest.raises(CorruptCheckpointError) as raised:
+        restore_checkpoint(copy, like)  # the newest, without fallback
+    assert raised.value.__notes__[0].startswith(
+        "restore_checkpoint(directory, like, fallback=True)"
+    )
+    with pytest.warns(UserWarning, match="skipped checkpoint 12"):
+        assert restore_checkpoint(copy, like, fallback=True)[1] == 8
+
+
 def test_resume_skips_a_damaged_newest_checkpoint_and_ends_as_the_uninterrupted_run(copy, run):
     flip_kernel_bit(copy / "12")
     trainer = new_trainer(seed=7)
@@ -355,7 +394,7 @@ def test_a_damaged_run_log_falls_back_to_the_checkpoint_whose_lines_are_whole(co
     assert start == 0 and log.stat().st_size == end
 
 
-# -- one writer per directory -----------------------------------------------------------------
+# -- one run per directory --------------------------------------------------------------------
 
 
 def test_a_second_writer_of_a_directory_is_refused_before_it_trains(tmp_path):
@@ -371,7 +410,7 @@ def test_a_second_writer_of_a_directory_is_refused_before_it_trains(tmp_path):
                         progress=False)  # fmt: skip
         assert_untouched(trainer, before)
     trainer.fit(DATA, epochs=1, batch_size=BATCH, checkpoint_dir=directory, progress=False)
-    assert all_steps(directory) == [4]  # the lock went with the first writer
+    assert all_steps(directory) == [4]  # the lock went with the first run
 
 
 _HOLD_THE_LOCK = textwrap.dedent(

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from nnxscan.shell import Trainer
 from nnxscan.shell._edges.progress import RunProgress
-from nnxscan.shell._engine.layout import Members
+from nnxscan.shell._engine.layout import ONE_MODEL, Members
 from nnxscan.shell.cli import main
 
 from conftest import MLP, xent
@@ -95,7 +95,7 @@ def _terminal_frames(width: int, *, calls_per_epoch: int | None, rate: float, lo
     out = io.StringIO()
     console = Console(width=width, force_terminal=True, file=out)
     calls = None if calls_per_epoch is None else 30 * calls_per_epoch
-    with RunProgress(calls, True, console=console) as bar:
+    with RunProgress(calls, True, console=console, layout=ONE_MODEL) as bar:
         for epoch in (11, 12):
             for _ in range(calls_per_epoch or 5):
                 bar.call_done(epoch, 10, jax.block_until_ready(jnp.array([0.5, loss])))
@@ -127,7 +127,7 @@ def test_terminal_progress_line_shows_eval_metrics_where_they_fit():
 def test_plain_epoch_lines_off_a_terminal_fit_80_columns():
     out = io.StringIO()
     console = Console(width=200, force_terminal=False, file=out)
-    with RunProgress(1000, True, last_epoch=12, console=console) as bar:
+    with RunProgress(1000, True, last_epoch=12, console=console, layout=ONE_MODEL) as bar:
         for epoch in (11, 12):  # the first line, then the last epoch's
             bar.epoch_done(epoch, {**EPOCH_LOGS, "steps_per_sec": 12_345.0})
     lines = out.getvalue().splitlines()
@@ -169,7 +169,7 @@ def test_the_terminal_line_shows_each_calls_mean_of_the_steps_scalar_logs():
         out = io.StringIO()
         console = Console(width=width, force_terminal=True, file=out)
         # The PPO demo's bar: 61 epochs of 16 calls.
-        with RunProgress(61 * 16, True, has_aux=True, console=console) as bar:
+        with RunProgress(61 * 16, True, has_aux=True, console=console, layout=ONE_MODEL) as bar:
             for call in range(2):
                 aux = {"episode_return": jnp.asarray(returns[call]), "per_env": jnp.zeros((3, 4))}
                 # Ready outputs: the line shows only what is ready (it never waits), and
@@ -212,7 +212,9 @@ def test_log_names_choose_the_scalar_logs_of_the_line_in_their_order():
     for names in (None, ["episode_return"]):
         out = io.StringIO()
         console = Console(width=80, force_terminal=True, file=out)
-        with RunProgress(61 * 16, True, has_aux=True, console=console, log_names=names) as bar:
+        with RunProgress(
+            61 * 16, True, has_aux=True, console=console, layout=ONE_MODEL, log_names=names
+        ) as bar:
             bar.call_done(0, 3, jax.block_until_ready((jnp.asarray([26.5, 26.5, 26.47]), aux)))
             bar._progress.refresh()  # draw this call's frame now
             shown[names is None] = re.split(r"[\r\n]", ANSI.sub("", out.getvalue()))[-1]

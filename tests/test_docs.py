@@ -196,3 +196,74 @@ def test_the_index_lists_every_guide():
     }
     guides = {p.name for p in DOCS.glob("*.md")} - {"index.md"}
     assert guides <= linked, f"docs/index.md does not link {sorted(guides - linked)}"
+
+
+# -- docs/architecture.md names what exists, and every module --------------------------------
+
+_CODE = re.compile(r"`([^`\n]+)`")
+_FILE = re.compile(r"[\w./-]+\.(?:py|md|toml)\b|[\w.-]+(?:/[\w.-]+)*/(?=$|[\s,)])")
+PACKAGE_FOLDERS = ("nnxscan", "pure", "shell", "adapters")
+
+
+def architecture_files(text: str) -> tuple[set[pathlib.Path], list[str]]:
+    """The repository paths docs/architecture.md names, and the names that are no file.
+
+    A name with a slash is a path from the repository's root. A bare file name stands in
+    the folder its table (the engine's, the edges') or its row (``pure/hyper/``) is about;
+    elsewhere it must name a module somewhere in the package."""
+    modules = [p for f in PACKAGE_FOLDERS for p in (ROOT / f).rglob("*.py")]
+    named, missing = set(), []
+    folder = None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            folder = None
+        section = re.search(r"\*\*the (?:engine|edges)\*\* \(`([\w/]+/)`\)", line)
+        if section:
+            folder = ROOT / section.group(1)
+        row = re.match(r"\| `(pure/hyper/)` \|", line)
+        here = ROOT / row.group(1) if row else folder
+        for code in _CODE.findall(line):
+            for name in _FILE.findall(code):
+                if "/" in name.rstrip("/"):
+                    path = ROOT / name
+                elif here is not None and (here / name).exists():
+                    path = here / name
+                else:
+                    path = next((m for m in modules if m.name == name), ROOT / name)
+                if path.exists():
+                    named.add(path)
+                else:
+                    missing.append(name)
+    return named, missing
+
+
+def test_architecture_names_files_that_exist_and_every_module():
+    named, missing = architecture_files((DOCS / "architecture.md").read_text())
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
+    unnamed = []
+    for folder in PACKAGE_FOLDERS:
+        for module in sorted((ROOT / folder).rglob("*.py")):
+            # The demos are one row of the page; every other module is named on its own.
+            demos = ROOT / "shell/demos"
+            covered = module in named or (module.is_relative_to(demos) and demos in named)
+            if module.name != "__init__.py" and not covered:
+                unnamed.append(str(module.relative_to(ROOT)))
+    assert not unnamed, f"docs/architecture.md does not name {unnamed}"
+
+
+def test_the_architecture_reader_resolves_each_form(tmp_path):
+    text = (
+        "| `pure/scan.py` | `scan_steps`; the rewriter it shares with `threefry.py` |\n"
+        "| **the engine** (`shell/_engine/`) | |\n"
+        "| `calls.py` | and `no_such.py` |\n"
+        "| `pure/hyper/` | `vector.py`, `gone.py` |\n"
+        "## Next\n"
+        "`tests/conftest.py: reference_loop`, `calls.py`, `shell/demos/`\n"
+    )
+    named, missing = architecture_files(text)
+    assert named == {
+        ROOT / "pure/scan.py", ROOT / "pure/threefry.py", ROOT / "shell/_engine/",
+        ROOT / "shell/_engine/calls.py", ROOT / "pure/hyper/", ROOT / "pure/hyper/vector.py",
+        ROOT / "tests/conftest.py", ROOT / "shell/demos/",
+    }  # fmt: skip
+    assert missing == ["no_such.py", "gone.py"]

@@ -94,9 +94,9 @@ class CNN(nnx.Module):
         return self.out(h.reshape(*h.shape[:-3], -1))
 
 
-def chunked_reference(heads, spec, h, layout="units", condition=None, own_order=False):
+def chunked_reference(heads, spec, h, order="units", condition=None, own_order=False):
     """ChunkedHeads' documented formula in numpy, from its Params: ``hyper.ravel`` of the
-    generated params. With ``layout="units"`` a kernel ``(..., out)`` is read from the flat
+    generated params. With ``order="units"`` a kernel ``(..., out)`` is read from the flat
     vector as ``(out, ...)`` (each output unit's fan-in contiguous). ``own_order``: the
     heads' own vector instead, every piece as the chunks hold it (no axis moved)."""
     p = {k: np.asarray(v, np.float64) for k, v in nnx.to_pure_dict(nnx.state(heads)).items()}
@@ -108,7 +108,7 @@ def chunked_reference(heads, spec, h, layout="units", condition=None, own_order=
     pieces, start = [], 0
     for t, leaf in enumerate(spec.leaves):
         piece = raw[start : start + leaf.size] * p["gains"][t] + p["offsets"][t]
-        if layout == "units" and len(leaf.shape) >= 2 and not own_order:
+        if order == "units" and len(leaf.shape) >= 2 and not own_order:
             piece = np.moveaxis(piece.reshape(leaf.shape[-1], *leaf.shape[:-1]), 0, -1)
         pieces.append(piece.reshape(-1))
         start += leaf.size
@@ -294,12 +294,12 @@ def test_gradients_through_conditional_generation_match_finite_differences(chunk
 # -- chunked generation ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["units", "ravel"])
-def test_chunked_heads_compute_the_documented_formula(layout):
+@pytest.mark.parametrize("order", ["units", "ravel"])
+def test_chunked_heads_compute_the_documented_formula(order):
     target = MLP(3, 8, 2, batchnorm=True, rngs=nnx.Rngs(0))
     spec = hyper.ParamSpec.from_module(target)
     heads = hyper.ChunkedHeads(
-        spec, 5, chunk_size=16, embedding_features=3, layout=layout, rngs=nnx.Rngs(1)
+        spec, 5, chunk_size=16, embedding_features=3, order=order, rngs=nnx.Rngs(1)
     )
     assert heads.num_chunks == math.ceil(spec.size / 16) and spec.size % 16 != 0
     h = np.random.default_rng(0).normal(size=5)
@@ -310,7 +310,7 @@ def test_chunked_heads_compute_the_documented_formula(layout):
     heads = nnx.merge(graphdef, state)
     params = forward(heads, h.astype(np.float32))
     got = hyper.ravel(params)
-    np.testing.assert_allclose(got, chunked_reference(heads, spec, h, layout), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got, chunked_reference(heads, spec, h, order), rtol=1e-4, atol=1e-5)
     # the generated params run the target as its own weights would
     x = np.random.default_rng(1).normal(size=(4, 3)).astype(np.float32)
     reference = nnx.clone(target, arrays=True)
@@ -461,11 +461,11 @@ HEADS_KINDS = {
 
 def vector_hnet(kind, z_features=0):
     options = HEADS_KINDS[kind]
-    if options == "ravel":  # ChunkedHeads' other layout, swapped in as the heads
+    if options == "ravel":  # ChunkedHeads' other order, swapped in as the heads
         hnet = vector_hnet("chunked_units", z_features)
         hnet.heads = hyper.ChunkedHeads(
             hnet.spec, 16, chunk_size=16, embedding_features=16, num_conditions=4,
-            layout="ravel", rngs=nnx.Rngs(5),
+            order="ravel", rngs=nnx.Rngs(5),
         )  # fmt: skip
         return hnet
     hnet = hyper.ConditionalHypernetwork(

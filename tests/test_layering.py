@@ -206,14 +206,28 @@ def _module_name(path: pathlib.Path) -> str:
     raise AssertionError(path)
 
 
-def _import_graph() -> dict[str, set[str]]:
+def _type_checking_imports(tree: ast.AST) -> set[int]:
+    """The ids of the import nodes under ``if TYPE_CHECKING:``: they never run."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skipped
+
+
+def _import_graph(running: bool = False) -> dict[str, set[str]]:
     """Every import between nnxscan modules, wherever it stands (module level, inside a
-    function, under ``if TYPE_CHECKING``): a cycle through any of them is a design knot."""
+    function, under ``if TYPE_CHECKING``): a cycle through any of them is a design knot.
+    With ``running``, only the imports that run (not those under ``if TYPE_CHECKING``)."""
     files = [p for folder in PACKAGES.values() for p in sorted((ROOT / folder).rglob("*.py"))]
     modules = {_module_name(p): p for p in files}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        skipped = _type_checking_imports(tree) if running else set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             targets = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -264,16 +278,73 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+# The shell's layers, top to bottom (docs/architecture.md, "Where things live"): the front
+# doors users call, the one engine they share (shell/_engine/), its edges to the disk, the
+# terminal and the clock (shell/_edges/). An import runs down, never back up. The modules
+# below import no other shell module and serve every layer: values a user holds (History),
+# the read-only Config, the checks that a model is an NNX module.
+SHELL_LAYERS = {"front doors": 0, "engine": 1, "edges": 2}
+SHELL_SHARED = {"nnxscan.shell.history", "nnxscan.shell._config", "nnxscan.shell._module_check"}
+
+
+def _shell_layer(module: str) -> str | None:
+    if module.startswith("nnxscan.shell._edges"):
+        return "edges"
+    if module.startswith("nnxscan.shell._engine"):
+        return "engine"
+    return "front doors" if module.startswith("nnxscan.shell") else None
+
+
+def _imports_back_up(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module in sorted(graph):
+        here = _shell_layer(module)
+        for target in sorted(graph[module]):
+            there = _shell_layer(target)
+            if not here or not there or target in SHELL_SHARED:
+                continue
+            if SHELL_LAYERS[there] < SHELL_LAYERS[here]:
+                found.append(f"{module} ({here}) imports {target} ({there})")
+    return found
+
+
+def test_the_shell_imports_run_one_way():
+    graph = _import_graph(running=True)
+    assert graph["nnxscan.shell._engine.engine"] >= {"nnxscan.shell._edges.checkpointing"}
+    for shared in SHELL_SHARED:
+        assert not {t for t in graph[shared] if _shell_layer(t)}, f"{shared} imports the shell"
+    assert _imports_back_up(graph) == []
+    # The edges may name the engine's types for annotations (never run), nothing else.
+    full = _import_graph()
+    assert "nnxscan.shell._engine.layout" in full["nnxscan.shell._edges.logs"]
+    assert "nnxscan.shell._engine.layout" not in graph["nnxscan.shell._edges.logs"]
+
+
+def test_the_back_up_finder_sees_each_direction():
+    graph = {
+        "nnxscan.shell._edges.logs": {"nnxscan.shell._engine.layout", "nnxscan.shell.history"},
+        "nnxscan.shell._engine.fit": {"nnxscan.shell._edges.warn", "nnxscan.shell.trainer"},
+        "nnxscan.shell.trainer": {"nnxscan.shell._engine.fit", "nnxscan.pure.step"},
+        "nnxscan.shell._engine.layout": {"nnxscan.shell._population_checks"},
+    }
+    assert _imports_back_up(graph) == [
+        "nnxscan.shell._edges.logs (edges) imports nnxscan.shell._engine.layout (engine)",
+        "nnxscan.shell._engine.fit (engine) imports nnxscan.shell.trainer (front doors)",
+        "nnxscan.shell._engine.layout (engine) imports nnxscan.shell._population_checks "
+        "(front doors)",
+    ]
+
+
 # Modules of the core may change their OWN variables inside their forward pass, as any NNX
 # layer does (BatchNorm's running mean): Hypernetwork writes back the batch statistics and
 # RNG counts its target's forward moved. That is the module's own state under its own call,
 # not a mutation of a user object from outside; nothing else in pure/ may assign in place.
-# canonical_conv_layout's memo of rewritten jaxprs is a trace-time cache (dict entries, no
+# canonical_conv_dimensions's memo of rewritten jaxprs is a trace-time cache (dict entries, no
 # pytree or Variable), like jax.jit's own.
 IN_PLACE_ALLOWED = {
     ("pure/hyper/hypernetwork.py", "_write_back_changes"),
-    ("pure/conv_layout.py", "put"),
-    ("pure/conv_layout.py", "keep_nested"),
+    ("pure/conv_dimensions.py", "put"),
+    ("pure/conv_dimensions.py", "keep_nested"),
 }
 
 
@@ -330,7 +401,7 @@ PUBLIC = {
     "nnxscan.pure": {
         "Step", "make_train_step", "init_opt_state", "scan_steps", "make_epoch", "epoch_order",
         "make_eval_step", "make_evaluate", "make_evaluate_metrics", "split_wrt",
-        "all_finite", "tree_select", "halt_after_nonfinite", "canonical_conv_layout",
+        "all_finite", "tree_select", "halt_after_nonfinite", "canonical_conv_dimensions",
         "stack_states", "unstack_states", "with_hyperparams", "vmap_members", "MembersState",
         "HaltState", "scan_indexed_steps", "member_state", "select_members",
         "hyperparam_names", "hyperparam_value", "nnx_train_step", "step_outputs",

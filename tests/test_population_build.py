@@ -70,7 +70,7 @@ def counted(model_fn):
 
 
 def init_opt(tx):
-    return checks.member_init(None, tx, nnx.Param)[0]
+    return checks.member_init("loss", None, tx, nnx.Param)[0]
 
 
 def bits(x) -> np.ndarray:

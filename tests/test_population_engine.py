@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from nnxscan.shell import EarlyStopping, LambdaCallback, Population, Preempted, Trainer
+from nnxscan.shell._construction import PopulationArguments, TrainerArguments
 
 from conftest import MLP, BNDropout, assert_trees_close, make_data, xent
 
@@ -291,9 +292,12 @@ def test_trainer_and_population_share_names_defaults_and_signatures():
     assert (
         inspect.signature(Trainer.restore).parameters["step"].kind == inspect.Parameter.KEYWORD_ONLY
     )
-    shared_init = set(inspect.signature(Trainer.__init__).parameters) & set(
-        inspect.signature(Population.__init__).parameters
-    )
+    # Their construction options are declared once too, and refused alike.
+    trainer_init = inspect.signature(Trainer.__init__).parameters["options"].annotation
+    population_init = inspect.signature(Population.__init__).parameters["options"].annotation
+    assert "TrainerArguments" in str(trainer_init)
+    assert "PopulationArguments" in str(population_init)
+    shared_init = set(TrainerArguments.__annotations__) & set(PopulationArguments.__annotations__)
     assert {"wrt", "has_aux", "execution", "on_nonfinite", "accumulate", "mesh", "data_axis",
             "fsdp_min_size", "rngs", "metrics", "update_metrics"} <= shared_init  # fmt: skip
 
@@ -367,3 +371,11 @@ def test_the_progress_line_shows_the_members_median_and_range(capsys):
     assert f"loss median {np.median(loss):.4g}" in out
     assert f"[{loss.min():.4g}, {loss.max():.4g}] of 3 members" in out
     assert "2 of 3 training" in out
+
+
+def test_population_evaluate_refuses_metrics_its_members_were_not_built_with():
+    pop = Population(mlp, TX, xent, seeds=SEEDS)
+    metrics = nnx.metrics.Average("loss")
+    with pytest.raises(TypeError, match=r"NNX metrics the members were built with"):
+        pop.evaluate(DATA, batch_size=BS, metrics=metrics,
+                     update_metrics=lambda m, loss, aux, batch: m.update(loss=loss))  # fmt: skip

@@ -276,10 +276,11 @@ def test_progress_bar_in_a_terminal_shows_loss_rate_and_eta():
     from rich.console import Console
 
     from nnxscan.shell._edges.progress import RunProgress
+    from nnxscan.shell._engine.layout import ONE_MODEL
 
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=120)
-    with RunProgress(2 * 3, True, console=console) as bar:
+    with RunProgress(2 * 3, True, console=console, layout=ONE_MODEL) as bar:
         for epoch in range(2):
             for _ in range(3):
                 bar.call_done(epoch, 10, jnp.array([0.5, 0.25]))

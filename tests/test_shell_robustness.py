@@ -14,7 +14,6 @@ import optax
 import pytest
 from flax import nnx
 
-import nnxscan.shell.trainer as trainer_module
 from nnxscan.shell import LambdaCallback, Trainer, scan_train
 
 from conftest import (
@@ -108,10 +107,10 @@ def test_interrupt_in_the_epochs_host_sync_still_counts_the_epoch(data, monkeypa
     real_get = jax.device_get
 
     def interrupted_get(x):
-        monkeypatch.setattr(trainer_module.jax, "device_get", real_get)
+        monkeypatch.setattr(jax, "device_get", real_get)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer_module.jax, "device_get", interrupted_get)
+    monkeypatch.setattr(jax, "device_get", interrupted_get)
     # An epoch hook keeps one compiled call per epoch (no fusing), so the interrupt lands
     # in epoch 0's sync.
     per_epoch = LambdaCallback(on_epoch_end=lambda t, e, logs: None)

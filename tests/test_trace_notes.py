@@ -19,6 +19,7 @@ from flax import nnx
 
 from nnxscan.shell import Population, Trainer, scan_train
 from nnxscan.shell._engine.trace_notes import NOTE_HEADER, noting_batch
+from nnxscan.shell._tracebacks import HIDDEN_NOTE, own_frame
 
 N, BATCH, EVAL_BATCH = 32, 8, 12
 
@@ -78,9 +79,61 @@ def _check(caught, reference: Exception, fn, data, size: int, what: str) -> None
         shape = (size, *value.shape[1:])
         (line,) = [row for row in lines if row.strip().startswith(f"['{key}']")]
         assert line.split() == [f"['{key}']", "shape", *str(shape).split(), str(value.dtype)]
-    # The original traceback stays: it reaches down into the user's function.
-    frames = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
-    assert fn.__name__ in frames
+    # The original traceback stays: it reaches down into the user's function, with
+    # nnxscan's own frames left out (the front door, the engine, the step's rewrites) and
+    # nnxscan's note about the batch first among the notes.
+    frames = traceback.extract_tb(error.__traceback__)
+    assert fn.__name__ in [frame.name for frame in frames]
+    assert [f"{f.filename}:{f.name}" for f in frames if own_frame(f.filename)] == []
+    assert error.__notes__[0] == note
+    assert HIDDEN_NOTE in error.__notes__
+
+
+@pytest.mark.parametrize("front", ["fit", "scan_train"])
+def test_a_wrong_width_reaches_the_user_at_their_call_unless_filtering_is_off(front):
+    """The issue's case: a feature width the model does not take. Counted against the same
+    error with JAX_TRACEBACK_FILTERING=off, where nnxscan's frames all stay."""
+    data = _data("shape")
+
+    def raised() -> Exception:
+        model = model_fn(nnx.Rngs(0))
+        with pytest.raises(TypeError, match="dot_general requires contracting") as caught:
+            if front == "fit":
+                Trainer(model, optax.sgd(0.1), xent).fit(
+                    data, epochs=1, batch_size=BATCH, progress=False
+                )
+            else:
+                optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+                scan_train(model, optimizer, xent, data, batch_size=BATCH)
+        return caught.value
+
+    def own_frames(error: Exception) -> list[str]:
+        frames = traceback.extract_tb(error.__traceback__)
+        return [f.name for f in frames if own_frame(f.filename)]
+
+    filtered = raised()
+    previous = jax.config.jax_traceback_filtering
+    jax.config.update("jax_traceback_filtering", "off")
+    try:
+        unfiltered = raised()
+    finally:
+        jax.config.update("jax_traceback_filtering", previous)
+    assert own_frames(filtered) == []
+    assert len(own_frames(unfiltered)) >= 10  # the engine, programs, the step's rewrites
+    assert filtered.__notes__[0].startswith(NOTE_HEADER)
+    assert "shape (8, 8, 8)" in filtered.__notes__[0]
+    assert not any(HIDDEN_NOTE in n for n in getattr(unfiltered, "__notes__", []))
+    rendered = "".join(traceback.format_exception(filtered))
+    # The user's call, then the user's loss and model, then the message and the note.
+    assert rendered.index("in raised") < rendered.index("in xent") < rendered.index(NOTE_HEADER)
+
+
+def test_an_error_nnxscan_raises_itself_ends_at_the_users_call():
+    trainer = Trainer(model_fn(nnx.Rngs(0)), optax.sgd(0.1), xent)
+    with pytest.raises(ValueError, match="batch_size") as caught:
+        trainer.fit(_data("key"), epochs=1, batch_size=0, progress=False)
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    assert frames[-1].name == "test_an_error_nnxscan_raises_itself_ends_at_the_users_call"
 
 
 @pytest.mark.parametrize("kind", KINDS)

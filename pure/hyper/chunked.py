@@ -67,7 +67,7 @@ __all__ = ["ChunkedHeads", "select_table"]
 _RMS_EPS = 1e-6
 
 
-# One compiled initializer per layout, with ONE random draw cut into the weights (every
+# One compiled initializer per set of shapes, with ONE random draw cut into the weights (every
 # random call costs its own threefry in the compiled program).
 @functools.partial(
     jax.jit,
@@ -129,9 +129,9 @@ class ChunkedHeads(VectorHeads):
         ``heads(h, condition=c)``: each task then owns its chunk embeddings, so learning a new
         task need not move what the earlier tasks' chunks are made from (the guide's
         continual-learning section measures it).
-      layout: how each tensor is cut from the flat vector. ``"units"`` (default): output
+      order: the order each tensor is read from the flat vector in. ``"units"`` (default): output
         unit by output unit, each unit's whole fan-in contiguous (a kernel ``(..., out)``
-        is read as ``(out, ...)``; hypnettorch's layout, as torch stores ``(out, in)``), so a
+        is read as ``(out, ...)``; hypnettorch's order, as torch stores ``(out, in)``), so a
         chunk generates whole neurons. ``"ravel"``: :func:`~nnxscan.pure.hyper.ravel`'s
         order (a flax kernel ``(in, out)`` row by row: a chunk cuts across every neuron).
         Split digits forgot less with ``"units"`` (the guide's continual-learning section).
@@ -165,16 +165,16 @@ class ChunkedHeads(VectorHeads):
         hidden_features: int | None = None,
         input_variance: float = 1.0,
         num_conditions: int | None = None,
-        layout: str = "units",
+        order: str = "units",
         init: str = "target",
         init_gain: float = 2.0,
         param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
         check_init(init, init_gain)
-        if layout not in ("units", "ravel"):
-            raise ValueError(f"layout must be 'units' or 'ravel', got {layout!r}.")
-        self.layout = layout
+        if order not in ("units", "ravel"):
+            raise ValueError(f"order must be 'units' or 'ravel', got {order!r}.")
+        self.order = order
         if num_conditions is not None:
             num_conditions = checks.check_count(num_conditions, "num_conditions", 1)
         if not isinstance(spec, ParamSpec):
@@ -225,10 +225,10 @@ class ChunkedHeads(VectorHeads):
         self.offsets = nnx.Param(constant.astype(dtype))
 
     def _to_tensor(self, piece: jax.Array, t: int) -> jax.Array:
-        """Tensor ``t`` from its slice of the flat vector (see ``layout``)."""
+        """Tensor ``t`` from its slice of the flat vector (see ``order``)."""
         leaf = self.leaves[t]
         batch, shape = piece.shape[:-1], leaf.shape
-        if self.layout == "ravel" or len(shape) < 2:
+        if self.order == "ravel" or len(shape) < 2:
             return piece.reshape(*batch, *shape).astype(leaf.dtype)
         # Output unit by output unit: unit j's whole fan-in (kernel[..., j]) is contiguous.
         units = piece.reshape(*batch, shape[-1], *shape[:-1])
@@ -237,7 +237,7 @@ class ChunkedHeads(VectorHeads):
     def _to_piece(self, tensor: jax.Array, t: int) -> jax.Array:
         shape = self.leaves[t].shape
         batch = tensor.ndim - len(shape)
-        if self.layout == "units" and len(shape) >= 2:
+        if self.order == "units" and len(shape) >= 2:
             tensor = jnp.moveaxis(tensor, -1, batch)
         return tensor.reshape(*tensor.shape[:batch], -1)
 
@@ -334,7 +334,7 @@ class ChunkedHeads(VectorHeads):
 
     def vector(self, h: jax.Array, condition: jax.Array | int | None = None) -> jax.Array:
         """The generated params as one ``(..., spec.size)`` vector in the heads' own order:
-        tensor after tensor in spec order, each as the chunks hold it (with ``layout=
+        tensor after tensor in spec order, each as the chunks hold it (with ``order=
         "units"``, a kernel output unit by output unit; see ``vector.py``).
 
         Example:

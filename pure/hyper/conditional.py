@@ -9,7 +9,7 @@ input ``z`` varies the network within a condition. The embeddings are an ordinar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Unpack
 
 import flax.errors
 import jax
@@ -18,7 +18,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from nnxscan.pure import checks
-from nnxscan.pure.hyper.hypernetwork import Hypernetwork
+from nnxscan.pure.hyper.hypernetwork import Hypernetwork, HypernetworkOptions
 from nnxscan.pure.hyper.spec import path_str
 from nnxscan.pure.hyper.vector import EVERY_CONDITION
 
@@ -46,9 +46,10 @@ class ConditionalHypernetwork(Hypernetwork):
     """A :class:`Hypernetwork` whose input is a condition id (and optionally a free ``z``).
 
     Args:
-      target, wrt, input_variance, chunk_size, chunk_embedding_features,
-        chunk_hidden_features, structured_units, init, init_gain, pretrained, freeze_target,
-        rngs: as for :class:`Hypernetwork`.
+      target, rngs, **options: as for :class:`Hypernetwork`, whose keyword options
+        (``wrt``, ``input_variance``, ``chunk_size``, ``chunk_embedding_features``,
+        ``chunk_hidden_features``, ``structured_units``, ``init``, ``init_gain``,
+        ``pretrained``, ``freeze_target``) are passed on as given.
       chunk_embeddings: with ``chunk_size`` or ``structured_units``, ``"per_condition"``
         (default): each condition owns its chunk embeddings (hypnettorch's
         ``cond_chunk_embs``), so a task learned
@@ -100,19 +101,10 @@ class ConditionalHypernetwork(Hypernetwork):
         embedding_features: int,
         z_features: int = 0,
         embedding_scale: float = 1.0,
-        wrt: nnx.filterlib.Filter = nnx.Param,
-        input_variance: float = 1.0,
-        chunk_size: int | None = None,
-        chunk_embedding_features: int | None = None,
-        chunk_hidden_features: int | None = None,
-        structured_units: int | None = None,
         chunk_embeddings: str = "per_condition",
-        init: str | None = None,
-        init_gain: float = 2.0,
-        pretrained: str | None = None,
-        freeze_target: bool = False,
         param_dtype: DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
+        **options: Unpack[HypernetworkOptions],
     ):
         num_conditions = checks.check_count(num_conditions, "num_conditions", 1)
         if chunk_embeddings not in ("per_condition", "shared"):
@@ -130,21 +122,7 @@ class ConditionalHypernetwork(Hypernetwork):
             raise TypeError(f"trunk must be callable (an NNX module), got {type(trunk).__name__}.")
         _check_trunk(trunk, embedding_features + z_features, trunk_features)
         super().__init__(
-            target,
-            trunk,
-            trunk_features,
-            wrt=wrt,
-            input_variance=input_variance,
-            chunk_size=chunk_size,
-            chunk_embedding_features=chunk_embedding_features,
-            chunk_hidden_features=chunk_hidden_features,
-            structured_units=structured_units,
-            init=init,
-            init_gain=init_gain,
-            pretrained=pretrained,
-            freeze_target=freeze_target,
-            param_dtype=param_dtype,
-            rngs=rngs,
+            target, trunk, trunk_features, param_dtype=param_dtype, rngs=rngs, **options
         )
         self.z_features = z_features
         draw = jax.random.normal(rngs.params(), (num_conditions, embedding_features))

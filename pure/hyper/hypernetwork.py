@@ -15,7 +15,7 @@ them explicitly: ``nnx.All(nnx.Variable, nnx.Not(hyper.GeneratedSlot))``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ from nnxscan.pure.hyper.spec import (
 from nnxscan.pure.hyper.structured import StructuredHeads
 from nnxscan.pure.hyper.variance import check_init
 
-__all__ = ["FrozenParam", "GeneratedSlot", "Hypernetwork"]
+__all__ = ["FrozenParam", "GeneratedSlot", "Hypernetwork", "HypernetworkOptions"]
 
 
 class GeneratedSlot(nnx.Variable):
@@ -84,6 +84,22 @@ def _check_chunk_options(
             f"head per tensor). Pass chunk_size=... to generate in chunks, or drop "
             f"{' and '.join(given)}."
         )
+
+
+class HypernetworkOptions(TypedDict, total=False):
+    """The options of :class:`Hypernetwork` that its subclasses (``ConditionalHypernetwork``)
+    take as they are, each described there; declared once so a subclass forwards them."""
+
+    wrt: nnx.filterlib.Filter
+    input_variance: float
+    chunk_size: int | None
+    chunk_embedding_features: int | None
+    chunk_hidden_features: int | None
+    structured_units: int | None
+    init: str | None
+    init_gain: float
+    pretrained: str | None
+    freeze_target: bool
 
 
 class Hypernetwork(nnx.Module):

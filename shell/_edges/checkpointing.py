@@ -11,16 +11,19 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from nnxscan.adapters import _checkpoint_files, _checkpoint_manifest, _log_values
+from nnxscan.adapters._checkpoint_manifest import check_meta_ints
 from nnxscan.shell._edges.warn import warn
-from nnxscan.shell._engine.owner import Owner, check_meta_ints
-from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell.history import History
+
+if TYPE_CHECKING:  # the engine's types only: the edges import nothing of the engine
+    from nnxscan.shell._engine.owner import Owner
+    from nnxscan.shell._engine.placement import Placement
 
 
 def _adapter() -> Any:
@@ -66,12 +69,14 @@ def restore(
 ) -> int:
     """Restores a checkpoint into the owner's objects and counters; returns the epoch."""
     template = _template(owner, placement)
+
+    def read(at: int) -> dict[str, Any]:
+        return _read(owner, directory, template, at)
+
     if step is None:
-        tree, _, _ = _adapter().newest_good(
-            directory, lambda s: _read(owner, directory, template, s)
-        )
+        tree, _, _ = _adapter().newest_good(directory, read)
     else:
-        tree = _read(owner, directory, template, step)
+        tree = _read_asked(read, step, "restore() without step=")
     owner.restore(tree)
     return owner.epoch
 
@@ -96,7 +101,7 @@ def resume(
     if step is None:
         (tree, run), step, skipped = adapter.newest_good(directory, read, warn=warn)
     else:
-        (tree, run), skipped = read(step), {}
+        (tree, run), skipped = _read_asked(read, step, "fit(resume=True)"), {}
     owner.restore(tree, run_keys)
     for newer in (s for s in adapter.all_steps(directory) if s > step):
         reason = "nnxscan-corrupt" if newer in skipped else "nnxscan-superseded"
@@ -108,6 +113,19 @@ def resume(
                 f"follow {step}."
             )
     return run
+
+
+def _read_asked(read: Any, step: int, fallback: str) -> Any:
+    """``read(step)`` of the one checkpoint the user asked for: a damaged one is an error
+    that says how to get the newest good one instead (nothing was skipped)."""
+    corrupt = _adapter().CorruptCheckpointError
+    try:
+        return read(step)
+    except corrupt as error:
+        raise corrupt(
+            f"{str(error).rstrip('.')}. Restore another checkpoint: {fallback} skips a "
+            f"damaged one and restores the newest good one."
+        ) from None
 
 
 def _template(owner: Owner, placement: Placement) -> dict[str, Any]:

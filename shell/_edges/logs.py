@@ -9,14 +9,16 @@ model, an ``(N,)`` array for N members. The layout says which, never the shapes.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 import optax
 
-from nnxscan.shell._engine.layout import Layout
-from nnxscan.shell._engine.placement import to_host
+from nnxscan.shell._edges.host import to_host
+
+if TYPE_CHECKING:  # the engine's type only: the edges import nothing of the engine
+    from nnxscan.shell._engine.layout import Layout
 
 RESERVED_LOGS = frozenset(
     {

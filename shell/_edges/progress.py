@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.console import Console
@@ -27,10 +27,12 @@ from rich.progress import (
 )
 from rich.table import Column
 
+from nnxscan.shell._edges.host import to_host
 from nnxscan.shell._edges.logs import scalar_aux, step_mean
 from nnxscan.shell._edges.warn import warn
-from nnxscan.shell._engine.layout import ONE_MODEL, Layout
-from nnxscan.shell._engine.placement import to_host
+
+if TYPE_CHECKING:  # the engine's type only: the edges import nothing of the engine
+    from nnxscan.shell._engine.layout import Layout
 
 LINE_EVERY_S = 10.0
 BAR_WIDTH = 16
@@ -139,7 +141,7 @@ class RunProgress:
         last_epoch: int | None = None,
         has_aux: bool = False,
         console: Console | None = None,
-        layout: Layout = ONE_MODEL,
+        layout: Layout,
         log_names: Sequence[str] | None = None,
     ):
         # No console when nothing is shown: building rich's costs time on every fit.

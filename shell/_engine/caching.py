@@ -53,7 +53,7 @@ class _HashOnce:
 
 # Hashes of the graphdefs looked up lately, by identity: the owner's reads give the same
 # graphdef object call after call (shell/_engine/snapshot.py), and hashing one walks its
-# whole graph (~0.1 ms for a small MLP), more than once per call.
+# whole graph, more than once per call: a host cost that grows with the model.
 _GRAPHDEF_HASHES: OrderedDict[int, tuple[Any, int]] = OrderedDict()
 
 

@@ -17,10 +17,11 @@ from flax import nnx
 
 from nnxscan.pure import paused_gc
 from nnxscan.pure.checks import check_batch_size, check_count, check_leading_size
+from nnxscan.shell._edges.host import to_host
 from nnxscan.shell._engine import programs as _programs
 from nnxscan.shell._engine.fit import Evaluation
 from nnxscan.shell._engine.owner import metric_logs
-from nnxscan.shell._engine.placement import Placement, to_host
+from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.trace_notes import noting_batch
 
 

@@ -161,7 +161,7 @@ class Checkpoints(NamedTuple):
     best epoch). A save may return before it is on disk; ``close()`` waits for it (fit calls
     it on every way out). ``run_log``: where the saves put the History
     (``_edges.checkpointing.RunLog``; a resume tells it where the restored run's lines end).
-    ``lock()``: takes the directory's writer lock (fit does, before it reads or trains
+    ``lock()``: takes the directory lock (fit does, before it reads or trains
     anything; ``close()`` releases it)."""
 
     every_epochs: int

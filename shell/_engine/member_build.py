@@ -27,7 +27,7 @@ from nnxscan.pure.step_node import step_node
 from nnxscan.pure.threefry import unrolled_threefry
 from nnxscan.shell._engine.members import StackedOwner
 from nnxscan.shell._engine.owner import split_plain
-from nnxscan.shell._population_checks import call_model_fn
+from nnxscan.shell._module_check import call_model_fn
 
 
 def build_members(

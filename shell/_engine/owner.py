@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
+from nnxscan.adapters._checkpoint_manifest import check_meta_ints
 from nnxscan.adapters.nnx_optimizer import (
     _is_variable,
     optax_state_from_optimizer,
@@ -96,19 +96,6 @@ def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
         items = {name: computed}
     host = jax.device_get(items)
     return {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in host.items()}
-
-
-def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...], where: str = "") -> None:
-    """A restored checkpoint's counters must be non-negative ints (a corrupted or crafted one raises
-    before anything is written, and changes nothing); ``where``: the checkpoint, for the message."""
-    for name in names:
-        value = meta[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise CorruptCheckpointError(
-                f"{where or 'checkpoint'}: leaf ['meta']['{name}'] is {value!r}, not a "
-                f"non-negative int: the checkpoint is damaged or was not written by "
-                f"nnxscan; restore another one."
-            )
 
 
 class ModelOwner:

@@ -6,9 +6,10 @@ uncommitted and committed inputs compile once. With a ``jax.sharding.Mesh`` (``m
 the one ``jax.set_mesh`` put in context when the call runs) every variable's sharding is
 decided once per call by the rules docs/scaling.md lists, first match wins: a path rule, the
 array's own ``NamedSharding``, its NNX annotation, the FSDP rule, replicated (one leaf's rule
-lives in ``specs``). A population's members axis is sharded over ``member_axis``; batches
-split over the data axes. The compiled calls pin the carry's shardings in and out, so a
-model comes back sharded exactly as it went in.
+is ``Placement._variable_spec``; its parts, in ``nnxscan.adapters._sharding_rules``). A
+population's members axis is sharded over ``member_axis``; batches split over the data axes.
+The compiled calls pin the carry's shardings in and out, so a model comes back sharded
+exactly as it went in.
 """
 
 from __future__ import annotations
@@ -381,14 +382,3 @@ def _commit(tree: Any, device: Any) -> Any:
     for i, x in zip(moving, moved, strict=True):
         placed[i] = x
     return jax.tree.unflatten(treedef, placed)
-
-
-def to_host(tree: Any) -> Any:
-    """``jax.device_get`` that also reads replicated arrays spanning several processes."""
-
-    def get(x: Any) -> Any:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return np.asarray(x.addressable_shards[0].data)
-        return x
-
-    return jax.device_get(jax.tree.map(get, tree))

@@ -21,7 +21,7 @@ from flax import nnx
 from nnxscan.pure import (
     HaltState,
     Step,
-    canonical_conv_layout,
+    canonical_conv_dimensions,
     halt_after_nonfinite,
     make_evaluate,
     make_evaluate_metrics,
@@ -217,7 +217,7 @@ def chunk_runner(
 
     donated = (0,) if donate else ()
     if jax.default_backend() == "cpu":  # loop-body convolutions are slow there (jax#12868)
-        run = canonical_conv_layout(run)  # after vmap: a population's convs too
+        run = canonical_conv_dimensions(run)  # after vmap: a population's convs too
     return jax.jit(run, static_argnames=("length", "unroll", "rows"), donate_argnums=donated)
 
 

@@ -17,7 +17,8 @@ from nnxscan.shell._engine.plans import Plan
 # (held while a call runs) is still answered soon.
 FUSED_STEPS = 10_000
 # At most this many calls of a compiled stretch length in place of compiling a new one: a
-# call costs the host ~0.25 ms, a small program's compile ~0.3 s (docs/performance.md).
+# call's host cost is about a thousandth of a small program's compile (docs/performance.md),
+# so even this many extra calls cost less than one more compile.
 REUSED_CALLS = 64
 
 

@@ -127,7 +127,7 @@ def hypernetwork_losses(beta: float):
         hnet = learner.hnet
         # Every task's weights, generated once, as vectors in the heads' own order (the
         # regularizer compares them entry by entry with snapshots taken the same way, so
-        # no kernel is moved to the target's layout and back): the earlier rows are
+        # no kernel is moved to the target's order and back): the earlier rows are
         # regularized, the current task's row runs the target (one generator, not two).
         now = hnet.generate_vectors()
         params = hnet.params_of(now[batch["task"][0]])

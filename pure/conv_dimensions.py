@@ -1,17 +1,17 @@
-"""Convolutions in the layout XLA:CPU's fast kernels take, inside loop bodies too.
+"""Convolutions in the dimension order XLA:CPU's fast kernels take, inside loop bodies too.
 
 XLA:CPU runs a convolution with its fast (Eigen) kernels only when its operands are in one
-canonical layout: the input batch first and features last, the kernel ``(spatial..., in,
+canonical dimension order: the input batch first and features last, the kernel ``(spatial..., in,
 out)``, the output batch first and features last. Its ``ConvCanonicalization`` pass puts
-convolutions into that layout, but it visits only a program's entry computation, never a
+convolutions into that order, but it visits only a program's entry computation, never a
 while-loop body. A forward ``nnx.Conv`` (NHWC input, HWIO kernel) is already canonical; the
 weight- and input-gradient convolutions JAX's transpose rules emit are not (the weight
 gradient's "batch" is the channel axis), so inside a ``lax.scan`` they fall back to XLA's
 generic loop code, many times slower (jax#12868; docs/performance.md).
 
-:func:`canonical_conv_layout` does the pass's rewrite before XLA sees the program: every
+:func:`canonical_conv_dimensions` does the pass's rewrite before XLA sees the program: every
 non-canonical ``conv_general_dilated`` of a traced function becomes transposes into the
-canonical layout, the same convolution with canonical dimension numbers, and a transpose of
+canonical dimension order, the same convolution with canonical dimension numbers, and a transpose of
 the result back to where the original dimension numbers put it, in nested jaxprs too.
 """
 
@@ -27,19 +27,19 @@ import jax.extend.core as jex
 import numpy as np
 from jax import lax
 
-__all__ = ["canonical_conv_layout"]
+__all__ = ["canonical_conv_dimensions"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def canonical_conv_layout(fn: F) -> F:
-    """Wraps ``fn`` so every convolution it computes runs in XLA:CPU's canonical layout.
+def canonical_conv_dimensions(fn: F) -> F:
+    """Wraps ``fn`` so every convolution it computes runs in XLA:CPU's canonical dimension order.
 
     The returned function has ``fn``'s signature and computes the same values. Each call
     traces ``fn`` to a jaxpr and evaluates that jaxpr with every ``conv_general_dilated``
-    that is not in the canonical layout (input batch-first and features-last, kernel
+    that is not in the canonical dimension order (input batch-first and features-last, kernel
     ``(spatial..., in, out)``, output batch-first and features-last) rebound as: the two
-    operands transposed into that layout, the same convolution (strides, padding, lhs and rhs
+    operands transposed into that order, the same convolution (strides, padding, lhs and rhs
     dilation, ``feature_group_count``, precision unchanged) with canonical dimension numbers,
     and the result transposed back to where the original dimension numbers put it. A
     convolution with ``batch_group_count`` > 1 (the weight gradient of a grouped one) is
@@ -67,8 +67,8 @@ def canonical_conv_layout(fn: F) -> F:
 
     What it does not: convolutions that do not exist yet when ``fn`` is traced -- those a
     ``jax.grad``, ``jax.vjp`` or ``jax.vmap`` taken OUTSIDE the wrapper emits (wrap the
-    outermost function: ``canonical_conv_layout(jax.grad(loss))``, not
-    ``jax.grad(canonical_conv_layout(loss))``), and those of a ``custom_jvp`` rule or
+    outermost function: ``canonical_conv_dimensions(jax.grad(loss))``, not
+    ``jax.grad(canonical_conv_dimensions(loss))``), and those of a ``custom_jvp`` rule or
     ``custom_vjp`` backward pass that only an outer transform runs; convolutions with an
     explicit ``out_sharding``. The rewrite follows XLA:CPU; on other backends the results
     are the same but no faster.
@@ -87,12 +87,12 @@ def canonical_conv_layout(fn: F) -> F:
       A function with ``fn``'s signature and results.
 
     Example:
-      >>> step = canonical_conv_layout(make_train_step(loss_fn, tx))
+      >>> step = canonical_conv_dimensions(make_train_step(loss_fn, tx))
       >>> state, opt_state, losses = jax.jit(scan_steps, static_argnums=0)(
       ...     step, graphdef, state, opt_state, batches)
     """
     if not callable(fn):
-        raise TypeError(f"canonical_conv_layout takes a function, got {type(fn).__name__}.")
+        raise TypeError(f"canonical_conv_dimensions takes a function, got {type(fn).__name__}.")
     return _rewriting(fn, _conv_rule)  # type: ignore[return-value]
 
 
@@ -110,7 +110,7 @@ def _canonical_specs(num_spatial: int) -> lax.ConvDimensionNumbers:
 def _needs_rewrite(eqn: Any) -> bool:
     params = eqn.params
     if params.get("out_sharding") is not None:
-        return False  # its sharding names the original layout's axes
+        return False  # its sharding names the original order's axes
     numbers = params["dimension_numbers"]
     lhs_shape, rhs_shape = (v.aval.shape for v in eqn.invars)
     return numbers != _canonical_specs(len(lhs_shape) - 2) or _expands_batch_groups(
@@ -125,9 +125,10 @@ def _expands_batch_groups(groups: int, batch: int, out_features: int) -> bool:
     return groups > 1 and not (batch == groups and out_features == groups)
 
 
-def _conv_in_canonical_layout(lhs: jax.Array, rhs: jax.Array, *, params: dict) -> jax.Array:
+def _conv_in_canonical_order(lhs: jax.Array, rhs: jax.Array, *, params: dict) -> jax.Array:
     """The convolution ``params`` describes, computed as XLA:CPU computes it in an entry
-    computation: batch groups expanded first, then every operand in the canonical layout."""
+    computation: batch groups expanded first, then every operand in the canonical dimension
+    order."""
     numbers = params["dimension_numbers"]
     out_shape = None
     if _expands_batch_groups(
@@ -194,10 +195,10 @@ def _batch_groups_as_spatial(lhs: jax.Array, rhs: jax.Array, params: dict):
 
 def _conv_rule(eqn: Any) -> list[Any] | None:
     """A non-canonical convolution's replacement: the same convolution in the canonical
-    layout, between transposes."""
+    dimension order, between transposes."""
     if eqn.primitive is not lax.conv_general_dilated_p or not _needs_rewrite(eqn):
         return None
-    return _traced_eqns(eqn, functools.partial(_conv_in_canonical_layout, params=eqn.params))
+    return _traced_eqns(eqn, functools.partial(_conv_in_canonical_order, params=eqn.params))
 
 
 # -- the rewrite of a traced function's equations, shared with pure/threefry.py ----------------
@@ -223,8 +224,8 @@ def _rewriting(fn: Callable, rule: _Rule, *, nested: bool = False) -> Callable:
 
     With ``nested``, ``fn`` is traced under a ``jax.jit`` of its own, so that evaluating the
     result binds one equation (the call, with the rewritten jaxpr in it) instead of every
-    equation again: what a step wrapped on every call needs (0.04 s less per trace of a
-    transformer's step). XLA inlines the call.
+    equation again: a step wrapped on every call is traced once per call, and binding its
+    whole jaxpr each time would redo the rewrite's work. XLA inlines the call.
     """
     kept: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
 

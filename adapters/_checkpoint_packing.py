@@ -61,7 +61,7 @@ def _dtype_kind(dtype: Any) -> tuple[str, str]:
 
 
 def describe_template(path: str, leaf: Any) -> Leaf:
-    """The record of a template's (or a saved tree's) leaf, before any layout."""
+    """The record of a template's (or a saved tree's) leaf, before any packing."""
     # numpy scalars first: np.float64 is also a Python float, but it is an array leaf.
     if isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
         kind, dtype = _dtype_kind(leaf.dtype)
@@ -75,7 +75,7 @@ def describe_template(path: str, leaf: Any) -> Leaf:
     )
 
 
-class Layout(NamedTuple):
+class Packing(NamedTuple):
     """How a tree of one structure is saved: each leaf's record (path, kind, buffer and
     offset) and which leaves each buffer holds."""
 
@@ -91,12 +91,12 @@ class Layout(NamedTuple):
     on_host: bool  # every packed array is numpy or on a CPU device: readable in place
 
 
-# The layouts of the last few structures saved, newest first: shared by the checkpointers
+# The packings of the last few structures saved, newest first: shared by the checkpointers
 # of successive fits (and save_checkpoint calls) that save the same model. Compared, not
 # hashed: a treedef's Variable metadata need not be hashable.
-_LAYOUTS: list[tuple[Any, Layout]] = []
-_KEPT_LAYOUTS = 8
-_LAYOUTS_LOCK = threading.Lock()  # checkpointers may save from several threads
+_PACKINGS: list[tuple[Any, Packing]] = []
+_KEPT_PACKINGS = 8
+_PACKINGS_LOCK = threading.Lock()  # checkpointers may save from several threads
 
 
 def _signature(leaf: Any) -> Any:
@@ -108,22 +108,22 @@ def _signature(leaf: Any) -> Any:
     return type(leaf)
 
 
-def layout_of(tree: dict[str, Any], with_item: bool = True) -> tuple[Layout, list]:
-    """The tree's leaves and their layout: worked out at the first save of each structure,
+def packing_of(tree: dict[str, Any], with_item: bool = True) -> tuple[Packing, list]:
+    """The tree's leaves and their packing: worked out at the first save of each structure,
     then reused (a flat list and a comparison instead of a path walk). ``with_item``: lay
     the model state out as the ``state/`` item where nnxscan's own files can hold it."""
     leaves, treedef = jax.tree.flatten(tree)
     key = (treedef, tuple(_signature(leaf) for leaf in leaves), with_item)
-    with _LAYOUTS_LOCK:
-        for index, (known, layout) in enumerate(_LAYOUTS):
+    with _PACKINGS_LOCK:
+        for index, (known, packing) in enumerate(_PACKINGS):
             if known == key:
-                _LAYOUTS.insert(0, _LAYOUTS.pop(index))  # most recently used first
-                return layout, leaves
-    layout = _layout(tree, with_item)  # raises for a bad leaf: nothing is kept then
-    with _LAYOUTS_LOCK:
-        _LAYOUTS.insert(0, (key, layout))
-        del _LAYOUTS[_KEPT_LAYOUTS:]
-    return layout, leaves
+                _PACKINGS.insert(0, _PACKINGS.pop(index))  # most recently used first
+                return packing, leaves
+    packing = _packing(tree, with_item)  # raises for a bad leaf: nothing is kept then
+    with _PACKINGS_LOCK:
+        _PACKINGS.insert(0, (key, packing))
+        del _PACKINGS[_KEPT_PACKINGS:]
+    return packing, leaves
 
 
 def array_data(leaf: Any, is_key: bool) -> Any:
@@ -161,7 +161,7 @@ def _item_leaves(tree: dict[str, Any], data: list[Any]) -> list[_orbax_item.Item
     return leaves
 
 
-def _layout(tree: dict[str, Any], with_item: bool) -> Layout:
+def _packing(tree: dict[str, Any], with_item: bool) -> Packing:
     """Checks every leaf of ``tree`` and lays out its manifest and buffers."""
     pairs = flatten(tree)
     leaves = jax.tree.leaves(tree)
@@ -216,7 +216,7 @@ def _layout(tree: dict[str, Any], with_item: bool) -> Layout:
     if item_leaves:
         device = _orbax_item.device_name(data[state[0]])
         item_files = _orbax_item.item_files(item_leaves, device)
-    return Layout(
+    return Packing(
         records=tuple(records),
         entries=tuple(record.to_json() for record in records),
         python=tuple(python),
@@ -230,30 +230,30 @@ def _layout(tree: dict[str, Any], with_item: bool) -> Layout:
     )
 
 
-def fill(layout: Layout, leaves: list) -> tuple[list[dict[str, Any]], dict[str, Any], list]:
+def fill(packing: Packing, leaves: list) -> tuple[list[dict[str, Any]], dict[str, Any], list]:
     """The manifest's leaf entries, the buffers to write (name -> array: the packed
     buffers of ``arrays.bin``, and the arrays left to orbax) and the state item's arrays
-    (views of the packed buffers), for ``leaves`` laid out by ``layout``. Every packed
+    (views of the packed buffers), for ``leaves`` laid out by ``packing``. Every packed
     buffer is a copy made here, on the host: what is written is what the tree held now,
     whatever happens to its device buffers next."""
-    entries = list(layout.entries)
-    for index in layout.python:
+    entries = list(packing.entries)
+    for index in packing.python:
         leaf = leaves[index]
-        entries[index] = Leaf(layout.records[index].path, type(leaf).__name__,
+        entries[index] = Leaf(packing.records[index].path, type(leaf).__name__,
                               value=leaf).to_json()  # fmt: skip
     buffers: dict[str, Any] = {
-        name: array_data(leaves[index], index in layout.keys)
-        for name, index in layout.arrays.items()
+        name: array_data(leaves[index], index in packing.keys)
+        for name, index in packing.arrays.items()
     }
-    members = [index for indices in layout.packs.values() for index in indices]
-    values = [array_data(leaves[i], i in layout.keys) for i in members]
-    host = iter(_to_host(values, start=not layout.on_host))
-    for pack, indices in layout.packs.items():
+    members = [index for indices in packing.packs.values() for index in indices]
+    values = [array_data(leaves[i], i in packing.keys) for i in members]
+    host = iter(_to_host(values, start=not packing.on_host))
+    for pack, indices in packing.packs.items():
         # The copy out of the device buffers (on the CPU, np.asarray is a view of them).
         buffers[pack] = np.concatenate([next(host).reshape(-1) for _ in indices])
     item = []
-    for index, _ in layout.item:
-        record = layout.records[index]
+    for index, _ in packing.item:
+        record = packing.records[index]
         size = int(np.prod(record.data_shape, dtype=np.int64))
         flat = buffers[record.buffer][record.offset : record.offset + size]
         item.append(flat.reshape(record.data_shape))

@@ -1,4 +1,4 @@
-"""canonical_conv_layout against the untouched step jitted on its own, step by step.
+"""canonical_conv_dimensions against the untouched step jitted on its own, step by step.
 
 The reference everywhere is the step as the user wrote it, under ``jax.jit``, one call per
 step: XLA:CPU canonicalizes convolutions in a program's entry computation itself, so the
@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 from jax import lax
 
-from nnxscan.pure import canonical_conv_layout, init_opt_state, make_train_step, scan_steps
+from nnxscan.pure import canonical_conv_dimensions, init_opt_state, make_train_step, scan_steps
 
 from conftest import ACROSS_PROGRAMS, MLP, make_data, state_arrays, xent
 
@@ -277,7 +277,7 @@ def assert_to_rounding(got: list[np.ndarray], want: list[np.ndarray], what: str)
 
 @pytest.mark.slow  # over ~7 s: the fast lane stays under 5 minutes on 2 cores
 def test_rewritten_step_equals_the_jitted_step(case):
-    rewritten = jax.jit(canonical_conv_layout(case.step), static_argnums=0)
+    rewritten = jax.jit(canonical_conv_dimensions(case.step), static_argnums=0)
     for i, (got, want) in enumerate(
         zip(case.run_per_step(rewritten), case.trajectory, strict=True)
     ):
@@ -287,7 +287,7 @@ def test_rewritten_step_equals_the_jitted_step(case):
 
 
 def test_scanned_rewritten_step_equals_the_per_step_program(case):
-    state, opt_state, losses = case.scan(canonical_conv_layout(case.step))
+    state, opt_state, losses = case.scan(canonical_conv_dimensions(case.step))
     final_state, final_opt_state = case.trajectory[-1][:2]
     assert_to_rounding(state, final_state, "state after the scan")
     assert_to_rounding(opt_state, final_opt_state, "opt_state after the scan")
@@ -314,10 +314,10 @@ def test_scan_of_small_batchnorm_model_is_close():
     fuses differently from the second step on (last-bit differences; the untouched scan
     differs too)."""
     case = Case(*SMALL_BN)
-    rewritten = jax.jit(canonical_conv_layout(case.step), static_argnums=0)
+    rewritten = jax.jit(canonical_conv_dimensions(case.step), static_argnums=0)
     for got, want in zip(case.run_per_step(rewritten), case.trajectory, strict=True):
         assert_to_rounding(got[0], want[0], "jitted step")
-    state, _, losses = case.scan(canonical_conv_layout(case.step))
+    state, _, losses = case.scan(canonical_conv_dimensions(case.step))
     for a, b in zip(state, case.trajectory[-1][0], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(losses, [t[2] for t in case.trajectory], rtol=1e-6)
@@ -393,10 +393,10 @@ def test_every_nested_convolution_is_rewritten_and_equal_to_rounding():
     step = jax.value_and_grad(conv_net, argnums=(0, 1))
     before = conv_equations(jax.make_jaxpr(step)(w, x))
     with jax.enable_checks(True):  # type-checks the rewritten jaxprs
-        after = conv_equations(jax.make_jaxpr(canonical_conv_layout(step))(w, x))
+        after = conv_equations(jax.make_jaxpr(canonical_conv_dimensions(step))(w, x))
     assert not any(map(is_canonical, before)) and len(before) > 10
     assert len(after) == len(before) and all(map(is_canonical, after))
-    got = jax.jit(canonical_conv_layout(step))(w, x)
+    got = jax.jit(canonical_conv_dimensions(step))(w, x)
     want = jax.jit(step)(w, x)
     # The loops' untouched convolutions take XLA's generic code, the rewritten ones its
     # Eigen kernels: two programs, equal to rounding (1.04e-7 apart on an AMD EPYC).
@@ -411,7 +411,7 @@ def test_a_function_without_convolutions_is_left_alone():
     opt_state = init_opt_state(tx, state)
     batch = jax.tree.map(lambda x: x[:8], make_data(8))
     args = (graphdef, state, opt_state, batch)
-    assert str(jax.make_jaxpr(canonical_conv_layout(step), static_argnums=0)(*args)) == str(
+    assert str(jax.make_jaxpr(canonical_conv_dimensions(step), static_argnums=0)(*args)) == str(
         jax.make_jaxpr(step, static_argnums=0)(*args)
     )
 
@@ -422,7 +422,7 @@ def test_a_canonical_forward_convolution_is_left_alone():
         lax.conv_general_dilated, window_strides=(1, 1), padding="SAME",
         dimension_numbers=("NHWC", "HWIO", "NHWC"),
     )  # fmt: skip
-    jaxpr = jax.make_jaxpr(canonical_conv_layout(conv))(x, w)
+    jaxpr = jax.make_jaxpr(canonical_conv_dimensions(conv))(x, w)
     assert [e.primitive.name for e in jaxpr.eqns] == ["conv_general_dilated"]
 
 
@@ -443,7 +443,7 @@ def test_under_vmap_over_stacked_models():
     def vmapped(step):
         return jax.jit(jax.vmap(lambda s, o: step(graphdef, s, o, batch)))
 
-    got = vmapped(canonical_conv_layout(step))(states, opt_states)
+    got = vmapped(canonical_conv_dimensions(step))(states, opt_states)
     want = vmapped(step)(states, opt_states)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -455,8 +455,8 @@ def test_under_an_outer_grad():
     (they do not exist when the loss is traced); rewriting the gradient function itself
     rewrites them all. Both equal the untouched gradient to rounding (other programs)."""
     w, x = nested_inputs()
-    grad_of_rewritten = jax.jit(jax.grad(canonical_conv_layout(conv_net)))
-    rewritten_grad = canonical_conv_layout(jax.grad(conv_net))
+    grad_of_rewritten = jax.jit(jax.grad(canonical_conv_dimensions(conv_net)))
+    rewritten_grad = canonical_conv_dimensions(jax.grad(conv_net))
     want = jax.jit(jax.grad(conv_net))(w, x)
     np.testing.assert_allclose(grad_of_rewritten(w, x), want, **ACROSS_PROGRAMS)
     np.testing.assert_allclose(jax.jit(rewritten_grad)(w, x), want, **ACROSS_PROGRAMS)
@@ -470,7 +470,7 @@ def test_closing_over_a_traced_value():
 
     @jax.jit
     def outer(w, x):
-        return canonical_conv_layout(jax.grad(lambda w: conv_net(w, x)))(w)
+        return canonical_conv_dimensions(jax.grad(lambda w: conv_net(w, x)))(w)
 
     # Another program than the untouched gradient: to rounding (see the module docstring).
     np.testing.assert_allclose(outer(w, x), jax.jit(jax.grad(conv_net))(w, x), **ACROSS_PROGRAMS)
@@ -483,7 +483,8 @@ def test_static_leaves_and_keywords_pass_through():
         assert name == "net"  # a string leaf reaches fn as itself
         return conv_net(w, x) * scale
 
-    out = jax.jit(canonical_conv_layout(fn), static_argnames="name")(w, x, scale=2.0, name="net")
+    rewritten = jax.jit(canonical_conv_dimensions(fn), static_argnames="name")
+    out = rewritten(w, x, scale=2.0, name="net")
     np.testing.assert_allclose(out, jax.jit(conv_net)(w, x) * 2.0, **ACROSS_PROGRAMS)
 
 
@@ -493,7 +494,7 @@ def test_a_wrapped_jitted_function_compiles_once(compile_count):
     w, x = nested_inputs()
     w2 = jax.block_until_ready(w * 1.5)
     grad = jax.jit(jax.grad(conv_net))
-    rewritten = canonical_conv_layout(grad)
+    rewritten = canonical_conv_dimensions(grad)
     first = rewritten(w, x)
     compiled = compile_count()
     again = rewritten(w2, x)
@@ -505,4 +506,4 @@ def test_a_wrapped_jitted_function_compiles_once(compile_count):
 
 def test_rejects_a_non_function():
     with pytest.raises(TypeError, match="takes a function"):
-        canonical_conv_layout(3)
+        canonical_conv_dimensions(3)
