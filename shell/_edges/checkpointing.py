@@ -140,7 +140,7 @@ def _read(
             raise
         raise ValueError(f"{error} ({hint})") from None
     where = f"checkpoint {pathlib.Path(directory).resolve()} step {step}"
-    check_meta_ints(tree["meta"], ("epoch", "step", "epoch_step"), where)
+    check_meta_ints(tree["meta"], where=where)
     return tree
 
 

@@ -36,8 +36,8 @@ class Layout(Protocol):
     asks what). ``num_members``: None or N, what callbacks and writers are told; ``shape``:
     a value per model, ``()`` or ``(N,)`` (a per-step log is ``(steps, *shape)``);
     ``data_lead``: the data's leading axes before the examples (a stream batch's before
-    its batch axis), ``(N,)`` when each member has its own data. ``step``, ``enter``,
-    ``leave`` and ``gathered`` run traced; the rest on the host.
+    its batch axis), ``(N,)`` when each member has its own data. ``wrap`` and ``gathered``
+    run traced; the rest on the host.
     """
 
     num_members: int | None
@@ -50,18 +50,18 @@ class Layout(Protocol):
     def count(self, x: Any) -> Any: ...
     def metric(self, x: Any) -> Any: ...
     def nonfinite_steps(self, counts: Any, steps: int) -> str: ...
-    # Freezing: anything left to train; each call's mask (placed by ``put``); an epoch's logs;
-    # ``on_nonfinite="stop"``: how many of a halted call's ``length`` steps count.
+    # Freezing: anything left to train; an epoch's logs; ``on_nonfinite="stop"``: how many
+    # of a halted call's ``length`` steps count (members it halted: given to ``freeze``).
     def trains(self, owner: Any) -> bool: ...
-    def active_masks(self, owner: Any, put: Callable) -> Callable[[], Any]: ...
     def active_logs(self, owner: Any) -> dict[str, Any]: ...
     def halted_steps(
-        self, owner: Any, halted: Any, losses: Any, length: int, first: int
+        self, halted: Any, losses: Any, length: int, first: int, epoch: int, freeze: Callable
     ) -> int: ...
-    # The runner's step, the owner's opt_state as it carries it (and back), each step's data.
-    def step(self, step: Step) -> Step: ...
-    def enter(self, opt_state: Any, active: Any) -> Any: ...
-    def leave(self, opt_state: Any) -> Any: ...
+    # The runner's step around one model's: its ``init(graphdef, (state, held))`` builds the
+    # call's carry from the one the owner holds; the carry one model's step takes, of the
+    # owner's (its shapes: ``execution`` traces one model's step); each step's data.
+    def wrap(self, step: Step) -> Step: ...
+    def model_carry(self, carry: tuple[Any, Any]) -> tuple[Any, Any]: ...
     def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]: ...
     def evaluate(self, evaluate: Callable) -> Callable: ...
     def members_axis(self, mesh: Any, name: str | None) -> str | None: ...
@@ -103,24 +103,20 @@ class OneModel:
     def trains(self, owner: Any) -> bool:
         return True  # one model never freezes: it stops
 
-    def active_masks(self, owner: Any, put: Callable[[np.ndarray], Any]) -> Callable[[], Any]:
-        return lambda: None
-
     def active_logs(self, owner: Any) -> dict[str, Any]:
         return {}
 
-    def halted_steps(self, owner: Any, halted: Any, losses: Any, length: int, first: int) -> int:
+    def halted_steps(
+        self, halted: Any, losses: Any, length: int, first: int, epoch: int, freeze: Callable
+    ) -> int:
         # The steps before the first non-finite one count; fit then raises.
         return int(np.argmax(np.isnan(np.asarray(losses))))
 
-    def step(self, step: Step) -> Step:
+    def wrap(self, step: Step) -> Step:
         return step
 
-    def enter(self, opt_state: Any, active: Any) -> Any:
-        return opt_state
-
-    def leave(self, opt_state: Any) -> Any:
-        return opt_state
+    def model_carry(self, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+        return carry
 
     def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]:
         return data, indices
@@ -215,45 +211,43 @@ class Members:
     def trains(self, owner: Any) -> bool:
         return bool(owner.active.any())
 
-    def active_masks(self, owner: Any, put: Callable[[np.ndarray], Any]) -> Callable[[], Any]:
-        placed: list = [None, None]  # the mask's bytes, and it placed
-
-        def mask() -> Any:
-            key = owner.active.tobytes()
-            if placed[0] != key:
-                placed[:] = [key, put(owner.active.copy())]
-            return placed[1]
-
-        return mask
-
     def active_logs(self, owner: Any) -> dict[str, Any]:
-        return {"active": owner.active.copy()}
+        return {"active": owner.active}
 
-    def halted_steps(self, owner: Any, halted: Any, losses: Any, length: int, first: int) -> int:
+    def halted_steps(
+        self, halted: Any, losses: Any, length: int, first: int, epoch: int, freeze: Callable
+    ) -> int:
         # Each member that halted in the call is frozen at the state before its first
         # non-finite step, with a warning naming that step; the others go on, and the
-        # call's steps all count.
-        halted = np.asarray(halted, bool) & owner.active
+        # call's steps all count. (A frozen member never halts: its step is not applied.)
         losses = np.asarray(losses)
-        for index in np.flatnonzero(halted):
+        halted = np.flatnonzero(np.asarray(halted, bool))
+        for index in halted:
             step = first + int(np.argmax(np.isnan(losses[:, index])))
             warn(
                 f"member {index}: non-finite loss at global step {step} (epoch "
-                f"{owner.epoch}); on_nonfinite='stop' froze it at the state before that "
+                f"{epoch}); on_nonfinite='stop' froze it at the state before that "
                 f"step. The other members go on.",
                 RuntimeWarning,
             )
-        owner.active = owner.active & ~halted
+        freeze(halted)
         return length
 
-    def step(self, step: Step) -> Step:
-        return vmap_members(step, shared_batch=self._shared_batch, member_axis=self.member_axis)
+    def wrap(self, step: Step) -> Step:
+        members = vmap_members(step, shared_batch=self._shared_batch, member_axis=self.member_axis)
 
-    def enter(self, opt_state: Any, active: Any) -> MembersState:
-        return MembersState(opt_state, active)
+        def init(graphdef: Any, held: tuple[Any, MembersState]) -> MembersState:
+            # The call's carry from the members' state the owner holds: the inner wrappers'
+            # states (a halt's) built around each member's held one, and its mask kept.
+            state, members_state = held
+            built = members.init(graphdef, (state, members_state.inner))
+            return built._replace(active=members_state.active)
 
-    def leave(self, opt_state: MembersState) -> Any:
-        return opt_state.inner
+        return Step(init, members.update, members.has_aux)
+
+    def model_carry(self, carry: tuple[Any, MembersState]) -> tuple[Any, Any]:
+        state, members_state = carry
+        return state, members_state.inner
 
     def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]:
         if self.batches != "own data":

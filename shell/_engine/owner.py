@@ -49,6 +49,8 @@ class Owner(Protocol):
         when a run stopped inside it (0 at boundaries).
       loaded_since_checkpoint: a state was loaded (EarlyStopping's best epoch) since the
         last checkpoint, so one at the current step is stale.
+      revision: counts the changes :meth:`set_active` made to the carry: a fit in progress
+        carries on from the owner's carry when it moves.
     """
 
     layout: Layout
@@ -56,6 +58,7 @@ class Owner(Protocol):
     epoch: int
     epoch_step: int
     loaded_since_checkpoint: bool
+    revision: int
 
     @property
     def step(self) -> int: ...
@@ -67,6 +70,7 @@ class Owner(Protocol):
     def reset_metrics(self) -> None: ...
     def take_metrics(self) -> dict[str, Any]: ...
     def load(self, state: nnx.State, where: Any = None) -> None: ...
+    def set_active(self, indices: Any, value: bool) -> None: ...
     def checkpoint_tree(self, run: str = "", carry: tuple | None = None) -> dict[str, Any]: ...
     def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None: ...
     def run_seeds(self, run_keys: dict[str, Any]) -> tuple[int, ...]: ...
@@ -98,7 +102,25 @@ def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
     return {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in host.items()}
 
 
-def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...], where: str = "") -> None:
+#: The run's counters, attributes of every owner, that every checkpoint's meta holds as
+#: non-negative ints: a new one is added here (and set by both owners' constructors).
+COUNTERS = ("epoch", "step", "epoch_step")
+
+
+def counters(owner: Any) -> dict[str, int]:
+    """The owner's :data:`COUNTERS`, as a checkpoint's meta holds them."""
+    return {name: getattr(owner, name) for name in COUNTERS}
+
+
+def restore_counters(owner: Any, meta: dict[str, Any]) -> None:
+    """Sets the owner's :data:`COUNTERS` from a checked checkpoint's meta."""
+    for name in COUNTERS:
+        setattr(owner, name, meta[name])
+
+
+def check_meta_ints(
+    meta: dict[str, Any], names: tuple[str, ...] = COUNTERS, where: str = ""
+) -> None:
     """A restored checkpoint's counters must be non-negative ints (a corrupted or crafted one raises
     before anything is written, and changes nothing); ``where``: the checkpoint, for the message."""
     for name in names:
@@ -129,6 +151,7 @@ class ModelOwner:
     """
 
     layout = ONE_MODEL
+    revision = 0  # one model never freezes: its carry changes only by training
 
     def __init__(
         self,
@@ -221,6 +244,14 @@ class ModelOwner:
         if self._step_cache is None or self._step_cache[0] is not value:
             self._step_cache = (value, int(value))
         return self._step_cache[1]
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if self._synced is None:
+            self._own_step = value
+        elif value != self.step:
+            self._synced.step.set_raw_value(_step_array(value))
+            self._step_cache = None
 
     @property
     def opt_state(self) -> Any:
@@ -375,6 +406,9 @@ class ModelOwner:
         nnx.update(self.model, state)
         self.loaded_since_checkpoint = True
 
+    def set_active(self, indices: Any, value: bool) -> None:
+        raise ValueError("one model has no members to freeze: on_nonfinite='stop' stops it")
+
     # -- the run ----------------------------------------------------------------------------
 
     def run_seeds(self, run_keys: dict[str, Any]) -> tuple[int]:
@@ -393,13 +427,7 @@ class ModelOwner:
         ``carry``: fit's ``(state, opt_state)``, just written into the objects: the same
         arrays, without walking the module and optimizer again to read them back. Ignored
         once a state was loaded into the model since (EarlyStopping)."""
-        meta = {
-            "epoch": self.epoch,
-            "step": self.step,
-            "seed": self.seed,
-            "epoch_step": self.epoch_step,
-            "run": run,
-        }
+        meta = {**counters(self), "seed": self.seed, "run": run}
         if carry is not None and not self.loaded_since_checkpoint:
             state, opt_state = carry
         else:
@@ -411,7 +439,7 @@ class ModelOwner:
         """Writes a checkpoint tree (as :meth:`checkpoint_tree` made it) into the objects."""
         self.release_reads()
         meta = tree["meta"]
-        check_meta_ints(meta, ("epoch", "step", "seed", "epoch_step"))
+        check_meta_ints(meta, (*COUNTERS, "seed"))
         seed = (run_keys or {}).get("seed")
         if seed is not None and seed != meta["seed"]:
             raise ValueError(
@@ -421,7 +449,6 @@ class ModelOwner:
         if self._synced is None:
             nnx.update(self.node, tree["state"])
             self._opt_state = tree["opt_state"]
-            self._own_step = meta["step"]
         else:
             # Build the optimizer's update before touching the model: it can still raise.
             update = optimizer_state_builder(self._synced)(
@@ -430,8 +457,8 @@ class ModelOwner:
             nnx.update(self.node, tree["state"])
             nnx.update(self._synced, update)
             self._step_cache = None
-        self.epoch, self.seed = meta["epoch"], meta["seed"]
-        self.epoch_step = meta["epoch_step"]
+        restore_counters(self, meta)
+        self.seed = meta["seed"]
         self.loaded_since_checkpoint = False
 
 

@@ -54,7 +54,8 @@ class Placement:
 
     Built once by a front-end with the user's options; :meth:`bound` resolves the mesh at
     each call (``mesh=``, else the context's), so the same Trainer trains on one device or
-    under ``jax.set_mesh``.
+    under ``jax.set_mesh``, for the owner's layout (one model's leaves, or members' with a
+    leading members axis).
     """
 
     def __init__(
@@ -67,7 +68,6 @@ class Placement:
         rules: Any = None,
         tx: optax.GradientTransformation | None = None,
         wrt: Any = nnx.Param,
-        layout: Layout = ONE_MODEL,
     ):
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
@@ -79,8 +79,8 @@ class Placement:
         self._mesh, self._data_axis = mesh, data_axis
         self.fsdp_min_size, self._member_axis = fsdp_min_size, member_axis
         self.rules = check_rules(rules)
-        # One model's leaves, or members' with a leading members axis.
-        self.tx, self.wrt, self.layout = tx, wrt, layout
+        self.tx, self.wrt = tx, wrt
+        self.layout: Layout = ONE_MODEL  # the owner's, once bound
         self.mesh: Mesh | None = None
         self.data_axes: tuple[str, ...] = ()
         self.member_axis: str | None = None
@@ -89,9 +89,9 @@ class Placement:
 
     # -- the mesh of this call ----------------------------------------------------------------
 
-    def bound(self) -> Placement:
-        """This placement on the mesh of the current call: ``mesh=``, else the one ``jax.set_mesh``
-        put in context (none: one device)."""
+    def bound(self, layout: Layout) -> Placement:
+        """This placement for the owner's ``layout`` on the mesh of the current call: ``mesh=``,
+        else the one ``jax.set_mesh`` put in context (none: one device)."""
         context = context_mesh()
         mesh = self._mesh if self._mesh is not None else context
         if self._mesh is not None and context is not None and context != self._mesh:
@@ -104,9 +104,10 @@ class Placement:
             raise ValueError(
                 f"{what} shards over a mesh: pass mesh=, or call inside jax.set_mesh(mesh)."
             )
-        if mesh is self.mesh:
+        if mesh is self.mesh and layout == self.layout:
             return self
         bound = copy.copy(self)
+        bound.layout = layout
         bound.mesh, bound.data_axes, bound.member_axis = None, (), None
         if mesh is not None:
             bound._bind(mesh)
