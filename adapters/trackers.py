@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nnxscan.adapters._extras import require_extra
-from nnxscan.adapters._log_values import numeric_logs, primary_only, run_params
+from nnxscan.adapters._log_values import logs_of, numeric_logs, primary_only, run_params
 
 __all__ = ["MLflowWriter", "WandbWriter"]
 
@@ -144,7 +144,7 @@ class MLflowWriter:
             self._start(trainer)
         now = int(time.time() * 1000)
         Metric = self._entities.Metric
-        values = numeric_logs(logs, getattr(trainer, "num_members", None))
+        values = numeric_logs(logs, logs_of(trainer).num_members)
         metrics = [Metric(k, v, now, int(trainer.step)) for k, v in values.items()]
         for i in range(0, len(metrics), _MLFLOW_MAX_METRICS):
             self._client.log_batch(self.run_id, metrics=metrics[i : i + _MLFLOW_MAX_METRICS])
@@ -239,7 +239,7 @@ class WandbWriter:
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if self._run is None:  # driven without on_train_begin
             self._start(trainer)
-        values = numeric_logs(logs, getattr(trainer, "num_members", None))
+        values = numeric_logs(logs, logs_of(trainer).num_members)
         self._run.log(values, step=int(trainer.step))
 
     @primary_only

@@ -135,7 +135,7 @@ def _read(
     try:
         tree, _ = _adapter().restore_checkpoint(directory, template, step=step)
     except ValueError as error:
-        hint = getattr(owner, "restore_hint", "")
+        hint = owner.restore_hint
         if not hint or isinstance(error, _adapter().CorruptCheckpointError):
             raise
         raise ValueError(f"{error} ({hint})") from None

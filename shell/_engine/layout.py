@@ -45,11 +45,16 @@ class Layout(Protocol):
     data_lead: tuple[int, ...]
 
     def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> Layout: ...
-    # Logs: a statistic reduced over steps, a count, an evaluation metric, as logs hold them.
+    # Logs: the mean over steps (``skipping``: NaN steps left out), a statistic reduced over
+    # steps, a count, an evaluation metric, as logs hold them; a value and the epoch's loss
+    # as the progress line shows them.
+    def step_mean(self, values: np.ndarray, skipping: bool) -> Any: ...
     def value(self, x: Any) -> Any: ...
     def count(self, x: Any) -> Any: ...
     def metric(self, x: Any) -> Any: ...
     def nonfinite_steps(self, counts: Any, steps: int) -> str: ...
+    def shown(self, name: str, value: Any) -> str | None: ...
+    def loss_text(self, loss: Any) -> str: ...
     # Freezing: anything left to train; an epoch's logs; ``on_nonfinite="stop"``: how many
     # of a halted call's ``length`` steps count (members it halted: given to ``freeze``).
     def trains(self, owner: Any) -> bool: ...
@@ -88,6 +93,12 @@ class OneModel:
     def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> OneModel:
         return self
 
+    def step_mean(self, values: np.ndarray, skipping: bool) -> Any:
+        if not skipping:
+            return np.mean(values, axis=0)
+        finite = np.isfinite(values)
+        return np.mean(values[finite]) if finite.any() else np.float32(np.nan)
+
     def value(self, x: Any) -> float:
         return float(x)
 
@@ -99,6 +110,14 @@ class OneModel:
 
     def nonfinite_steps(self, counts: Any, steps: int) -> str:
         return f"{int(counts)} of the {steps} training steps"
+
+    def shown(self, name: str, value: Any) -> str | None:
+        number = _finite_median(value)
+        median = "median " if np.ndim(value) else ""  # a metric per class, say
+        return None if number is None else f"{name} {median}{number:.4g}"
+
+    def loss_text(self, loss: Any) -> str:
+        return f"loss {float(loss):.4g}"
 
     def trains(self, owner: Any) -> bool:
         return True  # one model never freezes: it stops
@@ -195,6 +214,15 @@ class Members:
             batches = "own batches"
         return dataclasses.replace(self, member_axis=member_axis, batches=batches)
 
+    def step_mean(self, values: np.ndarray, skipping: bool) -> Any:
+        if not skipping:
+            return np.mean(values, axis=0)
+        finite = np.isfinite(values)
+        counts = finite.sum(axis=0)
+        sums = np.where(finite, values, 0).sum(axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan).astype(values.dtype)
+
     def value(self, x: Any) -> np.ndarray:
         return np.asarray(x, np.float32)
 
@@ -207,6 +235,17 @@ class Members:
     def nonfinite_steps(self, counts: Any, steps: int) -> str:
         per = ", ".join(f"member {m}: {int(n)}" for m, n in enumerate(counts) if n)
         return f"some of the {steps} training steps ({per})"
+
+    def shown(self, name: str, value: Any) -> str | None:
+        number = _finite_median(value)
+        return None if number is None else f"{name} median {number:.4g}"
+
+    def loss_text(self, loss: Any) -> str:
+        loss = np.asarray(loss, np.float64)
+        low, mid, high = (
+            np.nanpercentile(loss, [0, 50, 100]) if np.isfinite(loss).any() else [np.nan] * 3
+        )
+        return f"loss median {mid:.4g} [{low:.4g}, {high:.4g}] of {loss.size} members"
 
     def trains(self, owner: Any) -> bool:
         return bool(owner.active.any())
@@ -318,6 +357,14 @@ class Members:
         # Vmapped over members, slicing a batch by number would be a gather per step:
         # the members gather their (stored-order) batches as a shuffled epoch does.
         return indices, None
+
+
+def _finite_median(values: Any) -> float | None:
+    """One number for the progress line: a model's value, or the members' median, of the
+    finite ones (None when none is)."""
+    values = np.ravel(np.asarray(values, np.float64))
+    finite = values[np.isfinite(values)]
+    return float(np.median(finite)) if finite.size else None
 
 
 @functools.lru_cache(maxsize=32)

@@ -51,6 +51,7 @@ class Owner(Protocol):
         last checkpoint, so one at the current step is stale.
       revision: counts the changes :meth:`set_active` made to the carry: a fit in progress
         carries on from the owner's carry when it moves.
+      restore_hint: what a restore error adds about the objects held ("" : nothing).
     """
 
     layout: Layout
@@ -59,6 +60,7 @@ class Owner(Protocol):
     epoch_step: int
     loaded_since_checkpoint: bool
     revision: int
+    restore_hint: str
 
     @property
     def step(self) -> int: ...
@@ -69,7 +71,7 @@ class Owner(Protocol):
     def make_write_back(self) -> WriteBack: ...
     def reset_metrics(self) -> None: ...
     def take_metrics(self) -> dict[str, Any]: ...
-    def load(self, state: nnx.State, where: Any = None) -> None: ...
+    def load(self, state: nnx.State) -> None: ...
     def set_active(self, indices: Any, value: bool) -> None: ...
     def checkpoint_tree(self, run: str = "", carry: tuple | None = None) -> dict[str, Any]: ...
     def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None: ...
@@ -152,6 +154,7 @@ class ModelOwner:
 
     layout = ONE_MODEL
     revision = 0  # one model never freezes: its carry changes only by training
+    restore_hint = ""  # a checkpoint's own error says what differs
 
     def __init__(
         self,
@@ -398,11 +401,9 @@ class ModelOwner:
 
         return write_with_optimizer
 
-    def load(self, state: nnx.State, where: Any = None) -> None:
+    def load(self, state: nnx.State) -> None:
         """Writes a module state (e.g. a kept copy of the best epoch) into the model only."""
         self.release_reads()
-        if where is not None:
-            raise ValueError("one model has no members to choose with where=")
         nnx.update(self.model, state)
         self.loaded_since_checkpoint = True
 

@@ -124,7 +124,7 @@ class Placement:
             if axis not in names:
                 raise ValueError(f"data_axis {axis!r} is not an axis of the mesh {names}.")
         member = self.layout.members_axis(mesh, self._member_axis)
-        if member is not None and member in axes:
+        if member in axes:
             raise ValueError(
                 f"member_axis and data_axis are both {member!r}: the members spread over one "
                 f"mesh axis and each member's batches over another."
