@@ -93,7 +93,7 @@ class Engine:
         out) with no compile: the plan and whether the carry may be donated."""
         placement = self.placement
         graphdef, state, opt_state = self.owner.read()
-        members = len(layout.shape)  # the carry's leading members axes
+        member_axes = len(layout.shape)  # the carry's leading members axes (0 or 1)
         lead = len(layout.data_lead)  # and the batch's
 
         def abstract_carry() -> tuple[Any, Any]:
@@ -103,9 +103,8 @@ class Engine:
             leaves, treedef = jax.tree.flatten((state, opt_state))
             if shardings is None:
                 shardings = [None] * len(leaves)
-            abstract = [
-                _one_model(x, s, members, members) for x, s in zip(leaves, shardings, strict=True)
-            ]
+            pairs = zip(leaves, shardings, strict=True)
+            abstract = [_one_model(x, s, member_axes, member_axes) for x, s in pairs]
             return layout.model_carry(jax.tree.unflatten(treedef, abstract))
 
         sharding = placement.batch_sharding

@@ -273,16 +273,18 @@ class Members:
         return length
 
     def wrap(self, step: Step) -> Step:
-        members = vmap_members(step, shared_batch=self._shared_batch, member_axis=self.member_axis)
+        members_step = vmap_members(
+            step, shared_batch=self._shared_batch, member_axis=self.member_axis
+        )
 
         def init(graphdef: Any, held: tuple[Any, MembersState]) -> MembersState:
             # The call's carry from the members' state the owner holds: the inner wrappers'
             # states (a halt's) built around each member's held one, and its mask kept.
             state, members_state = held
-            built = members.init(graphdef, (state, members_state.inner))
+            built = members_step.init(graphdef, (state, members_state.inner))
             return built._replace(active=members_state.active)
 
-        return Step(init, members.update, members.has_aux)
+        return Step(init, members_step.update, members_step.has_aux)
 
     def model_carry(self, carry: tuple[Any, MembersState]) -> tuple[Any, Any]:
         state, members_state = carry
@@ -294,9 +296,9 @@ class Members:
         # Each member's own data (N, n, ...) as one data set (N * n, ...) (a reshape, no
         # copy), and the members' indices (steps, N, batch) shifted into it: member i's
         # row r is row i * n + r.
-        members, n = jax.tree.leaves(data)[0].shape[:2]
-        data = jax.tree.map(lambda x: x.reshape(members * n, *x.shape[2:]), data)
-        offsets = (jnp.arange(members, dtype=indices.dtype) * n).reshape(1, members, 1)
+        count, n = jax.tree.leaves(data)[0].shape[:2]
+        data = jax.tree.map(lambda x: x.reshape(count * n, *x.shape[2:]), data)
+        offsets = (jnp.arange(count, dtype=indices.dtype) * n).reshape(1, count, 1)
         return data, indices + offsets
 
     def evaluate(self, evaluate: Callable) -> Callable:

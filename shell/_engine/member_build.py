@@ -76,8 +76,8 @@ def build_members(
     once per member (a function of a Python int: ``nnx.Rngs(100 + seed)`` cannot take a
     traced one), and its states go into the program as data.
     """
-    members = _members_step(init_opt, hyperparams)
-    built = _build_in_one_program(model_fn, members, seeds, rngs, metrics)
+    members_step = _members_step(init_opt, hyperparams)
+    built = _build_in_one_program(model_fn, members_step, seeds, rngs, metrics)
     if built is None:
         return build_members_one_by_one(
             model_fn, init_opt, seeds, hyperparams, layout, rngs=rngs, metrics=metrics
@@ -172,12 +172,12 @@ _UNROLL_FROM = 2**24
 
 def _build_in_one_program(
     model_fn: Any,
-    members: Step,
+    members_step: Step,
     seeds: tuple[int, ...],
     rngs: Any,
     metrics: Any,
 ) -> tuple[nnx.GraphDef, nnx.GraphDef, Any, MembersState] | None:
-    """``(graphdef, model_graphdef, stacked state, members.init of it)`` built by one
+    """``(graphdef, model_graphdef, stacked state, members_step.init of it)`` built by one
     compiled program, or None where the members must be built one by one (see
     :func:`build_members`)."""
     if not seeds or jax.config.jax_disable_jit:
@@ -205,7 +205,7 @@ def _build_in_one_program(
 
     def build_all(seed_array: Any, rngs_state: Any) -> tuple[Any, MembersState]:
         states = jax.vmap(build_one)(seed_array, rngs_state)
-        return states, members.init(graphdefs[-1][0], states)
+        return states, members_step.init(graphdefs[-1][0], states)
 
     # The seeds in the dtype jax gives a Python int (int32, or int64 with jax_enable_x64).
     seed_array = np.asarray(seeds, jax.dtypes.canonicalize_dtype(np.int64))

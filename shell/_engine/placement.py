@@ -215,7 +215,7 @@ class Placement:
         return (*state_shardings, *self._opt_shardings(state, opt_state, state_shardings, given))
 
     def _opt_shardings(self, state: Any, opt_state: Any, shardings: list, given: list) -> list:
-        members = self.layout.carry_spec(self.member_axis)
+        lead = self.layout.carry_spec(self.member_axis)  # the members axis' spec, or none
         parameter = parameters_of(self.tx, self.wrt, state, opt_state)
         param_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(state)]
         out = []
@@ -224,7 +224,7 @@ class Placement:
             path = "opt_state/" + leaf_path(path)
             value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
             shape = tuple(np.shape(value))
-            own = shape[len(members) :]
+            own = shape[len(lead) :]
             spec, source = self._rule(path)
             if spec is None:
                 spec, source = self._given(leaf, value, optimizer=True)
@@ -234,11 +234,11 @@ class Placement:
                     spec = None
             if spec is None and param is not None and param_shapes[param] == shape:
                 # (A factored statistic of another shape, Adafactor's, stays replicated.)
-                spec = PartitionSpec(*tuple(shardings[param].spec)[len(members) :])
+                spec = PartitionSpec(*tuple(shardings[param].spec)[len(lead) :])
                 source = "its parameter's sharding"
             spec = PartitionSpec() if spec is None else spec
             self._check_spec(path, own, spec, source)
-            out.append(NamedSharding(self.mesh, PartitionSpec(*members, *tuple(spec))))
+            out.append(NamedSharding(self.mesh, PartitionSpec(*lead, *tuple(spec))))
         return out
 
     def _rule(self, path: str) -> tuple[PartitionSpec | None, str | None]:
@@ -278,8 +278,8 @@ class Placement:
         """The rule of the module docstring for one variable (checked against the mesh),
         and the spec its array or annotation gave (what its moments would have inherited)."""
         shape = tuple(np.shape(value))
-        members = self.layout.carry_spec(self.member_axis)
-        own = shape[len(members) :]
+        lead = self.layout.carry_spec(self.member_axis)  # the members axis' spec, or none
+        own = shape[len(lead) :]
         is_key = jax.dtypes.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key)
         given, given_source = self._given(variable, value)
         spec, source = self._rule(path)
@@ -290,7 +290,7 @@ class Placement:
             source = "the FSDP rule"
         spec = PartitionSpec() if spec is None else spec
         self._check_spec(path, own, spec, source)
-        return PartitionSpec(*members, *tuple(spec)), given
+        return PartitionSpec(*lead, *tuple(spec)), given
 
     def _check_spec(self, path: str, shape: tuple, spec: PartitionSpec, source: Any) -> None:
         if len(tuple(spec)) > len(shape):
