@@ -175,3 +175,20 @@ def test_the_counter_sees_both_kinds():
         name, shape = any(map(_by_name, nodes)), any(map(_by_shape, nodes))
         kinds.append("name" if name else "shape" if shape else None)
     assert kinds == ["name", "name", "shape"]
+
+
+def test_a_wrappers_state_is_built_by_its_wrapper_alone():
+    """``HaltState`` is built by ``halt_after_nonfinite`` (pure/nonfinite.py), ``MembersState``
+    by ``vmap_members`` (pure/members.py): as optax's wrappers, nothing else constructs
+    them (the shell builds a call's carry with the wrapped step's ``init``)."""
+    owners = {"HaltState": "pure/nonfinite.py", "MembersState": "pure/members.py"}
+    built = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call):
+                    name = ast.unparse(node.func).rsplit(".", 1)[-1]
+                    if name in owners and owners[name] != rel:
+                        built.append(f"{rel}:{node.lineno} {ast.unparse(node)[:80]}")
+    assert not built, "a wrapper's state built outside its wrapper:\n" + "\n".join(built)

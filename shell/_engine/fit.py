@@ -332,7 +332,7 @@ class FitLoop:
                 for stretch in schedule.stretches(lambda: owner.step):
                     if self._signals:  # came between calls: nothing more starts
                         self._preempted(history, [])
-                    if self._stop_requested or not self.layout.trains(owner):
+                    if self._stop_requested or not owner.trains():
                         break
                     if not self._train(history, live, epoch_calls, stretch, bar, injected):
                         break
@@ -537,7 +537,7 @@ class FitLoop:
         for i, piece in enumerate([stacked] if count == 1 else split_steps(stacked, count)):
             self._log_epoch(history, epoch + i, piece, timing, stats, complete, live,
                             injected, bar, on_signal)  # fmt: skip
-        return not self._stop_requested and self.layout.trains(owner)
+        return not self._stop_requested and owner.trains()
 
     def _log_finished(self, history, stretch, finished, complete, outs, start) -> None:
         """Logs the ``finished`` first epochs of a stretch that an error or a signal ends
@@ -652,7 +652,7 @@ class FitLoop:
         if injected:
             # From the carry: reading an nnx.Optimizer's optax state traces tx.init.
             logs["learning_rate"] = learning_rate(live.carry()[1], self.layout)
-        logs.update(self.layout.active_logs(owner))
+        logs.update(owner.active_logs())
         if not complete:
             logs["stopped"] = True
         elif self.evaluation is not None and (epoch + 1) % self.evaluation.every == 0:

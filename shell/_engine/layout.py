@@ -55,10 +55,8 @@ class Layout(Protocol):
     def nonfinite_steps(self, counts: Any, steps: int) -> str: ...
     def shown(self, name: str, value: Any) -> str | None: ...
     def loss_text(self, loss: Any) -> str: ...
-    # Freezing: anything left to train; an epoch's logs; ``on_nonfinite="stop"``: how many
-    # of a halted call's ``length`` steps count (members it halted: given to ``freeze``).
-    def trains(self, owner: Any) -> bool: ...
-    def active_logs(self, owner: Any) -> dict[str, Any]: ...
+    # ``on_nonfinite="stop"``: how many of a halted call's ``length`` steps count (members it
+    # halted: given to ``freeze``).
     def halted_steps(
         self, halted: Any, losses: Any, length: int, first: int, epoch: int, freeze: Callable
     ) -> int: ...
@@ -118,12 +116,6 @@ class OneModel:
 
     def loss_text(self, loss: Any) -> str:
         return f"loss {float(loss):.4g}"
-
-    def trains(self, owner: Any) -> bool:
-        return True  # one model never freezes: it stops
-
-    def active_logs(self, owner: Any) -> dict[str, Any]:
-        return {}
 
     def halted_steps(
         self, halted: Any, losses: Any, length: int, first: int, epoch: int, freeze: Callable
@@ -246,12 +238,6 @@ class Members:
             np.nanpercentile(loss, [0, 50, 100]) if np.isfinite(loss).any() else [np.nan] * 3
         )
         return f"loss median {mid:.4g} [{low:.4g}, {high:.4g}] of {loss.size} members"
-
-    def trains(self, owner: Any) -> bool:
-        return bool(owner.active.any())
-
-    def active_logs(self, owner: Any) -> dict[str, Any]:
-        return {"active": owner.active}
 
     def halted_steps(
         self, halted: Any, losses: Any, length: int, first: int, epoch: int, freeze: Callable

@@ -111,6 +111,14 @@ class StackedOwner:
         """Which members train: the carry's ``active``, on the host (a copy)."""
         return np.array(jax.device_get(self._carry[1].active), bool)
 
+    def trains(self) -> bool:
+        """Whether any member is left to train."""
+        return bool(self.active.any())
+
+    def active_logs(self) -> dict[str, Any]:
+        """The epoch's ``active`` log: which members train."""
+        return {"active": self.active}
+
     def set_active(self, indices: Any, value: bool) -> None:
         """Freezes (``value=False``) or unfreezes the members ``indices``: writes the
         carry's ``active``, which the next compiled call reads."""
