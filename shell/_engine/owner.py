@@ -255,7 +255,7 @@ class ModelOwner:
         if self._synced is None:
             self._own_step = value
         elif value != self.step:
-            self._synced.step.set_raw_value(_step_array(value))
+            self._synced.step.set_raw_value(step_array(value))
             self._step_cache = None
 
     @property
