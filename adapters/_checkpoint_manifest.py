@@ -195,7 +195,14 @@ def loads_checked(raw: bytes) -> tuple[Any, bool]:
 # -- the manifest -------------------------------------------------------------------------
 
 
-def check_meta_ints(meta: dict[str, Any], names: tuple[str, ...], where: str = "") -> None:
+#: The run's counters every checkpoint's meta holds as non-negative ints, attributes of
+#: every owner of the shell: a new one is added here, and nowhere else.
+COUNTERS = ("epoch", "step", "epoch_step")
+
+
+def check_meta_ints(
+    meta: dict[str, Any], names: tuple[str, ...] = COUNTERS, where: str = ""
+) -> None:
     """A restored checkpoint's counters must be non-negative ints (a corrupted or crafted one raises
     before anything is written, and changes nothing); ``where``: the checkpoint, for the message."""
     for name in names:

@@ -38,6 +38,64 @@ def primary_only(hook: Any) -> Any:
     return wrapped
 
 
+class ModelLogs:
+    """What the logs of a run on one model are (its side of :func:`logs_of`): a value per
+    log, nothing per member."""
+
+    num_members = None
+
+    def params(self, trainer: Any) -> dict[str, Any]:
+        """A run's own hyperparameters beside the user's: none."""
+        return {}
+
+    def per_member(self, value: Any) -> bool:
+        """Whether ``value`` is one value per member: never."""
+        return False
+
+    def pick(self, model: Any, members: Any) -> Any:
+        """What a writer or callback does for one model, of its two ways."""
+        return model
+
+
+class MemberLogs:
+    """What the logs of a ``Population``'s run are (its side of :func:`logs_of`): every
+    per-member log holds one value per member along its first axis."""
+
+    def __init__(self, num_members: int):
+        self.num_members = num_members
+
+    def params(self, trainer: Any) -> dict[str, Any]:
+        """``num_members`` and each member's ``seed/i`` and ``<hyperparameter>/i``."""
+        out: dict[str, Any] = {"num_members": self.num_members}
+        for i, seed in enumerate(getattr(trainer, "seeds", ())):
+            out[f"seed/{i}"] = plain(seed)
+        for name, values in (getattr(trainer, "hyperparams", None) or {}).items():
+            for i, value in enumerate(values):
+                out[f"{name}/{i}"] = plain(value)
+        return out
+
+    def per_member(self, value: Any) -> bool:
+        """Whether ``value`` is one value per member (an ``(N,)`` array)."""
+        return np.shape(value) == (self.num_members,)
+
+    def pick(self, model: Any, members: Any) -> Any:
+        """What a writer or callback does for members, of its two ways."""
+        return members
+
+
+def logs_of(trainer: Any) -> ModelLogs | MemberLogs:
+    """What ``trainer``'s logs are: one model's, or a population's members'. The one place
+    outside the shell's layout that asks (the object training runs declares it:
+    ``num_members``, never read off shapes); writers and callbacks ask what it returns.
+
+    Example:
+      >>> logs_of(population).per_member(logs["loss"])
+      True
+    """
+    count = getattr(trainer, "num_members", None)
+    return ModelLogs() if count is None else MemberLogs(count)
+
+
 def spread(logs: Mapping[str, Any]) -> dict[str, Any]:
     """Logs with every array value spread into one entry per element: ``key/i``, and
     ``key/i/j`` for two axes. A ``Population``'s logs hold one value per member along
@@ -69,16 +127,7 @@ def run_params(trainer: Any, params: Mapping[str, Any] | None) -> dict[str, Any]
     """The hyperparameters of a run: the user's ``params``, then, for a ``Population``,
     ``num_members`` and each member's ``seed/i`` and ``<hyperparameter>/i``."""
     out = {key: plain(value) for key, value in (params or {}).items()}
-    members = getattr(trainer, "num_members", None)
-    if members is None:
-        return out
-    out["num_members"] = members
-    for i, seed in enumerate(getattr(trainer, "seeds", ())):
-        out[f"seed/{i}"] = plain(seed)
-    for name, values in (getattr(trainer, "hyperparams", None) or {}).items():
-        for i, value in enumerate(values):
-            out[f"{name}/{i}"] = plain(value)
-    return out
+    return {**out, **logs_of(trainer).params(trainer)}
 
 
 # -- exact JSON: what a run log stores and gives back equal --------------------------------

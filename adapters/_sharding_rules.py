@@ -125,10 +125,16 @@ def replicated_on_one(sharding: NamedSharding) -> bool:
 def parameters_of(tx: Any, wrt: Any, state: Any, opt_state: Any) -> list[int | None]:
     """For each leaf of ``opt_state`` (``tx``'s state for the ``wrt`` part of ``state``), the
     index of its parameter among ``state``'s leaves (a moment), or None (a counter; or
-    every leaf when the transform does not say: ``tx`` None, or not mappable)."""
+    every leaf when the transform does not say: ``tx`` None, or not mappable). A wrapper's
+    state around ``tx``'s (a NamedTuple whose ``inner`` is it: ``MembersState``) maps its
+    ``inner``; its own fields are no parameter's."""
     count = len(jax.tree.leaves(opt_state))
     if tx is None:
         return [None] * count
+    fields = getattr(opt_state, "_fields", ())
+    if fields and fields[0] == "inner":
+        inner = parameters_of(tx, wrt, state, opt_state.inner)
+        return inner + [None] * (count - len(inner))
     treedef = jax.tree.structure(state)
     indices = jax.tree.unflatten(treedef, [_Index(i) for i in range(treedef.num_leaves)])
     params, _ = split_wrt(indices, wrt)

@@ -20,15 +20,15 @@ import os
 import pathlib
 import sys
 import tempfile
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 
 from nnxscan.adapters._extras import require_extra
+from nnxscan.adapters._log_values import MemberLogs, ModelLogs, logs_of, spread
 from nnxscan.adapters._log_values import is_number as _is_number
 from nnxscan.adapters._log_values import plain as _plain
 from nnxscan.adapters._log_values import primary_only as _primary_only
-from nnxscan.adapters._log_values import spread
 from nnxscan.adapters.trackers import MLflowWriter, WandbWriter
 
 __all__ = [
@@ -232,12 +232,19 @@ class TensorBoardWriter:
 
 # Bookkeeping keys the line shows in its own way (or not at all) rather than as "key value".
 _TEXT_SKIP = frozenset({"epoch", "steps", "steps_per_sec", "wall_time"})
+_ONE_MODEL = ModelLogs()
 
 
-def _format_value(value: Any, members: int | None = None) -> str:
+class _Counted(NamedTuple):
+    """What :func:`logs_of` reads, for ``format_line``'s count of members (None: one model)."""
+
+    num_members: int | None
+
+
+def _format_value(value: Any, logs: ModelLogs | MemberLogs = _ONE_MODEL) -> str:
     if len(getattr(value, "shape", ())) >= 1:
         values = np.asarray(value)
-        if values.shape == (members,) and values.size > 8:
+        if logs.per_member(values) and values.size > 8:
             # One value per member, of many members: their spread, not a wall of numbers.
             low, mid, high = (_format_value(v) for v in np.nanpercentile(values, [0, 50, 100]))
             return f"min {low} median {mid} max {high}"
@@ -289,9 +296,8 @@ class TextLogger:
         """The line for one epoch's logs, without a newline (``members``: a population's
         logs, shown as each member's value, or their spread for more than 8)."""
         parts = [f"epoch {logs['epoch']}"] if "epoch" in logs else []
-        parts += [
-            f"{k} {_format_value(v, members)}" for k, v in logs.items() if k not in _TEXT_SKIP
-        ]
+        kind = logs_of(_Counted(members))
+        parts += [f"{k} {_format_value(v, kind)}" for k, v in logs.items() if k not in _TEXT_SKIP]
         if "steps_per_sec" in logs:
             parts.append(f"{float(logs['steps_per_sec']):,.0f} steps/s")
         return "  ".join(parts)
@@ -310,12 +316,12 @@ class TextLogger:
     @_primary_only
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if (epoch + 1) % self.every == 0:
-            self._write(self.format_line(logs, getattr(trainer, "num_members", None)))
+            self._write(self.format_line(logs, logs_of(trainer).num_members))
             self._last_written = epoch
 
     @_primary_only
     def on_train_end(self, trainer: Any, history: Any) -> None:
         epochs = getattr(history, "epochs", None)
         if epochs and epochs[-1].get("epoch") != self._last_written:
-            self._write(self.format_line(epochs[-1], getattr(trainer, "num_members", None)))
+            self._write(self.format_line(epochs[-1], logs_of(trainer).num_members))
             self._last_written = epochs[-1].get("epoch")

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
+from nnxscan.adapters._log_values import logs_of
 from nnxscan.adapters.distributed import is_primary
 from nnxscan.pure import select_members
 from nnxscan.shell._edges.stop_events import record_members, record_one_model
@@ -163,14 +164,19 @@ class EarlyStopping:
         self._reset()
 
     def _reset(self) -> None:
-        self.best: float | None = None
-        self.best_epoch: int | None = None
-        self.stopped_epoch: int | None = None
-        self.wait = 0
+        self.best: Any = None
+        self.best_epoch: Any = None
+        self.stopped_epoch: Any = None
+        self.wait: Any = 0
         self._checked = False  # whether this fit's logs were checked for the monitor
         self._epochs = 0
         self._best_state: nnx.State | None = None
         self._best_step: int | None = None
+        # What it watches (one model or members: _Watch), from the first monitored epoch
+        # of this fit on, and its record, one entry per watched model: the best value,
+        # its epoch (-1: none yet), the epoch it stopped (-1: not), the epochs waited.
+        self._watch: _Watch | None = None
+        self._record: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def _better(self, value: Any, reference: Any) -> Any:
         """Whether ``value`` improves on ``reference`` by more than ``min_delta`` (arrays too)."""
@@ -189,37 +195,27 @@ class EarlyStopping:
             self._check(logs)
         if value is None or epoch < self.start_from_epoch:
             return
-        self._watching(trainer).epoch_end(trainer, epoch, value)
-
-    def _watching(self, trainer: Any) -> _Watch:
-        """What this callback watches: one model (it stops ``fit`` and restores the model)
-        or each member of a population (it freezes and restores members one by one), as
-        the object training runs declares (``num_members``), never read off shapes."""
-        if getattr(trainer, "num_members", None) is None:
-            return _Watch(self._model_epoch_end, self._model_train_end, record_one_model)
-        return _Watch(self._members_epoch_end, self._members_train_end, record_members)
-
-    def _model_epoch_end(self, trainer: Any, epoch: int, value: Any) -> None:
-        if np.ndim(value) != 0:
-            raise ValueError(
-                f"EarlyStopping(monitor={self.monitor!r}) watches one number per epoch, but "
-                f"{self.monitor!r} is an array of shape {np.shape(value)} (a metric per class, "
-                f"say): monitor a scalar log, e.g. its mean logged as a metric of its own."
-            )
-        improved, exhausted, wait = self._rule(
-            np.array([float(value)]), np.array([self.best if self.best is not None else np.nan]),
-            np.array([self.wait]), np.array([True]), epoch,
-        )  # fmt: skip
-        self.wait = int(wait[0])
-        if improved[0]:
-            self.best, self.best_epoch = float(value), epoch
-            if self.restore_best:
-                # A copy on the device: the next compiled call donates the model's buffers.
-                self._best_state = jax.tree.map(lambda x: x.copy(), nnx.state(trainer.model))
-                self._best_step = trainer.step
-        elif exhausted[0]:
-            self.stopped_epoch = epoch
-            trainer.stop_training = True
+        if self._watch is None:
+            # What it watches: one model (it stops fit and restores the model) or each
+            # member of a population (it freezes and restores members one by one), as the
+            # object training runs declares it (nnxscan.adapters' logs_of).
+            self._watch = logs_of(trainer).pick(_ModelWatch, _MembersWatch)(self, trainer)
+        values = self._watch.values(value)
+        if self._record is None:  # the first monitored epoch of this fit
+            size = values.shape[0]
+            self._record = (np.full(size, np.nan), np.full(size, -1), np.full(size, -1),
+                            np.zeros(size, int))  # fmt: skip
+        best, best_epoch, stopped, wait = self._record
+        improved, exhausted, wait = self._rule(values, best, wait, self._watch.alive(), epoch)
+        best = np.where(improved, values, best)
+        best_epoch = np.where(improved, epoch, best_epoch)
+        stopped = np.where(exhausted, epoch, stopped)
+        self._record = (best, best_epoch, stopped, wait)
+        if self.restore_best and improved.any():
+            self._watch.keep_best(improved)
+        self._watch.publish(*self._record)
+        if exhausted.any():
+            self._watch.stop(exhausted)
 
     def _rule(
         self, values: np.ndarray, best: np.ndarray, wait: np.ndarray, alive: np.ndarray, epoch: int
@@ -235,53 +231,28 @@ class EarlyStopping:
         exhausted = alive & ~improved & (wait >= self.patience) & (epoch > 0)
         return improved, exhausted, wait
 
-    def _members_epoch_end(self, population: Any, epoch: int, value: Any) -> None:
-        """The same rule for each member of a population on its own: a member whose
-        patience runs out is frozen (``population.freeze``); fit ends when none trains."""
-        values = _per_member(self.monitor, value, population.num_members)
-        if not isinstance(self.wait, np.ndarray):  # the first monitored epoch of this fit
-            size = values.shape[0]
-            self.best = np.full(size, np.nan)
-            self.best_epoch = np.full(size, -1)
-            self.stopped_epoch = np.full(size, -1)
-            self.wait = np.zeros(size, int)
-        alive = np.asarray(population.active, bool)
-        improved, exhausted, self.wait = self._rule(values, self.best, self.wait, alive, epoch)
-        self.best = np.where(improved, values, self.best)
-        self.best_epoch = np.where(improved, epoch, self.best_epoch)
-        self.stopped_epoch = np.where(exhausted, epoch, self.stopped_epoch)
-        for i in np.flatnonzero(exhausted):
-            population.freeze(int(i))
-        if self.restore_best and improved.any():
-            # A copy on the device (population.state copies): later calls donate buffers.
-            current = population.state
-            self._best_state = (
-                current
-                if self._best_state is None
-                else select_members(improved, current, self._best_state)
+    def on_train_end(self, trainer: Any, history: Any) -> None:
+        if self._epochs and not self._checked:
+            warn(
+                f"EarlyStopping(monitor={self.monitor!r}): no epoch of this fit logged any "
+                f"eval_* key (fit needs eval_data and metric_fn, and at least eval_every "
+                f"epochs), so it neither stopped nor restored anything."
             )
-        if not population.active.any():
-            population.stop_training = True
-
-    def _members_train_end(self, population: Any) -> None:
-        if not isinstance(self.wait, np.ndarray):  # no epoch of this fit was monitored
+        if self._watch is None:  # no epoch of this fit was monitored
             return
+        self._watch.record(history)  # history.events, before restoring
         say = self.verbose and is_primary()
-        stopped = np.flatnonzero(self.stopped_epoch >= 0)
-        if say and stopped.size:
-            print(
-                f"EarlyStopping: froze members {stopped.tolist()} ({self.monitor} did not "
-                f"improve for {max(self.patience, 1)} epochs)"
-            )
-        best_state, self._best_state = self._best_state, None
-        if best_state is not None:
-            has_best = self.best_epoch >= 0
-            population.load_state(best_state, where=has_best)
-            if say:
-                print(
-                    f"EarlyStopping: restored members {np.flatnonzero(has_best).tolist()} "
-                    f"from their best epochs {self.best_epoch[has_best].tolist()}"
-                )
+        best_state, self._best_state = self._best_state, None  # free the device copy
+        self._watch.train_end(best_state, say)
+
+    def _why(self) -> str:
+        name, epochs = self.monitor, f"{self.wait} epoch{'s' if self.wait != 1 else ''}"
+        if self.best is None:
+            return f"{name} was not finite for {epochs}"
+        best = f"best {self.best:.6g} at epoch {self.best_epoch}"
+        if self.baseline is not None and not self._better(self.best, self.baseline):
+            return f"{name} did not beat the baseline {self.baseline:.6g} in {epochs} ({best})"
+        return f"{name} did not improve for {epochs} ({best})"
 
     def _check_due(self, logs: dict) -> bool:
         if not self.monitor.startswith("eval_"):
@@ -301,55 +272,114 @@ class EarlyStopping:
                 f"mode='max'."
             )
 
-    def on_train_end(self, trainer: Any, history: Any) -> None:
-        watching = self._watching(trainer)
-        watching.record(self, trainer, history)  # history.events, before restoring
-        if self._epochs and not self._checked:
-            warn(
-                f"EarlyStopping(monitor={self.monitor!r}): no epoch of this fit logged any "
-                f"eval_* key (fit needs eval_data and metric_fn, and at least eval_every "
-                f"epochs), so it neither stopped nor restored anything."
-            )
-        watching.train_end(trainer)
 
-    def _model_train_end(self, trainer: Any) -> None:
-        say = self.verbose and is_primary()
-        if say and self.stopped_epoch is not None:
-            print(f"EarlyStopping: stopped at epoch {self.stopped_epoch}: {self._why()}")
-        best_state, self._best_state = self._best_state, None  # free the device copy
+class _ModelWatch:
+    """What EarlyStopping does for one model: its one value, stopping fit, restoring the model."""
+
+    def __init__(self, stop: EarlyStopping, trainer: Any):
+        self.stop_, self.trainer = stop, trainer
+
+    def values(self, value: Any) -> np.ndarray:
+        if np.ndim(value) != 0:
+            raise ValueError(
+                f"EarlyStopping(monitor={self.stop_.monitor!r}) watches one number per epoch, "
+                f"but {self.stop_.monitor!r} is an array of shape {np.shape(value)} (a metric "
+                f"per class, say): monitor a scalar log, e.g. its mean logged as a metric of "
+                f"its own."
+            )
+        return np.array([float(value)])
+
+    def alive(self) -> np.ndarray:
+        return np.array([True])
+
+    def keep_best(self, improved: np.ndarray) -> None:
+        # A copy on the device: the next compiled call donates the model's buffers.
+        self.stop_._best_state = jax.tree.map(lambda x: x.copy(), nnx.state(self.trainer.model))
+        self.stop_._best_step = self.trainer.step
+
+    def publish(self, best, best_epoch, stopped, wait) -> None:
+        stop = self.stop_
+        stop.best = None if np.isnan(best[0]) else float(best[0])
+        stop.best_epoch = None if best_epoch[0] < 0 else int(best_epoch[0])
+        stop.stopped_epoch = None if stopped[0] < 0 else int(stopped[0])
+        stop.wait = int(wait[0])
+
+    def stop(self, exhausted: np.ndarray) -> None:
+        self.trainer.stop_training = True
+
+    def record(self, history: Any) -> None:
+        record_one_model(self.stop_, self.trainer, history)
+
+    def train_end(self, best_state: Any, say: bool) -> None:
+        stop, trainer = self.stop_, self.trainer
+        if say and stop.stopped_epoch is not None:
+            print(f"EarlyStopping: stopped at epoch {stop.stopped_epoch}: {stop._why()}")
         # The model is at the best epoch already when nothing trained after it.
-        if best_state is not None and trainer.step != self._best_step:
+        if best_state is not None and trainer.step != stop._best_step:
             trainer.load_state(best_state)
             if say:
                 print(
-                    f"EarlyStopping: restored the model from epoch {self.best_epoch} "
-                    f"({self.monitor} {self.best:.6g})"
+                    f"EarlyStopping: restored the model from epoch {stop.best_epoch} "
+                    f"({stop.monitor} {stop.best:.6g})"
                 )
 
-    def _why(self) -> str:
-        name, epochs = self.monitor, f"{self.wait} epoch{'s' if self.wait != 1 else ''}"
-        if self.best is None:
-            return f"{name} was not finite for {epochs}"
-        best = f"best {self.best:.6g} at epoch {self.best_epoch}"
-        if self.baseline is not None and not self._better(self.best, self.baseline):
-            return f"{name} did not beat the baseline {self.baseline:.6g} in {epochs} ({best})"
-        return f"{name} did not improve for {epochs} ({best})"
+
+class _MembersWatch:
+    """What EarlyStopping does for a population: one value per member, freezing members
+    (``population.freeze``; fit ends when none trains), restoring each member."""
+
+    def __init__(self, stop: EarlyStopping, population: Any):
+        self.stop_, self.population = stop, population
+
+    def values(self, value: Any) -> np.ndarray:
+        values = np.asarray(value, np.float64)
+        members = len(self.population)
+        if values.shape != (members,):
+            raise ValueError(
+                f"EarlyStopping(monitor={self.stop_.monitor!r}) on a population of {members} "
+                f"members needs one number per member, but {self.stop_.monitor!r} has shape "
+                f"{values.shape}."
+            )
+        return values
+
+    def alive(self) -> np.ndarray:
+        return np.asarray(self.population.active, bool)
+
+    def keep_best(self, improved: np.ndarray) -> None:
+        # A copy on the device (population.state copies): later calls donate buffers.
+        current, kept = self.population.state, self.stop_._best_state
+        kept = current if kept is None else select_members(improved, current, kept)
+        self.stop_._best_state = kept
+
+    def publish(self, best, best_epoch, stopped, wait) -> None:
+        stop = self.stop_
+        stop.best, stop.best_epoch, stop.stopped_epoch, stop.wait = best, best_epoch, stopped, wait
+
+    def stop(self, exhausted: np.ndarray) -> None:
+        for i in np.flatnonzero(exhausted):
+            self.population.freeze(int(i))
+        if not self.population.active.any():
+            self.population.stop_training = True
+
+    def record(self, history: Any) -> None:
+        record_members(self.stop_, self.population, history)
+
+    def train_end(self, best_state: Any, say: bool) -> None:
+        stop, population = self.stop_, self.population
+        stopped = np.flatnonzero(stop.stopped_epoch >= 0)
+        if say and stopped.size:
+            print(
+                f"EarlyStopping: froze members {stopped.tolist()} ({stop.monitor} did not "
+                f"improve for {max(stop.patience, 1)} epochs)"
+            )
+        if best_state is not None:
+            has_best = stop.best_epoch >= 0
+            population.load_state(best_state, where=has_best)
+            if say:
+                print(
+                    f"EarlyStopping: restored members {np.flatnonzero(has_best).tolist()} "
+                    f"from their best epochs {stop.best_epoch[has_best].tolist()}"
+                )
 
 
-class _Watch(NamedTuple):
-    """EarlyStopping's hooks for what it watches (one model, or members)."""
-
-    epoch_end: Callable[[Any, int, Any], None]
-    train_end: Callable[[Any], None]
-    record: Callable[[Any, Any, Any], None]  # its events in the History
-
-
-def _per_member(monitor: str, value: Any, members: int) -> np.ndarray:
-    """A population's monitored log: exactly one number per member."""
-    values = np.asarray(value, np.float64)
-    if values.shape != (members,):
-        raise ValueError(
-            f"EarlyStopping(monitor={monitor!r}) on a population of {members} members needs "
-            f"one number per member, but {monitor!r} has shape {values.shape}."
-        )
-    return values
+_Watch = _ModelWatch | _MembersWatch

@@ -77,16 +77,17 @@ class Population(FrontDoor):
         checks.check_member_rngs(rngs)
         placement = Placement(
             o["mesh"], o["data_axis"], o["fsdp_min_size"], o["member_axis"],
-            rules=o["shardings"], tx=tx, wrt=wrt, layout=Members(len(seeds)),
+            rules=o["shardings"], tx=tx, wrt=wrt,
         )  # fmt: skip
+        layout = Members(len(seeds))  # the owner's: everything else reads it from there
         # Members are built on the mesh they train on: a layer annotated with
         # with_partitioning is sharded as it is created, which needs the mesh in context.
-        with placement.bound().context():
+        with placement.bound(layout).context():
             checks.check_hyperparam_names(
                 model_fn, init_opt, seeds[0], hyperparams, step=train_step is not None
             )
             owner = build_members(
-                model_fn, init_opt, seeds, hyperparams, rngs=rngs, metrics=metrics
+                model_fn, init_opt, seeds, hyperparams, layout, rngs=rngs, metrics=metrics
             )
         self._config.update(model_fn=model_fn, seeds=seeds, hyperparams=hyperparams)
         self._start(owner, placement, tx, wrt, rngs)
@@ -122,7 +123,7 @@ class Population(FrontDoor):
     @property
     def active(self) -> np.ndarray:
         """Which members train, shape ``(N,)`` bool (a copy); see :meth:`freeze`."""
-        return self._owner.active.copy()
+        return self._owner.active
 
     def freeze(self, members: int | Sequence[int]) -> None:
         """Stops training these members from the next compiled call on, across ``fit``
@@ -132,7 +133,7 @@ class Population(FrontDoor):
           >>> pop.freeze([0, 2]); pop.active
           array([False,  True, False,  True])
         """
-        self._owner.active[checks.check_member_indices(members, len(self))] = False
+        self._owner.set_active(checks.check_member_indices(members, len(self)), False)
 
     def unfreeze(self, members: int | Sequence[int] | None = None) -> None:
         """Lets frozen members train again (all of them by default).
@@ -143,7 +144,7 @@ class Population(FrontDoor):
         indices = (
             slice(None) if members is None else checks.check_member_indices(members, len(self))
         )
-        self._owner.active[indices] = True
+        self._owner.set_active(indices, True)
 
     def load_state(self, state: nnx.State, *, where: Any = None) -> None:
         """Replaces the members' model state (every member's, or those where the ``(N,)``

@@ -153,12 +153,12 @@ def _read(
     try:
         tree, _ = _adapter().restore_checkpoint(directory, template, step=step)
     except ValueError as error:
-        hint = getattr(owner, "restore_hint", "")
+        hint = owner.restore_hint
         if not hint or isinstance(error, _adapter().CorruptCheckpointError):
             raise
         raise ValueError(f"{error} ({hint})") from None
     where = f"checkpoint {pathlib.Path(directory).resolve()} step {step}"
-    check_meta_ints(tree["meta"], ("epoch", "step", "epoch_step"), where)
+    check_meta_ints(tree["meta"], where=where)
     return tree
 
 

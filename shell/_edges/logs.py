@@ -36,20 +36,6 @@ RESERVED_LOGS = frozenset(
 )
 
 
-def step_mean(values: np.ndarray, skipping: bool) -> np.ndarray:
-    """The mean over steps; with ``skipping``, skipped (NaN) steps left out, and NaN where
-    every step was skipped (without numpy's empty-slice warning)."""
-    if not skipping:
-        return np.mean(values, axis=0)
-    finite = np.isfinite(values)
-    if values.ndim == 1:
-        return np.mean(values[finite]) if finite.any() else np.float32(np.nan)
-    counts = finite.sum(axis=0)
-    sums = np.where(finite, values, 0).sum(axis=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan).astype(values.dtype)
-
-
 def scalar_aux(aux: Any, layout: Layout) -> dict[str, Any]:
     """The aux leaves that are a scalar per step (per member): ``(steps, *layout.shape)``, keyed by
     their log name (their path; a name that would shadow one of fit's own logs gets ``aux/``)."""
@@ -66,7 +52,7 @@ def aux_means(aux: Any, layout: Layout, skipping: bool = False) -> dict[str, Any
     """Means over steps of every aux leaf that is a scalar per step (per member), keyed as
     :func:`scalar_aux` names them."""
     return {
-        key: layout.value(step_mean(np.asarray(leaf), skipping))
+        key: layout.value(layout.step_mean(np.asarray(leaf), skipping))
         for key, leaf in scalar_aux(aux, layout).items()
     }
 
@@ -86,7 +72,7 @@ def epoch_logs(
     losses, aux = stacked if has_aux else (stacked, None)
     losses = np.asarray(losses, np.float32)
     logs: dict[str, Any] = {"epoch": epoch}
-    logs["loss"] = layout.value(step_mean(losses, skipping))
+    logs["loss"] = layout.value(layout.step_mean(losses, skipping))
     if skipping:
         logs["skipped_steps"] = layout.count(np.sum(~np.isfinite(losses), axis=0))
     if aux is not None:

@@ -28,7 +28,7 @@ from rich.progress import (
 from rich.table import Column
 
 from nnxscan.shell._edges.host import to_host
-from nnxscan.shell._edges.logs import scalar_aux, step_mean
+from nnxscan.shell._edges.logs import scalar_aux
 from nnxscan.shell._edges.warn import warn
 
 if TYPE_CHECKING:  # the engine's type only: the edges import nothing of the engine
@@ -59,45 +59,28 @@ def _ready_outputs(
         return None
     losses, leaves = to_host((losses, leaves))
     # A skipped step's NaN stays out of the mean (NaN where every step was skipped).
-    means = {k: step_mean(np.asarray(v, np.float64), skipping=True) for k, v in leaves.items()}
+    means = {
+        k: layout.step_mean(np.asarray(v, np.float64), skipping=True) for k, v in leaves.items()
+    }
     return _median(np.asarray(losses)[-1]), means
 
 
-def _log_texts(values: dict[str, Any]) -> list[str]:
-    """``name value`` for each scalar log with a finite value (members: ``name median
-    value``, over the members' finite values)."""
-    texts = []
-    for key, value in values.items():
-        number = None if value is None else _median(value)
-        if number is not None:
-            median = "median " if np.ndim(value) else ""
-            texts.append(f"{key} {median}{number:.4g}")
-    return texts
+def _log_texts(values: dict[str, Any], layout: Layout) -> list[str]:
+    """``name value`` for each log with a finite value (members: ``name median value``,
+    over the members' finite values): the step's scalar logs, the epoch's eval metrics."""
+    texts = [layout.shown(key, value) for key, value in values.items() if value is not None]
+    return [text for text in texts if text is not None]
 
 
-def _loss_text(logs: dict) -> str:
+def _loss_text(logs: dict, layout: Layout) -> str:
     """An epoch's loss: one model's, or the members' median with their range."""
     if "loss" not in logs:  # a stateful train_step that reports none
         return "no loss"
-    loss = np.asarray(logs["loss"], np.float64)
-    if loss.ndim == 0:
-        return f"loss {float(loss):.4g}"
-    low, mid, high = (
-        np.nanpercentile(loss, [0, 50, 100]) if np.isfinite(loss).any() else [np.nan] * 3
-    )
-    return f"loss median {mid:.4g} [{low:.4g}, {high:.4g}] of {loss.size} members"
+    return layout.loss_text(logs["loss"])
 
 
-def _eval_texts(logs: dict) -> list[str]:
-    texts = []
-    for key, value in logs.items():
-        if not key.startswith("eval_"):
-            continue
-        if isinstance(value, float):
-            texts.append(f"{key} {value:.4g}")
-        elif np.ndim(value) == 1 and np.isfinite(value).any():  # members: the median
-            texts.append(f"{key} median {float(np.nanmedian(value)):.4g}")
-    return texts
+def _eval_texts(logs: dict, layout: Layout) -> list[str]:
+    return _log_texts({k: v for k, v in logs.items() if k.startswith("eval_")}, layout)
 
 
 def _status(
@@ -208,7 +191,7 @@ class RunProgress:
             self._loss = self._loss if loss is None else loss
         rate = self._steps / max(time.perf_counter() - self._start - compile_s, 1e-9)
         status = _status(self._loss, rate, self._evals, self._status_room(epoch),
-                         _log_texts(self._logs))  # fmt: skip
+                         _log_texts(self._logs, self._layout))  # fmt: skip
         self._progress.update(self._task, advance=1, epoch=epoch, status=status)
 
     def _shown_logs(self, out: Any) -> list[str]:
@@ -227,7 +210,7 @@ class RunProgress:
     def epoch_done(self, epoch: int, logs: dict) -> None:
         if not self._enabled:
             return
-        evals, rate = _eval_texts(logs), logs["steps_per_sec"]
+        evals, rate = _eval_texts(logs, self._layout), logs["steps_per_sec"]
         # The epoch's means of the step's scalar logs (on the bar, they replace the call's).
         means = {key: logs.get(key) for key in self._log_keys or ()}
         if self._progress is None:
@@ -236,14 +219,15 @@ class RunProgress:
             now = time.perf_counter()
             last = epoch == self._last_epoch
             if last or now - self._printed >= LINE_EVERY_S or self._printed < 0:
-                extras = "".join(f"  {text}" for text in [*_log_texts(means), *evals])
+                extras = "".join(f"  {text}" for text in [*_log_texts(means, self._layout), *evals])
                 active = logs.get("active")
                 if active is not None:
                     extras += f"  {int(np.sum(active))} of {np.size(active)} training"
                 compiled = logs.get("compile_time", 0.0)
                 # The rate is the steady one; a first epoch's compile is named apart.
                 after = f" after a {compiled:.1f} s compile" if compiled >= 0.05 else ""
-                line = f"epoch {epoch}  {_loss_text(logs)}{extras}  {rate:,.0f} steps/s{after}"
+                loss = _loss_text(logs, self._layout)
+                line = f"epoch {epoch}  {loss}{extras}  {rate:,.0f} steps/s{after}"
                 # soft_wrap: a log line stays one line, whatever the console's width
                 # (rich's default off a terminal is 80 columns).
                 self._console.print(line, highlight=False, markup=False, soft_wrap=True)
@@ -252,5 +236,5 @@ class RunProgress:
             self._loss = _median(logs.get("loss", np.nan))
             self._evals, self._logs = evals, means
             status = _status(self._loss, rate, evals, self._status_room(epoch),
-                             _log_texts(self._logs))  # fmt: skip
+                             _log_texts(self._logs, self._layout))  # fmt: skip
             self._progress.update(self._task, epoch=epoch, status=status)

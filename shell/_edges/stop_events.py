@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 STOPPED = "early_stopping_stopped"
 RESTORED = "restored_best"
 
@@ -42,11 +40,11 @@ def record_one_model(stop: Any, trainer: Any, history: Any) -> None:
 def record_members(stop: Any, population: Any, history: Any) -> None:
     """:func:`record_one_model` for each member of a population, with ``"member": i``."""
     events = getattr(history, "events", None)
-    if events is None or not isinstance(stop.wait, np.ndarray):  # no epoch monitored
+    if events is None:
         return
     kept_best = stop._best_state is not None  # restore_best, and some epoch improved
     last = history.epochs[-1]["epoch"] if history.epochs else None
-    for i in range(population.num_members):
+    for i in range(len(stop.best_epoch)):
         stopped, best = int(stop.stopped_epoch[i]), int(stop.best_epoch[i])
         if stopped >= 0:
             events.append({"epoch": stopped,

@@ -138,11 +138,13 @@ class LiveState:
             seen.add(id(leaf))
         return leaves if out is None else out
 
-    def reload_state(self, state: nnx.State) -> None:
+    def reload_state(self, state: nnx.State, opt_state: Any = None) -> None:
         """Carries on from a module state read anew from the owner (after it was changed between
-        calls, e.g. metrics reset); the optax state, which nothing changed, stays."""
+        calls, e.g. metrics reset); the optax state too when given (a member frozen), else it
+        stays."""
         assert not self.unwritten, "reload would lose unwritten steps"
-        leaves, treedef = jax.tree.flatten((state, self.carry()[1]))
+        opt_state = self.carry()[1] if opt_state is None else opt_state
+        leaves, treedef = jax.tree.flatten((state, opt_state))
         assert treedef == self.treedef, "the carry's structure changed"
         self.leaves = _unaliased(self.placement.put_carry(leaves, self.shardings), key=_buffer_key)
         self._sources, self._exposed = leaves, True
@@ -272,14 +274,15 @@ def run_calls(
     should_stop: Callable[[], bool] | None = None,
     *,
     write_every_call: bool = False,
-    active: Callable[[], Any] | None = None,
+    refresh: Callable[[], None] | None = None,
     on_halt: HaltPolicy | None = None,
     ready: Callable[[Hashable], None] | None = None,
 ) -> list[Any]:
     """Runs the compiled calls in order; returns each call's stacked outputs. ``ready(key)``
     (a :func:`call_key`) returns once a program compiling ahead for that call is ready.
     ``should_stop()`` is asked before each call starts and after each ends: once it says
-    True, no further call starts."""
+    True, no further call starts. ``refresh()`` runs before each call (the owner's carry
+    may have changed since the last: a member frozen)."""
     plan, donate = execution
     # The per-step plan writes back once per stretch of calls (per-step Python would cost
     # more than the step) unless something looks at the objects after every call.
@@ -292,7 +295,8 @@ def run_calls(
                 # A stop (a signal) that came while the previous call's hooks ran, or while
                 # this one's batches were read: no call starts after it.
                 break
-            mask = None if active is None else active()
+            if refresh is not None:
+                refresh()
             unroll = plan.unroll if unroll is None else unroll
             # Ctrl-C is held only around the call and its bookkeeping, not while waiting
             # for the next batch: a stalled loader can still be interrupted.
@@ -306,9 +310,8 @@ def run_calls(
                 # (only then: a long synchronous call would otherwise run with it off).
                 with paused_gc() if key not in called else contextlib.nullcontext():
                     leaves, out, halted = run(
-                        leaves, data, indices, mask, start, length=length, unroll=unroll,
-                        rows=rows,
-                    )  # fmt: skip
+                        leaves, data, indices, start, length=length, unroll=unroll, rows=rows
+                    )
                 called.add(key)
                 if _cache_size(run) > compiled:  # this call traced and compiled a program
                     live.compile_s += time.perf_counter() - started

@@ -78,7 +78,7 @@ class Engine:
 
     def bind(self) -> Placement:
         """Resolves the mesh of this call (``mesh=``, else ``jax.set_mesh``'s)."""
-        self.placement = self.configured.bound()
+        self.placement = self.configured.bound(self.owner.layout)
         return self.placement
 
     # -- the plan ---------------------------------------------------------------------------
@@ -93,7 +93,7 @@ class Engine:
         out) with no compile: the plan and whether the carry may be donated."""
         placement = self.placement
         graphdef, state, opt_state = self.owner.read()
-        members = len(layout.shape)  # the carry's leading members axes
+        member_axes = len(layout.shape)  # the carry's leading members axes (0 or 1)
         lead = len(layout.data_lead)  # and the batch's
 
         def abstract_carry() -> tuple[Any, Any]:
@@ -103,10 +103,9 @@ class Engine:
             leaves, treedef = jax.tree.flatten((state, opt_state))
             if shardings is None:
                 shardings = [None] * len(leaves)
-            abstract = [
-                _one_model(x, s, members, members) for x, s in zip(leaves, shardings, strict=True)
-            ]
-            return jax.tree.unflatten(treedef, abstract)
+            pairs = zip(leaves, shardings, strict=True)
+            abstract = [_one_model(x, s, member_axes, member_axes) for x, s in pairs]
+            return layout.model_carry(jax.tree.unflatten(treedef, abstract))
 
         sharding = placement.batch_sharding
         batch = jax.tree.map(lambda x: _one_model(x, sharding, lead, 0), batch)
@@ -162,7 +161,7 @@ class Engine:
         owner, whole_run = self.owner, options.resume is not False
         # The last change to the objects before training.
         run = self._resume(options, data) if whole_run else {}
-        run.setdefault("history", History(losses=empty_losses(owner.layout)))
+        run.setdefault("history", History(losses=empty_losses(layout)))
         schedule = Schedule.of(options.epochs, options.max_steps, whole_run=whole_run,
                                at=(owner.epoch, owner.epoch_step, owner.step))  # fmt: skip
         # An epoch whose steps all ran before a preemption, but not its end (evaluation,
@@ -186,7 +185,7 @@ class Engine:
             return _finished(**run)
         owner.begin_run(options.run_keys)  # every input is known good now
         loop = FitLoop(
-            program=self.program, execution=execution, owner=owner,
+            program=self.program, execution=execution, owner=owner, layout=layout,
             placement=self.placement, make_runner=self.make_runner(layout),
             callbacks=CallbackList(options.callbacks, self.trainer), progress=options.progress,
             progress_logs=options.progress_logs,

@@ -46,8 +46,9 @@ from nnxscan.shell._engine.calls import (
     run_calls,
 )
 from nnxscan.shell._engine.epochs import Epochs, EpochStats
+from nnxscan.shell._engine.layout import Layout
 from nnxscan.shell._engine.owner import Owner
-from nnxscan.shell._engine.placement import Placement, device_of
+from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.programs import TrainProgram
 from nnxscan.shell._engine.schedule import Schedule, Stretch
 from nnxscan.shell.history import History
@@ -231,7 +232,8 @@ class FitLoop:
     their History.
 
     ``make_runner(carry_def, carry_shardings, donate)`` builds the compiled runner (one
-    model, or members vmapped): the loop never asks which.
+    model, or members vmapped) of the fit's ``layout`` (the owner's, for this fit's data and
+    mesh: ``Engine.run_layout``): the loop never asks which.
     """
 
     def __init__(
@@ -240,6 +242,7 @@ class FitLoop:
         program: TrainProgram,
         execution: Execution,
         owner: Owner,
+        layout: Layout,
         placement: Placement,
         make_runner: Callable[..., Any],
         callbacks: CallbackList,
@@ -252,7 +255,7 @@ class FitLoop:
         self.owner, self.placement, self.make_runner = owner, placement, make_runner
         self.callbacks, self.evaluation = callbacks, evaluation
         self.checkpoints = checkpoints
-        self.layout = owner.layout
+        self.layout = layout
         self._signals: list[int] = []
         self._partial = empty_losses(self.layout)
         # The unfinished epoch's scalar aux logs per step trained before a resume (None:
@@ -268,12 +271,11 @@ class FitLoop:
         self._nonfinite: Any = 0
         self._steps_logged = 0
         self._first_nonfinite: tuple[int, int] | None = None
-        self._device: Any = None
         self._ahead = Ahead([])  # the programs this fit compiles ahead (run() sets them)
-        # The members' freezing mask of the next call, placed next to the carry.
-        self._active_mask = self.layout.active_masks(
-            owner, lambda mask: self.placement.put_data(mask, device=self._device)
-        )
+        # Members a call halted (on_nonfinite="stop"), frozen before the next call starts;
+        # and the owner's revision the live carry was read at.
+        self._halted_members: list[int] = []
+        self._revision = owner.revision
 
     @property
     def _stop_requested(self) -> bool:
@@ -330,7 +332,7 @@ class FitLoop:
                 for stretch in schedule.stretches(lambda: owner.step):
                     if self._signals:  # came between calls: nothing more starts
                         self._preempted(history, [])
-                    if self._stop_requested or not self.layout.trains(owner):
+                    if self._stop_requested or not owner.trains():
                         break
                     if not self._train(history, live, epoch_calls, stretch, bar, injected):
                         break
@@ -376,8 +378,6 @@ class FitLoop:
             # fit felt).
             return [], []
         seen_stretches, seen, first, later = set(), set(), [], []
-        self._device = device_of(live.leaves)  # where the members' mask goes
-        mask = self._active_mask()
         for stretch in stretches:
             shape = (stretch.epochs, stretch.skip, stretch.steps, stretch.calls)
             if shape in seen_stretches:
@@ -387,7 +387,7 @@ class FitLoop:
                 unroll = self.execution.plan.unroll if call.unroll is None else call.unroll
                 key = call_key(call.indices, call.length, unroll, call.rows, call.data)
                 if key not in seen and seen:  # the first call compiles as it runs
-                    args = (live.leaves, call.data, call.indices, mask, call.start)
+                    args = (live.leaves, call.data, call.indices, call.start)
                     options = dict(length=call.length, unroll=unroll, rows=call.rows)
                     lower = functools.partial(run.lower, *args, **options)
                     (later if len(seen_stretches) > 1 else first).append((key, lower))
@@ -418,9 +418,26 @@ class FitLoop:
 
         def on_halt(halted: Any, losses: Any, length: int) -> int:
             first = self.owner.step + live.unwritten_steps
-            return self.layout.halted_steps(self.owner, halted, losses, length, first)
+            return self.layout.halted_steps(
+                halted, losses, length, first, self.owner.epoch, self._halted_members.extend
+            )
 
         return on_halt
+
+    def _refresh(self, live: LiveState) -> Callable[[], None]:
+        """Before each call: freezes the members the last call halted, and carries on from
+        the owner's carry when it changed since it was read (a member frozen)."""
+
+        def refresh() -> None:
+            if self._halted_members:
+                live.flush()  # the halted call's carry is the owner's: freeze in it
+                self.owner.set_active(self._halted_members, False)
+                self._halted_members = []
+            if self.owner.revision != self._revision:
+                self._revision = self.owner.revision
+                live.reload_state(*self.owner.read()[1:])
+
+        return refresh
 
     def _may_fuse(self, injected: bool) -> bool:
         """Whether whole epochs may run fused into one stretch: when nothing needs the host
@@ -465,15 +482,16 @@ class FitLoop:
                 # Python int, so reading it forces no host sync.
                 callbacks("on_call_end", {"epoch": epoch, "step": owner.step})
 
-        self._device = device_of(live.leaves)
         compiled_before = live.compile_s
+        refresh = self._refresh(live)
         try:
             run_calls(
                 self.program, self.execution, live, epoch_calls(stretch, stats), on_call,
                 lambda: self._stop_requested or bool(self._signals),
                 write_every_call=callbacks.has_call_hooks or every_steps is not None,
-                active=self._active_mask, on_halt=self._on_halt(live), ready=self._ahead.ready,
+                refresh=refresh, on_halt=self._on_halt(live), ready=self._ahead.ready,
             )  # fmt: skip
+            refresh()  # the stretch's logs and hooks see the members it froze
         except NonFiniteStop as stop:
             raise self._nonfinite_error(history, epoch, first_step, stop, start, stats) from None
         finally:
@@ -519,7 +537,7 @@ class FitLoop:
         for i, piece in enumerate([stacked] if count == 1 else split_steps(stacked, count)):
             self._log_epoch(history, epoch + i, piece, timing, stats, complete, live,
                             injected, bar, on_signal)  # fmt: skip
-        return not self._stop_requested and self.layout.trains(owner)
+        return not self._stop_requested and owner.trains()
 
     def _log_finished(self, history, stretch, finished, complete, outs, start) -> None:
         """Logs the ``finished`` first epochs of a stretch that an error or a signal ends
@@ -634,7 +652,7 @@ class FitLoop:
         if injected:
             # From the carry: reading an nnx.Optimizer's optax state traces tx.init.
             logs["learning_rate"] = learning_rate(live.carry()[1], self.layout)
-        logs.update(self.layout.active_logs(owner))
+        logs.update(owner.active_logs())
         if not complete:
             logs["stopped"] = True
         elif self.evaluation is not None and (epoch + 1) % self.evaluation.every == 0:

@@ -36,8 +36,8 @@ class Layout(Protocol):
     asks what). ``num_members``: None or N, what callbacks and writers are told; ``shape``:
     a value per model, ``()`` or ``(N,)`` (a per-step log is ``(steps, *shape)``);
     ``data_lead``: the data's leading axes before the examples (a stream batch's before
-    its batch axis), ``(N,)`` when each member has its own data. ``step``, ``enter``,
-    ``leave`` and ``gathered`` run traced; the rest on the host.
+    its batch axis), ``(N,)`` when each member has its own data. ``wrap`` and ``gathered``
+    run traced; the rest on the host.
     """
 
     num_members: int | None
@@ -45,23 +45,26 @@ class Layout(Protocol):
     data_lead: tuple[int, ...]
 
     def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> Layout: ...
-    # Logs: a statistic reduced over steps, a count, an evaluation metric, as logs hold them.
+    # Logs: the mean over steps (``skipping``: NaN steps left out), a statistic reduced over
+    # steps, a count, an evaluation metric, as logs hold them; a value and the epoch's loss
+    # as the progress line shows them.
+    def step_mean(self, values: np.ndarray, skipping: bool) -> Any: ...
     def value(self, x: Any) -> Any: ...
     def count(self, x: Any) -> Any: ...
     def metric(self, x: Any) -> Any: ...
     def nonfinite_steps(self, counts: Any, steps: int) -> str: ...
-    # Freezing: anything left to train; each call's mask (placed by ``put``); an epoch's logs;
-    # ``on_nonfinite="stop"``: how many of a halted call's ``length`` steps count.
-    def trains(self, owner: Any) -> bool: ...
-    def active_masks(self, owner: Any, put: Callable) -> Callable[[], Any]: ...
-    def active_logs(self, owner: Any) -> dict[str, Any]: ...
+    def shown(self, name: str, value: Any) -> str | None: ...
+    def loss_text(self, loss: Any) -> str: ...
+    # ``on_nonfinite="stop"``: how many of a halted call's ``length`` steps count (members it
+    # halted: given to ``freeze``).
     def halted_steps(
-        self, owner: Any, halted: Any, losses: Any, length: int, first: int
+        self, halted: Any, losses: Any, length: int, first: int, epoch: int, freeze: Callable
     ) -> int: ...
-    # The runner's step, the owner's opt_state as it carries it (and back), each step's data.
-    def step(self, step: Step) -> Step: ...
-    def enter(self, opt_state: Any, active: Any) -> Any: ...
-    def leave(self, opt_state: Any) -> Any: ...
+    # The runner's step around one model's: its ``init(graphdef, (state, held))`` builds the
+    # call's carry from the one the owner holds; the carry one model's step takes, of the
+    # owner's (its shapes: ``execution`` traces one model's step); each step's data.
+    def wrap(self, step: Step) -> Step: ...
+    def model_carry(self, carry: tuple[Any, Any]) -> tuple[Any, Any]: ...
     def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]: ...
     def evaluate(self, evaluate: Callable) -> Callable: ...
     def members_axis(self, mesh: Any, name: str | None) -> str | None: ...
@@ -88,6 +91,12 @@ class OneModel:
     def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> OneModel:
         return self
 
+    def step_mean(self, values: np.ndarray, skipping: bool) -> Any:
+        if not skipping:
+            return np.mean(values, axis=0)
+        finite = np.isfinite(values)
+        return np.mean(values[finite]) if finite.any() else np.float32(np.nan)
+
     def value(self, x: Any) -> float:
         return float(x)
 
@@ -100,27 +109,25 @@ class OneModel:
     def nonfinite_steps(self, counts: Any, steps: int) -> str:
         return f"{int(counts)} of the {steps} training steps"
 
-    def trains(self, owner: Any) -> bool:
-        return True  # one model never freezes: it stops
+    def shown(self, name: str, value: Any) -> str | None:
+        number = _finite_median(value)
+        median = "median " if np.ndim(value) else ""  # a metric per class, say
+        return None if number is None else f"{name} {median}{number:.4g}"
 
-    def active_masks(self, owner: Any, put: Callable[[np.ndarray], Any]) -> Callable[[], Any]:
-        return lambda: None
+    def loss_text(self, loss: Any) -> str:
+        return f"loss {float(loss):.4g}"
 
-    def active_logs(self, owner: Any) -> dict[str, Any]:
-        return {}
-
-    def halted_steps(self, owner: Any, halted: Any, losses: Any, length: int, first: int) -> int:
+    def halted_steps(
+        self, halted: Any, losses: Any, length: int, first: int, epoch: int, freeze: Callable
+    ) -> int:
         # The steps before the first non-finite one count; fit then raises.
         return int(np.argmax(np.isnan(np.asarray(losses))))
 
-    def step(self, step: Step) -> Step:
+    def wrap(self, step: Step) -> Step:
         return step
 
-    def enter(self, opt_state: Any, active: Any) -> Any:
-        return opt_state
-
-    def leave(self, opt_state: Any) -> Any:
-        return opt_state
+    def model_carry(self, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+        return carry
 
     def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]:
         return data, indices
@@ -199,6 +206,15 @@ class Members:
             batches = "own batches"
         return dataclasses.replace(self, member_axis=member_axis, batches=batches)
 
+    def step_mean(self, values: np.ndarray, skipping: bool) -> Any:
+        if not skipping:
+            return np.mean(values, axis=0)
+        finite = np.isfinite(values)
+        counts = finite.sum(axis=0)
+        sums = np.where(finite, values, 0).sum(axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan).astype(values.dtype)
+
     def value(self, x: Any) -> np.ndarray:
         return np.asarray(x, np.float32)
 
@@ -212,48 +228,53 @@ class Members:
         per = ", ".join(f"member {m}: {int(n)}" for m, n in enumerate(counts) if n)
         return f"some of the {steps} training steps ({per})"
 
-    def trains(self, owner: Any) -> bool:
-        return bool(owner.active.any())
+    def shown(self, name: str, value: Any) -> str | None:
+        number = _finite_median(value)
+        return None if number is None else f"{name} median {number:.4g}"
 
-    def active_masks(self, owner: Any, put: Callable[[np.ndarray], Any]) -> Callable[[], Any]:
-        placed: list = [None, None]  # the mask's bytes, and it placed
+    def loss_text(self, loss: Any) -> str:
+        loss = np.asarray(loss, np.float64)
+        low, mid, high = (
+            np.nanpercentile(loss, [0, 50, 100]) if np.isfinite(loss).any() else [np.nan] * 3
+        )
+        return f"loss median {mid:.4g} [{low:.4g}, {high:.4g}] of {loss.size} members"
 
-        def mask() -> Any:
-            key = owner.active.tobytes()
-            if placed[0] != key:
-                placed[:] = [key, put(owner.active.copy())]
-            return placed[1]
-
-        return mask
-
-    def active_logs(self, owner: Any) -> dict[str, Any]:
-        return {"active": owner.active.copy()}
-
-    def halted_steps(self, owner: Any, halted: Any, losses: Any, length: int, first: int) -> int:
+    def halted_steps(
+        self, halted: Any, losses: Any, length: int, first: int, epoch: int, freeze: Callable
+    ) -> int:
         # Each member that halted in the call is frozen at the state before its first
         # non-finite step, with a warning naming that step; the others go on, and the
-        # call's steps all count.
-        halted = np.asarray(halted, bool) & owner.active
+        # call's steps all count. (A frozen member never halts: its step is not applied.)
         losses = np.asarray(losses)
-        for index in np.flatnonzero(halted):
+        halted = np.flatnonzero(np.asarray(halted, bool))
+        for index in halted:
             step = first + int(np.argmax(np.isnan(losses[:, index])))
             warn(
                 f"member {index}: non-finite loss at global step {step} (epoch "
-                f"{owner.epoch}); on_nonfinite='stop' froze it at the state before that "
+                f"{epoch}); on_nonfinite='stop' froze it at the state before that "
                 f"step. The other members go on.",
                 RuntimeWarning,
             )
-        owner.active = owner.active & ~halted
+        freeze(halted)
         return length
 
-    def step(self, step: Step) -> Step:
-        return vmap_members(step, shared_batch=self._shared_batch, member_axis=self.member_axis)
+    def wrap(self, step: Step) -> Step:
+        members_step = vmap_members(
+            step, shared_batch=self._shared_batch, member_axis=self.member_axis
+        )
 
-    def enter(self, opt_state: Any, active: Any) -> MembersState:
-        return MembersState(opt_state, active)
+        def init(graphdef: Any, held: tuple[Any, MembersState]) -> MembersState:
+            # The call's carry from the members' state the owner holds: the inner wrappers'
+            # states (a halt's) built around each member's held one, and its mask kept.
+            state, members_state = held
+            built = members_step.init(graphdef, (state, members_state.inner))
+            return built._replace(active=members_state.active)
 
-    def leave(self, opt_state: MembersState) -> Any:
-        return opt_state.inner
+        return Step(init, members_step.update, members_step.has_aux)
+
+    def model_carry(self, carry: tuple[Any, MembersState]) -> tuple[Any, Any]:
+        state, members_state = carry
+        return state, members_state.inner
 
     def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]:
         if self.batches != "own data":
@@ -261,9 +282,9 @@ class Members:
         # Each member's own data (N, n, ...) as one data set (N * n, ...) (a reshape, no
         # copy), and the members' indices (steps, N, batch) shifted into it: member i's
         # row r is row i * n + r.
-        members, n = jax.tree.leaves(data)[0].shape[:2]
-        data = jax.tree.map(lambda x: x.reshape(members * n, *x.shape[2:]), data)
-        offsets = (jnp.arange(members, dtype=indices.dtype) * n).reshape(1, members, 1)
+        count, n = jax.tree.leaves(data)[0].shape[:2]
+        data = jax.tree.map(lambda x: x.reshape(count * n, *x.shape[2:]), data)
+        offsets = (jnp.arange(count, dtype=indices.dtype) * n).reshape(1, count, 1)
         return data, indices + offsets
 
     def evaluate(self, evaluate: Callable) -> Callable:
@@ -324,6 +345,14 @@ class Members:
         # Vmapped over members, slicing a batch by number would be a gather per step:
         # the members gather their (stored-order) batches as a shuffled epoch does.
         return indices, None
+
+
+def _finite_median(values: Any) -> float | None:
+    """One number for the progress line: a model's value, or the members' median, of the
+    finite ones (None when none is)."""
+    values = np.ravel(np.asarray(values, np.float64))
+    finite = values[np.isfinite(values)]
+    return float(np.median(finite)) if finite.size else None
 
 
 @functools.lru_cache(maxsize=32)

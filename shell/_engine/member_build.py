@@ -17,14 +17,16 @@ from flax import nnx
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, subjaxprs
 
 from nnxscan.pure import (
+    MembersState,
+    Step,
     compile_once,
-    hyperparam_value,
     paused_gc,
     stack_states,
-    with_hyperparams,
+    vmap_members,
 )
 from nnxscan.pure.step_node import step_node
 from nnxscan.pure.threefry import unrolled_threefry
+from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.members import StackedOwner
 from nnxscan.shell._engine.owner import split_plain
 from nnxscan.shell._module_check import call_model_fn
@@ -35,6 +37,7 @@ def build_members(
     init_opt: Callable[[nnx.GraphDef, Any], Any],
     seeds: tuple[int, ...],
     hyperparams: dict[str, tuple],
+    layout: Members,
     *,
     rngs: Any = None,
     metrics: nnx.Metric | None = None,
@@ -73,15 +76,16 @@ def build_members(
     once per member (a function of a Python int: ``nnx.Rngs(100 + seed)`` cannot take a
     traced one), and its states go into the program as data.
     """
-    built = _build_in_one_program(model_fn, init_opt, seeds, hyperparams, rngs, metrics)
+    members_step = _members_step(init_opt, hyperparams)
+    built = _build_in_one_program(model_fn, members_step, seeds, rngs, metrics)
     if built is None:
         return build_members_one_by_one(
-            model_fn, init_opt, seeds, hyperparams, rngs=rngs, metrics=metrics
+            model_fn, init_opt, seeds, hyperparams, layout, rngs=rngs, metrics=metrics
         )
-    graphdef, model_graphdef, state, opt_state = built
+    graphdef, model_graphdef, state, members_state = built
     return StackedOwner(
-        graphdef, state, opt_state,
-        model_graphdef=model_graphdef, seeds=seeds, hyperparams=hyperparams,
+        graphdef, state, members_state,
+        layout=layout, model_graphdef=model_graphdef, seeds=seeds, hyperparams=hyperparams,
         with_rngs=rngs is not None, metrics=metrics,
     )  # fmt: skip
 
@@ -91,13 +95,14 @@ def build_members_one_by_one(
     init_opt: Callable[[nnx.GraphDef, Any], Any],
     seeds: tuple[int, ...],
     hyperparams: dict[str, tuple],
+    layout: Members,
     *,
     rngs: Any = None,
     metrics: nnx.Metric | None = None,
 ) -> StackedOwner:
     """:func:`build_members`, each member built eagerly on the host, one after another
     (the path for a ``model_fn`` that cannot be traced; its cost grows with the members)."""
-    graphdef, model_graphdef, states, opt_states = None, None, [], []
+    graphdef, model_graphdef, states = None, None, []
     for i, seed in enumerate(seeds):
         model = call_model_fn(model_fn, seed)
         member_rngs = _member_rngs(rngs, seed)
@@ -110,15 +115,25 @@ def build_members_one_by_one(
                 f"member 0 (seed {seeds[0]}): every member must be the same architecture; "
                 f"only the seed may change."
             )
-        opt_state = init_opt(member_graphdef, state)
-        values = {name: v[i] for name, v in hyperparams.items()}
         states.append(state)
-        opt_states.append(with_hyperparams(opt_state, **values) if values else opt_state)
+    states = stack_states(states)
     return StackedOwner(
-        graphdef, stack_states(states), stack_states(opt_states),
-        model_graphdef=model_graphdef, seeds=seeds, hyperparams=hyperparams,
+        graphdef, states, _members_step(init_opt, hyperparams).init(graphdef, states),
+        layout=layout, model_graphdef=model_graphdef, seeds=seeds, hyperparams=hyperparams,
         with_rngs=rngs is not None, metrics=metrics,
     )  # fmt: skip
+
+
+def _members_step(init_opt: Callable, hyperparams: dict[str, tuple]) -> Step:
+    """The members' step as far as building needs it: :func:`~nnxscan.pure.vmap_members`,
+    whose ``init`` vmaps each member's ``init_opt`` and writes its ``hyperparams`` (the one
+    place they are written). The members are trained by the program's step, vmapped by the
+    run's layout, on the :class:`~nnxscan.pure.MembersState` this ``init`` returns."""
+    return vmap_members(Step(init_opt, _trained_by_the_program), hyperparams=hyperparams)
+
+
+def _trained_by_the_program(*args: Any) -> Any:
+    raise AssertionError("a population's build only initializes its members")
 
 
 def _member_rngs(rngs: Any, seed: int) -> nnx.Rngs | None:
@@ -157,13 +172,12 @@ _UNROLL_FROM = 2**24
 
 def _build_in_one_program(
     model_fn: Any,
-    init_opt: Callable,
+    members_step: Step,
     seeds: tuple[int, ...],
-    hyperparams: dict[str, tuple],
     rngs: Any,
     metrics: Any,
-) -> tuple[nnx.GraphDef, nnx.GraphDef, Any, Any] | None:
-    """``(graphdef, model_graphdef, stacked state, stacked opt_state)`` built by one
+) -> tuple[nnx.GraphDef, nnx.GraphDef, Any, MembersState] | None:
+    """``(graphdef, model_graphdef, stacked state, members_step.init of it)`` built by one
     compiled program, or None where the members must be built one by one (see
     :func:`build_members`)."""
     if not seeds or jax.config.jax_disable_jit:
@@ -180,33 +194,27 @@ def _build_in_one_program(
             return None  # one by one: its structure check names the member
     graphdefs: list[tuple[nnx.GraphDef, nnx.GraphDef]] = []
 
-    def build_one(seed: jax.Array, member_rngs_state: Any) -> tuple[Any, Any]:
+    def build_one(seed: jax.Array, member_rngs_state: Any) -> Any:
         model = call_model_fn(model_fn, seeds[0], nnx.Rngs(jax.random.key(seed)))
         member_rngs = (
             shared_rngs if rngs_graphdef is None else nnx.merge(rngs_graphdef, member_rngs_state)
         )
         graphdef, state = split_plain(step_node(model, member_rngs, metrics))
         graphdefs.append((graphdef, nnx.split(model)[0]))
-        return state, init_opt(graphdef, state)
+        return state
+
+    def build_all(seed_array: Any, rngs_state: Any) -> tuple[Any, MembersState]:
+        states = jax.vmap(build_one)(seed_array, rngs_state)
+        return states, members_step.init(graphdefs[-1][0], states)
 
     # The seeds in the dtype jax gives a Python int (int32, or int64 with jax_enable_x64).
     seed_array = np.asarray(seeds, jax.dtypes.canonicalize_dtype(np.int64))
     try:
         with paused_gc():
-            closed, shapes = jax.make_jaxpr(jax.vmap(build_one), return_shape=True)(
-                seed_array, rngs_state
-            )
+            closed, shapes = jax.make_jaxpr(build_all, return_shape=True)(seed_array, rngs_state)
     except _UNTRACEABLE:
         return None
     graphdef, model_graphdef = graphdefs[-1]
-    # Hyperparameters are set as with_hyperparams sets one member's: each value converted
-    # on the host to the dtype of the value it replaces (a Python float to float32 as
-    # jnp.asarray does), then written into each member's opt_state by the program.
-    opt_shapes = shapes[1]
-    values = {
-        name: np.asarray(v, getattr(hyperparam_value(opt_shapes, name), "dtype", None))
-        for name, v in hyperparams.items()
-    }
     # The build's constants (weights a model_fn loads, a shared template's state) are
     # arguments of the program, not constants embedded in it: a pretrained model would
     # otherwise be compiled into the program's text.
@@ -220,28 +228,23 @@ def _build_in_one_program(
         run = unrolled_threefry(run)
     treedef = jax.tree.structure(shapes)
 
-    def program(consts: list, seed_array: Any, rngs_state: Any, values: dict) -> Any:
-        state, opt_state = jax.tree.unflatten(
-            treedef, run(*consts, *jax.tree.leaves((seed_array, rngs_state)))
-        )
-        if values:
-            opt_state = jax.vmap(lambda o, v: with_hyperparams(o, **v))(opt_state, values)
-        return state, opt_state
+    def program(consts: list, seed_array: Any, rngs_state: Any) -> Any:
+        return jax.tree.unflatten(treedef, run(*consts, *jax.tree.leaves((seed_array, rngs_state))))
 
-    args = (consts, seed_array, rngs_state, values)
+    args = (consts, seed_array, rngs_state)
     with paused_gc():
         lowered = jax.jit(program).lower(*args)
     try:
         # XLA:CPU's options for a program run once (pure.compile_once): 1,024 small MLPs and
         # their Adam states compile in 0.5 s instead of 5.6 s here, run in 0.24 s, not 0.8.
-        state, opt_state = compile_once(lowered)(*args)
+        state, members_state = compile_once(lowered)(*args)
     except jax.errors.JaxRuntimeError as error:
         # Every member's initialiser temporaries at once may not fit where one member's
         # did (a large model, many members): build them one at a time then.
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
         return None
-    return graphdef, model_graphdef, state, opt_state
+    return graphdef, model_graphdef, state, members_state
 
 
 def _stacked_on_host(states: list) -> Any:

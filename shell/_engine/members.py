@@ -1,11 +1,13 @@
 """The owner of a population's members, stacked along a leading axis.
 
 A population writes to no user object: ``member(i)`` hands out fresh modules. So this owner
-keeps the stacked ``(state, opt_state)`` itself, with the counters the fit engine reads
-through the :class:`~nnxscan.shell._engine.owner.Owner` protocol, which members still train
-(:attr:`active`), their seeds, and what a restore must match (seeds, hyperparameters, the
-run's ``shared_order``). Each member's state is that of its node: the model, or
-``(model, rngs, metrics)`` when the population carries call-time Rngs or NNX metrics.
+keeps the members' carry itself, ``(states, MembersState)``: the stacked states and the
+state :func:`~nnxscan.pure.vmap_members`' ``init`` built (the members' optax states and
+the mask of those that still train, ``active``), with the counters the fit engine reads
+through the :class:`~nnxscan.shell._engine.owner.Owner` protocol, their seeds, and what a
+restore must match (seeds, hyperparameters, the run's ``shared_order``). Each member's
+state is that of its node: the model, or ``(model, rngs, metrics)`` when the population
+carries call-time Rngs or NNX metrics.
 """
 
 from __future__ import annotations
@@ -14,17 +16,25 @@ import contextlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from nnxscan.pure import (
+    MembersState,
     hyperparam_value,
     member_state,
     select_members,
 )
 from nnxscan.pure.step_node import unpack_step_node
 from nnxscan.shell._engine.layout import Members
-from nnxscan.shell._engine.owner import WriteBack, check_meta_ints, metric_logs
+from nnxscan.shell._engine.owner import (
+    WriteBack,
+    check_meta_ints,
+    counters,
+    metric_logs,
+    restore_counters,
+)
 from nnxscan.shell._engine.programs import member_metrics
 
 
@@ -34,7 +44,10 @@ class StackedOwner:
     Args:
       graphdef: every member's node graphdef (one architecture).
       model_graphdef: the graphdef of a member's model alone (what ``metric_fn`` sees).
-      state, opt_state: the members' states and optax states, stacked.
+      state: the members' states, stacked.
+      members_state: what ``vmap_members(...).init`` built for them: their optax states,
+        stacked, and which of them train.
+      layout: the members' :class:`~nnxscan.shell._engine.layout.Members` (one per seed).
       seeds: one per member (its initialization and its shuffle).
       hyperparams: ``{name: N values}`` the members were built with (a restore checks them).
       with_rngs, metrics: whether each member's node carries call-time Rngs, and the NNX
@@ -45,8 +58,9 @@ class StackedOwner:
         self,
         graphdef: nnx.GraphDef,
         state: Any,
-        opt_state: Any,
+        members_state: MembersState,
         *,
+        layout: Members,
         model_graphdef: nnx.GraphDef,
         seeds: tuple[int, ...],
         hyperparams: dict[str, tuple],
@@ -56,13 +70,14 @@ class StackedOwner:
         self.graphdef, self.model_graphdef = graphdef, model_graphdef
         self.seeds, self.hyperparams = seeds, hyperparams
         self.with_rngs, self.metrics = with_rngs, metrics
-        self.num_members = len(seeds)
-        self.layout = Members(self.num_members)
-        self._carry = (state, opt_state)
+        self.layout = layout
+        self._carry = (state, members_state)
         self.epoch = 0
         self.step = 0
         self.epoch_step = 0
-        self.active = np.ones((self.num_members,), bool)
+        #: Counts the changes made to the carry between compiled calls (a freeze, a load):
+        #: a fit in progress carries on from the owner's carry when it moves.
+        self.revision = 0
         #: The order rule of the run in progress (saved; a resume must use the same).
         self.shared_order = False
         self.loaded_since_checkpoint = False
@@ -88,7 +103,30 @@ class StackedOwner:
 
     def copy_of(self, which: int) -> Any:
         """A copy of the stacked state (``which=0``) or optax state (``1``)."""
-        return jax.tree.map(lambda x: x.copy(), self._carry[which])
+        part = self._carry[0] if which == 0 else self._carry[1].inner
+        return jax.tree.map(lambda x: x.copy(), part)
+
+    @property
+    def active(self) -> np.ndarray:
+        """Which members train: the carry's ``active``, on the host (a copy)."""
+        return np.array(jax.device_get(self._carry[1].active), bool)
+
+    def trains(self) -> bool:
+        """Whether any member is left to train."""
+        return bool(self.active.any())
+
+    def active_logs(self) -> dict[str, Any]:
+        """The epoch's ``active`` log: which members train."""
+        return {"active": self.active}
+
+    def set_active(self, indices: Any, value: bool) -> None:
+        """Freezes (``value=False``) or unfreezes the members ``indices``: writes the
+        carry's ``active``, which the next compiled call reads."""
+        active = self.active
+        active[indices] = value
+        state, members_state = self._carry
+        self._carry = (state, members_state._replace(active=jnp.asarray(active)))
+        self.revision += 1
 
     def model_state(self) -> Any:
         """The members' stacked MODEL state (their Rngs and metrics left out), a copy."""
@@ -165,13 +203,14 @@ class StackedOwner:
         new = [x.copy() for x in jax.tree.leaves(state)] + leaves[self._model_leaves :]
         self._carry = (jax.tree.unflatten(treedef, new), self._carry[1])
         self.loaded_since_checkpoint = True
+        self.revision += 1
 
     # -- the run ----------------------------------------------------------------------------
 
     def run_seeds(self, run_keys: dict[str, Any]) -> tuple[int, ...]:
         """Each member's shuffle seed: its own, or the first member's for a shared order."""
         if run_keys.get("shared_order"):
-            return (self.seeds[0],) * self.num_members
+            return (self.seeds[0],) * len(self.seeds)
         return self.seeds
 
     def begin_run(self, run_keys: dict[str, Any]) -> None:
@@ -183,29 +222,27 @@ class StackedOwner:
     def restore_hint(self) -> str:
         """What a checkpoint of another shape of population says about this one."""
         return (
-            f"this population has {self.num_members} members with seeds {list(self.seeds)}: "
+            f"this population has {len(self.seeds)} members with seeds {list(self.seeds)}: "
             f"a checkpoint of another number of members or another model does not fit it"
         )
 
     def checkpoint_tree(self, run: str = "", carry: tuple | None = None) -> dict[str, Any]:
-        state, opt_state = self._carry  # the stacked carry is this owner's own already
+        state, members_state = self._carry  # the stacked carry is this owner's own already
         meta = {
-            "epoch": self.epoch,
-            "step": self.step,
-            "epoch_step": self.epoch_step,
+            **counters(self),
             "seeds": np.asarray(self.seeds, np.int64),
-            "active": self.active.copy(),
+            "active": self.active,
             "shared_order": bool(self.shared_order),
             "run": run,
         }
-        return {"state": state, "opt_state": opt_state, "meta": meta}
+        return {"state": state, "opt_state": members_state.inner, "meta": meta}
 
     def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None:
         """Takes a restored :meth:`checkpoint_tree` after checking it holds these members
         (seeds and hyperparameters) and, for a resumed fit, the run's ``shared_order``; a
         mismatch raises and changes nothing."""
         meta = tree["meta"]
-        check_meta_ints(meta, ("epoch", "step", "epoch_step"))
+        check_meta_ints(meta)  # the owners' COUNTERS
         if run_keys is not None and bool(run_keys.get("shared_order")) != meta["shared_order"]:
             raise ValueError(
                 f"resume=True with shared_order={bool(run_keys.get('shared_order'))}, but the "
@@ -227,12 +264,13 @@ class StackedOwner:
                     f"was built with {list(values)}: build it with the hyperparams it was "
                     f"saved with."
                 )
-        self._carry = (tree["state"], tree["opt_state"])
-        self.epoch, self.step = meta["epoch"], meta["step"]
-        self.epoch_step = meta["epoch_step"]
-        self.active = np.asarray(meta["active"], bool).copy()
+        active = jnp.asarray(np.asarray(meta["active"], bool))
+        members_state = self._carry[1]._replace(inner=tree["opt_state"], active=active)
+        self._carry = (tree["state"], members_state)
+        restore_counters(self, meta)
         self.shared_order = bool(meta["shared_order"])
         self.loaded_since_checkpoint = False
+        self.revision += 1
 
 
 # One program per state structure: the index is an argument, not a constant (slicing each

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnxscan.adapters._checkpoint_manifest import check_meta_ints
+from nnxscan.adapters._checkpoint_manifest import COUNTERS, check_meta_ints
 from nnxscan.adapters.nnx_optimizer import (
     _is_variable,
     optax_state_from_optimizer,
@@ -49,6 +49,9 @@ class Owner(Protocol):
         when a run stopped inside it (0 at boundaries).
       loaded_since_checkpoint: a state was loaded (EarlyStopping's best epoch) since the
         last checkpoint, so one at the current step is stale.
+      revision: counts the changes :meth:`set_active` made to the carry: a fit in progress
+        carries on from the owner's carry when it moves.
+      restore_hint: what a restore error adds about the objects held ("" : nothing).
     """
 
     layout: Layout
@@ -56,6 +59,8 @@ class Owner(Protocol):
     epoch: int
     epoch_step: int
     loaded_since_checkpoint: bool
+    revision: int
+    restore_hint: str
 
     @property
     def step(self) -> int: ...
@@ -66,7 +71,10 @@ class Owner(Protocol):
     def make_write_back(self) -> WriteBack: ...
     def reset_metrics(self) -> None: ...
     def take_metrics(self) -> dict[str, Any]: ...
-    def load(self, state: nnx.State, where: Any = None) -> None: ...
+    def load(self, state: nnx.State) -> None: ...
+    def set_active(self, indices: Any, value: bool) -> None: ...
+    def trains(self) -> bool: ...
+    def active_logs(self) -> dict[str, Any]: ...
     def checkpoint_tree(self, run: str = "", carry: tuple | None = None) -> dict[str, Any]: ...
     def restore(self, tree: dict[str, Any], run_keys: dict[str, Any] | None = None) -> None: ...
     def run_seeds(self, run_keys: dict[str, Any]) -> tuple[int, ...]: ...
@@ -98,6 +106,17 @@ def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
     return {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in host.items()}
 
 
+def counters(owner: Any) -> dict[str, int]:
+    """The owner's :data:`COUNTERS`, as a checkpoint's meta holds them."""
+    return {name: getattr(owner, name) for name in COUNTERS}
+
+
+def restore_counters(owner: Any, meta: dict[str, Any]) -> None:
+    """Sets the owner's :data:`COUNTERS` from a checked checkpoint's meta."""
+    for name in COUNTERS:
+        setattr(owner, name, meta[name])
+
+
 class ModelOwner:
     """Holds the user's ``model`` (and ``optimizer``, if given) and the run's counters.
 
@@ -116,6 +135,8 @@ class ModelOwner:
     """
 
     layout = ONE_MODEL
+    revision = 0  # one model never freezes: its carry changes only by training
+    restore_hint = ""  # a checkpoint's own error says what differs
 
     def __init__(
         self,
@@ -208,6 +229,14 @@ class ModelOwner:
         if self._step_cache is None or self._step_cache[0] is not value:
             self._step_cache = (value, int(value))
         return self._step_cache[1]
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if self._synced is None:
+            self._own_step = value
+        elif value != self.step:
+            self._synced.step.set_raw_value(step_array(value))
+            self._step_cache = None
 
     @property
     def opt_state(self) -> Any:
@@ -354,13 +383,22 @@ class ModelOwner:
 
         return write_with_optimizer
 
-    def load(self, state: nnx.State, where: Any = None) -> None:
+    def load(self, state: nnx.State) -> None:
         """Writes a module state (e.g. a kept copy of the best epoch) into the model only."""
         self.release_reads()
-        if where is not None:
-            raise ValueError("one model has no members to choose with where=")
         nnx.update(self.model, state)
         self.loaded_since_checkpoint = True
+
+    def set_active(self, indices: Any, value: bool) -> None:
+        raise ValueError("one model has no members to freeze: on_nonfinite='stop' stops it")
+
+    def trains(self) -> bool:
+        """Whether anything is left to train: one model never freezes (it stops)."""
+        return True
+
+    def active_logs(self) -> dict[str, Any]:
+        """What an epoch's logs say of frozen members: nothing."""
+        return {}
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -380,13 +418,7 @@ class ModelOwner:
         ``carry``: fit's ``(state, opt_state)``, just written into the objects: the same
         arrays, without walking the module and optimizer again to read them back. Ignored
         once a state was loaded into the model since (EarlyStopping)."""
-        meta = {
-            "epoch": self.epoch,
-            "step": self.step,
-            "seed": self.seed,
-            "epoch_step": self.epoch_step,
-            "run": run,
-        }
+        meta = {**counters(self), "seed": self.seed, "run": run}
         if carry is not None and not self.loaded_since_checkpoint:
             state, opt_state = carry
         else:
@@ -398,7 +430,7 @@ class ModelOwner:
         """Writes a checkpoint tree (as :meth:`checkpoint_tree` made it) into the objects."""
         self.release_reads()
         meta = tree["meta"]
-        check_meta_ints(meta, ("epoch", "step", "seed", "epoch_step"))
+        check_meta_ints(meta, (*COUNTERS, "seed"))
         seed = (run_keys or {}).get("seed")
         if seed is not None and seed != meta["seed"]:
             raise ValueError(
@@ -408,7 +440,6 @@ class ModelOwner:
         if self._synced is None:
             nnx.update(self.node, tree["state"])
             self._opt_state = tree["opt_state"]
-            self._own_step = meta["step"]
         else:
             # Build the optimizer's update before touching the model: it can still raise.
             update = optimizer_state_builder(self._synced)(
@@ -417,8 +448,8 @@ class ModelOwner:
             nnx.update(self.node, tree["state"])
             nnx.update(self._synced, update)
             self._step_cache = None
-        self.epoch, self.seed = meta["epoch"], meta["seed"]
-        self.epoch_step = meta["epoch_step"]
+        restore_counters(self, meta)
+        self.seed = meta["seed"]
         self.loaded_since_checkpoint = False
 
 

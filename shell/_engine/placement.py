@@ -55,7 +55,8 @@ class Placement:
 
     Built once by a front-end with the user's options; :meth:`bound` resolves the mesh at
     each call (``mesh=``, else the context's), so the same Trainer trains on one device or
-    under ``jax.set_mesh``.
+    under ``jax.set_mesh``, for the owner's layout (one model's leaves, or members' with a
+    leading members axis).
     """
 
     def __init__(
@@ -68,7 +69,6 @@ class Placement:
         rules: Any = None,
         tx: optax.GradientTransformation | None = None,
         wrt: Any = nnx.Param,
-        layout: Layout = ONE_MODEL,
     ):
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
@@ -80,8 +80,8 @@ class Placement:
         self._mesh, self._data_axis = mesh, data_axis
         self.fsdp_min_size, self._member_axis = fsdp_min_size, member_axis
         self.rules = check_rules(rules)
-        # One model's leaves, or members' with a leading members axis.
-        self.tx, self.wrt, self.layout = tx, wrt, layout
+        self.tx, self.wrt = tx, wrt
+        self.layout: Layout = ONE_MODEL  # the owner's, once bound
         self.mesh: Mesh | None = None
         self.data_axes: tuple[str, ...] = ()
         self.member_axis: str | None = None
@@ -90,9 +90,9 @@ class Placement:
 
     # -- the mesh of this call ----------------------------------------------------------------
 
-    def bound(self) -> Placement:
-        """This placement on the mesh of the current call: ``mesh=``, else the one ``jax.set_mesh``
-        put in context (none: one device)."""
+    def bound(self, layout: Layout) -> Placement:
+        """This placement for the owner's ``layout`` on the mesh of the current call: ``mesh=``,
+        else the one ``jax.set_mesh`` put in context (none: one device)."""
         context = context_mesh()
         mesh = self._mesh if self._mesh is not None else context
         if self._mesh is not None and context is not None and context != self._mesh:
@@ -105,9 +105,10 @@ class Placement:
             raise ValueError(
                 f"{what} shards over a mesh: pass mesh=, or call inside jax.set_mesh(mesh)."
             )
-        if mesh is self.mesh:
+        if mesh is self.mesh and layout == self.layout:
             return self
         bound = copy.copy(self)
+        bound.layout = layout
         bound.mesh, bound.data_axes, bound.member_axis = None, (), None
         if mesh is not None:
             bound._bind(mesh)
@@ -124,7 +125,7 @@ class Placement:
             if axis not in names:
                 raise ValueError(f"data_axis {axis!r} is not an axis of the mesh {names}.")
         member = self.layout.members_axis(mesh, self._member_axis)
-        if member is not None and member in axes:
+        if member in axes:
             raise ValueError(
                 f"member_axis and data_axis are both {member!r}: the members spread over one "
                 f"mesh axis and each member's batches over another."
@@ -215,7 +216,7 @@ class Placement:
         return (*state_shardings, *self._opt_shardings(state, opt_state, state_shardings, given))
 
     def _opt_shardings(self, state: Any, opt_state: Any, shardings: list, given: list) -> list:
-        members = self.layout.carry_spec(self.member_axis)
+        lead = self.layout.carry_spec(self.member_axis)  # the members axis' spec, or none
         parameter = parameters_of(self.tx, self.wrt, state, opt_state)
         param_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(state)]
         out = []
@@ -224,7 +225,7 @@ class Placement:
             path = "opt_state/" + leaf_path(path)
             value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
             shape = tuple(np.shape(value))
-            own = shape[len(members) :]
+            own = shape[len(lead) :]
             spec, source = self._rule(path)
             if spec is None:
                 spec, source = self._given(leaf, value, optimizer=True)
@@ -234,11 +235,11 @@ class Placement:
                     spec = None
             if spec is None and param is not None and param_shapes[param] == shape:
                 # (A factored statistic of another shape, Adafactor's, stays replicated.)
-                spec = PartitionSpec(*tuple(shardings[param].spec)[len(members) :])
+                spec = PartitionSpec(*tuple(shardings[param].spec)[len(lead) :])
                 source = "its parameter's sharding"
             spec = PartitionSpec() if spec is None else spec
             self._check_spec(path, own, spec, source)
-            out.append(NamedSharding(self.mesh, PartitionSpec(*members, *tuple(spec))))
+            out.append(NamedSharding(self.mesh, PartitionSpec(*lead, *tuple(spec))))
         return out
 
     def _rule(self, path: str) -> tuple[PartitionSpec | None, str | None]:
@@ -278,8 +279,8 @@ class Placement:
         """The rule of the module docstring for one variable (checked against the mesh),
         and the spec its array or annotation gave (what its moments would have inherited)."""
         shape = tuple(np.shape(value))
-        members = self.layout.carry_spec(self.member_axis)
-        own = shape[len(members) :]
+        lead = self.layout.carry_spec(self.member_axis)  # the members axis' spec, or none
+        own = shape[len(lead) :]
         is_key = jax.dtypes.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key)
         given, given_source = self._given(variable, value)
         spec, source = self._rule(path)
@@ -290,7 +291,7 @@ class Placement:
             source = "the FSDP rule"
         spec = PartitionSpec() if spec is None else spec
         self._check_spec(path, own, spec, source)
-        return PartitionSpec(*members, *tuple(spec)), given
+        return PartitionSpec(*lead, *tuple(spec)), given
 
     def _check_spec(self, path: str, shape: tuple, spec: PartitionSpec, source: Any) -> None:
         if len(tuple(spec)) > len(shape):

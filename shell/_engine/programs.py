@@ -15,7 +15,6 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from nnxscan.pure import (
@@ -95,14 +94,14 @@ class TrainProgram:
         layout: Layout,
     ) -> Callable:
         """The jitted chunk runner for this graphdef and carry structure:
-        ``run(leaves, data, indices, active, start, length=, unroll=, rows=) -> (leaves, outs,
+        ``run(leaves, data, indices, start, length=, unroll=, rows=) -> (leaves, outs,
         halted)`` trains the steps ``start:start+length`` of ``indices``.
 
         The ``layout`` (``_engine.layout``) says what runs: one model (``OneModel``:
-        ``indices`` is ``(steps, ...)``, ``active`` None), or members (``Members``: the same
-        step vmapped, ``indices`` ``(steps, N, ...)`` unless the batch is shared; ``active``,
-        ``(N,)`` bool, freezes the members where it is False). ``halted`` has the layout's
-        shape.
+        ``indices`` is ``(steps, ...)``), or members (``Members``: the same step wrapped by
+        ``vmap_members``, ``indices`` ``(steps, N, ...)`` unless the batch is shared; the
+        carry's ``MembersState.active`` freezes the members where it is False). ``halted``
+        (``on_nonfinite="stop"``, else None) has the layout's shape.
 
         With ``donate`` the carry's buffers are donated to the call (the default: training
         then holds one copy of the state). A step with host callbacks is run without
@@ -116,10 +115,10 @@ class TrainProgram:
         constrained to ``carry_shardings`` (the input's), so the state stays where it was
         placed, call after call, and its buffers can be donated.
         """
-        step = Step(_no_init, self.jitted_step(graphdef), self.has_aux)
+        step = Step(_held, self.jitted_step(graphdef), self.has_aux)
         if self.halts:
             step = halt_after_nonfinite(step)
-        step = layout.step(step)
+        step = layout.wrap(step)
 
         def build():
             return chunk_runner(
@@ -164,8 +163,29 @@ class TrainProgram:
         return _lookup(self._jitted, graphdef, build)
 
 
-def _no_init(graphdef: Any, state: Any) -> Any:  # the owner holds the states
-    raise AssertionError("a program's step is never initialized here")
+def _held(graphdef: Any, held: tuple[Any, Any]) -> Any:
+    """The init of a runner's innermost step: the owner holds the step's state already.
+
+    A call's carry is its step's ``init(graphdef, (state, held))``: every wrapper's init
+    (a halt's, the members') builds its own state around what this one returns, the
+    state the owner holds (``held``; one member's, inside the members')."""
+    return held[1]
+
+
+def _halted(carry: Any) -> tuple[Any, Any]:
+    """``(held, halted)``: the carry with the halt's state (the outermost
+    :class:`~nnxscan.pure.HaltState`, one member's inside the members') taken off, as the
+    owner holds it, and its ``halted``."""
+    halted: list = []
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, HaltState):
+            halted.append(node.halted)
+            return node.inner
+        return node
+
+    held = jax.tree.map(strip, carry, is_leaf=lambda node: isinstance(node, HaltState))
+    return held, halted[0]
 
 
 def chunk_runner(
@@ -178,17 +198,16 @@ def chunk_runner(
     batch_sharding: Any,
     donate: bool,
 ) -> Callable:
-    """The jitted ``run(leaves, data, indices, active, start, length=, unroll=, rows=) -> (leaves,
+    """The jitted ``run(leaves, data, indices, start, length=, unroll=, rows=) -> (leaves,
     outs, halted)`` of every training call: it trains the steps ``start:start+length`` of
     ``indices`` (batch numbers of ``rows`` stored examples each when ``rows`` is given) with
     ``scan_indexed_steps``, or with ``indices=None`` the stacked batches
     ``data[start:start+length]`` in order with ``scan_steps``, and keeps the new carry where
     it was placed (``carry_shardings``)."""
 
-    def run(leaves, data, indices, active, start, *, length, unroll, rows=None):
-        state, opt_state = jax.tree.unflatten(carry_def, leaves)
-        carry = HaltState(opt_state, jnp.zeros(layout.shape, bool)) if halts else opt_state
-        carry = layout.enter(carry, active)
+    def run(leaves, data, indices, start, *, length, unroll, rows=None):
+        state, held = jax.tree.unflatten(carry_def, leaves)
+        carry = step.init(graphdef, (state, held))
         if indices is None:
             # Stacked batches in order (scan_train's, a stream chunk's): the loop scans
             # their slice, each step's batch at the loop's own counter. Nothing is copied
@@ -206,9 +225,8 @@ def chunk_runner(
                 step, graphdef, state, carry, data, idx, unroll=unroll,
                 batch_sharding=batch_sharding, batch_rows=rows,
             )  # fmt: skip
-        carry = layout.leave(carry)
-        opt_state, halted = carry if halts else (carry, jnp.zeros(layout.shape, bool))
-        leaves = jax.tree.leaves((state, opt_state))
+        held, halted = _halted(carry) if halts else (carry, None)
+        leaves = jax.tree.leaves((state, held))
         if carry_shardings is not None:
             leaves = [
                 constrain_sharding(x, s) for x, s in zip(leaves, carry_shardings, strict=True)

@@ -1,0 +1,194 @@
+"""No code asks "one model or members" except the members wrapper and one reader.
+
+What differs between training one model and a population's members is declared in one
+seam: the members wrapper (``pure/members.py``'s ``vmap_members`` and the shell's layout,
+``shell/_engine/layout.py``), and, for writers and callbacks outside the shell's engine,
+ONE reader of ``num_members`` (``adapters/_log_values.logs_of``). This test reads the
+package's source with ``ast`` and counts both ways code could ask anyway:
+
+- by name: a branch that tests ``num_members``, or ``Members``/``OneModel``/``ONE_MODEL``/
+  ``MembersState``, or any ``getattr(x, "num_members", ...)`` probe;
+- by shape: a branch whose test reads ``.ndim``, ``np.ndim(...)``, ``len(x.shape)`` or
+  ``isinstance(x, np.ndarray)``.
+
+Shape tests that validate an argument or read a data structure (not "which kind of run")
+are listed in ``OTHER_SHAPE_TESTS`` with their reason; ``NOT_YET`` lists the decisions
+still left to move into the seam (it may only shrink).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("pure", "shell", "adapters")
+
+#: The members wrapper and the one reader: where asking is the point.
+SEAM = {
+    ("pure/members.py", None),
+    ("shell/_engine/layout.py", None),
+    ("adapters/_log_values.py", "logs_of"),
+}
+
+#: Shape tests about something else than one model or members, by (file, function).
+OTHER_SHAPE_TESTS = {
+    ("adapters/_checkpoint_packing.py", None): "a checkpoint leaf's type (numpy or jax)",
+    ("adapters/_checkpoint_read.py", None): "a template leaf's type",
+    ("adapters/_log_values.py", "spread"): "an array log (a metric per class too) spreads",
+    ("adapters/_log_values.py", "to_exact_json"): "a value's type",
+    ("adapters/data.py", None): "a data record's leaves",
+    ("adapters/nnx_optimizer.py", "_shape_dtype"): "a leaf's type",
+    ("pure/_host_init.py", "_placement"): "numpy leaves",
+    ("pure/checks.py", "check_leading_size"): "a scalar leaf has no examples axis",
+    ("pure/hyper/continual.py", None): "a hypernetwork's task embeddings",
+    ("pure/hyper/spec.py", None): "a hypernetwork's target shapes",
+    ("pure/hyper/variance.py", None): "kernels and biases by rank",
+    ("pure/hyper/vector.py", None): "a generated leaf's trailing shape",
+    ("pure/population.py", "with_hyperparams"): "a hyperparameter must be a scalar",
+    ("pure/scan.py", None): "batch numbers (1-D) are sliced, index arrays gathered",
+    ("pure/train_step.py", "cut"): "a scalar loss is not cut into micro-batches",
+    ("shell/_edges/logs.py", "scalar_aux"): "aux leaves of the layout's shape per step",
+    ("shell/_engine/owner.py", "metric_logs"): "a metric's value: scalar or array",
+    ("shell/_engine/owner.py", "_swappable"): "a Variable's value type",
+    ("shell/_engine/streaming.py", "is_stream"): "a data set's type",
+    ("shell/_population_checks.py", None): "argument checks (seeds, hyperparams)",
+    ("shell/callbacks.py", "values"): "EarlyStopping's one-model watch: a scalar monitor",
+    ("shell/population.py", "fit"): "a population's per-member logs (it knows it is one)",
+    ("shell/scan_train.py", "_check_steps_axis"): "stacked batches need a steps axis",
+}
+
+#: Decisions still read off shapes, to be moved into the seam: this list may only shrink.
+NOT_YET = {
+    # make_epoch's contract takes one key/order or N of them, told apart by shape (its
+    # _key_members too, which this counter does not see: ndim through a variable).
+    ("pure/epoch.py", "epoch"),
+    ("pure/epoch.py", "scan"),
+    # History.plot has only the History (no trainer): its losses' shape says which.
+    ("adapters/_plots.py", "history_plot"),
+    ("adapters/_plots.py", "_eval_series"),
+}
+
+_KINDS = {"Members", "OneModel", "ONE_MODEL", "MembersState"}
+
+
+def _by_name(node: ast.AST) -> bool:
+    if isinstance(node, ast.Attribute) and node.attr == "num_members":
+        return True
+    if isinstance(node, ast.Constant) and node.value == "num_members":
+        return True
+    return isinstance(node, ast.Name) and node.id in _KINDS
+
+
+def _by_shape(node: ast.AST) -> bool:
+    if isinstance(node, ast.Attribute) and node.attr == "ndim":
+        return True
+    if not isinstance(node, ast.Call):
+        return False
+    func, args = node.func, node.args
+    if isinstance(func, ast.Attribute) and func.attr == "ndim":
+        return True
+    if isinstance(func, ast.Name) and func.id == "len" and args:
+        return isinstance(args[0], ast.Attribute) and args[0].attr == "shape"
+    if isinstance(func, ast.Name) and func.id == "isinstance" and len(args) == 2:
+        return "ndarray" in ast.unparse(args[1])
+    return False
+
+
+def _tests(tree: ast.AST):
+    """``(function, test)`` for every branch's test, with the function it is in."""
+
+    def visit(node: ast.AST, function: str | None):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            function = node.name
+        if isinstance(node, ast.If | ast.IfExp | ast.While | ast.Assert):
+            yield function, node.test
+        elif isinstance(node, ast.comprehension):
+            for test in node.ifs:
+                yield function, test
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "getattr"
+            and len(node.args) >= 2
+            and _by_name(node.args[1])
+        ):
+            yield function, node
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child, function)
+
+    yield from visit(tree, None)
+
+
+def _decisions() -> dict[tuple[str, str | None], list[str]]:
+    found: dict[tuple[str, str | None], list[str]] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for function, test in _tests(ast.parse(path.read_text())):
+                nodes = list(ast.walk(test))
+                kind = "name" if any(map(_by_name, nodes)) else None
+                kind = kind or ("shape" if any(map(_by_shape, nodes)) else None)
+                if kind:
+                    line = f"{rel}:{test.lineno} ({kind}) {ast.unparse(test)[:80]}"
+                    found.setdefault((rel, function), []).append(line)
+    return found
+
+
+def _allowed(key: tuple[str, str | None], table) -> bool:
+    return key in table or (key[0], None) in table
+
+
+def test_only_the_seam_asks_one_model_or_members():
+    found = _decisions()
+    asking = {
+        key: lines
+        for key, lines in found.items()
+        if not _allowed(key, SEAM) and not _allowed(key, NOT_YET)
+        and not (_allowed(key, OTHER_SHAPE_TESTS) and all("(shape)" in x for x in lines))
+    }  # fmt: skip
+    assert not asking, "asked outside the seam:\n" + "\n".join(
+        line for lines in asking.values() for line in lines
+    )
+
+
+def test_what_is_left_to_move_only_shrinks():
+    found = _decisions()
+    gone = sorted(key for key in NOT_YET if key not in found)
+    assert not gone, f"moved into the seam: drop {gone} from NOT_YET"
+    unused = sorted(key for key in OTHER_SHAPE_TESTS if not any(
+        k[0] == key[0] and (key[1] is None or k[1] == key[1]) for k in found))  # fmt: skip
+    assert not unused, f"no shape test left there: drop {unused} from OTHER_SHAPE_TESTS"
+
+
+def test_the_counter_sees_both_kinds():
+    """The counter itself: it finds a branch by name and one by shape (a reference it
+    must flag), and nothing in a plain computation."""
+    source = (
+        "def f(t, x):\n"
+        "    if getattr(t, 'num_members', None) is None: pass\n"
+        "    y = 1 if x.ndim == 2 else 0\n"
+        "    return len(x.shape) + x.ndim\n"
+    )
+    kinds = []
+    for _, test in _tests(ast.parse(source)):
+        nodes = list(ast.walk(test))
+        name, shape = any(map(_by_name, nodes)), any(map(_by_shape, nodes))
+        kinds.append("name" if name else "shape" if shape else None)
+    assert kinds == ["name", "name", "shape"]
+
+
+def test_a_wrappers_state_is_built_by_its_wrapper_alone():
+    """``HaltState`` is built by ``halt_after_nonfinite`` (pure/nonfinite.py), ``MembersState``
+    by ``vmap_members`` (pure/members.py): as optax's wrappers, nothing else constructs
+    them (the shell builds a call's carry with the wrapped step's ``init``)."""
+    owners = {"HaltState": "pure/nonfinite.py", "MembersState": "pure/members.py"}
+    built = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call):
+                    name = ast.unparse(node.func).rsplit(".", 1)[-1]
+                    if name in owners and owners[name] != rel:
+                        built.append(f"{rel}:{node.lineno} {ast.unparse(node)[:80]}")
+    assert not built, "a wrapper's state built outside its wrapper:\n" + "\n".join(built)
