@@ -39,7 +39,8 @@ checkpoint by its step, so one listing, one ``max_to_keep`` and one reader serve
                                         it is written; ignored, removed later)
       <step>/                           or orbax's
         _CHECKPOINT_METADATA            orbax: when it was written
-        manifest/metadata               the manifest
+        manifest/metadata               the manifest (with the crc32 of each packed
+                                        buffer and of each shard of a sharded array)
         arrays/                         orbax PyTree (OCDBT/tensorstore): the packed
                                         buffers, and each array sharded over devices or
                                         processes on its own, named leaf_00000, ...
@@ -100,6 +101,7 @@ from nnxscan.adapters import _checkpoint_layout as _layout
 from nnxscan.adapters import _checkpoint_lock as _lock
 from nnxscan.adapters import _checkpoint_manifest as _manifest
 from nnxscan.adapters import _checkpoint_read as _read
+from nnxscan.adapters import _checkpoint_shards as _shards
 from nnxscan.adapters._checkpoint_lock import CheckpointLockedError
 from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
 from nnxscan.pure.checks import check_count
@@ -402,6 +404,8 @@ class Checkpointer:
                 n: {"dtype": a.dtype.name, "size": a.size, "crc32": _manifest.buffer_crc32(a)}
                 for n, a in packs.items()
             },
+            # Each shard's crc32, by the process holding it, from its own copy (no gather).
+            "shards": _shards.crc32s({n: a for n, a in buffers.items() if n not in packs}),
         }
         items = {"manifest": ocp.args.JsonSave(_manifest.with_crc32(manifest))}
         if arrays:

@@ -167,7 +167,7 @@ def test_every_buffer_and_the_manifest_carry_a_crc32_of_their_bytes(run):
 
     step = run[0] / "12"
     record = manifest_of(step)
-    assert record["version"] == 5 and record["buffers"]
+    assert record["version"] == 6 and record["buffers"]
     data = (step / "arrays.bin").read_bytes()
     for entry in record["buffers"].values():
         nbytes = entry["size"] * np.dtype(jax.numpy.dtype(entry["dtype"])).itemsize
