@@ -93,6 +93,16 @@ def remove_leftovers(path: pathlib.Path) -> None:
                 remove(pathlib.Path(entry.path) / f"{ITEM}{TMP_SUFFIX}")
 
 
+def remove_orbax_leftovers(path: pathlib.Path) -> None:
+    """Deletes orbax's temporary folders (``<step>.orbax-checkpoint-tmp*``) under ``path``:
+    what a failed orbax save left (a full disk). Never a finished checkpoint."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            if ".orbax-checkpoint-tmp" in entry.name and not _STEP_NAME.fullmatch(entry.name):
+                with contextlib.suppress(OSError):
+                    remove(pathlib.Path(entry.path))
+
+
 def remove(entry: pathlib.Path) -> None:
     """Removes ``entry`` if it exists: a symbolic link (or a file) as itself, never what it
     points to; a folder with everything in it (``shutil.rmtree`` unlinks the links inside)."""

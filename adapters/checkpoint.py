@@ -429,6 +429,11 @@ class Checkpointer:
             translated = _files.disk_error(error, self.path, what)
             if translated is error:
                 raise
+            if jax.process_index() == 0:
+                # orbax leaves the failed save's <step>.orbax-checkpoint-tmp-*: nothing of
+                # this checkpointer's is in flight once a write failed, and no one else
+                # writes here (the lock), so every such folder is a failed save's.
+                _files.remove_orbax_leftovers(self.path)
             raise translated from error
 
     def close(self) -> None:
