@@ -86,7 +86,6 @@ importing it configures absl logging on the root logger.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
 import pathlib
@@ -102,6 +101,7 @@ from nnxscan.adapters import _checkpoint_lock as _lock
 from nnxscan.adapters import _checkpoint_manifest as _manifest
 from nnxscan.adapters import _checkpoint_read as _read
 from nnxscan.adapters import _checkpoint_shards as _shards
+from nnxscan.adapters import _checkpoint_writer as _writer
 from nnxscan.adapters._checkpoint_lock import CheckpointLockedError
 from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
 from nnxscan.pure.checks import check_count
@@ -187,8 +187,7 @@ class Checkpointer:
         self.asynchronous = bool(asynchronous)
         self.storage = storage
         self._manager: Any = None  # orbax's, opened by the first save that needs it
-        self._thread: Any = None  # the background writer of our own files
-        self._in_flight: Any = None  # that thread's Future
+        self._writer: Any = None  # the background writer of our own files (asynchronous)
         self._cleaned = False  # leftovers of killed processes removed (at the first save)
         # The steps on disk or being written, newest last: read from the directory once,
         # then kept by this checkpointer, so asking "is step N saved?" never waits for a write.
@@ -247,13 +246,15 @@ class Checkpointer:
         if self._manager is not None:
             with self._disk_errors("the checkpoint in flight was not written"):
                 self._manager.wait_until_finished()
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            try:
-                in_flight.result()
-            except BaseException:
-                self._steps = _files.finished_steps(self.path)  # the failed one is not
-                raise
+        if self._writer is not None:
+            self._writer_wait(self._writer.drain)
+
+    def _writer_wait(self, until: Callable[[], None]) -> None:
+        try:
+            until()
+        except BaseException:
+            self._steps = _files.finished_steps(self.path)  # the failed ones are not
+            raise
 
     def append_log(self, data: bytes) -> int:
         """Appends ``data`` to the directory's run log (``history.jsonl``); returns the
@@ -312,8 +313,13 @@ class Checkpointer:
         manifest = {"format": _manifest.FORMAT, "version": _manifest.VERSION, "leaves": entries}
         own_files = self.storage == "auto" and layout.held_whole
         self.lock()
-        # One write at a time, in order: the previous one finishes before this one starts.
-        self.wait()
+        # Writes in order. Our own files' writer may be behind (it writes what is queued
+        # together, one wait for the disk); this save waits only when it is too far behind.
+        # Anything else (orbax, replacing a step) starts once every write is done.
+        if own_files and self._writer is not None and not (replace and self._queued(step)):
+            self._writer_wait(self._writer.make_room)
+        else:
+            self.wait()
         if self._steps is None:
             self._steps = _files.finished_steps(self.path)
         steps = self._steps
@@ -363,26 +369,35 @@ class Checkpointer:
                 _files.delete(self.path, old)
                 self._steps.remove(old)
 
-    def _write_files(self, step: int, manifest: dict[str, Any], buffers: dict, log: bytes) -> None:
-        def write() -> None:
-            # The rename of an asynchronous save reaches the disk with the next save's
-            # fsyncs, or close()'s: one wait for the disk a save instead of two.
-            _files.write(
-                self.path, step, manifest, buffers, log, sync_directory=not self.asynchronous
-            )
-            _files.keep_newest(self.path, self.max_to_keep)
+    def _queued(self, step: int) -> bool:
+        """Whether ``step`` may still be queued or being written (replacing it waits)."""
+        return self._writer is not None and self._writer.pending() and step in (self._steps or ())
 
+    def _write_batch(self, saves: list[tuple[int, dict, dict, bytes, Any]]) -> None:
+        """Writes saves of own files (one, or several queued), then applies max_to_keep.
+        The renames of asynchronous saves reach the disk with the next batch's fsyncs, or
+        close()'s: one wait for the disk a batch instead of two. Of a batch longer than
+        max_to_keep only the newest max_to_keep are written (the others would be deleted
+        as soon as written: the directory ends the same); their run log bytes are."""
+        skipped, saves = saves[: -self.max_to_keep], saves[-self.max_to_keep :]
+        if skipped:
+            step, manifest, buffers, log, item = saves[0]
+            log = b"".join(save[3] for save in skipped) + log
+            saves = [(step, manifest, buffers, log, item), *saves[1:]]
+        _files.write_many(
+            self.path, saves, sync_directory=not self.asynchronous, max_to_keep=self.max_to_keep
+        )
+
+    def _write_files(self, step: int, manifest: dict[str, Any], buffers: dict, log: bytes) -> None:
         if not self._cleaned:
             _files.remove_leftovers(self.path)  # of a process killed mid-save or mid-delete
             self._cleaned = True
         if not self.asynchronous:
-            write()
+            self._write_batch([(step, manifest, buffers, log, None)])
             return
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="nnxscan-checkpoint"
-            )
-        self._in_flight = self._thread.submit(write)
+        if self._writer is None:
+            self._writer = _writer.Writer(self._write_batch, _weigh)
+        self._writer.submit((step, manifest, buffers, log, None))
 
     def _write_orbax(
         self,
@@ -446,8 +461,15 @@ class Checkpointer:
         files, written, synced, then deleted by ``max_to_keep``) cost a small model's run
         more than the rest of the checkpoint. A failed save leaves no item to write."""
         try:
+            if self._item is not None and self._writer is not None:
+                # The newest save not yet written: its item goes with it, into its folder
+                # before the rename (one wait for the disk, not two).
+                step, item = self._item
+                if self._writer.amend_last(lambda save: (*save[:4], item) if save[0] == step
+                                           else None):  # fmt: skip
+                    self._item = None
             self.wait()
-            if self._thread is not None:  # asynchronous saves' last renames, deletions
+            if self._writer is not None:  # asynchronous saves' last renames, deletions
                 _files.sync_directory(self.path)
             log = self._take_log()
             if log:
@@ -460,9 +482,9 @@ class Checkpointer:
             if self._manager is not None:
                 manager, self._manager = self._manager, None
                 manager.close()
-            if self._thread is not None:
-                thread, self._thread = self._thread, None
-                thread.shutdown(wait=True)
+            if self._writer is not None:
+                writer, self._writer = self._writer, None
+                writer.close()
             lock, self._lock, self._locked = self._lock, None, False
             _lock.unlock(lock)
 
@@ -471,6 +493,11 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _weigh(save: tuple[int, dict, dict, bytes, Any]) -> int:
+    """The host bytes a queued save holds."""
+    return sum(buffer.nbytes for buffer in save[2].values()) + len(save[3])
 
 
 def save_checkpoint(

@@ -21,7 +21,6 @@ On the digits MLP of ``_workloads.py`` (and the byte-level LM, a model 30x large
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import functools
 import os
@@ -118,24 +117,23 @@ class ItemEverySave(Checkpointer):
     98832c3): every save also writes the model state's ``state/`` item (its tensorstore
     store committed while ``arrays.bin`` is written), fsyncs the run log, then every file
     and folder one after another, and the directory after the rename; ``max_to_keep``
-    deletes the item again."""
+    deletes the item again. (Queued as saves are queued now: each save written on its own.)"""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._items = {}
 
     def _write_files(self, step, manifest, buffers, log):
-        item = None if self._item is None else self._item[1]
-        self._item = None  # written here, not by close()
+        self._items[step] = None if self._item is None else self._item[1]
+        self._item = None  # written with every save, not by close()
+        super()._write_files(step, manifest, buffers, log)
 
-        def write() -> None:
+    def _write_batch(self, saves):
+        for step, manifest, buffers, log, _ in saves:
             if log:
                 _checkpoint_files.append_log(self.path, log)  # fsync'ed on its own
-            _write_before(self.path, step, manifest, buffers, item)
+            _write_before(self.path, step, manifest, buffers, self._items.pop(step))
             _checkpoint_files.keep_newest(self.path, self.max_to_keep)
-
-        if not self.asynchronous:
-            write()
-            return
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        self._in_flight = self._thread.submit(write)
 
 
 def _write_before(path, step, manifest, buffers, item):

@@ -119,7 +119,7 @@ def test_a_failed_background_write_raises_at_the_next_wait_and_lists_nothing(tmp
     with Checkpointer(tmp_path) as checkpointer:
         checkpointer.save(1, every_kind(1))
         checkpointer.wait()
-        monkeypatch.setattr(_checkpoint_files, "write", broken_disk)
+        monkeypatch.setattr(_checkpoint_files, "write_many", broken_disk)
         checkpointer.save(2, every_kind(2))  # returns: the write fails in the background
         with pytest.raises(OSError, match="No space left"):
             checkpointer.wait()
