@@ -358,6 +358,21 @@ class Checkpointer:
         self._steps = [*steps, step][-self.max_to_keep :]  # what max_to_keep will leave
         return self.path / str(step)
 
+    def keep_item(self, step: int, tree: Callable[[], dict[str, Any]]) -> None:
+        """Checkpoint ``step``, the newest, already holds ``tree()`` (a fit resumed from it
+        that saves nothing new): if it lacks the ``state/`` item Flax's code restores (a
+        process killed while adding it), :meth:`close` adds it. ``tree`` is called only
+        then."""
+        if self._item is not None or self.storage != "auto" or jax.process_index() != 0:
+            return
+        where = self.path / str(step)
+        if _files.storage_of(where) != "files" or os.path.lexists(where / _files.ITEM):
+            return
+        layout, leaves = _layout.layout_of(tree(), with_item=True)
+        if layout.item:
+            _, _, item_arrays = _layout.fill(layout, leaves)
+            self._item = (step, ([leaf for _, leaf in layout.item], item_arrays, layout.item_files))
+
     def _unlink_linked_steps(self, doomed: list[int]) -> None:
         """Removes the step folders among ``doomed`` (those orbax's ``max_to_keep`` deletes
         after the next save) that are symbolic links, as links: orbax would fail on them
