@@ -17,7 +17,10 @@ not there) and its error is raised, once, by the next :meth:`Writer.make_room` o
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -59,12 +62,16 @@ class Writer:
             self._queued.append(job)
             self._bytes += self._weigh(job)
             if self._thread is None:
-                # A daemon thread: close() joins it; one killed with the process loses only
-                # what a kill loses anyway (saves not yet renamed into place).
+                # A daemon thread, so that a checkpointer never closed cannot hang the
+                # interpreter's exit; what it queued is written at exit (_drain_at_exit).
                 self._thread = threading.Thread(
                     target=self._run, name="nnxscan-checkpoint", daemon=True
                 )
                 self._thread.start()
+                if not _LIVE:  # registered when first needed: importing changes nothing
+                    atexit.unregister(_drain_at_exit)
+                    atexit.register(_drain_at_exit)
+                _LIVE.add(self)
             self._cond.notify_all()
 
     def amend_last(self, change: Callable[[Any], Any]) -> bool:
@@ -131,3 +138,14 @@ class Writer:
             thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+
+
+_LIVE: weakref.WeakSet[Writer] = weakref.WeakSet()
+
+
+def _drain_at_exit() -> None:
+    """At the interpreter's exit, writes what writers never closed still queue (as the
+    executor that wrote saves before did: its threads were joined at exit)."""
+    for writer in list(_LIVE):
+        with contextlib.suppress(BaseException):  # raised already, or the next run's to see
+            writer.drain()
