@@ -98,10 +98,6 @@ class Writer:
         """Returns once every queued save is written; raises a failed batch's error."""
         self._wait_until(lambda: not self._queued and not self._writing)
 
-    def pending(self) -> bool:
-        with self._cond:
-            return bool(self._queued or self._writing or self._error)
-
     def _wait_until(self, done: Callable[[], bool]) -> None:
         with self._cond:
             while self._error is None and not done():

@@ -142,12 +142,16 @@ class Checkpointer:
     With ``asynchronous`` (the default) a :meth:`save` returns once the arrays are copied
     from the devices to the host, and writes them to disk in a background thread: the next
     compiled call may donate the device buffers at once, and training goes on while the
-    checkpoint is written. Every other use of the directory waits for the write in flight
-    first — the next save, :meth:`latest_step`, :meth:`wait`, :meth:`close` — so a
-    checkpoint is never read half-written and a run never ends before its last save is on
-    disk, and a failed write raises there. A process killed mid-write loses only that save
-    (a checkpoint is renamed into place only once every file is written and fsync'ed).
-    ``asynchronous=False`` makes each save durable on return.
+    checkpoint is written. Saves queue behind a write in progress and the writer takes
+    everything queued at once (one wait for the disk for several saves; see
+    ``_checkpoint_writer.py``); a save waits only when the writer is more than one save
+    behind. Every other use of the directory waits for every queued save first —
+    :meth:`latest_step`, :meth:`wait`, :meth:`close`, a ``replace`` — so a checkpoint is
+    never read half-written and a run never ends before its last save is on disk, and a
+    failed write raises there (or at the next save). A process killed meanwhile loses the
+    saves not yet renamed into place (at most 4; a checkpoint is renamed only once every
+    file is written and fsync'ed). ``asynchronous=False`` makes each save durable on
+    return.
 
     Storage: a tree one process holds whole (every single-process run not sharded over
     devices) is written as nnxscan's own files: a raw file of packed buffers, the model
@@ -242,7 +246,7 @@ class Checkpointer:
         return self._steps[-1] if self._steps else None
 
     def wait(self) -> None:
-        """Returns once the save in flight (if any) is on disk; re-raises its failure."""
+        """Returns once every queued save is on disk; re-raises a failed write's error."""
         if self._manager is not None:
             with self._disk_errors("the checkpoint in flight was not written"):
                 self._manager.wait_until_finished()
@@ -295,7 +299,7 @@ class Checkpointer:
         return data if jax.process_index() == 0 else b""
 
     def latest_step(self) -> int | None:
-        """The newest finished checkpoint's step (after waiting for the one in flight)."""
+        """The newest finished checkpoint's step (after waiting for every queued save)."""
         self.wait()
         return latest_step(self.path)
 
@@ -316,7 +320,7 @@ class Checkpointer:
         # Writes in order. Our own files' writer may be behind (it writes what is queued
         # together, one wait for the disk); this save waits only when it is too far behind.
         # Anything else (orbax, replacing a step) starts once every write is done.
-        if own_files and self._writer is not None and not (replace and self._queued(step)):
+        if own_files and self._writer is not None and not replace:
             self._writer_wait(self._writer.make_room)
         else:
             self.wait()
@@ -383,10 +387,6 @@ class Checkpointer:
             if (self.path / str(old)).is_symlink():
                 _files.delete(self.path, old)
                 self._steps.remove(old)
-
-    def _queued(self, step: int) -> bool:
-        """Whether ``step`` may still be queued or being written (replacing it waits)."""
-        return self._writer is not None and self._writer.pending() and step in (self._steps or ())
 
     def _write_batch(self, saves: list[tuple[int, dict, dict, bytes, Any]]) -> None:
         """Writes saves of own files (one, or several queued), then applies max_to_keep.
@@ -467,7 +467,7 @@ class Checkpointer:
             raise translated from error
 
     def close(self) -> None:
-        """Waits for the save in flight, writes what was appended to the run log since, adds
+        """Waits for the queued saves, writes what was appended to the run log since, adds
         the model state's ``state/`` item (what Flax's ``StandardCheckpointer`` restores)
         to the newest checkpoint it saved, then releases its threads and the directory's
         lock.

@@ -105,11 +105,31 @@ VARIANTS = {
     "epoch callback": {"callbacks": [LambdaCallback(on_epoch_end=_nothing)]},
     "sync": {"checkpoint_async": False},
     "async": {},
+    # The writer as it was before the queue (OneAtATime): each save waits for the one
+    # before it, written alone; the state/ item added by close().
+    "async, one at a time": {"storage": "one at a time"},
     # The writes as they were before issue 58 item 9 (ItemEverySave): the model state's
     # state/ item with every save, and one fsync after another.
     "async, before": {"storage": "item every save"},
     "async, orbax": {"storage": "orbax"},
 }
+
+
+class OneAtATime(Checkpointer):
+    """The checkpointer's asynchronous writes before the queue (nnxscan at commit cbadd20):
+    a save waits for the write before it (after copying its arrays to the host), each save
+    is written alone (its own fsyncs), and close() adds the state/ item to the newest
+    checkpoint once it is written."""
+
+    def _write_files(self, step, manifest, buffers, log):
+        if self._writer is not None:
+            self._writer_wait(self._writer.drain)
+        super()._write_files(step, manifest, buffers, log)
+
+    def close(self):
+        if self._writer is not None:
+            self._writer_wait(self._writer.drain)  # nothing queued: the item comes after
+        super().close()
 
 
 class ItemEverySave(Checkpointer):
@@ -173,6 +193,8 @@ def storage(name: str | None):
 def _checkpointer(name, directory, *, max_to_keep=3, asynchronous=True):
     if name == "item every save":
         return ItemEverySave(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
+    if name == "one at a time":
+        return OneAtATime(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
     return Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name)
 
 
@@ -238,10 +260,11 @@ def every_epoch_table(reps: int) -> None:
     print(
         "| workload | epochs x steps | fit s, no checkpoints | an epoch callback instead s | "
         "÷ none | every epoch, sync s | ÷ none | every epoch, async s | ÷ none | "
+        "async, one save at a time (before the queue) s | ÷ none | "
         "async as before (state/ every save, fsyncs one by one) s | ÷ none | "
         "async through orbax s | ÷ none |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, epochs, steps in (("lm_24", 4, 8), ("mlp_digits", 10, None)):
         print(every_epoch(name, epochs, steps, reps), flush=True)
 
