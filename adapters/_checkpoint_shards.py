@@ -60,7 +60,9 @@ def crc32s(arrays: dict[str, jax.Array]) -> dict[str, list[list[Any]]]:
             if shard.replica_id == 0:
                 shard.data.copy_to_host_async()  # every transfer started before any is read
                 mine.append((row[name, _block(shard.index, tuple(array.shape))], shard.data))
-    table = np.full(len(row), -1, np.int64)  # -1: held by another process
+    # 0 where another process holds the shard: each shard is one process's, so the
+    # largest of the processes' values is its crc32 (uint32: jax gathers no int64 by default).
+    table = np.zeros(len(row), np.uint32)
     for at, data in mine:
         table[at] = int(buffer_crc32(np.asarray(data)), 16)
     if jax.process_count() > 1:
