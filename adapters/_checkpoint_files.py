@@ -93,6 +93,16 @@ def remove_leftovers(path: pathlib.Path) -> None:
                 remove(pathlib.Path(entry.path) / f"{ITEM}{TMP_SUFFIX}")
 
 
+def remove_orbax_leftovers(path: pathlib.Path) -> None:
+    """Deletes orbax's temporary folders (``<step>.orbax-checkpoint-tmp*``) under ``path``:
+    what a failed orbax save left (a full disk). Never a finished checkpoint."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            if ".orbax-checkpoint-tmp" in entry.name and not _STEP_NAME.fullmatch(entry.name):
+                with contextlib.suppress(OSError):
+                    remove(pathlib.Path(entry.path))
+
+
 def remove(entry: pathlib.Path) -> None:
     """Removes ``entry`` if it exists: a symbolic link (or a file) as itself, never what it
     points to; a folder with everything in it (``shutil.rmtree`` unlinks the links inside)."""
@@ -144,62 +154,116 @@ def _fsync_all(paths: list[pathlib.Path]) -> None:
         raise errors[0]
 
 
-def write(
+def write_many(
     path: pathlib.Path,
-    step: int,
-    manifest: dict[str, Any],
-    buffers: dict[str, np.ndarray],
-    log: bytes = b"",
+    saves: list[tuple[int, dict[str, Any], dict[str, np.ndarray], bytes, Any]],
     *,
     sync_directory: bool = True,
-) -> pathlib.Path:
-    """Writes checkpoint ``step`` under ``path`` atomically; returns ``<path>/<step>``.
+    max_to_keep: int | None = None,
+) -> list[pathlib.Path]:
+    """Writes checkpoints ``(step, manifest, buffers, log, item)`` under ``path``, steps
+    increasing, each atomically, with one wait for the disk for all; returns their folders.
 
-    ``log``: bytes appended to the run log first (:func:`append_log`), fsync'ed with the
-    checkpoint's files, before the rename. ``sync_directory=False``: the rename reaches
-    the disk with the directory's next fsync (the next write's, or
-    :func:`sync_directory`'s) instead of before this returns: a power loss meanwhile may
-    lose this checkpoint (never tear it; the one before stays), a killed process cannot.
+    Every file of every checkpoint is written first, then all are fsync'ed at once (with
+    the run log's new bytes and the directory: the previous write's renames), then each
+    checkpoint is renamed from ``<step>.nnxscan-tmp`` to ``<step>``, in order, and the
+    ``max_to_keep`` newest kept. ``log``: bytes appended to the run log first
+    (:func:`append_log`). ``item``: None, or the model state's orbax item (``state/``, for
+    Flax's code) to write into the checkpoint before it is renamed (else :func:`add_item`
+    adds it later). ``sync_directory=False``: the renames reach the disk with the
+    directory's next fsync (the next write's, or :func:`sync_directory`'s) instead of before
+    this returns: a power loss meanwhile may lose these checkpoints (never tear one; the
+    ones before stay), a killed process cannot.
 
     ``buffers``: name -> flat, contiguous host array that nobody else writes to while this
     runs (``_checkpoint_packing.fill`` makes copies, never views of device buffers), packed into
     ``arrays.bin``, each on a 64-byte boundary, its crc32 in the manifest (which carries
-    its own: :func:`_checkpoint_manifest.dumps_checked`). The model state's orbax item is
-    added afterwards, to the checkpoints that get one (:func:`add_item`).
+    its own: :func:`_checkpoint_manifest.dumps_checked`).
 
-    A failed write removes ``<step>.nnxscan-tmp`` (what it held is freed) and leaves every
-    finished checkpoint as it was.
+    A failed write renames none of them (each ``<step>.nnxscan-tmp`` is removed) and leaves
+    every finished checkpoint as it was. A failed item only: the checkpoint is written
+    whole without it, then the error raised (as :func:`add_item`'s).
 
     Raises:
       OSError: the disk is full (errno ENOSPC), or another error of the system's, named by
         errno, from Python's own writes; the message names the directory and the step (see
         :func:`disk_error`).
     """
-    tmp = path / f"{step}{TMP_SUFFIX}"
-    written = append_log(path, log, sync=False) if log else []
+    written: list[pathlib.Path] = []
+    tmps: list[tuple[int, pathlib.Path]] = []
+    finals: list[pathlib.Path] = []
+    item_error = None
     try:
         path.mkdir(parents=True, exist_ok=True)
-        remove(tmp)  # a save of this step killed mid-way: replaced, not an obstacle
-        tmp.mkdir()
-        written.append(tmp / DATA)
-        placed = _write_data(tmp / DATA, buffers)
-        text = _manifest.dumps_checked({**manifest, "buffers": placed})
-        written.append(_write_file(tmp / MANIFEST, text))  # one write, not dozens
-        # Every file and folder (and the log's bytes) reaches the disk before the rename
-        # makes it a checkpoint; the directory too, with the previous write's rename.
-        _fsync_all([*written, tmp, path])
-        final = path / str(step)
-        os.rename(tmp, final)
+        for step, manifest, buffers, log, item in saves:
+            if log:
+                written += append_log(path, log, sync=False)
+            tmp = path / f"{step}{TMP_SUFFIX}"
+            remove(tmp)  # a save of this step killed mid-way: replaced, not an obstacle
+            tmp.mkdir()
+            tmps.append((step, tmp))
+            written.append(tmp / DATA)
+            placed = _write_data(tmp / DATA, buffers)
+            text = _manifest.dumps_checked({**manifest, "buffers": placed})
+            written.append(_write_file(tmp / MANIFEST, text))  # one write, not dozens
+            if item is not None:
+                try:
+                    written += _write_item(tmp / ITEM, item)
+                except Exception as error:  # the checkpoint goes on without it
+                    item_error = (step, error)
+        # Every file and folder (and the log's bytes) reaches the disk before a rename
+        # makes it a checkpoint; the directory too, with the previous write's renames.
+        _fsync_all(list(dict.fromkeys([*written, *(tmp for _, tmp in tmps), path])))
+        for step, tmp in tmps:
+            os.rename(tmp, path / str(step))
+            finals.append(path / str(step))
         if sync_directory:
             _fsync(path)
     except BaseException as error:
-        with contextlib.suppress(OSError):
-            remove(tmp)
-        translated = disk_error(error, path, f"checkpoint {step} was not written")
+        for _, tmp in tmps[len(finals) :]:
+            with contextlib.suppress(OSError):
+                remove(tmp)
+        steps = [save[0] for save in saves]
+        what = f"checkpoint {steps[0]} was not written" if len(steps) == 1 else (
+            f"checkpoints {steps} were not written")  # fmt: skip
+        translated = disk_error(error, path, what)
         if translated is error:
             raise
         raise translated from error
-    return final
+    if max_to_keep is not None:
+        keep_newest(path, max_to_keep)
+    if item_error is not None:
+        _raise_item_error(path, *item_error)
+    return finals
+
+
+def _write_item(where: pathlib.Path, item: tuple[list, list, dict[str, bytes]]) -> list:
+    """Writes the model state's orbax item into the folder ``where``; returns its files
+    (to fsync). A failure removes the folder (once tensorstore's threads are done)."""
+    finish = None
+    try:
+        finish = _orbax_item.write_item(where, *item)
+        written, finish = finish(), None
+        return written
+    except BaseException:
+        if finish is not None:
+            with contextlib.suppress(Exception):
+                finish()
+        with contextlib.suppress(OSError):
+            remove(where)
+        raise
+
+
+def _raise_item_error(path: pathlib.Path, step: int, error: BaseException) -> None:
+    translated = disk_error(
+        error,
+        path,
+        f"the {ITEM}/ item of checkpoint {step} was not written (the checkpoint is whole "
+        f"without it)",
+    )
+    if translated is error:
+        raise error
+    raise translated from error
 
 
 def add_item(path: pathlib.Path, step: int, item: tuple[list, list, dict[str, bytes]]) -> None:
@@ -211,36 +275,22 @@ def add_item(path: pathlib.Path, step: int, item: tuple[list, list, dict[str, by
     run's first save). Nothing to do when the checkpoint is gone or has its item already.
 
     Raises:
-      OSError: as :func:`write` (a full disk is errno ENOSPC naming the directory); the
+      OSError: as :func:`write_many` (a full disk is errno ENOSPC naming the directory); the
         temporary item is removed, the checkpoint stays as it was, without an item.
     """
     final = path / str(step)
     if not final.is_dir() or os.path.lexists(final / ITEM):
         return
     tmp = final / f"{ITEM}{TMP_SUFFIX}"
-    finish_item = None
     try:
         remove(tmp)
-        finish_item = _orbax_item.write_item(tmp, *item)
-        written, finish_item = finish_item(), None
-        _fsync_all(written)
+        _fsync_all(_write_item(tmp, item))
         os.rename(tmp, final / ITEM)
         _fsync(final)
     except BaseException as error:
-        if finish_item is not None:  # tensorstore's threads are done with tmp first
-            with contextlib.suppress(Exception):
-                finish_item()
         with contextlib.suppress(OSError):
             remove(tmp)
-        translated = disk_error(
-            error,
-            path,
-            f"the {ITEM}/ item of checkpoint {step} was not written (the "
-            f"checkpoint is whole without it)",
-        )
-        if translated is error:
-            raise
-        raise translated from error
+        _raise_item_error(path, step, error)
 
 
 def _write_data(where: pathlib.Path, buffers: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -15,7 +15,10 @@ and before anything reaches a model. The rules:
 - each buffer: a non-negative byte offset and element count whose bytes lie inside
   ``arrays.bin`` (the only file buffers are read from), a dtype from :data:`DTYPES`, and
   (version 4) a crc32 of its bytes, checked when it is read; in orbax's storage (version
-  5) each packed buffer (an orbax array of ``arrays/``) carries its crc32 too.
+  5) each packed buffer (an orbax array of ``arrays/``) carries its crc32 too;
+- (orbax's storage, version 6) each array orbax writes shard by shard lists its distinct
+  shards: blocks inside it (a ``[start, stop)`` per axis) that tile it, each with the
+  crc32 of its bytes (``_checkpoint_shards.py``).
 
 Every refusal is a :class:`CorruptCheckpointError` (a ValueError) naming the checkpoint
 directory, the step, the leaf path or buffer, and what is wrong.
@@ -42,8 +45,9 @@ import numpy as np
 FORMAT = "nnxscan.checkpoint"
 # 2: small arrays packed into one buffer per dtype; 3: own files storage; 4: crc32s of the
 # manifest and of every buffer (and the model state as an orbax item, beside); 5: the same
-# crc32s in orbax's storage (its manifest, and its packed buffers).
-VERSION = 5
+# crc32s in orbax's storage (its manifest, and its packed buffers); 6: and of each shard of
+# the arrays orbax writes shard by shard ("shards": _checkpoint_shards.py).
+VERSION = 6
 PYTHON_KINDS = {"bool": bool, "int": int, "float": float, "str": str}
 ARRAY_KINDS = ("array", "key")
 # The key implementations jax ships, with the trailing shape of their raw key data.
@@ -96,6 +100,8 @@ class Leaf:
     buffer: str = ""  # the buffer holding this array's elements (see checkpoint._layout)
     offset: int = 0  # where in that buffer its elements start
     data_shape: tuple[int, ...] = ()  # the elements' shape (a key's raw data: + the impl's)
+    # A sharded array's distinct shards: ((start, stop) per axis, crc32) (orbax's storage).
+    shards: tuple[tuple[tuple[tuple[int, int], ...], str], ...] = ()
 
     def describe(self) -> str:
         if self.kind == "array":
@@ -291,7 +297,57 @@ def validate(
         seen.add(record.path)
         records.append(record)
     _refuse_overlaps(records, refuse)
+    if not own_files and version >= 6:
+        records = _validate_shards(raw.get("shards"), records, refuse)
     return records, buffers
+
+
+def _validate_shards(shards: Any, records: list[Leaf], refuse: _Refusal) -> list[Leaf]:
+    """Each array orbax wrote shard by shard lists its shards' blocks and crc32s: blocks
+    inside the array that tile it (no element twice, none left out), 8 hex digits each."""
+    if not isinstance(shards, dict):
+        raise refuse("manifest", "it has no crc32s of its sharded arrays")
+    sharded = {record.name: record for record in records if record.name}
+    unknown = sorted(set(shards) - set(sharded))
+    if unknown:
+        raise refuse("manifest", f"it lists shards of {unknown[0]!r}, which no leaf names")
+    out = []
+    for record in records:
+        if not record.name:
+            out.append(record)
+            continue
+        what = f"leaf {record.path}"
+        shape = record.shape + (KEY_DATA_SHAPES[record.impl] if record.kind == "key" else ())
+        entry = shards.get(record.name)
+        if not isinstance(entry, list) or not entry:
+            raise refuse(what, f"its shards ({record.name}) carry no crc32s")
+        held = []
+        for item in entry:
+            block, crc = item if isinstance(item, list) and len(item) == 2 else (None, None)
+            ok = isinstance(block, list) and len(block) == len(shape)
+            ok = ok and all(
+                isinstance(b, list) and len(b) == 2 and _count(b[0]) and _count(b[1])
+                and b[0] <= b[1] <= n for b, n in zip(block, shape, strict=False)
+            )  # fmt: skip
+            if not ok:
+                raise refuse(what, f"shard {item!r} is not a block of shape {list(shape)}")
+            if not (isinstance(crc, str) and re.fullmatch(r"[0-9a-f]{8}", crc)):
+                raise refuse(what, f"the crc32 {crc!r} of a shard is not 8 hex digits")
+            held.append((tuple((b[0], b[1]) for b in block), crc))
+        _refuse_untiled(held, shape, what, refuse)
+        out.append(dataclasses.replace(record, shards=tuple(held)))
+    return out
+
+
+def _refuse_untiled(held: list, shape: tuple[int, ...], what: str, refuse: _Refusal) -> None:
+    """The blocks cover the array exactly once: disjoint, their sizes summing to its own."""
+    sizes = [_elements(tuple(b1 - b0 for b0, b1 in block)) for block, _ in held]
+    for i, (a, _) in enumerate(held):
+        for b, _ in held[:i]:
+            if all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b, strict=True)):
+                raise refuse(what, f"its shards {list(a)} and {list(b)} overlap")
+    if sum(sizes) != _elements(shape):
+        raise refuse(what, f"its shards hold {sum(sizes)} of its {_elements(shape)} elements")
 
 
 def _refuse_overlaps(records: list[Leaf], refuse: _Refusal) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from nnxscan.adapters import _checkpoint_files as _files
 from nnxscan.adapters import _checkpoint_manifest as _manifest
+from nnxscan.adapters import _checkpoint_shards as _shards
 from nnxscan.adapters._checkpoint_manifest import (
     ARRAY_KINDS,
     PYTHON_KINDS,
@@ -235,7 +236,19 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
         arrays = {}
         if restore_args:
             item = ocp.args.PyTreeRestore(restore_args=restore_args)
-            arrays = manager.restore(step, args=ocp.args.Composite(arrays=item))["arrays"]
+            try:
+                arrays = manager.restore(step, args=ocp.args.Composite(arrays=item))["arrays"]
+            except (ValueError, OSError, KeyError, FileNotFoundError) as error:
+                # The manifest was valid and the template fits: what orbax (tensorstore)
+                # cannot read is damaged ("DATA_LOSS: ... checksum verification failed").
+                said = str(error).split(" [tensorstore_spec=")[0]
+                raise CorruptCheckpointError(
+                    f"checkpoint {where.parent} step {step}: its arrays in {where / 'arrays'} "
+                    f"(orbax's item) cannot be read: {type(error).__name__}: {said}. Restore "
+                    f"another checkpoint (resume=True and restore() without a step skip a "
+                    f"damaged one)."
+                ) from None
+    _check_shards(where, matched, arrays)
     for name, held in buffers.items():
         if name not in arrays:
             continue
@@ -250,6 +263,29 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
                 f"checkpoint {where.parent} step {step}: {error}."
             ) from None
     return matched, arrays
+
+
+def _check_shards(where: pathlib.Path, matched: list, arrays: dict[str, Any]) -> None:
+    """Each sharded array read against its shards' crc32s (manifest version 6); every
+    process agrees before any raises (see _checkpoint_shards.py)."""
+    bad = None
+    for record, _ in matched:
+        if record.shards and record.name in arrays:
+            block = _shards.damaged(arrays[record.name], record.shards)
+            if block is not None:
+                bad = (record, block)
+                break
+    if not _shards.agree(bad is not None):
+        return
+    what = "a shard another process holds" if bad is None else (
+        f"leaf {bad[0].path} ({bad[0].name} in {where / 'arrays'}, orbax's item): its shard "
+        f"{[list(b) for b in bad[1]]}"
+    )  # fmt: skip
+    raise CorruptCheckpointError(
+        f"checkpoint {where.parent} step {where.name}: {what} does not match its crc32 "
+        f"(damaged on disk, or another checkpoint's arrays). Restore another checkpoint "
+        f"(resume=True and restore() without a step skip a damaged one)."
+    )
 
 
 def read(where: pathlib.Path, template: Template) -> tuple[list, dict[str, Any]]:

@@ -39,7 +39,8 @@ checkpoint by its step, so one listing, one ``max_to_keep`` and one reader serve
                                         it is written; ignored, removed later)
       <step>/                           or orbax's
         _CHECKPOINT_METADATA            orbax: when it was written
-        manifest/metadata               the manifest
+        manifest/metadata               the manifest (with the crc32 of each packed
+                                        buffer and of each shard of a sharded array)
         arrays/                         orbax PyTree (OCDBT/tensorstore): the packed
                                         buffers, and each array sharded over devices or
                                         processes on its own, named leaf_00000, ...
@@ -85,7 +86,6 @@ importing it configures absl logging on the root logger.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
 import pathlib
@@ -100,6 +100,8 @@ from nnxscan.adapters import _checkpoint_lock as _lock
 from nnxscan.adapters import _checkpoint_manifest as _manifest
 from nnxscan.adapters import _checkpoint_packing as _packing
 from nnxscan.adapters import _checkpoint_read as _read
+from nnxscan.adapters import _checkpoint_shards as _shards
+from nnxscan.adapters import _checkpoint_writer as _writer
 from nnxscan.adapters._checkpoint_lock import CheckpointLockedError
 from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
 from nnxscan.pure.checks import check_count
@@ -140,12 +142,16 @@ class Checkpointer:
     With ``asynchronous`` (the default) a :meth:`save` returns once the arrays are copied
     from the devices to the host, and writes them to disk in a background thread: the next
     compiled call may donate the device buffers at once, and training goes on while the
-    checkpoint is written. Every other use of the directory waits for the write in flight
-    first — the next save, :meth:`latest_step`, :meth:`wait`, :meth:`close` — so a
-    checkpoint is never read half-written and a run never ends before its last save is on
-    disk, and a failed write raises there. A process killed mid-write loses only that save
-    (a checkpoint is renamed into place only once every file is written and fsync'ed).
-    ``asynchronous=False`` makes each save durable on return.
+    checkpoint is written. Saves queue behind a write in progress and the writer takes
+    everything queued at once (one wait for the disk for several saves; see
+    ``_checkpoint_writer.py``); a save waits only when the writer is more than one save
+    behind. Every other use of the directory waits for every queued save first —
+    :meth:`latest_step`, :meth:`wait`, :meth:`close`, a ``replace`` — so a checkpoint is
+    never read half-written and a run never ends before its last save is on disk, and a
+    failed write raises there (or at the next save). A process killed meanwhile loses the
+    saves not yet renamed into place (at most 4; a checkpoint is renamed only once every
+    file is written and fsync'ed). ``asynchronous=False`` makes each save durable on
+    return.
 
     Storage: a tree one process holds whole (every single-process run not sharded over
     devices) is written as nnxscan's own files: a raw file of packed buffers, the model
@@ -185,8 +191,7 @@ class Checkpointer:
         self.asynchronous = bool(asynchronous)
         self.storage = storage
         self._manager: Any = None  # orbax's, opened by the first save that needs it
-        self._thread: Any = None  # the background save thread of our own files
-        self._in_flight: Any = None  # that thread's Future
+        self._writer: Any = None  # the background writer of our own files (asynchronous)
         self._cleaned = False  # leftovers of killed processes removed (at the first save)
         # The steps on disk or being written, newest last: read from the directory once,
         # then kept by this checkpointer, so asking "is step N saved?" never waits for a write.
@@ -241,17 +246,19 @@ class Checkpointer:
         return self._steps[-1] if self._steps else None
 
     def wait(self) -> None:
-        """Returns once the save in flight (if any) is on disk; re-raises its failure."""
+        """Returns once every queued save is on disk; re-raises a failed write's error."""
         if self._manager is not None:
             with self._disk_errors("the checkpoint in flight was not written"):
                 self._manager.wait_until_finished()
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            try:
-                in_flight.result()
-            except BaseException:
-                self._steps = _files.finished_steps(self.path)  # the failed one is not
-                raise
+        if self._writer is not None:
+            self._writer_wait(self._writer.drain)
+
+    def _writer_wait(self, until: Callable[[], None]) -> None:
+        try:
+            until()
+        except BaseException:
+            self._steps = _files.finished_steps(self.path)  # the failed ones are not
+            raise
 
     def append_log(self, data: bytes) -> int:
         """Appends ``data`` to the directory's run log (``history.jsonl``); returns the
@@ -292,7 +299,7 @@ class Checkpointer:
         return data if jax.process_index() == 0 else b""
 
     def latest_step(self) -> int | None:
-        """The newest finished checkpoint's step (after waiting for the one in flight)."""
+        """The newest finished checkpoint's step (after waiting for every queued save)."""
         self.wait()
         return latest_step(self.path)
 
@@ -310,8 +317,13 @@ class Checkpointer:
         manifest = {"format": _manifest.FORMAT, "version": _manifest.VERSION, "leaves": entries}
         own_files = self.storage == "auto" and packing.held_whole
         self.lock()
-        # One write at a time, in order: the previous one finishes before this one starts.
-        self.wait()
+        # Writes in order. Our own files' writer may be behind (it writes what is queued
+        # together, one wait for the disk); this save waits only when it is too far behind.
+        # Anything else (orbax, replacing a step) starts once every write is done.
+        if own_files and self._writer is not None and not replace:
+            self._writer_wait(self._writer.make_room)
+        else:
+            self.wait()
         if self._steps is None:
             self._steps = _files.finished_steps(self.path)
         steps = self._steps
@@ -350,6 +362,22 @@ class Checkpointer:
         self._steps = [*steps, step][-self.max_to_keep :]  # what max_to_keep will leave
         return self.path / str(step)
 
+    def keep_item(self, step: int, tree: Callable[[], dict[str, Any]]) -> None:
+        """Checkpoint ``step``, the newest, already holds ``tree()`` (a fit resumed from it
+        that saves nothing new): if it lacks the ``state/`` item Flax's code restores (a
+        process killed while adding it), :meth:`close` adds it. ``tree`` is called only
+        then."""
+        if self._item is not None or self.storage != "auto" or jax.process_index() != 0:
+            return
+        where = self.path / str(step)
+        if _files.storage_of(where) != "files" or os.path.lexists(where / _files.ITEM):
+            return
+        packing, leaves = _packing.packing_of(tree(), with_item=True)
+        if packing.item:
+            _, _, item_arrays = _packing.fill(packing, leaves)
+            leaves_of_item = [leaf for _, leaf in packing.item]
+            self._item = (step, (leaves_of_item, item_arrays, packing.item_files))
+
     def _unlink_linked_steps(self, doomed: list[int]) -> None:
         """Removes the step folders among ``doomed`` (those orbax's ``max_to_keep`` deletes
         after the next save) that are symbolic links, as links: orbax would fail on them
@@ -361,26 +389,31 @@ class Checkpointer:
                 _files.delete(self.path, old)
                 self._steps.remove(old)
 
-    def _write_files(self, step: int, manifest: dict[str, Any], buffers: dict, log: bytes) -> None:
-        def write() -> None:
-            # The rename of an asynchronous save reaches the disk with the next save's
-            # fsyncs, or close()'s: one wait for the disk a save instead of two.
-            _files.write(
-                self.path, step, manifest, buffers, log, sync_directory=not self.asynchronous
-            )
-            _files.keep_newest(self.path, self.max_to_keep)
+    def _write_batch(self, saves: list[tuple[int, dict, dict, bytes, Any]]) -> None:
+        """Writes saves of own files (one, or several queued), then applies max_to_keep.
+        The renames of asynchronous saves reach the disk with the next batch's fsyncs, or
+        close()'s: one wait for the disk a batch instead of two. Of a batch longer than
+        max_to_keep only the newest max_to_keep are written (the others would be deleted
+        as soon as written: the directory ends the same); their run log bytes are."""
+        skipped, saves = saves[: -self.max_to_keep], saves[-self.max_to_keep :]
+        if skipped:
+            step, manifest, buffers, log, item = saves[0]
+            log = b"".join(save[3] for save in skipped) + log
+            saves = [(step, manifest, buffers, log, item), *saves[1:]]
+        _files.write_many(
+            self.path, saves, sync_directory=not self.asynchronous, max_to_keep=self.max_to_keep
+        )
 
+    def _write_files(self, step: int, manifest: dict[str, Any], buffers: dict, log: bytes) -> None:
         if not self._cleaned:
             _files.remove_leftovers(self.path)  # of a process killed mid-save or mid-delete
             self._cleaned = True
         if not self.asynchronous:
-            write()
+            self._write_batch([(step, manifest, buffers, log, None)])
             return
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="nnxscan-checkpoint"
-            )
-        self._in_flight = self._thread.submit(write)
+        if self._writer is None:
+            self._writer = _writer.Writer(self._write_batch, _weigh)
+        self._writer.submit((step, manifest, buffers, log, None))
 
     def _write_orbax(
         self,
@@ -402,6 +435,8 @@ class Checkpointer:
                 n: {"dtype": a.dtype.name, "size": a.size, "crc32": _manifest.buffer_crc32(a)}
                 for n, a in packs.items()
             },
+            # Each shard's crc32, by the process holding it, from its own copy (no gather).
+            "shards": _shards.crc32s({n: a for n, a in buffers.items() if n not in packs}),
         }
         items = {"manifest": ocp.args.JsonSave(_manifest.with_crc32(manifest))}
         if arrays:
@@ -425,10 +460,15 @@ class Checkpointer:
             translated = _files.disk_error(error, self.path, what)
             if translated is error:
                 raise
+            if jax.process_index() == 0:
+                # orbax leaves the failed save's <step>.orbax-checkpoint-tmp-*: nothing of
+                # this checkpointer's is in flight once a write failed, and no one else
+                # writes here (the lock), so every such folder is a failed save's.
+                _files.remove_orbax_leftovers(self.path)
             raise translated from error
 
     def close(self) -> None:
-        """Waits for the save in flight, writes what was appended to the run log since, adds
+        """Waits for the queued saves, writes what was appended to the run log since, adds
         the model state's ``state/`` item (what Flax's ``StandardCheckpointer`` restores)
         to the newest checkpoint it saved, then releases its threads and the directory's
         lock.
@@ -437,8 +477,15 @@ class Checkpointer:
         files, written, synced, then deleted by ``max_to_keep``) cost a small model's run
         more than the rest of the checkpoint. A failed save leaves no item to write."""
         try:
+            if self._item is not None and self._writer is not None:
+                # The newest save not yet written: its item goes with it, into its folder
+                # before the rename (one wait for the disk, not two).
+                step, item = self._item
+                if self._writer.amend_last(lambda save: (*save[:4], item) if save[0] == step
+                                           else None):  # fmt: skip
+                    self._item = None
             self.wait()
-            if self._thread is not None:  # asynchronous saves' last renames, deletions
+            if self._writer is not None:  # asynchronous saves' last renames, deletions
                 _files.sync_directory(self.path)
             log = self._take_log()
             if log:
@@ -451,9 +498,9 @@ class Checkpointer:
             if self._manager is not None:
                 manager, self._manager = self._manager, None
                 manager.close()
-            if self._thread is not None:
-                thread, self._thread = self._thread, None
-                thread.shutdown(wait=True)
+            if self._writer is not None:
+                writer, self._writer = self._writer, None
+                writer.close()
             lock, self._lock, self._locked = self._lock, None, False
             _lock.unlock(lock)
 
@@ -462,6 +509,11 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _weigh(save: tuple[int, dict, dict, bytes, Any]) -> int:
+    """The host bytes a queued save holds."""
+    return sum(buffer.nbytes for buffer in save[2].values()) + len(save[3])
 
 
 def save_checkpoint(

@@ -21,7 +21,6 @@ On the digits MLP of ``_workloads.py`` (and the byte-level LM, a model 30x large
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import functools
 import os
@@ -106,6 +105,9 @@ VARIANTS = {
     "epoch callback": {"callbacks": [LambdaCallback(on_epoch_end=_nothing)]},
     "sync": {"checkpoint_async": False},
     "async": {},
+    # The writer as it was before the queue (OneAtATime): each save waits for the one
+    # before it, written alone; the state/ item added by close().
+    "async, one at a time": {"storage": "one at a time"},
     # The writes as they were before issue 58 item 9 (ItemEverySave): the model state's
     # state/ item with every save, and one fsync after another.
     "async, before": {"storage": "item every save"},
@@ -113,29 +115,45 @@ VARIANTS = {
 }
 
 
+class OneAtATime(Checkpointer):
+    """The checkpointer's asynchronous writes before the queue (nnxscan at commit cbadd20):
+    a save waits for the write before it (after copying its arrays to the host), each save
+    is written alone (its own fsyncs), and close() adds the state/ item to the newest
+    checkpoint once it is written."""
+
+    def _write_files(self, step, manifest, buffers, log):
+        if self._writer is not None:
+            self._writer_wait(self._writer.drain)
+        super()._write_files(step, manifest, buffers, log)
+
+    def close(self):
+        if self._writer is not None:
+            self._writer_wait(self._writer.drain)  # nothing queued: the item comes after
+        super().close()
+
+
 class ItemEverySave(Checkpointer):
     """The checkpointer's writes as they were before issue 58 item 9 (nnxscan at commit
     98832c3): every save also writes the model state's ``state/`` item (its tensorstore
     store committed while ``arrays.bin`` is written), fsyncs the run log, then every file
     and folder one after another, and the directory after the rename; ``max_to_keep``
-    deletes the item again."""
+    deletes the item again. (Queued as saves are queued now: each save written on its own.)"""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._items = {}
 
     def _write_files(self, step, manifest, buffers, log):
-        item = None if self._item is None else self._item[1]
-        self._item = None  # written here, not by close()
+        self._items[step] = None if self._item is None else self._item[1]
+        self._item = None  # written with every save, not by close()
+        super()._write_files(step, manifest, buffers, log)
 
-        def write() -> None:
+    def _write_batch(self, saves):
+        for step, manifest, buffers, log, _ in saves:
             if log:
                 _checkpoint_files.append_log(self.path, log)  # fsync'ed on its own
-            _write_before(self.path, step, manifest, buffers, item)
+            _write_before(self.path, step, manifest, buffers, self._items.pop(step))
             _checkpoint_files.keep_newest(self.path, self.max_to_keep)
-
-        if not self.asynchronous:
-            write()
-            return
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        self._in_flight = self._thread.submit(write)
 
 
 def _write_before(path, step, manifest, buffers, item):
@@ -175,6 +193,8 @@ def storage(name: str | None):
 def _checkpointer(name, directory, *, max_to_keep=3, asynchronous=True):
     if name == "item every save":
         return ItemEverySave(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
+    if name == "one at a time":
+        return OneAtATime(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
     return Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name)
 
 
@@ -240,10 +260,11 @@ def every_epoch_table(reps: int) -> None:
     print(
         "| workload | epochs x steps | fit s, no checkpoints | an epoch callback instead s | "
         "÷ none | every epoch, sync s | ÷ none | every epoch, async s | ÷ none | "
+        "async, one save at a time (before the queue) s | ÷ none | "
         "async as before (state/ every save, fsyncs one by one) s | ÷ none | "
         "async through orbax s | ÷ none |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, epochs, steps in (("lm_24", 4, 8), ("mlp_digits", 10, None)):
         print(every_epoch(name, epochs, steps, reps), flush=True)
 

@@ -101,3 +101,174 @@ def test_checkpoint_async_false_makes_each_save_durable_before_training_goes_on(
     plain, _ = fit()
     for a, b in zip(state_arrays(trainer.model), state_arrays(plain.model), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# -- the writer's queue: several saves, one wait for the disk -------------------------------
+
+
+def _gated_writes(monkeypatch):
+    """Holds the background writer's batches until ``gate`` is set (``taken`` is set once
+    the writer holds its first one); records each batch's steps and whether each carried
+    the state/ item."""
+    import threading
+
+    from nnxscan.adapters import _checkpoint_files
+
+    taken, gate, batches = threading.Event(), threading.Event(), []
+    real = _checkpoint_files.write_many
+
+    def write_many(path, saves, **options):
+        batches.append([(save[0], save[4] is not None) for save in saves])
+        taken.set()
+        assert gate.wait(timeout=60)
+        return real(path, saves, **options)
+
+    monkeypatch.setattr(_checkpoint_files, "write_many", write_many)
+    return taken, gate, batches
+
+
+def _save_first(checkpointer, taken) -> None:
+    """Saves step 1 and returns once the writer holds it: later saves queue behind it."""
+    checkpointer.save(1, _tree(1))
+    assert taken.wait(timeout=60)
+
+
+def _tree(step: int) -> dict:
+    import jax.numpy as jnp
+
+    return {"state": {"w": jnp.full((3,), float(step))}, "meta": {"step": step}}
+
+
+def test_saves_queued_behind_a_slow_write_are_written_together_and_in_order(tmp_path, monkeypatch):
+    """Reference: each save's tree, read back bitwise; the run log's bytes, in order."""
+    import jax
+
+    taken, gate, batches = _gated_writes(monkeypatch)
+    like = {"state": {"w": jax.ShapeDtypeStruct((3,), np.float32)}, "meta": {"step": 0}}
+    with Checkpointer(tmp_path, max_to_keep=5) as checkpointer:
+        checkpointer.append_log(b"line 1\n")
+        _save_first(checkpointer, taken)
+        for step in (2, 3):  # queued behind 1: neither waits
+            checkpointer.append_log(b"line %d\n" % step)
+            checkpointer.save(step, _tree(step))
+        assert checkpointer.newest_step() == 3 and all_steps(tmp_path) == []
+        gate.set()
+        checkpointer.wait()
+        assert all_steps(tmp_path) == [1, 2, 3]
+    assert [[s for s, _ in batch] for batch in batches] == [[1], [2, 3]]
+    for step in (1, 2, 3):
+        tree, _ = restore_checkpoint(tmp_path, like, step=step)
+        np.testing.assert_array_equal(tree["state"]["w"], np.full((3,), float(step)))
+    assert (tmp_path / "history.jsonl").read_bytes() == b"line 1\nline 2\nline 3\n"
+
+
+def test_queued_saves_that_max_to_keep_would_delete_at_once_are_not_written(tmp_path, monkeypatch):
+    """With max_to_keep=1, of saves 2 and 3 queued together only 3 is written; the run log
+    still holds every save's bytes. Reference: the same saves written synchronously."""
+    taken, gate, batches = _gated_writes(monkeypatch)
+    with Checkpointer(tmp_path / "queued", max_to_keep=1) as checkpointer:
+        checkpointer.append_log(b"line 1\n")
+        _save_first(checkpointer, taken)
+        for step in (2, 3):
+            checkpointer.append_log(b"line %d\n" % step)
+            checkpointer.save(step, _tree(step))
+        gate.set()
+    with Checkpointer(tmp_path / "sync", max_to_keep=1, asynchronous=False) as checkpointer:
+        for step in (1, 2, 3):
+            checkpointer.append_log(b"line %d\n" % step)
+            checkpointer.save(step, _tree(step))
+    for name in ("queued", "sync"):
+        assert all_steps(tmp_path / name) == [3]
+        assert (tmp_path / name / "history.jsonl").read_bytes() == b"line 1\nline 2\nline 3\n"
+        assert sorted(p.name for p in (tmp_path / name / "3").iterdir()) == [
+            "arrays.bin", "manifest.json", "state"
+        ]  # fmt: skip
+    a, b = (tmp_path / "queued" / "3" / "arrays.bin"), (tmp_path / "sync" / "3" / "arrays.bin")
+    assert a.read_bytes() == b.read_bytes()
+    # 2 was never written (the synchronous writer wrote each, then deleted it).
+    assert [[s for s, _ in batch] for batch in batches] == [[1], [3], [1], [2], [3]]
+
+
+def test_the_newest_save_still_queued_at_close_gets_its_state_item_in_the_same_write(
+    tmp_path, monkeypatch
+):
+    """The state/ item goes into the queued newest checkpoint before its rename (not added
+    afterwards); Flax's own restore of it is what was saved."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from nnxscan.adapters import _checkpoint_files
+
+    taken, gate, batches = _gated_writes(monkeypatch)
+    added = []
+    monkeypatch.setattr(_checkpoint_files, "add_item", lambda *args: added.append(args))
+    checkpointer = Checkpointer(tmp_path)
+    _save_first(checkpointer, taken)
+    checkpointer.save(2, _tree(2))
+    gate.set()
+    checkpointer.close()
+    assert batches == [[(1, False)], [(2, True)]] and added == []
+    assert not (tmp_path / "1" / "state").exists()
+    abstract = {"w": jax.ShapeDtypeStruct((3,), np.float32)}
+    restored = ocp.StandardCheckpointer().restore(tmp_path.resolve() / "2" / "state", abstract)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((3,), 2.0))
+
+
+def test_a_full_disk_while_a_queued_item_is_written_keeps_the_checkpoint_whole(
+    tmp_path, monkeypatch
+):
+    import errno
+
+    from nnxscan.adapters import _orbax_item
+
+    taken, gate, _ = _gated_writes(monkeypatch)
+    real = _orbax_item.write_item
+
+    def disk_full(path, *args):
+        finish = real(path, *args)
+
+        def failed():
+            finish()
+            raise ValueError(f"RESOURCE_EXHAUSTED: \"{path}\": No space left [os_error_code='28']")
+
+        return failed
+
+    monkeypatch.setattr(_orbax_item, "write_item", disk_full)
+    checkpointer = Checkpointer(tmp_path)
+    _save_first(checkpointer, taken)
+    checkpointer.save(2, _tree(2))
+    gate.set()
+    with pytest.raises(OSError, match=r"the state/ item of checkpoint 2 was not written \(the "
+                       r"checkpoint is whole without it\)") as error:  # fmt: skip
+        checkpointer.close()
+    assert error.value.errno == errno.ENOSPC
+    assert all_steps(tmp_path) == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "2").iterdir()) == ["arrays.bin", "manifest.json"]
+    tree, _ = restore_checkpoint(tmp_path, _tree(0))
+    np.testing.assert_array_equal(np.asarray(tree["state"]["w"]), np.full((3,), 2.0))
+
+
+def test_saves_of_a_checkpointer_never_closed_are_written_before_the_process_exits(tmp_path):
+    """Reference: the saved arrays, read back bitwise in this process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        from nnxscan.adapters.checkpoint import Checkpointer
+
+        checkpointer = Checkpointer(sys.argv[1], max_to_keep=5)
+        for step in (1, 2, 3):
+            checkpointer.save(step, {"w": np.arange(1000.0) + step})
+        """
+    )  # and no close()
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert all_steps(tmp_path) == [1, 2, 3]
+    for step in (1, 2, 3):
+        tree, _ = restore_checkpoint(tmp_path, {"w": np.zeros(1000)}, step=step)
+        np.testing.assert_array_equal(tree["w"], np.arange(1000.0) + step)

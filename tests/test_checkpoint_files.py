@@ -360,6 +360,9 @@ _FILL_A_TINY_DISK = textwrap.dedent(
     else:
         raise AssertionError("the save of 240 kB on a 256 kB disk succeeded")
     assert all_steps(directory) == [0]
+    import os
+    left = sorted(os.listdir(directory))  # no half-written save of either storage is left
+    assert left == [".nnxscan-lock", "0"], left
     tree, step = restore_checkpoint(directory, small)
     np.testing.assert_array_equal(tree["state"]["w"], small["state"]["w"])
     print("ok", flush=True)

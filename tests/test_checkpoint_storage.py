@@ -119,7 +119,7 @@ def test_a_failed_background_write_raises_at_the_next_wait_and_lists_nothing(tmp
     with Checkpointer(tmp_path) as checkpointer:
         checkpointer.save(1, every_kind(1))
         checkpointer.wait()
-        monkeypatch.setattr(_checkpoint_files, "write", broken_disk)
+        monkeypatch.setattr(_checkpoint_files, "write_many", broken_disk)
         checkpointer.save(2, every_kind(2))  # returns: the write fails in the background
         with pytest.raises(OSError, match="No space left"):
             checkpointer.wait()
@@ -212,7 +212,7 @@ def test_orbax_storage_manifest_and_packed_buffers_carry_crc32s(tmp_path):
     where = save_checkpoint(tmp_path, 5, saved, storage="orbax")
     text = (where / "manifest" / "metadata").read_bytes()
     record = json.loads(text)
-    assert record["version"] == 5
+    assert record["version"] == 6
     body = json.dumps({k: v for k, v in record.items() if k != "crc32"}).encode()
     assert record["crc32"] == f"{zlib.crc32(body):08x}"  # of the rest of the text, as written
     assert record["buffers"] and all("crc32" in b for b in record["buffers"].values())
@@ -274,6 +274,9 @@ def test_orbax_checkpoints_without_checksums_still_restore_and_a_stripped_v5_is_
     record = json.loads(manifest.read_bytes())
     del record["crc32"]
     manifest.write_text(json.dumps(record))
+    with pytest.raises(CorruptCheckpointError, match="version 6 manifests carry a crc32"):
+        restore_checkpoint(tmp_path, every_kind(0))
+    manifest.write_text(json.dumps({**record, "version": 5}))
     with pytest.raises(CorruptCheckpointError, match="version 5 manifests carry a crc32"):
         restore_checkpoint(tmp_path, every_kind(0))
     record["version"] = 4

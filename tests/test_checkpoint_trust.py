@@ -167,7 +167,7 @@ def test_every_buffer_and_the_manifest_carry_a_crc32_of_their_bytes(run):
 
     step = run[0] / "12"
     record = manifest_of(step)
-    assert record["version"] == 5 and record["buffers"]
+    assert record["version"] == 6 and record["buffers"]
     data = (step / "arrays.bin").read_bytes()
     for entry in record["buffers"].values():
         nbytes = entry["size"] * np.dtype(jax.numpy.dtype(entry["dtype"])).itemsize
@@ -574,6 +574,29 @@ def test_a_kill_while_the_item_is_added_leaves_a_checkpoint_that_loads_and_resum
     assert all_steps(copy) == [8, 12, 16] and not partial.exists()
     abstract_state = nnx.split(abstract_model)[1]
     flax_loaded = ocp.StandardCheckpointer().restore(copy / "16" / "state", abstract_state)
+    for got, want in zip(state_arrays(flax_loaded), state_arrays(straight.model), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_resume_that_trains_nothing_adds_the_item_a_kill_left_out(copy):
+    """A run killed while its item was added, rerun when nothing is left to train: the
+    rerun gives the newest checkpoint its state/ item, and Flax's own restore of it is the
+    model a run never interrupted ends with."""
+    import orbax.checkpoint as ocp
+
+    newest = copy / "12"
+    (newest / "state").rename(newest / "state.nnxscan-tmp")  # the kill's leftover
+    before = {name: (newest / name).read_bytes() for name in ("arrays.bin", "manifest.json")}
+    rerun = new_trainer()
+    rerun.fit(DATA, epochs=3, batch_size=BATCH, checkpoint_dir=copy, resume=True,
+              progress=False)  # fmt: skip
+    assert rerun.step == 12 and all_steps(copy)[-1] == 12
+    assert {name: (newest / name).read_bytes() for name in before} == before  # not rewritten
+    assert sorted(p.name for p in newest.iterdir()) == ["arrays.bin", "manifest.json", "state"]
+    straight = new_trainer()
+    straight.fit(DATA, epochs=3, batch_size=BATCH, seed=0, progress=False)
+    abstract = nnx.split(nnx.eval_shape(lambda: BNDropout(rngs=nnx.Rngs(0))))[1]
+    flax_loaded = ocp.StandardCheckpointer().restore(newest / "state", abstract)
     for got, want in zip(state_arrays(flax_loaded), state_arrays(straight.model), strict=True):
         np.testing.assert_array_equal(got, want)
 

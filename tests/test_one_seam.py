@@ -35,6 +35,7 @@ SEAM = {
 OTHER_SHAPE_TESTS = {
     ("adapters/_checkpoint_packing.py", None): "a checkpoint leaf's type (numpy or jax)",
     ("adapters/_checkpoint_read.py", None): "a template leaf's type",
+    ("adapters/_checkpoint_shards.py", "damaged"): "a restored array: numpy or a jax.Array",
     ("adapters/_log_values.py", "spread"): "an array log (a metric per class too) spreads",
     ("adapters/_log_values.py", "to_exact_json"): "a value's type",
     ("adapters/data.py", None): "a data record's leaves",

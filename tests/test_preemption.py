@@ -100,8 +100,11 @@ def fit_bn(signaller: Signaller, directory=None, **fit):
         (dict(evaluation=2), 16),  # epoch 1's evaluation: then its hooks and save, no call
         (dict(hook="on_epoch_end", at=0), 8),  # between epochs: epoch 1 never starts
         (dict(hook="on_epoch_begin", at=1), 8),  # before epoch 1's first call
+        # The last epoch's hook: fit saves and raises (the signal is not absorbed); the
+        # rerun trains nothing and returns the History.
+        (dict(hook="on_epoch_end", at=3), 32),
     ],
-    ids=["during_evaluation", "on_epoch_end", "on_epoch_begin"],
+    ids=["during_evaluation", "on_epoch_end", "on_epoch_begin", "last_epochs_hook"],
 )
 def test_a_signal_between_calls_starts_no_other_call_before_the_save(tmp_path, send, saved_at):
     # One call an epoch, a checkpoint every 2 epochs (the issue's case).

@@ -75,7 +75,7 @@ def truncated_by_a_kill(monkeypatch, at: str, calls: int = 3):
     """Makes the ``calls``-th save die like a killed process: half-way through its log
     append, or after the append and before its checkpoint is written."""
     count = [0]
-    append, write = files.append_log, files.write
+    append, write = files.append_log, files.write_many
 
     class Killed(BaseException):
         pass
@@ -88,14 +88,15 @@ def truncated_by_a_kill(monkeypatch, at: str, calls: int = 3):
             raise Killed
         return append(path, data, **options)
 
-    def dying_write(path, step, manifest, buffers, log=b"", **options):
+    def dying_write(path, saves, **options):
         if at == "before_checkpoint" and count[0] == calls - 1:
+            (_, _, _, log, _) = saves[-1]  # synchronous saves: one a write
             files.append_log(path, log)  # this save's append (counted), then the kill
             raise Killed
-        return write(path, step, manifest, buffers, log, **options)
+        return write(path, saves, **options)
 
     monkeypatch.setattr(files, "append_log", dying_append)
-    monkeypatch.setattr(files, "write", dying_write)
+    monkeypatch.setattr(files, "write_many", dying_write)
     return Killed
 
 

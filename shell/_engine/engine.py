@@ -168,6 +168,9 @@ class Engine:
         # hooks), is ended even when the budget is spent: known once its length is.
         unended = owner.epoch_step > 0 and not stream
         if schedule.spent(owner.epoch, owner.step) and not unended:  # nothing left to train
+            if options.checkpoints is not None and "partial" in run:  # restored: no new save,
+                # but the state/ item a killed run left out of that checkpoint is added.
+                options.checkpoints.save(run["history"], empty_losses(owner.layout))
             return _finished(**run)
         if data is None:
             epoch_calls, execution = self._steps(options, layout)
@@ -287,7 +290,10 @@ class Engine:
                  partial_aux: dict[str, np.ndarray] | None = None) -> None:  # fmt: skip
             owner = self.owner
             if checkpointer.newest_step() == owner.step and not owner.loaded_since_checkpoint:
-                return  # this step is saved (save_with would keep it): no log line either
+                # This step is saved (save_with would keep it): no log line either; a
+                # state/ item a killed run left out is added as the checkpointer closes.
+                checkpointer.keep_item(owner.step, lambda: owner.checkpoint_tree("", carry))
+                return
             run = run_log.record(history, partial, partial_aux)
             _checkpointing.save_with(checkpointer, owner, run, carry)
 

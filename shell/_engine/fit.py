@@ -336,6 +336,8 @@ class FitLoop:
                         break
                     if not self._train(history, live, epoch_calls, stretch, bar, injected):
                         break
+                if self._signals:  # came during the last epoch's hooks or save: not absorbed
+                    self._preempted(history, [])
                 self._ahead.wait()  # compiled by now, unless fit stopped early
         except BaseException as error:
             self._ahead.wait()  # no compile outlives the fit
