@@ -187,7 +187,7 @@ def scan_train(
                 _keep_opt_state(error, owner)
             raise
     if keep_key is not None:
-        keep_after_call(keep_key, owner, program, placement, *kept_parts)
+        keep_after_call(keep_key, owner, program, placement, kept_parts)
     return finish(outs, owner)
 
 

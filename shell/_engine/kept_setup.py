@@ -194,18 +194,13 @@ def batch_key(batches: Any) -> Hashable:
 
 
 def keep_after_call(
-    key: tuple,
-    owner: ModelOwner,
-    program: TrainProgram,
-    placement: Placement,
-    live: LiveState,
-    device: Any,
-    execution: Execution,
-    batches: Any,
+    key: tuple, owner: ModelOwner, program: TrainProgram, placement: Placement, call: tuple
 ) -> None:
     """After a first call completed: keeps its set-up when its write-back wrote the carry's
     arrays straight into the user's Variables (plain Variables holding arrays, the usual
-    case); a call that wrote through ``nnx.update`` (hijax Variables) is set up anew."""
+    case); a call that wrote through ``nnx.update`` (hijax Variables) is set up anew.
+    ``call``: the call's ``(live, device, execution, batches)`` (``scan_train._scan``'s)."""
+    live, device, execution, batches = call
     optimizer = owner.optimizer
     variables = jax.tree.leaves(owner.read_state(), is_leaf=_is_variable)
     variables += jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable)
