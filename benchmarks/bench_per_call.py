@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     runs = variants(args.workload, args.steps)
-    kept = sys.modules["nnxscan.shell.scan_train"]  # imported by bench_accel
+    kept = sys.modules["nnxscan.shell._scan_train"]  # imported by bench_accel
     real = kept._kept_call
     scan_train_run = runs["scan_train"]
 

@@ -42,13 +42,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on 
     from nnxscan.shell._engine.fit import NonFiniteLossWarning, Preempted
     from nnxscan.shell._engine.options import FitArguments
     from nnxscan.shell._engine.plans import Plan
+    from nnxscan.shell._scan_train import scan_train
     from nnxscan.shell.callbacks import EarlyStopping, LambdaCallback
     from nnxscan.shell.continual import train_tasks
     from nnxscan.shell.history import History
     from nnxscan.shell.loading import load_model
     from nnxscan.shell.lr_finder import LRFinderResult, find_learning_rate
     from nnxscan.shell.population import Population
-    from nnxscan.shell.scan_train import scan_train
     from nnxscan.shell.trainer import Trainer
 
 # Where each public name lives. Importing ``nnxscan.shell`` (or any module in it, such as
@@ -68,7 +68,7 @@ _PUBLIC = {
     "enable_compilation_cache": "nnxscan.shell._edges.compile_cache",
     "find_learning_rate": "nnxscan.shell.lr_finder",
     "load_model": "nnxscan.shell.loading",
-    "scan_train": "nnxscan.shell.scan_train",
+    "scan_train": "nnxscan.shell._scan_train",
     "train_tasks": "nnxscan.shell.continual",
 }
 

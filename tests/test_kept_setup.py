@@ -10,7 +10,6 @@ the set-up made afresh (the kept one forgotten) for the same calls.
 from __future__ import annotations
 
 import gc
-import sys
 import weakref
 
 import jax
@@ -21,14 +20,12 @@ import pytest
 from flax import nnx
 
 import nnxscan.shell._engine.kept_setup as kept_setup
+import nnxscan.shell._scan_train as scan_train_module
 from nnxscan.adapters.nnx_optimizer import optax_state_from_optimizer
 from nnxscan.pure import make_train_step, scan_steps
 from nnxscan.shell import scan_train
 
 from conftest import MLP, assert_trees_close, make_data, state_arrays, xent
-
-# The module (its name is the function's: importing it by path would rebind the package's).
-scan_train_module = sys.modules["nnxscan.shell.scan_train"]
 
 TX = optax.adam(1e-2)
 STEPS, BS = 4, 8

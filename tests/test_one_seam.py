@@ -56,7 +56,7 @@ OTHER_SHAPE_TESTS = {
     ("shell/_population_checks.py", None): "argument checks (seeds, hyperparams)",
     ("shell/callbacks.py", "values"): "EarlyStopping's one-model watch: a scalar monitor",
     ("shell/population.py", "fit"): "a population's per-member logs (it knows it is one)",
-    ("shell/scan_train.py", "_check_steps_axis"): "stacked batches need a steps axis",
+    ("shell/_scan_train.py", "_check_steps_axis"): "stacked batches need a steps axis",
 }
 
 #: Decisions still read off shapes, to be moved into the seam: this list may only shrink.

@@ -49,8 +49,6 @@ from nnxscan.shell._module_check import check_module
 from nnxscan.shell._tracebacks import at_the_call
 from nnxscan.shell._user_steps import check_loss_fn, refuse_loss_options, user_step_owner
 
-__all__ = ["scan_train"]
-
 
 @at_the_call
 def scan_train(
