@@ -149,6 +149,23 @@ class LiveState:
         self.leaves = _unaliased(self.placement.put_carry(leaves, self.shardings), key=_buffer_key)
         self._sources, self._exposed = leaves, True
 
+    def keep_between_runs(self) -> bool | None:
+        """Lets this object outlive its run of calls (``kept_setup.py``): drops the carry's
+        arrays (the owner's objects hold them), its write-back and the runner's maker (the
+        engine that built it refers to the owner); returns the built runner's ``donate``
+        (None when none was built). :meth:`start_run` takes it up again."""
+        self._make_runner = None
+        self.leaves, self._sources, self._exposed, self._write = [], None, True, None
+        self.unwritten, self.unwritten_steps, self.compile_s = False, 0, 0.0
+        return None if self._runner is None else self._runner[0]
+
+    def start_run(self, sources: list, write: Callable[[list, Any, int], None]) -> None:
+        """A new run of calls from ``sources``, the owner's own arrays in the carry's order
+        and placement (as read from it: the next donating call checks who else holds them),
+        written back through ``write``."""
+        self.leaves, self._sources, self._exposed = list(sources), sources, True
+        self._write = write
+
     def runner(self, donate: bool) -> Any:
         """The compiled runner for this carry, looked up once per fit, not per epoch:
         the lookup hashes the graphdef, which costs more than a small model's step."""

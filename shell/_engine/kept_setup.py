@@ -87,19 +87,11 @@ class KeptSetUp:
         # The carry, its runner built (LiveState.runner): the engine that built it refers
         # to the owner, which holds the user's objects, so it is not kept.
         self._live = live
-        live._make_runner = None
-        self.donate = None if live._runner is None else live._runner[0]
         # The write-back made the Variables hold the carry's leaves: their avals are the
         # carry's, and the step counter's array is the one written (no sync to read it).
         self.avals = [_aval(x) for x in live.leaves]
         self._step = (optimizer.step.get_value(), owner.step)
-        self._forget_live()
-
-    def _forget_live(self) -> None:
-        """Drops the carry's arrays (the user's objects hold them) until the next call."""
-        live = self._live
-        live.leaves, live._sources, live._exposed, live._write = [], None, True, None
-        live.unwritten, live.unwritten_steps, live.compile_s = False, 0, 0.0
+        self.donate = live.keep_between_runs()
 
     def variables(self, model: Any, optimizer: nnx.Optimizer, rngs: Any) -> list | None:
         """The Variables the carry's leaves live in, in its order, when the objects are as
@@ -142,18 +134,14 @@ class KeptSetUp:
 
         if optimizer.step.get_value() is not self._step[0]:  # the user stepped it since
             self._step = (optimizer.step.get_value(), int(optimizer.step.get_value()))
-        live._write = write
         # As a read from the owner: the Variables and this list hold each array once, and
         # the carry's list once more (see LiveState.donatable).
-        sources = [variable.get_raw_value() for variable in variables]
-        live.leaves, live._sources, live._exposed = list(sources), sources, True
-        del sources
+        live.start_run([variable.get_raw_value() for variable in variables], write)
         try:
             calls = plan_calls(execution.plan, batches, None, num)
-            outs = run_calls(self.program, execution, live, calls)
+            return run_calls(self.program, execution, live, calls)
         finally:
-            self._forget_live()
-        return outs
+            live.keep_between_runs()
 
 
 def kept(key: tuple, optimizer: nnx.Optimizer) -> KeptSetUp | None:
