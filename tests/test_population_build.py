@@ -121,12 +121,14 @@ def test_a_traced_int32_seed_gives_the_python_ints_key():
 
 @pytest.fixture(scope="module")
 def swept():
-    """An MLP population with per-member learning rates (built once for the module)."""
+    """An MLP population with per-member learning rates (built once for the module), and
+    copies of what the build made: a test that trains it may run first (any test order)."""
     model_fn = counted(lambda rngs: MLP(rngs=rngs))
     pop = Population(
         model_fn, INJECTED, xent, seeds=list(SEEDS), hyperparams={"learning_rate": RATES}
     )
-    return pop, model_fn.calls
+    built = jax.tree.map(np.array, (pop.state, pop.opt_state))
+    return pop, model_fn.calls, built
 
 
 def test_mlp_members_with_adam_are_the_eager_builds():
@@ -142,15 +144,15 @@ def test_mlp_members_with_adam_are_the_eager_builds():
 
 
 def test_per_member_hyperparams_are_written_into_each_members_optax_state(swept):
-    pop, calls = swept
+    _, calls, (state, opt_state) = swept
     assert calls == 2  # the name check's abstract build, then the one trace
-    rates = hyperparam_value(pop.opt_state, "learning_rate")
+    rates = hyperparam_value(opt_state, "learning_rate")
     assert rates.dtype == jnp.float32 and rates.shape == (3,)
     np.testing.assert_array_equal(rates, np.asarray(RATES, np.float32))
     for i, (seed, rate) in enumerate(zip(SEEDS, RATES, strict=True)):
         _, ref_state, ref_opt = eager(mlp, seed, INJECTED, learning_rate=rate)
-        assert_member(pop.state, i, ref_state)
-        assert_member(pop.opt_state, i, ref_opt)
+        assert_member(state, i, ref_state)
+        assert_member(opt_state, i, ref_opt)
 
 
 @pytest.mark.parametrize("model_fn", [BNDropout, SmallCNN], ids=["batchnorm_dropout", "conv"])
@@ -343,6 +345,29 @@ def test_a_build_drawing_many_entries_draws_them_through_the_unrolled_hash(monke
         assert_member(owner.read()[2].inner, i, ref_opt)
 
 
+def test_a_build_in_chunks_of_members_builds_the_same_members(monkeypatch):
+    """A TPU builds its members in a loop over chunks (``members_per_chunk``); forced here on
+    any backend, with a chunk that does not divide the members (a remainder chunk too):
+    member i is still ``model_fn(nnx.Rngs(seed_i))`` with its own hyperparameters."""
+    chunks = []
+    monkeypatch.setattr(members_module, "members_per_chunk", lambda n: chunks.append(n) or 2)
+    args = (lambda r: BNDropout(hidden=6, rngs=r), init_opt(INJECTED), SEEDS,
+            {"learning_rate": RATES}, Members(len(SEEDS)))  # fmt: skip
+    owner = build_members(*args)
+    assert chunks == [len(SEEDS)]  # the chunked path ran (3 members: a chunk of 2, then 1)
+    for i, (seed, rate) in enumerate(zip(SEEDS, RATES, strict=True)):
+        _, ref_state, ref_opt = eager(lambda r: BNDropout(hidden=6, rngs=r), seed, INJECTED,
+                                      learning_rate=rate)  # fmt: skip
+        assert_member(owner.read()[1], i, ref_state)
+        assert_member(owner.read()[2].inner, i, ref_opt)
+
+
+def test_only_a_tpu_builds_in_chunks_and_only_past_one_chunk():
+    tpu = jax.default_backend() == "tpu"
+    assert members_module.members_per_chunk(members_module.BUILD_CHUNK) is None
+    assert members_module.members_per_chunk(1024) == (members_module.BUILD_CHUNK if tpu else None)
+
+
 def test_the_one_by_one_build_and_the_traced_build_agree():
     """The path kept for what cannot be traced gives the same owner (graphdefs, counters,
     states) as the traced one."""
@@ -359,7 +384,7 @@ def test_the_one_by_one_build_and_the_traced_build_agree():
 
 
 def test_training_is_each_members_trainer_run(swept):
-    pop, _ = swept
+    pop, _, _ = swept
     data = make_data()
     history = pop.fit(data, epochs=2, batch_size=8, progress=False)
     for i, (seed, rate) in enumerate(zip(SEEDS, RATES, strict=True)):
