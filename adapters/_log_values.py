@@ -96,6 +96,21 @@ def logs_of(trainer: Any) -> ModelLogs | MemberLogs:
     return ModelLogs() if count is None else MemberLogs(count)
 
 
+def history_members(num_members: int | None, losses: Any) -> int | None:
+    """How many members a History logs: ``num_members`` as ``fit`` declared it; for a
+    History that declares none (built by hand, or pickled before ``History.num_members``
+    existed), its losses say, the one place their shape does: ``(steps, N)`` is ``N``
+    members, ``(steps,)`` one model (None).
+
+    Example:
+      >>> history_members(None, np.zeros((0, 3)))
+      3
+    """
+    if num_members is not None or np.ndim(losses) != 2:
+        return num_members
+    return int(np.shape(losses)[1])
+
+
 def spread(logs: Mapping[str, Any]) -> dict[str, Any]:
     """Logs with every array value spread into one entry per element: ``key/i``, and
     ``key/i/j`` for two axes. A ``Population``'s logs hold one value per member along

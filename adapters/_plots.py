@@ -13,22 +13,18 @@ from typing import Any
 import numpy as np
 
 from nnxscan.adapters._extras import require_extra
+from nnxscan.adapters._log_values import MemberLogs, ModelLogs, is_number, logs_of
 
 
-def history_plot(
-    losses: Any,
-    epochs: list[dict[str, Any]],
-    events: list[dict[str, Any]],
-    path: str | os.PathLike[str],
-    smooth: float | int,
-) -> pathlib.Path:
-    """``History.plot`` of a History's ``losses``, ``epochs`` and ``events`` (see its
-    docstring)."""
-    losses = np.asarray(losses, np.float64)
+def history_plot(history: Any, path: str | os.PathLike[str], smooth: float | int) -> pathlib.Path:
+    """``History.plot`` of ``history`` (a ``History``: its ``losses``, ``epochs``, ``events``
+    and ``num_members``; see its docstring)."""
+    losses = np.asarray(history.losses, np.float64)
+    epochs, events = history.epochs, history.events
     if losses.size == 0:
         raise ValueError("nothing to plot: this History holds no training losses")
-    # One column per model: a single model's losses, or a population's members.
-    columns = losses.reshape(losses.shape[0], -1) if losses.ndim == 2 else losses.reshape(-1, 1)
+    # One column per model: a single model's losses, or each member's.
+    columns = losses.reshape(len(losses), -1)
     members = columns.shape[1]
     window = _smoothing_window(smooth, columns.shape[0])
     figure_mod = require_extra("matplotlib.figure", "demo", needed_by="History.plot")
@@ -36,7 +32,7 @@ def history_plot(
 
     steps = np.arange(1, columns.shape[0] + 1)
     ends = _epoch_end_steps(epochs, columns.shape[0])
-    evals = _eval_series(epochs, ends, per_member=losses.ndim == 2)
+    evals = _eval_series(epochs, ends, logs_of(history))
     fig = figure_mod.Figure(figsize=(7, 5.5 if evals else 3.5), dpi=100)
     agg.FigureCanvasAgg(fig)
     axes = fig.subplots(2 if evals else 1, 1, sharex=True, squeeze=False)[:, 0]
@@ -229,19 +225,19 @@ def _epoch_end_steps(epochs: list[dict[str, Any]], n_steps: int) -> np.ndarray:
 
 
 def _eval_series(
-    epochs: list[dict[str, Any]], ends: np.ndarray, *, per_member: bool = False
+    epochs: list[dict[str, Any]], ends: np.ndarray, logs: ModelLogs | MemberLogs
 ) -> dict[tuple[str, int | None], tuple[list[float], list[float]]]:
     """Each ``eval_*`` key's (end step, value) pairs over the epochs that logged it, keyed ``(key,
-    None)``; a population's per-member values (``per_member``: its History's losses are ``(steps,
-    N)``) are keyed ``(key, member)``."""
+    None)``; a population's per-member values (``logs``: the History's, :func:`logs_of`) are
+    keyed ``(key, member)``."""
     series: dict[tuple[str, int | None], tuple[list[float], list[float]]] = {}
-    for end, logs in zip(ends.tolist(), epochs, strict=True):
-        for key, value in logs.items():
+    for end, epoch_logs in zip(ends.tolist(), epochs, strict=True):
+        for key, value in epoch_logs.items():
             if not key.startswith("eval_"):
                 continue
-            if per_member and np.ndim(value) == 1:  # one value per member
+            if logs.per_member(value):
                 values = [(m, v) for m, v in enumerate(np.asarray(value, np.float64))]
-            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            elif is_number(value):
                 values = [(None, value)]
             else:
                 continue

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from nnxscan.adapters import _plots
+from nnxscan.adapters import _log_values, _plots
 
 __all__ = ["History"]
 
@@ -30,6 +30,11 @@ class History:
         "restored_best"}`` when it writes its best epoch back (``epoch`` the global
         index, ``step`` the global step count at that epoch's end; a ``Population``'s
         carry ``"member": i``, one per member). ``plot`` marks them.
+      num_members: how many members it logs: ``None`` for one model (``losses`` of shape
+        ``(steps,)``, a value per log), ``N`` for a ``Population``'s (``losses`` of shape
+        ``(steps, N)``, per-member logs of shape ``(N,)``). ``fit`` sets it; a History
+        built without it (by hand, or pickled before it existed) takes it from its losses:
+        ``(steps, N)`` is ``N`` members.
 
     Example:
       >>> history = trainer.fit(data, epochs=3, batch_size=32)
@@ -41,6 +46,15 @@ class History:
     losses: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,), np.float32))
     epochs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    num_members: int | None = None
+
+    def __post_init__(self) -> None:
+        self.num_members = _log_values.history_members(self.num_members, self.losses)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A History pickled before ``num_members`` existed holds no such entry.
+        self.__dict__.update(state)
+        self.num_members = _log_values.history_members(state.get("num_members"), self.losses)
 
     def _append(self, losses: np.ndarray, logs: dict[str, Any]) -> None:
         self.losses = np.concatenate([self.losses, np.asarray(losses, np.float32)])
@@ -50,11 +64,11 @@ class History:
         """Writes a PNG of the training loss per step and the eval metrics per epoch.
 
         The top panel shows every step's loss, faint, under a smoothed curve; non-finite
-        losses (skipped steps) are left out of both. A ``Population``'s History (losses of
-        shape ``(steps, N)``, per-member logs) gets one smoothed curve per member (the
-        faint raw ones only up to 4 members) and one eval line per member and metric, in
-        the member's colour. The y-axis is logarithmic when every
-        finite loss is positive. When any epoch logged ``eval_*`` metrics, a second panel
+        losses (skipped steps) are left out of both. A ``Population``'s History
+        (:attr:`num_members` ``N``: losses of shape ``(steps, N)``, per-member logs) gets
+        one smoothed curve per member (the faint raw ones only up to 4 members) and one
+        eval line per member and metric, in the member's colour. The y-axis is logarithmic
+        when every finite loss is positive. When any epoch logged ``eval_*`` metrics, a second panel
         below, on the same step axis, marks each at its epoch's last step (the running sum of
         the epochs' ``steps``); its label says when they were logged (``eval (every 5th
         epoch)``). The epochs :attr:`events` name (EarlyStopping's stop and restore) are
@@ -84,4 +98,4 @@ class History:
           ...                       metric_fn=accuracy, eval_every=5)
           >>> history.plot("run/curves.png", smooth=50)
         """
-        return _plots.history_plot(self.losses, self.epochs, self.events, path, smooth)
+        return _plots.history_plot(self, path, smooth)

@@ -18,6 +18,7 @@ from flax import nnx
 from nnxscan.adapters.checkpoint import Checkpointer
 from nnxscan.shell import EarlyStopping, History, Population, Trainer
 from nnxscan.shell._edges.checkpointing import RunLog
+from nnxscan.shell._engine.layout import ONE_MODEL
 
 from conftest import MLP, make_data, state_arrays, xent
 
@@ -78,6 +79,7 @@ def test_a_trainer_records_the_stop_and_the_restore_and_its_checkpoint_keeps_the
     resumed = again.fit(data, epochs=trainer.epoch, batch_size=BS, checkpoint_dir=tmp_path,
                         resume=True, progress=False)  # fmt: skip
     assert resumed.events == history.events
+    assert history.num_members is None and resumed.num_members is None  # one model's
     for a, b in zip(state_arrays(again.model), state_arrays(trainer.model), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -117,6 +119,8 @@ def test_a_population_records_each_members_stop_and_restore_and_its_checkpoint_k
     resumed = again.fit(data, epochs=pop.epoch, batch_size=BS, checkpoint_dir=tmp_path,
                         resume=True, progress=False)  # fmt: skip
     assert resumed.events == history.events
+    # Told by fit, and by the run log a resumed fit reads: 3 members' losses and logs.
+    assert history.num_members == resumed.num_members == 3
 
 
 def test_the_run_log_keeps_events_and_an_inline_run_without_them_reads_as_none(tmp_path):
@@ -125,11 +129,11 @@ def test_the_run_log_keeps_events_and_an_inline_run_without_them_reads_as_none(t
     history.events.append({"epoch": 0, "step": 4, "what": "early_stopping_stopped", "member": 2})
     with Checkpointer(tmp_path) as checkpointer:
         where = RunLog(checkpointer).record(history, np.zeros(0, np.float32))
-    back, partial, *_ = RunLog.read(tmp_path, where)
+    back, partial, *_ = RunLog.read(tmp_path, where, ONE_MODEL)
     assert back.events == history.events and partial.size == 0
     # A checkpoint written before the run log held its History inline, maybe without events.
     old = {"epochs": history.epochs, "losses": [1.0] * 4, "partial": []}
-    assert RunLog.read(tmp_path, json.dumps(old))[0].events == []
+    assert RunLog.read(tmp_path, json.dumps(old), ONE_MODEL)[0].events == []
     assert History().events == [] and History().events is not History().events
 
 

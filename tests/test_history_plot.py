@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
+from nnxscan.adapters._log_values import logs_of
 from nnxscan.adapters._plots import _eval_series, _smooth, _smoothing_window
 from nnxscan.shell.history import History
 
@@ -160,12 +164,43 @@ def test_a_populations_history_plots_a_curve_and_eval_line_per_member(tmp_path):
         assert _has_colour(pixels, colour), colour
     assert not _has_colour(pixels, "#d62728")
     ends = np.array([20, 40, 60, 80])
-    series = _eval_series(history.epochs, ends, per_member=True)
+    assert history.num_members == 3  # built without it: its (steps, 3) losses say
+    series = _eval_series(history.epochs, ends, logs_of(history))
     assert sorted(series) == [("eval_accuracy", 0), ("eval_accuracy", 1), ("eval_accuracy", 2)]
     xs, ys = series[("eval_accuracy", 2)]
     assert xs == ends.tolist()
     np.testing.assert_allclose(ys, [e["eval_accuracy"][2] for e in history.epochs])
     _read_png(_population_history(24).plot(tmp_path / "many.png"))  # no legend past 10
+
+
+def _pickled_before_num_members(history: History) -> bytes:
+    """``history`` pickled as nnxscan pickled a History before ``num_members``: its class
+    and a state of ``losses``, ``epochs`` and ``events`` alone."""
+    old = History.__new__(History)
+    old.__dict__.update({k: v for k, v in vars(history).items() if k != "num_members"})
+    data = pickle.dumps(old)
+    assert b"num_members" not in data
+    return data
+
+
+def test_a_history_without_num_members_loads_and_plots_as_before(tmp_path):
+    """A History pickled before it had ``num_members``, or built by hand without it, reads
+    it off its losses: ``(steps, N)`` is N members (a curve and an eval line per member,
+    pixel for pixel the plot of the History that declares N), ``(steps,)`` one model."""
+    population = _population_history(3)
+    declared = History(population.losses, population.epochs, population.events, 3)
+    for old in (pickle.loads(_pickled_before_num_members(population)), population):
+        assert old.num_members == 3
+        drawn = _read_png(old.plot(tmp_path / "old.png"))
+        np.testing.assert_array_equal(drawn, _read_png(declared.plot(tmp_path / "new.png")))
+        series = _eval_series(old.epochs, np.array([20, 40, 60, 80]), logs_of(old))
+        assert sorted(series) == [("eval_accuracy", m) for m in range(3)]
+    one = pickle.loads(_pickled_before_num_members(_history(True)))
+    assert one.num_members is None and History(np.zeros(0), [], []).num_members is None
+    _read_png(one.plot(tmp_path / "one.png"))
+    # Kept by a pickle and a copy once declared.
+    assert pickle.loads(pickle.dumps(declared)).num_members == 3
+    assert copy.deepcopy(History(np.zeros(0), num_members=2)).num_members == 2
 
 
 def _eval_label(tmp_path, logged_at: list[int], epochs: int, monkeypatch) -> str:

@@ -20,6 +20,7 @@ from nnxscan.adapters import _checkpoint_files as files
 from nnxscan.adapters.checkpoint import Checkpointer, all_steps, read_log
 from nnxscan.shell import History, Trainer
 from nnxscan.shell._edges.checkpointing import RunLog
+from nnxscan.shell._engine.layout import ONE_MODEL
 
 from conftest import MLP, BNDropout, assert_trees_close, make_data, state_arrays, xent
 
@@ -173,7 +174,7 @@ def test_the_log_is_on_disk_before_the_checkpoint_that_names_it_in_both_storages
             log_of[3 * (epoch + 1)] = where
     assert all_steps(tmp_path) == [9, 12]  # max_to_keep deletes checkpoints, never the log
     for step in (9, 12):
-        back, partial, where, partial_aux = RunLog.read(tmp_path, log_of[step])
+        back, partial, where, partial_aux = RunLog.read(tmp_path, log_of[step], ONE_MODEL)
         n = step // 3
         np.testing.assert_array_equal(back.losses, history.losses[: 3 * n])
         assert back.epochs == history.epochs[:n] and partial.size == 0 and partial_aux == {}

@@ -18,10 +18,12 @@ import numpy as np
 
 from nnxscan.adapters import _checkpoint_files, _checkpoint_manifest, _log_values
 from nnxscan.adapters._checkpoint_manifest import check_meta_ints
+from nnxscan.shell._edges.logs import empty_history, empty_losses
 from nnxscan.shell._edges.warn import warn
 from nnxscan.shell.history import History
 
 if TYPE_CHECKING:  # the engine's types only: the edges import nothing of the engine
+    from nnxscan.shell._engine.layout import Layout
     from nnxscan.shell._engine.owner import Owner
     from nnxscan.shell._engine.placement import Placement
 
@@ -95,7 +97,7 @@ def resume(
 
     def read(at: int) -> tuple[dict[str, Any], Any]:
         tree = _read(owner, directory, template, at)
-        return tree, RunLog.read(directory, tree["meta"]["run"], owner.layout.shape)
+        return tree, RunLog.read(directory, tree["meta"]["run"], owner.layout)
 
     adapter = _adapter()
     if step is None:
@@ -268,21 +270,19 @@ class RunLog:
 
     @staticmethod
     def read(
-        directory: str | os.PathLike[str], text: str, shape: tuple[int, ...] = ()
+        directory: str | os.PathLike[str], text: str, layout: Layout
     ) -> tuple[History, np.ndarray, dict[str, Any], dict[str, np.ndarray] | None]:
         """``(History, partial losses, where, partial aux)`` of the run a checkpoint's meta ``text``
-        names ("" gives an empty History): losses of shape ``(steps, *shape)`` (``shape``: the
-        layout's, ``(N,)`` for N members); logs that were arrays are numpy arrays again; the partial
-        aux: the unfinished epoch's scalar aux logs per step, in their dtypes (None when the log did
-        not keep them)."""
-        shape = (-1, *shape)
+        names ("" gives an empty History), laid out as the owner's ``layout``: losses of shape
+        ``(steps, *layout.shape)``, the History's ``num_members`` the layout's; logs that were
+        arrays are numpy arrays again; the partial aux: the unfinished epoch's scalar aux logs per
+        step, in their dtypes (None when the log did not keep them)."""
         if not text:
-            empty = np.zeros((0,), np.float32).reshape(shape)
-            return History(empty), empty, {}, {}
+            return empty_history(layout), empty_losses(layout), {}, {}
         log = pathlib.Path(directory) / LOG
         where = _run_meta(text, log)
         if "log" not in where:  # written before the run log: the History inline
-            history, partial = _inline_run(where, shape)
+            history, partial = _inline_run(where, layout)
             return history, partial, {}, None if len(partial) else {}
         corrupt = _adapter().CorruptCheckpointError
         try:
@@ -326,7 +326,7 @@ class RunLog:
                 f"without resume=True to go on without the History."
             )
         try:
-            history, partial = _history(losses, epochs, events, shape)
+            history, partial = _history(losses, epochs, events, layout)
         except (TypeError, ValueError) as error:
             raise corrupt(f"the run log {log} holds losses that are not numbers: {error}") from None
         return history, partial, where, _partial_aux(record, len(partial))
@@ -373,12 +373,13 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _history(losses: list, epochs: list, events: list, shape: tuple) -> tuple[History, np.ndarray]:
+def _history(
+    losses: list, epochs: list, events: list, layout: Layout
+) -> tuple[History, np.ndarray]:
     """The History of logged epochs (the first steps' losses) and the partial losses after."""
     done = sum(int(logs.get("steps", 0)) for logs in epochs)
-    losses = np.asarray(losses, np.float32).reshape(shape)
-    history = History(losses[:done], epochs)
-    history.events = list(events)
+    losses = np.asarray(losses, np.float32).reshape(-1, *layout.shape)
+    history = History(losses[:done], epochs, list(events), layout.num_members)
     return history, losses[done:]
 
 
@@ -401,9 +402,10 @@ def _partial_aux(record: dict[str, Any], steps: int) -> dict[str, np.ndarray] | 
     return aux if all(len(v) == steps for v in aux.values()) else None
 
 
-def _inline_run(record: dict[str, Any], shape: tuple) -> tuple[History, np.ndarray]:
+def _inline_run(record: dict[str, Any], layout: Layout) -> tuple[History, np.ndarray]:
+    shape = (-1, *layout.shape)
     losses = np.asarray(record["losses"], np.float32).reshape(shape)
     partial = np.asarray(record["partial"], np.float32).reshape(shape)
-    history, _ = _history([], _legacy_epochs(record["epochs"]), record.get("events", []), shape)
+    history, _ = _history([], _legacy_epochs(record["epochs"]), record.get("events", []), layout)
     history.losses = losses
     return history, partial

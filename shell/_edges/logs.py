@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from nnxscan.shell._edges.host import to_host
+from nnxscan.shell.history import History
 
 if TYPE_CHECKING:  # the engine's type only: the edges import nothing of the engine
     from nnxscan.shell._engine.layout import Layout
@@ -164,3 +165,9 @@ def _joined(parts: list[dict[str, Any]], keys: Any) -> dict[str, np.ndarray]:
 def empty_losses(layout: Layout) -> np.ndarray:
     """No steps' losses yet: ``(0, *layout.shape)``."""
     return np.zeros((0, *layout.shape), np.float32)
+
+
+def empty_history(layout: Layout) -> History:
+    """A History of no steps yet, laid out as ``layout``: losses ``(0, *layout.shape)``, and
+    ``layout.num_members`` declared (plots and writers read it, never the shapes)."""
+    return History(empty_losses(layout), num_members=layout.num_members)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from nnxscan.adapters.data import GrainEpochs
 from nnxscan.pure.checks import abstract_batch, check_batch_size, check_count
 from nnxscan.shell._edges import checkpointing as _checkpointing
-from nnxscan.shell._edges.logs import empty_losses
+from nnxscan.shell._edges.logs import empty_history, empty_losses
 from nnxscan.shell._engine.calls import Execution, prepare_execution
 from nnxscan.shell._engine.epochs import (
     ArrayEpochs,
@@ -161,7 +161,7 @@ class Engine:
         owner, whole_run = self.owner, options.resume is not False
         # The last change to the objects before training.
         run = self._resume(options, data) if whole_run else {}
-        run.setdefault("history", History(losses=empty_losses(layout)))
+        run.setdefault("history", empty_history(layout))
         schedule = Schedule.of(options.epochs, options.max_steps, whole_run=whole_run,
                                at=(owner.epoch, owner.epoch_step, owner.step))  # fmt: skip
         # An epoch whose steps all ran before a preemption, but not its end (evaluation,
