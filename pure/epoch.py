@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from nnxscan.pure import batching, checks
+from nnxscan.pure.members import _epoch_orders
 from nnxscan.pure.scan import scan_indexed_steps
 from nnxscan.pure.train_step import StepFn
 
@@ -65,25 +66,23 @@ def _is_key(x: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.unsignedinteger)
 
 
-def _epoch_order(key_or_order: Any, n: int, shuffle: bool) -> jax.Array:
-    """The epoch's order, ``(n,)``; or ``(N, n)``, one per member, from ``N`` keys or an
-    ``(N, n)`` order array."""
+def _epoch_order(key_or_order: Any, n: int, shuffle: bool, orders: Any) -> jax.Array:
+    """The epoch's order, ``(*orders.lead, n)``: ``(n,)`` for one model, ``(N, n)`` for N
+    members (:func:`~nnxscan.pure.members._epoch_orders` says which)."""
     if key_or_order is None:
         if shuffle:
             raise ValueError(
                 "the epoch needs a PRNG key or an order (epoch_order(seed, epoch, n)) when "
                 "shuffle=True; pass one, or build the epoch with shuffle=False."
             )
-        return jnp.arange(n, dtype=jnp.int32)
+        return orders.stored(n)
     if _is_key(key_or_order):
-        members = _key_members(key_or_order)
-        if not shuffle:
-            order = jnp.arange(n, dtype=jnp.int32)
-            return order if members is None else jnp.broadcast_to(order, (members, n))
-        if members is not None:
-            permute = jax.vmap(lambda key: jax.random.permutation(key, n))
-            return permute(key_or_order).astype(jnp.int32)
-        return jax.random.permutation(key_or_order, n).astype(jnp.int32)
+        typed = jax.dtypes.issubdtype(key_or_order.dtype, jax.dtypes.prng_key)
+        shape = np.shape(key_or_order)
+        # A raw key (jax.random.PRNGKey) has a trailing axis of key data.
+        if (shape if typed else shape[:-1]) != orders.lead:
+            raise ValueError(f"the epoch's keys have shape {shape}: pass {orders.keys}.")
+        return orders.permutation(key_or_order, n) if shuffle else orders.stored(n)
     dtype = getattr(key_or_order, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.signedinteger):
         raise TypeError(
@@ -92,26 +91,12 @@ def _epoch_order(key_or_order: Any, n: int, shuffle: bool) -> jax.Array:
             f"{type(key_or_order).__name__} with dtype {dtype}."
         )
     shape = tuple(np.shape(key_or_order))
-    if shape[-1:] != (n,) or len(shape) > 2:
+    if shape != (*orders.lead, n):
         raise ValueError(
-            f"the epoch's order has shape {shape}, but the data has {n} examples: pass an "
-            f"order of shape ({n},), e.g. epoch_order(seed, epoch, {n}), or one per member, "
-            f"shape (members, {n})."
+            f"the epoch's order has shape {shape}, but the data has {n} examples: pass "
+            f"{orders.orders(n)}."
         )
     return jnp.asarray(key_or_order, jnp.int32)
-
-
-def _key_members(key: Any) -> int | None:
-    """The number of members a key array holds keys for (None: one key)."""
-    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-    ndim = np.ndim(key) if typed else np.ndim(key) - 1  # a raw key has a trailing data axis
-    if ndim == 0:
-        return None
-    if ndim == 1:
-        return int(np.shape(key)[0])
-    raise ValueError(
-        f"the epoch's keys have shape {np.shape(key)}: pass one key, or one per member."
-    )
 
 
 def make_epoch(
@@ -122,6 +107,7 @@ def make_epoch(
     drop_remainder: bool = True,
     unroll: int | bool = 1,
     batch_sharding: jax.sharding.Sharding | None = None,
+    num_members: int | None = None,
 ) -> Callable[..., tuple[nnx.State, Any, Any]]:
     """Builds ``epoch(graphdef, state, opt_state, data, key_or_order)`` that trains one epoch.
 
@@ -135,45 +121,71 @@ def make_epoch(
       trains under the ``"scan"`` plan (same ``wrt``, same ``tx``);
     - ``None`` with ``shuffle=False``: the examples in their stored order.
 
-    A population's step (:func:`~nnxscan.pure.vmap_members`) takes one order per member:
-    an ``(N, num_examples)`` order array (``np.stack([epoch_order(s, e, n) for s in
-    seeds])``, what ``Population.fit`` trains), or ``N`` keys (``jax.random.split(key,
-    N)``); each step's batch then has a leading members axis.
+    An epoch of N members (the step of :func:`~nnxscan.pure.vmap_members`) is built with
+    ``num_members=N`` and takes one order per member: an ``(N, num_examples)`` order array
+    (``np.stack([epoch_order(s, e, n) for s in seeds])``, what ``Population.fit`` trains),
+    or ``N`` keys (``jax.random.split(key, N)``); each step's batch then has a leading
+    members axis, ``(N, batch, ...)``. The count is an argument, not read off the keys' or
+    orders' shapes: one order for all members (a ``shared_batch`` step) and one order per
+    member are told apart by what the epoch was built for, and a wrong shape is an error
+    that says which was expected.
 
     With ``shuffle=False`` a key is ignored, and with no order given each step slices its
-    batch from the stored rows: nothing is gathered. With ``drop_remainder=False`` a final short
+    batch from the stored rows: nothing is gathered (N members gather theirs: a slice
+    vmapped over members would be a gather per step). With ``drop_remainder=False`` a final short
     batch is trained as one more step of its own shape (no padding, no masking), so every
     example is used exactly once.
+
+    Args:
+      step: the step to train (a :class:`~nnxscan.pure.Step`, or its update function).
+      batch_size: examples per step (per member).
+      shuffle: order each epoch by ``key_or_order``; ``False``: the stored order.
+      drop_remainder: drop the last ``num_examples % batch_size`` examples, or train them
+        as a final short step.
+      unroll: the scan's ``unroll``.
+      batch_sharding: each step's batch is constrained to it (a mesh's data axes).
+      num_members: ``None`` (one model, or members that share each batch): one key or one
+        order; ``N``: one per member, each step's batch ``(N, batch, ...)``.
 
     Returns:
       ``epoch(graphdef, state, opt_state, data, key_or_order) -> (state, opt_state,
       losses)``; ``data`` is a pytree whose leaves share a leading examples axis.
-      ``losses`` has one entry per step.
+      ``losses`` has one entry per step (``(steps, N)`` for N members).
+
+    Raises:
+      ValueError: (when called) keys or an order of another shape than the epoch takes.
 
     Example:
       >>> epoch = jax.jit(make_epoch(step, batch_size=32))
       >>> for e in range(10):
       ...     state, opt_state, losses = epoch(graphdef, state, opt_state, data,
       ...                                      epoch_order(0, e, n))
+      >>> members = jax.jit(make_epoch(vmap_members(step), batch_size=32, num_members=4))
+      >>> orders = np.stack([epoch_order(s, 0, n) for s in range(4)])
+      >>> states, opt_state, losses = members(graphdef, states, members_state, data, orders)
+      >>> losses.shape
+      (n // 32, 4)
     """
     checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
+    orders = _epoch_orders(num_members)
 
     def epoch(graphdef, state, opt_state, data, key_or_order=None):
         n = checks.check_leading_size(data, "data")
         checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
-        order = _epoch_order(key_or_order, n, shuffle)
+        order = _epoch_order(key_or_order, n, shuffle, orders)
         full, tail = batching.cut_batches(order, batch_size, drop_remainder=drop_remainder)
-        if order.ndim == 2:  # one order per member: (N, steps, batch) -> (steps, N, batch)
-            full = jnp.swapaxes(full, 0, 1)
-            tail = None if tail is None else jnp.swapaxes(tail, 0, 1)
-        elif not shuffle and (key_or_order is None or _is_key(key_or_order)):
-            # The stored order: each step slices its batch (batch numbers, no gather).
-            full = jnp.arange(full.shape[0], dtype=jnp.int32)
+        # Steps first, as the step's batches are laid out: (steps, *members, batch).
+        full = orders.steps_first(full)
+        tail = None if tail is None else orders.steps_first(tail)
+        rows = None  # every batch gathered by its indices ...
+        if not shuffle and (key_or_order is None or _is_key(key_or_order)):
+            # ... except the stored order's full batches, sliced by number where they can be.
+            full, rows = orders.batch_numbers(full, batch_size)
 
         def scan(carry, idx, unroll):
             state, opt_state, outs = scan_indexed_steps(
                 step, graphdef, *carry, data, idx, unroll=unroll, batch_sharding=batch_sharding,
-                batch_rows=batch_size if idx.ndim == 1 else None,
+                batch_rows=rows if idx is full else None,  # the tail's are indices
             )  # fmt: skip
             return (state, opt_state), outs
 

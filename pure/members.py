@@ -8,7 +8,9 @@ Its ``update`` is the inner ``update`` under ``jax.vmap``, and its state
 (:class:`MembersState`) holds the members' inner states and the mask of the members that
 still train. Every loop that runs a step — :func:`~nnxscan.pure.scan_steps`,
 :func:`~nnxscan.pure.scan_indexed_steps`, :func:`~nnxscan.pure.make_epoch`, the shell —
-runs a population as it runs one model: a batch simply has a leading members axis.
+runs a population as it runs one model: a batch simply has a leading members axis. How an
+epoch orders N members (a key or an order per member, cut steps first) beside one model's
+is here too (``_epoch_orders``), so ``make_epoch`` is told its members, never asks.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxscan.pure import _members
+from nnxscan.pure import _members, checks
 from nnxscan.pure.nonfinite import _fresh_nodes, tree_select
 from nnxscan.pure.step import Step
 
@@ -152,3 +154,82 @@ def _check_members(states: Any, opt_state: Any, batch: Any) -> None:
                 f"where the states hold {size} members: give each member its batch, shape "
                 f"({size}, batch, ...), or build the step with shared_batch=True."
             )
+
+
+# -- an epoch's orders: one model's, or one per member -------------------------------------
+
+
+class _ModelOrders:
+    """An epoch of ONE model (``make_epoch(num_members=None)``): one key or one ``(n,)`` order;
+    each step's batch has no members axis (one model's, or the batch every member of a
+    ``shared_batch`` step trains)."""
+
+    lead: tuple[int, ...] = ()
+    keys = (
+        "one key, e.g. jax.random.key(0) (for one key per member, build the epoch with "
+        "make_epoch(..., num_members=N))"
+    )
+
+    def orders(self, n: int) -> str:
+        return (
+            f"an order of shape ({n},), e.g. epoch_order(seed, epoch, {n}) (for one order per "
+            f"member, (N, {n}), build the epoch with make_epoch(..., num_members=N))"
+        )
+
+    def permutation(self, key: Any, n: int) -> jax.Array:
+        return jax.random.permutation(key, n).astype(jnp.int32)
+
+    def stored(self, n: int) -> jax.Array:
+        return jnp.arange(n, dtype=jnp.int32)
+
+    def steps_first(self, cut: jax.Array) -> jax.Array:
+        return cut
+
+    def batch_numbers(self, full: jax.Array, batch_size: int) -> tuple[jax.Array, int | None]:
+        # The stored order's batch k is rows k*B .. k*B+B-1: sliced by its number, no gather.
+        return jnp.arange(full.shape[0], dtype=jnp.int32), batch_size
+
+
+class _MemberOrders:
+    """An epoch of ``num_members`` members (``make_epoch(num_members=N)``): N keys or an
+    ``(N, n)`` order array, one per member; each step's batch has a leading members axis
+    ``(N, batch, ...)``, member ``i``'s rows in member ``i``'s order."""
+
+    def __init__(self, num_members: int):
+        self.lead = (num_members,)
+        self.keys = f"{num_members} keys, one per member, e.g. jax.random.split(key, {num_members})"
+
+    def orders(self, n: int) -> str:
+        count = self.lead[0]
+        return (
+            f"one order per member, shape ({count}, {n}), e.g. np.stack([epoch_order(s, "
+            f"epoch, {n}) for s in seeds])"
+        )
+
+    def permutation(self, keys: Any, n: int) -> jax.Array:
+        return jax.vmap(lambda key: jax.random.permutation(key, n))(keys).astype(jnp.int32)
+
+    def stored(self, n: int) -> jax.Array:
+        return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (*self.lead, n))
+
+    def steps_first(self, cut: jax.Array) -> jax.Array:
+        return jnp.swapaxes(cut, 0, 1)  # (N, steps, batch) -> (steps, N, batch)
+
+    def batch_numbers(self, full: jax.Array, batch_size: int) -> tuple[jax.Array, int | None]:
+        # Vmapped over members, slicing a batch by number would be a gather per step: the
+        # members gather their (stored-order) batches as a shuffled epoch does.
+        return full, None
+
+
+def _epoch_orders(num_members: int | None) -> _ModelOrders | _MemberOrders:
+    """How :func:`~nnxscan.pure.make_epoch` orders an epoch of one model (``None``) or of
+    ``num_members`` members (the step of :func:`vmap_members`): the one place an epoch
+    asks which (its shapes never say).
+
+    Example:
+      >>> _epoch_orders(3).lead, _epoch_orders(None).lead
+      ((3,), ())
+    """
+    if num_members is None:
+        return _ModelOrders()
+    return _MemberOrders(checks.check_count(num_members, "num_members", 1))

@@ -365,7 +365,7 @@ def test_an_unshuffled_population_fit_is_bitwise_its_pure_epochs(data):
     states = stack_states([states, nnx.split(MLP(rngs=nnx.Rngs(5)))[1]])
     members = vmap_members(step)
     opt_states = members.init(graphdef, states)
-    epoch = jax.jit(make_epoch(members, batch_size=BS))
+    epoch = jax.jit(make_epoch(members, batch_size=BS, num_members=2))
     orders = np.stack([epoch_order(seed, 0, len(data["x"]), shuffle=False) for seed in (3, 5)])
     losses = []
     for _ in range(2):

@@ -181,7 +181,7 @@ def test_make_epoch_gives_each_member_its_own_order_from_orders_or_keys():
     data = make_data(32)
     members = vmap_members(STEP)
     start = members.init(graphdef, stack_states(states))
-    epoch = jax.jit(make_epoch(members, batch_size=BS), static_argnums=0)
+    epoch = jax.jit(make_epoch(members, batch_size=BS, num_members=N), static_argnums=0)
     single = jax.jit(make_epoch(STEP, batch_size=BS), static_argnums=0)
     orders = np.stack([epoch_order(seed, 0, 32) for seed in range(N)])
     keys = jax.random.split(jax.random.key(0), N)
@@ -193,3 +193,35 @@ def test_make_epoch_gives_each_member_its_own_order_from_orders_or_keys():
                                  per_member[i])  # fmt: skip
             np.testing.assert_allclose(losses[:, i], l_i, rtol=1e-5, atol=1e-6)
             assert_trees_close(member_state(trained, i), s_i)
+
+
+def test_make_epoch_is_told_its_members_and_says_what_to_pass_otherwise():
+    """The epoch's number of members is its argument (``num_members=``), never read off the
+    keys or orders: N orders or keys for a one-model epoch, or one for a members' epoch, is
+    an error that says what it takes. Unshuffled with no order, every member trains the
+    stored order (gathered, as an explicit ``arange`` order per member is)."""
+    graphdef, states = setup()
+    data, stacked = make_data(32), stack_states(states)
+    members = vmap_members(STEP)
+    start = members.init(graphdef, stacked)
+    one, one_opt = make_epoch(STEP, batch_size=BS), init_opt_state(TX, states[0])
+    orders = np.stack([epoch_order(seed, 0, 32) for seed in range(N)])
+    keys = jax.random.split(jax.random.key(0), N)
+    with pytest.raises(ValueError, match=r"order has shape \(3, 32\).*num_members=N"):
+        one(graphdef, states[0], one_opt, data, orders)
+    with pytest.raises(ValueError, match=r"keys have shape \(3,\).*num_members=N"):
+        one(graphdef, states[0], one_opt, data, keys)
+    epoch = make_epoch(members, batch_size=BS, num_members=N)
+    with pytest.raises(ValueError, match=r"order has shape \(32,\).*shape \(3, 32\)"):
+        epoch(graphdef, stacked, start, data, orders[0])
+    with pytest.raises(ValueError, match=r"keys have shape \(\): pass 3 keys"):
+        epoch(graphdef, stacked, start, data, keys[0])
+    with pytest.raises(ValueError, match="num_members"):
+        make_epoch(members, batch_size=BS, num_members=0)
+    stored = make_epoch(members, batch_size=BS, shuffle=False, num_members=N)
+    arange = np.tile(np.arange(32, dtype=np.int32), (N, 1))
+    assert_trees_close(
+        jax.jit(stored, static_argnums=0)(graphdef, stacked, start, data, None),
+        jax.jit(epoch, static_argnums=0)(graphdef, stacked, start, data, arange),
+        exact=True,
+    )

@@ -120,7 +120,7 @@ def test_the_members_epoch_equals_make_epoch_per_member(data):
     start = members.init(graphdef, stack_states(states))
     assert_trees_close(start.inner, stack_states(opts), exact=True)  # = with_hyperparams
     orders = np.stack([epoch_order(s, 0, 64) for s in SEEDS])
-    epoch = jax.jit(make_epoch(members, batch_size=BS), static_argnums=0)
+    epoch = jax.jit(make_epoch(members, batch_size=BS, num_members=3), static_argnums=0)
     s_all, o_all, losses = epoch(graphdef, stack_states(states), start, data, orders)
     assert losses.shape == (64 // BS, 3)
     one_epoch = jax.jit(make_epoch(step, batch_size=BS), static_argnums=0)
@@ -132,8 +132,12 @@ def test_the_members_epoch_equals_make_epoch_per_member(data):
         assert_trees_close(unstack_states(o_all.inner)[i], o_one)
     with pytest.raises(ValueError, match=r"order has shape \(3, 63\)"):
         epoch(graphdef, stack_states(states), start, data, orders[:, :63])
-    with pytest.raises(ValueError, match=r"batch\['x'\] has 2 members.*3 members"):
+    with pytest.raises(ValueError, match=r"order has shape \(2, 64\).*shape \(3, 64\)"):
         epoch(graphdef, stack_states(states), start, data, orders[:2])
+    # An epoch built for 2 members, on the states of 3: the members' step says so.
+    two = jax.jit(make_epoch(members, batch_size=BS, num_members=2), static_argnums=0)
+    with pytest.raises(ValueError, match=r"batch\['x'\] has 2 members.*3 members"):
+        two(graphdef, stack_states(states), start, data, orders[:2])
 
     # active=False freezes a member at every step: its state, RNG counts and optax state
     # stay bitwise; the others train as without the mask.
