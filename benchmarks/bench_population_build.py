@@ -1,15 +1,15 @@
 """Building a Population's members: one compiled program against one member at a time.
 
 N members of an MLP with Adam, each from its own seed, built as ``Population`` builds them
-(``nnxscan.shell._engine.members``), whole: from empty compilation caches
+(``nnxscan.shell._engine.member_build``), whole: from empty compilation caches
 (``jax.clear_caches()``, as ``bench_wholerun.py`` empties them), compile included, until
 every member's state and optax state is ready:
 
   one_program  ``build_members``: ``model_fn`` traced once under a ``jax.vmap`` over the
                seeds, every member's state and Adam state made by one compiled program
-  one_by_one   ``build_members_one_by_one`` (what ``build_members`` did before, and still
-               does for a ``model_fn`` it cannot trace): each member built eagerly on the
-               host, Flax's initializers op by op, then stacked
+  one_by_one   ``build_members(one_by_one=True)`` (what ``build_members`` did before, and
+               still does for a ``model_fn`` it cannot trace): each member built eagerly on
+               the host, Flax's initializers op by op, then stacked
 
 Models: the small MLP 64→64→64→10 (``mlp_keras``'s) and the digits MLP 64→128→128→10
 (``mlp_digits``'s). Reported per model and N: the median seconds of each variant over
@@ -31,7 +31,6 @@ import gc
 import random
 import statistics
 import time
-from collections.abc import Callable
 
 import jax
 import optax
@@ -40,20 +39,23 @@ from flax import nnx
 
 from nnxscan.shell._engine import member_build
 from nnxscan.shell._engine.layout import Members
-from nnxscan.shell._engine.member_build import build_members, build_members_one_by_one
+from nnxscan.shell._engine.member_build import build_members
 from nnxscan.shell._population_checks import member_init
 
 MODELS = {"small MLP 64-64-64-10": (64, 64, 64, 10), "digits MLP 64-128-128-10": (64, 128, 128, 10)}
-VARIANTS = {"one_program": build_members, "one_by_one": build_members_one_by_one}
+VARIANTS = {"one_program": False, "one_by_one": True}  # build_members(one_by_one=)
 
 
-def build(variant: Callable, sizes: tuple[int, ...], n: int) -> float:
+def build(one_by_one: bool, sizes: tuple[int, ...], n: int) -> float:
     """Seconds to build ``n`` members from empty caches, every array ready."""
     gc.collect()
     jax.clear_caches()
     start = time.perf_counter()
     init_opt = member_init("loss", None, optax.adam(1e-3), nnx.Param)[0]
-    owner = variant(lambda rngs: MLP(sizes, rngs=rngs), init_opt, tuple(range(n)), {}, Members(n))
+    owner = build_members(
+        lambda rngs: MLP(sizes, rngs=rngs), init_opt, tuple(range(n)), {}, Members(n),
+        one_by_one=one_by_one,
+    )  # fmt: skip
     jax.block_until_ready(owner.read()[1:])
     return time.perf_counter() - start
 

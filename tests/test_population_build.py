@@ -31,7 +31,7 @@ from nnxscan.shell import Population, Trainer
 from nnxscan.shell import _population_checks as checks
 from nnxscan.shell._engine import member_build as members_module
 from nnxscan.shell._engine.layout import Members
-from nnxscan.shell._engine.member_build import build_members, build_members_one_by_one
+from nnxscan.shell._engine.member_build import build_members
 
 from conftest import ACROSS_PROGRAMS, MLP, BNDropout, SmallCNN, make_data, xent
 
@@ -373,7 +373,7 @@ def test_the_one_by_one_build_and_the_traced_build_agree():
     states) as the traced one."""
     args = (lambda r: BNDropout(rngs=r), init_opt(INJECTED), SEEDS, {"learning_rate": RATES},
             Members(len(SEEDS)))  # fmt: skip
-    traced, eager_owner = build_members(*args), build_members_one_by_one(*args)
+    traced, eager_owner = build_members(*args), build_members(*args, one_by_one=True)
     assert traced.graphdef == eager_owner.graphdef
     assert traced.model_graphdef == eager_owner.model_graphdef
     assert (traced.seeds, traced.hyperparams) == (eager_owner.seeds, eager_owner.hyperparams)

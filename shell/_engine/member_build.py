@@ -41,6 +41,7 @@ def build_members(
     *,
     rngs: Any = None,
     metrics: nnx.Metric | None = None,
+    one_by_one: bool = False,
 ) -> StackedOwner:
     """Builds every member (``model_fn(nnx.Rngs(seed))``, its node with call-time Rngs and
     metrics, its opt_state ``init_opt(graphdef, state)`` on its own split, with its
@@ -57,9 +58,10 @@ def build_members(
     Flax's op-by-op initialisers (bitwise equal on the CPUs checked, which no one promises
     across programs: see :func:`nnxscan.pure.build_compiled`).
 
-    The members are built one by one instead (:func:`build_members_one_by_one`, which
-    gives a model_fn's own errors their own messages, and checks that every member has
-    the same structure) where one trace cannot stand for every member:
+    The members are built one by one instead, eagerly on the host (:func:`_one_by_one`,
+    which gives a model_fn's own errors their own messages, and checks that every member
+    has the same structure; ``one_by_one=True`` asks for it, as tests and benchmarks do to
+    compare) where one trace cannot stand for every member:
 
     - ``model_fn`` cannot be traced: it reads a value on the host (``np.asarray``,
       ``float``, ``int`` of an array, Python control flow on one; a structure that depends
@@ -77,11 +79,9 @@ def build_members(
     traced one), and its states go into the program as data.
     """
     members_step = _members_step(init_opt, hyperparams)
-    built = _build_in_one_program(model_fn, members_step, seeds, rngs, metrics)
+    built = None if one_by_one else _in_one_program(model_fn, members_step, seeds, rngs, metrics)
     if built is None:
-        return build_members_one_by_one(
-            model_fn, init_opt, seeds, hyperparams, layout, rngs=rngs, metrics=metrics
-        )
+        built = _one_by_one(model_fn, members_step, seeds, rngs, metrics)
     graphdef, model_graphdef, state, members_state = built
     return StackedOwner(
         graphdef, state, members_state,
@@ -90,18 +90,12 @@ def build_members(
     )  # fmt: skip
 
 
-def build_members_one_by_one(
-    model_fn: Any,
-    init_opt: Callable[[nnx.GraphDef, Any], Any],
-    seeds: tuple[int, ...],
-    hyperparams: dict[str, tuple],
-    layout: Members,
-    *,
-    rngs: Any = None,
-    metrics: nnx.Metric | None = None,
-) -> StackedOwner:
-    """:func:`build_members`, each member built eagerly on the host, one after another
-    (the path for a ``model_fn`` that cannot be traced; its cost grows with the members)."""
+def _one_by_one(
+    model_fn: Any, members_step: Step, seeds: tuple[int, ...], rngs: Any, metrics: Any
+) -> tuple[nnx.GraphDef, nnx.GraphDef, Any, MembersState]:
+    """:func:`_in_one_program`'s parts, each member built eagerly on the host, one after
+    another (the path for a ``model_fn`` that cannot be traced; its cost grows with the
+    members)."""
     graphdef, model_graphdef, states = None, None, []
     for i, seed in enumerate(seeds):
         model = call_model_fn(model_fn, seed)
@@ -117,11 +111,7 @@ def build_members_one_by_one(
             )
         states.append(state)
     states = stack_states(states)
-    return StackedOwner(
-        graphdef, states, _members_step(init_opt, hyperparams).init(graphdef, states),
-        layout=layout, model_graphdef=model_graphdef, seeds=seeds, hyperparams=hyperparams,
-        with_rngs=rngs is not None, metrics=metrics,
-    )  # fmt: skip
+    return graphdef, model_graphdef, states, members_step.init(graphdef, states)
 
 
 def _members_step(init_opt: Callable, hyperparams: dict[str, tuple]) -> Step:
@@ -191,7 +181,7 @@ def members_per_chunk(num_members: int) -> int | None:
     return BUILD_CHUNK
 
 
-def _build_in_one_program(
+def _in_one_program(
     model_fn: Any,
     members_step: Step,
     seeds: tuple[int, ...],
