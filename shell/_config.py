@@ -1,4 +1,5 @@
-"""Read-only configuration: what a front-end's compiled program was built from."""
+"""A front door's read-only attributes, declared as one line each: what its compiled
+program was built from (:class:`Config`), and what its owner holds (:class:`Owned`)."""
 
 from __future__ import annotations
 
@@ -26,4 +27,29 @@ class Config:
         raise AttributeError(
             f"{self.name} is read-only: the compiled program was built from it; build a new "
             f"{type(instance).__name__} to use another."
+        )
+
+
+class Owned:
+    """A read-only attribute reading ``instance._owner.<name>``: what the owner of the
+    user's objects holds (the model, the counters), shown by the front door as it is.
+
+    The owner is the one place that reads and writes them (docs/architecture.md), so a
+    front door declares which of its attributes it shows, one line each, and never keeps
+    a copy.
+    """
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        return self if instance is None else getattr(instance._owner, self.name)
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        raise AttributeError(
+            f"{self.name} is read-only: the {type(instance).__name__} keeps it; "
+            f"load_state() or restore() change what it trains."
         )

@@ -17,7 +17,7 @@ from typing import Any
 from flax import nnx
 
 from nnxscan.pure.checks import check_count
-from nnxscan.shell._config import Config
+from nnxscan.shell._config import Config, Owned
 from nnxscan.shell._construction import loss_options_given, step_kind
 from nnxscan.shell._edges import checkpointing as _checkpointing
 from nnxscan.shell._engine.engine import Engine
@@ -140,21 +140,12 @@ class FrontDoor:
         """How many members train (a Trainer: None): callbacks and writers read this."""
         return self._owner.layout.num_members
 
-    @property
-    def step(self) -> int:
-        """Steps trained so far (an ``nnx.Optimizer``'s ``step`` when a Trainer has one)."""
-        return self._owner.step
-
-    @property
-    def epoch(self) -> int:
-        """The global index of the next epoch ``fit`` trains (epochs completed so far)."""
-        return self._owner.epoch
-
-    @property
-    def metrics(self) -> nnx.Metric | None:
-        """The training NNX metrics (each member's template), when given; reset after each
-        epoch's logs read them."""
-        return self._owner.metrics
+    step = Owned("Steps trained so far (an ``nnx.Optimizer``'s ``step`` when a Trainer has one).")
+    epoch = Owned("The global index of the next epoch ``fit`` trains (epochs completed so far).")
+    metrics = Owned(
+        "The training NNX metrics (each member's template), when given; reset after each "
+        "epoch's logs read them."
+    )
 
     def load_state(self, state: nnx.State) -> None:
         """Writes a module state into the model (e.g. a copy a callback kept).

@@ -12,7 +12,7 @@ from flax import nnx
 
 from nnxscan.pure.checks import check_count
 from nnxscan.shell import _population_checks as checks
-from nnxscan.shell._config import Config
+from nnxscan.shell._config import Config, Owned
 from nnxscan.shell._construction import PopulationArguments, construction_options
 from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.member_build import build_members
@@ -120,10 +120,7 @@ class Population(FrontDoor):
         """The members' stacked optax state (a copy, as :attr:`state`)."""
         return self._owner.copy_of(1)
 
-    @property
-    def active(self) -> np.ndarray:
-        """Which members train, shape ``(N,)`` bool (a copy); see :meth:`freeze`."""
-        return self._owner.active
+    active = Owned("Which members train, shape ``(N,)`` bool (a copy); see :meth:`freeze`.")
 
     def freeze(self, members: int | Sequence[int]) -> None:
         """Stops training these members from the next compiled call on, across ``fit``

@@ -13,6 +13,7 @@ from typing import Any, Unpack
 import optax
 from flax import nnx
 
+from nnxscan.shell._config import Owned
 from nnxscan.shell._construction import TrainerArguments, construction_options
 from nnxscan.shell._engine.options import FitArguments
 from nnxscan.shell._engine.owner import ModelOwner
@@ -114,30 +115,11 @@ class Trainer(FrontDoor):
 
     # -- the user's objects (held by the owner) -------------------------------------------
 
-    @property
-    def model(self) -> nnx.Module:
-        """The user's module: after every compiled call it holds the trained state."""
-        return self._owner.model
-
-    @property
-    def optimizer(self) -> nnx.Optimizer | None:
-        """The user's ``nnx.Optimizer``, when one was given."""
-        return self._owner.optimizer
-
-    @property
-    def rngs(self) -> nnx.Rngs | None:
-        """The call-time ``nnx.Rngs`` the loss receives, when one was given."""
-        return self._owner.rngs
-
-    @property
-    def opt_state(self) -> Any:
-        """The optax state (read from the ``nnx.Optimizer`` when one was given)."""
-        return self._owner.opt_state
-
-    @property
-    def seed(self) -> int:
-        """The shuffle seed of the last ``fit`` (or of the restored checkpoint)."""
-        return self._owner.seed
+    model = Owned("The user's module: after every compiled call it holds the trained state.")
+    optimizer = Owned("The user's ``nnx.Optimizer``, when one was given.")
+    rngs = Owned("The call-time ``nnx.Rngs`` the loss receives, when one was given.")
+    opt_state = Owned("The optax state (read from the ``nnx.Optimizer`` when one was given).")
+    seed = Owned("The shuffle seed of the last ``fit`` (or of the restored checkpoint).")
 
     @at_the_call
     def fit(
