@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from nnxscan.adapters._extras import require_extra
-from nnxscan.shell.demos._output import demo_plot_path
+from nnxscan.shell.demos._arguments import demo_plot_path
 
 
 @pytest.mark.slow
@@ -72,3 +72,20 @@ def test_cli_rejects_unknown_demo():
         check=False,
     )
     assert out.returncode != 0 and "invalid choice" in out.stderr
+
+
+def test_every_demo_takes_seed_and_progress_and_names_a_misspelling(tmp_path):
+    """The options every demo shares are declared once (``DemoArguments``): each demo
+    refuses another name before it trains, as Python refuses an unknown keyword."""
+    from nnxscan.shell.demos import digits, hypernet, hypernet_cl, lr_find, ppo_demo, sweep
+
+    demos = (
+        digits.run_digits_demo, hypernet.run_hypernet_demo, lr_find.run_lr_find_demo,
+        hypernet_cl.run_hypernet_cl_demo, sweep.run_sweep_demo, ppo_demo.run_ppo_demo,
+    )  # fmt: skip
+    for demo in demos:
+        with pytest.raises(TypeError, match=rf"{demo.__name__}\(\) .* 'sed'. Did you mean 'seed'"):
+            demo(tmp_path, sed=1)
+        with pytest.raises(TypeError, match=r"unexpected keyword argument 'verbose'\.$"):
+            demo(tmp_path, verbose=False)
+    assert not list(tmp_path.iterdir()), "a demo wrote something before refusing"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import pathlib
-from typing import Any
+import os
+from typing import Any, Unpack
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 from nnxscan.adapters._extras import require_extra
-from nnxscan.shell.demos._output import demo_plot_path
+from nnxscan.shell.demos._arguments import DemoArguments, demo_arguments, demo_plot_path
 from nnxscan.shell.trainer import Trainer
 
 __all__ = ["run_digits_demo"]
@@ -47,7 +47,7 @@ def digits_split(seed: int = 0, test_fraction: float = 0.2) -> tuple[dict, dict]
 
 
 def run_digits_demo(
-    out_dir: str | pathlib.Path = ".", *, epochs: int = 30, seed: int = 0, progress: bool = True
+    out_dir: str | os.PathLike[str] = ".", *, epochs: int = 30, **options: Unpack[DemoArguments]
 ) -> dict[str, Any]:
     """Trains an MLP on the digits, prints held-out accuracy and speed, writes a loss curve.
 
@@ -62,6 +62,7 @@ def run_digits_demo(
       >>> result["accuracy"] >= 0.95, result["plot"]
       (True, '/tmp/demo/nnxscan_demo_digits.png')
     """
+    seed, progress = demo_arguments("run_digits_demo", options)
     train, test = digits_split(seed)
     model = DigitsMLP(rngs=nnx.Rngs(seed))
     trainer = Trainer(model, optax.adam(1e-3), cross_entropy)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ from flax import nnx
 from nnxscan.adapters._extras import require_extra
 from nnxscan.pure import hyper
 from nnxscan.pure.checks import check_count
-from nnxscan.shell.demos._output import demo_plot_path
+from nnxscan.shell.demos._arguments import DemoArguments, demo_arguments, demo_plot_path
 from nnxscan.shell.trainer import Trainer
 
 __all__ = ["run_hypernet_demo"]
@@ -94,11 +94,7 @@ def draw_held_out_tasks(
 
 
 def run_hypernet_demo(
-    out_dir: str | os.PathLike[str] = ".",
-    *,
-    steps: int = 3000,
-    seed: int = 0,
-    progress: bool = True,
+    out_dir: str | os.PathLike[str] = ".", *, steps: int = 3000, **options: Unpack[DemoArguments]
 ) -> dict[str, Any]:
     """Trains the hypernetwork demo and writes ``nnxscan_demo_hypernet.png`` into ``out_dir``.
 
@@ -106,8 +102,8 @@ def run_hypernet_demo(
       out_dir: folder for the PNG, created if missing.
       steps: training steps (batches of 32 tasks), rounded up to whole epochs over 1024
         training tasks.
-      seed: seeds the data, the target, the trunk and the heads.
-      progress: show the Trainer's progress bar.
+      **options: ``seed`` (0) seeds the data, the target, the trunk and the heads;
+        ``progress`` (True) shows the Trainer's progress bar.
 
     Returns:
       ``{"loss": final epoch's mean training loss, "held_out_mse": MSE on 4 unseen tasks
@@ -120,6 +116,7 @@ def run_hypernet_demo(
       >>> result["plot"]
       '/tmp/demo/nnxscan_demo_hypernet.png'
     """
+    seed, progress = demo_arguments("run_hypernet_demo", options)
     steps = check_count(steps, "steps", 1)
     require_extra("matplotlib.figure", "demo", needed_by="nnxscan demo hypernet")  # fail early
     rng = np.random.default_rng(seed)

@@ -24,7 +24,7 @@ constant closed over by a per-task loss.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ from nnxscan.adapters._extras import require_extra
 from nnxscan.pure import build_compiled, hyper
 from nnxscan.pure.checks import check_count
 from nnxscan.shell.continual import train_tasks
-from nnxscan.shell.demos._output import demo_plot_path
+from nnxscan.shell.demos._arguments import DemoArguments, demo_arguments, demo_plot_path
 from nnxscan.shell.demos.digits import digits_split
 
 __all__ = ["format_accuracy_matrix", "run_hypernet_cl_demo", "split_tasks"]
@@ -216,8 +216,7 @@ def run_hypernet_cl_demo(
     *,
     epochs: int = 30,
     beta: float = 0.05,
-    seed: int = 0,
-    progress: bool = True,
+    **options: Unpack[DemoArguments],
 ) -> dict[str, Any]:
     """Learns 5 split-digits tasks in sequence, with a hypernetwork and with fine-tuning.
 
@@ -231,8 +230,8 @@ def run_hypernet_cl_demo(
         test sets are cut to the smallest task's sizes, 280 and 66 examples for seed 0,
         so all tasks share one training program and one evaluation program).
       beta: the output regularizer's strength.
-      seed: seeds the train/test split, the initial weights and the shuffling.
-      progress: show the Trainer's progress bars.
+      **options: ``seed`` (0) seeds the train/test split, the initial weights and the
+        shuffling; ``progress`` (True) shows the Trainer's progress bars.
 
     Returns:
       ``{"hypernetwork": 5x5 nested list, "baseline": 5x5 nested list (NaN above the
@@ -245,6 +244,7 @@ def run_hypernet_cl_demo(
       >>> result["final_average"]["hypernetwork"] >= 0.95
       True
     """
+    seed, progress = demo_arguments("run_hypernet_cl_demo", options)
     epochs = check_count(epochs, "epochs", 1)
     if isinstance(beta, bool) or not isinstance(beta, int | float) or not beta >= 0:
         raise ValueError(f"beta must be a number >= 0, got {beta!r}.")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Unpack
 
 import optax
 
 from nnxscan.adapters._extras import require_extra
-from nnxscan.shell.demos._output import demo_plot_path
+from nnxscan.shell.demos._arguments import DemoArguments, demo_arguments, demo_plot_path
 from nnxscan.shell.demos.digits import DigitsMLP, cross_entropy, digits_split
 from nnxscan.shell.lr_finder import find_learning_rate
 
@@ -18,11 +18,7 @@ MIN_LR, MAX_LR, NUM_RATES, BATCH_SIZE = 1e-5, 1.0, 16, 32
 
 
 def run_lr_find_demo(
-    out_dir: str | os.PathLike[str] = ".",
-    *,
-    steps: int = 300,
-    seed: int = 0,
-    progress: bool = True,
+    out_dir: str | os.PathLike[str] = ".", *, steps: int = 300, **options: Unpack[DemoArguments]
 ) -> dict[str, Any]:
     """Trains the digits MLP at 16 learning rates from 1e-5 to 1 (Adam, batch 32) side by
     side in one compiled program for ``steps`` steps; prints each rate's final loss and
@@ -38,6 +34,7 @@ def run_lr_find_demo(
       >>> result["suggestion"], result["plot"]
       (0.001, '/tmp/demo/nnxscan_demo_lr-find.png')
     """
+    seed, progress = demo_arguments("run_lr_find_demo", options)
     require_extra("matplotlib.figure", "demo", needed_by="nnxscan demo lr-find")  # fail early
     train, _ = digits_split(seed)
     result = find_learning_rate(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import numpy as np
@@ -23,7 +23,7 @@ from flax import nnx
 
 from nnxscan.adapters._extras import require_extra
 from nnxscan.pure.checks import check_count
-from nnxscan.shell.demos._output import demo_plot_path
+from nnxscan.shell.demos._arguments import DemoArguments, demo_arguments, demo_plot_path
 from nnxscan.shell.demos.ppo import (
     HYPERPARAMS,
     PPOConfig,
@@ -157,11 +157,10 @@ def run_ppo_demo(
     out_dir: str | os.PathLike[str] = ".",
     *,
     seeds: int = 1,
-    seed: int = 0,
     total_timesteps: int = 500_000,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     sweep: Mapping[str, Sequence[float]] | None = None,
-    progress: bool = True,
+    **options: Unpack[DemoArguments],
 ) -> dict[str, Any]:
     """Trains PPO on ``CartPole-v1`` for seeds ``seed, ..., seed + seeds - 1``.
 
@@ -193,6 +192,7 @@ def run_ppo_demo(
       >>> run_ppo_demo("/tmp/demo", checkpoint_dir="/tmp/ppo-run")   # kill it, run it again
       >>> run_ppo_demo("/tmp/demo", seeds=8, sweep={"ent_coef": [0.0, 0.01, 0.05]})
     """
+    seed, progress = demo_arguments("run_ppo_demo", options)
     seeds = check_count(seeds, "seeds", 1)
     seed = check_count(seed, "seed", 0)
     sweep = dict(sweep or {})

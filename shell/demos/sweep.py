@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import optax
 
 from nnxscan.adapters._extras import require_extra
-from nnxscan.shell.demos._output import demo_plot_path
+from nnxscan.shell.demos._arguments import DemoArguments, demo_arguments, demo_plot_path
 from nnxscan.shell.demos.digits import DigitsMLP, accuracy, cross_entropy, digits_split
 from nnxscan.shell.population import Population
 
@@ -80,11 +80,7 @@ def draw_sweep(rates: list[float], seeds: list[int], acc: np.ndarray) -> Any:
 
 
 def run_sweep_demo(
-    out_dir: str | os.PathLike[str] = ".",
-    *,
-    epochs: int = 20,
-    seed: int = 0,
-    progress: bool = True,
+    out_dir: str | os.PathLike[str] = ".", *, epochs: int = 20, **options: Unpack[DemoArguments]
 ) -> dict[str, Any]:
     """Trains 4 learning rates x 4 seeds of the digits MLP as one Population, in one
     compiled program per epoch; prints the held-out accuracy table and the best member.
@@ -101,6 +97,7 @@ def run_sweep_demo(
       >>> result["best"]["accuracy"] >= 0.9, result["plot"]
       (True, '/tmp/demo/nnxscan_demo_sweep.png')
     """
+    seed, progress = demo_arguments("run_sweep_demo", options)
     require_extra("matplotlib.figure", "demo", needed_by="nnxscan demo sweep")  # fail early
     train, test = digits_split(seed)
     rates = list(LEARNING_RATES)
