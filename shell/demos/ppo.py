@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -65,8 +66,9 @@ __all__ = [
 class PPOConfig(NamedTuple):
     """PureJaxRL's PPO configuration for CartPole (its defaults are these defaults).
 
-    The int fields fix the program's shapes and must be Python ints. The float fields may
-    be traced arrays: ``jax.vmap`` over one of them trains one agent per value.
+    The int fields fix the program's shapes and must be Python ints (``anneal_lr`` a Python
+    bool). The float fields may be traced arrays: ``jax.vmap`` over one of them trains one
+    agent per value.
     """
 
     num_envs: int = 4
@@ -75,14 +77,14 @@ class PPOConfig(NamedTuple):
     update_epochs: int = 4
     num_minibatches: int = 4
     hidden: int = 64
-    learning_rate: float = 2.5e-4
+    learning_rate: float | jax.Array = 2.5e-4
     anneal_lr: bool = True
-    gamma: float = 0.99
-    gae_lambda: float = 0.95
-    clip_eps: float = 0.2
-    ent_coef: float = 0.01
-    vf_coef: float = 0.5
-    max_grad_norm: float = 0.5
+    gamma: float | jax.Array = 0.99
+    gae_lambda: float | jax.Array = 0.95
+    clip_eps: float | jax.Array = 0.2
+    ent_coef: float | jax.Array = 0.01
+    vf_coef: float | jax.Array = 0.5
+    max_grad_norm: float | jax.Array = 0.5
 
     @property
     def num_updates(self) -> int:
@@ -202,10 +204,13 @@ def ppo_loss(
 # -- the whole run ------------------------------------------------------------------------------
 
 
+#: The int fields of :class:`PPOConfig`: the sizes the program is built with.
+_SIZES = tuple(name for name, kind in typing.get_type_hints(PPOConfig).items() if kind is int)
+
+
 def _check_config(config: PPOConfig) -> PPOConfig:
     """Raises ValueError on sizes the program can't be built with; returns ``config``."""
-    for name in ("num_envs", "num_steps", "total_timesteps", "update_epochs",
-                 "num_minibatches", "hidden"):  # fmt: skip
+    for name in _SIZES:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"PPOConfig.{name} must be a positive int, got {value!r}.")
@@ -368,11 +373,12 @@ def reset_envs(env: Any, env_params: Any, config: PPOConfig, key: jax.Array) -> 
     return EnvCarry(env_state, obs, zeros, zeros)
 
 
-#: The float fields of :class:`PPOConfig` a PPO step reads from its ``opt_state`` (so a
-#: ``Population(..., hyperparams={"ent_coef": [...]})`` gives each member its own value).
-HYPERPARAMS = (
-    "learning_rate", "gamma", "gae_lambda", "clip_eps", "ent_coef", "vf_coef", "max_grad_norm",
-)  # fmt: skip
+#: The float fields of :class:`PPOConfig` (those that may be traced), in its order: what a
+#: PPO step reads from its ``opt_state`` (so a ``Population(..., hyperparams={"ent_coef":
+#: [...]})`` gives each member its own value).
+HYPERPARAMS = tuple(
+    name for name, kind in typing.get_type_hints(PPOConfig).items() if kind == float | jax.Array
+)
 
 
 class PPOHyperparams(NamedTuple):
