@@ -68,7 +68,6 @@ class Layout(Protocol):
     def gathered(self, data: Any, indices: Any) -> tuple[Any, Any]: ...
     def evaluate(self, evaluate: Callable) -> Callable: ...
     def members_axis(self, mesh: Any, name: str | None) -> str | None: ...
-    def carry_spec(self, member_axis: str | None) -> tuple: ...
     def batch_spec(self, member_axis: str | None) -> tuple: ...
     # The data: examples (each member's), one step's batch shapes, a stream's first batch as
     # one model trains it; one order per seed, cut orders steps first, batches by number.
@@ -137,9 +136,6 @@ class OneModel:
 
     def members_axis(self, mesh: Any, name: str | None) -> None:
         return None
-
-    def carry_spec(self, member_axis: str | None) -> tuple:
-        return ()
 
     def batch_spec(self, member_axis: str | None) -> tuple:
         return ()
@@ -300,9 +296,6 @@ class Members:
                 f"axis {name!r}: use a multiple of {size} seeds."
             )
         return name
-
-    def carry_spec(self, member_axis: str | None) -> tuple:
-        return (member_axis,)
 
     def batch_spec(self, member_axis: str | None) -> tuple:
         return () if self._shared_batch else (member_axis,)

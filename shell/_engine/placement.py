@@ -81,18 +81,22 @@ class Placement:
         self.fsdp_min_size, self._member_axis = fsdp_min_size, member_axis
         self.rules = check_rules(rules)
         self.tx, self.wrt = tx, wrt
-        self.layout: Layout = ONE_MODEL  # the owner's, once bound
         self.mesh: Mesh | None = None
         self.data_axes: tuple[str, ...] = ()
         self.member_axis: str | None = None
-        if mesh is not None:
-            self._bind(mesh)
+        #: The spec entries of a carry leaf's leading members axes, one per axis of the
+        #: owner's layout's ``shape`` (none for one model); set when bound.
+        self.carry_lead: tuple[str | None, ...] = ()
+        if mesh is not None:  # data_axis is checked against mesh= at once
+            self.mesh, self.data_axes = mesh, self._data_axes(mesh)
 
     # -- the mesh of this call ----------------------------------------------------------------
 
     def bound(self, layout: Layout) -> Placement:
-        """This placement for the owner's ``layout`` on the mesh of the current call: ``mesh=``,
-        else the one ``jax.set_mesh`` put in context (none: one device)."""
+        """This placement on the mesh of the current call (``mesh=``, else the one
+        ``jax.set_mesh`` put in context; none: one device) for the owner's ``layout``. It
+        keeps no copy of the layout (the owner's is the one): what it places by is read from
+        it here, the mesh axis the members spread over and the carry's leading spec."""
         context = context_mesh()
         mesh = self._mesh if self._mesh is not None else context
         if self._mesh is not None and context is not None and context != self._mesh:
@@ -105,16 +109,28 @@ class Placement:
             raise ValueError(
                 f"{what} shards over a mesh: pass mesh=, or call inside jax.set_mesh(mesh)."
             )
-        if mesh is self.mesh and layout == self.layout:
+        data_axes, member = (), None
+        if mesh is not None:
+            data_axes = self._data_axes(mesh)
+            member = layout.members_axis(mesh, self._member_axis)
+            if member in data_axes:
+                raise ValueError(
+                    f"member_axis and data_axis are both {member!r}: the members spread over "
+                    f"one mesh axis and each member's batches over another."
+                )
+        lead = (member,) * len(layout.shape)  # each members axis over the member axis
+        if mesh is self.mesh and (data_axes, member, lead) == (
+            self.data_axes, self.member_axis, self.carry_lead
+        ):  # fmt: skip
             return self
         bound = copy.copy(self)
-        bound.layout = layout
-        bound.mesh, bound.data_axes, bound.member_axis = None, (), None
-        if mesh is not None:
-            bound._bind(mesh)
+        bound.mesh, bound.data_axes, bound.member_axis = mesh, data_axes, member
+        bound.carry_lead = lead
         return bound
 
-    def _bind(self, mesh: Mesh) -> None:
+    def _data_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        """The mesh axes a batch is split over: ``data_axis``, else ``"data"`` if the mesh
+        has one, else none."""
         names = tuple(mesh.axis_names)
         axes = self._data_axis
         if axes is None:
@@ -124,13 +140,7 @@ class Placement:
         for axis in axes:
             if axis not in names:
                 raise ValueError(f"data_axis {axis!r} is not an axis of the mesh {names}.")
-        member = self.layout.members_axis(mesh, self._member_axis)
-        if member in axes:
-            raise ValueError(
-                f"member_axis and data_axis are both {member!r}: the members spread over one "
-                f"mesh axis and each member's batches over another."
-            )
-        self.mesh, self.data_axes, self.member_axis = mesh, tuple(axes), member
+        return tuple(axes)
 
     def context(self) -> contextlib.AbstractContextManager:
         """What a call is traced in: ``jax.set_mesh(mesh)`` around a call given ``mesh=``
@@ -216,7 +226,7 @@ class Placement:
         return (*state_shardings, *self._opt_shardings(state, opt_state, state_shardings, given))
 
     def _opt_shardings(self, state: Any, opt_state: Any, shardings: list, given: list) -> list:
-        lead = self.layout.carry_spec(self.member_axis)  # the members axis' spec, or none
+        lead = self.carry_lead  # the members axis' spec, or none
         parameter = parameters_of(self.tx, self.wrt, state, opt_state)
         param_shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(state)]
         out = []
@@ -256,7 +266,7 @@ class Placement:
         An optax leaf's annotation is ``optimizer_sharding`` (optax states copy their
         parameter's metadata, where Flax's cookbook puts it)."""
         shape = tuple(np.shape(value))
-        skip = len(self.layout.shape)
+        skip = len(self.carry_lead)
         sharding = getattr(value, "sharding", None)
         if isinstance(sharding, NamedSharding) and not replicated_on_one(sharding):
             full = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
@@ -279,7 +289,7 @@ class Placement:
         """The rule of the module docstring for one variable (checked against the mesh),
         and the spec its array or annotation gave (what its moments would have inherited)."""
         shape = tuple(np.shape(value))
-        lead = self.layout.carry_spec(self.member_axis)  # the members axis' spec, or none
+        lead = self.carry_lead  # the members axis' spec, or none
         own = shape[len(lead) :]
         is_key = jax.dtypes.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.prng_key)
         given, given_source = self._given(variable, value)
