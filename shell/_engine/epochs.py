@@ -20,7 +20,7 @@ import numpy as np
 
 from nnxscan.adapters.data import to_numpy
 from nnxscan.pure import epoch_order
-from nnxscan.pure.batching import cut_batches, steps_per_gather
+from nnxscan.pure.batching import steps_per_gather
 from nnxscan.shell._engine.calls import Call
 from nnxscan.shell._engine.layout import ONE_MODEL, Layout
 from nnxscan.shell._engine.plans import Plan
@@ -121,14 +121,14 @@ class ArrayEpochs:
         gathered = steps_per_gather(data, batch_size * len(seeds)) if shuffle else None
         self.fused_steps = min(FUSED_STEPS, gathered or FUSED_STEPS)
 
-    def _order(self, epoch: int) -> np.ndarray:
+    def _orders(self, epoch: int) -> list[np.ndarray]:
         n, shuffle = self.num_examples, self.shuffle
         # One draw per distinct seed (a population's shared_order: one for all).
         unique = {s: self.orders.get(s, epoch, n, shuffle) for s in dict.fromkeys(self.seeds)}
-        return self.layout.orders([unique[seed] for seed in self.seeds])
+        return [unique[seed] for seed in self.seeds]
 
     def __call__(self, stretch: Stretch, stats: EpochStats | None = None) -> Iterator[Call]:
-        yield from self._calls(stretch, self._order)
+        yield from self._calls(stretch, self._orders)
         if stretch.steps == stretch.ends:  # the device is busy with the last call
             next_epoch = stretch.epoch + stretch.epochs
             self.orders.draw_ahead(self.seeds, next_epoch, self.num_examples, self.shuffle)
@@ -137,17 +137,16 @@ class ArrayEpochs:
         """The stretch's calls as ``__call__`` makes them, but every epoch in the stored
         order: the same shapes and places, so the same programs (to compile them ahead)."""
         stored = np.arange(self.num_examples)
-        return self._calls(stretch, lambda epoch: self.layout.orders([stored] * len(self.seeds)))
+        return self._calls(stretch, lambda epoch: [stored] * len(self.seeds))
 
-    def _calls(self, stretch: Stretch, order: Callable[[int], np.ndarray]) -> Iterator[Call]:
+    def _calls(self, stretch: Stretch, orders: Callable[[int], list]) -> Iterator[Call]:
         fulls, tail, drop = [], None, not self.keep_tail
         for e in range(stretch.epoch, stretch.epoch + stretch.epochs):
-            # The core's cut of the same order make_epoch uses: a loop of make_epoch calls
-            # fed epoch_order(seed, e, n) trains exactly what fit trains.
-            full, tail = cut_batches(order(e), self.batch_size, drop_remainder=drop)
-            # Steps first, as make_epoch scans them: (N, steps, batch) -> (steps, N, batch).
-            fulls.append(self.layout.steps_first(full))
-        tail = None if tail is None else self.layout.steps_first(tail)
+            # The core's cut of the same orders make_epoch uses, steps first as it scans
+            # them: a loop of make_epoch calls fed epoch_order(seed, e, n) trains exactly
+            # what fit trains.
+            full, tail = self.layout.cut(orders(e), self.batch_size, drop)
+            fulls.append(full)
         full = fulls[0] if len(fulls) == 1 else np.concatenate(fulls)
         # The index holds every step of the stretch's epochs left, the budget's cut too: a
         # call's program depends on the index's length, not on where the budget ends.

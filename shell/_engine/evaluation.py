@@ -108,7 +108,7 @@ def make_evaluate_fn(
                 values = to_host(values)
             if metric_fn is None:
                 return metric_logs(values, metrics)
-            return {k: layout.metric(v) for k, v in values.items()}
+            return {k: layout.value(v) for k, v in values.items()}
 
     def lowered(data: Any) -> Any:
         """The program ``run(data)`` will call, traced and lowered on the owner's state as

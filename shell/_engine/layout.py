@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnxscan.pure import MembersState, Step, vmap_members
+from nnxscan.pure.batching import cut_batches
 from nnxscan.pure.checks import abstract_batch, check_leading_size
 from nnxscan.shell._edges.warn import warn
 
@@ -45,13 +46,13 @@ class Layout(Protocol):
     data_lead: tuple[int, ...]
 
     def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> Layout: ...
-    # Logs: the mean over steps (``skipping``: NaN steps left out), a statistic reduced over
-    # steps, a count, an evaluation metric, as logs hold them; a value and the epoch's loss
-    # as the progress line shows them.
+    # Logs: the mean over steps (``skipping``: NaN steps left out); a value (a statistic
+    # reduced over steps, an evaluation metric: one model's float, an array metric stays an
+    # array) and a count, as logs hold them; a value and the epoch's loss as the progress
+    # line shows them.
     def step_mean(self, values: np.ndarray, skipping: bool) -> Any: ...
     def value(self, x: Any) -> Any: ...
     def count(self, x: Any) -> Any: ...
-    def metric(self, x: Any) -> Any: ...
     def nonfinite_steps(self, counts: Any, steps: int) -> str: ...
     def shown(self, name: str, value: Any) -> str | None: ...
     def loss_text(self, loss: Any) -> str: ...
@@ -70,12 +71,13 @@ class Layout(Protocol):
     def members_axis(self, mesh: Any, name: str | None) -> str | None: ...
     def batch_spec(self, member_axis: str | None) -> tuple: ...
     # The data: examples (each member's), one step's batch shapes, a stream's first batch as
-    # one model trains it; one order per seed, cut orders steps first, batches by number.
+    # one model trains it; the orders (one per seed) cut into indices with the core's cut,
+    # steps first (``(steps, batch)``, ``(steps, N, batch)``); the stored order's batches
+    # by number.
     def examples(self, data: Any) -> int: ...
     def batch_shapes(self, data: Any, batch_size: int) -> Any: ...
     def first_batch(self, batch: Any) -> Any: ...
-    def orders(self, orders: list[np.ndarray]) -> np.ndarray: ...
-    def steps_first(self, indices: np.ndarray) -> np.ndarray: ...
+    def cut(self, orders: list[np.ndarray], batch_size: int, drop: bool) -> tuple[Any, Any]: ...
     def batch_numbers(self, indices: np.ndarray, batch_size: int) -> tuple[np.ndarray, Any]: ...
 
 
@@ -96,14 +98,11 @@ class OneModel:
         finite = np.isfinite(values)
         return np.mean(values[finite]) if finite.any() else np.float32(np.nan)
 
-    def value(self, x: Any) -> float:
-        return float(x)
+    def value(self, x: Any) -> Any:
+        return float(x) if np.ndim(x) == 0 else np.asarray(x, np.float32)
 
     def count(self, x: Any) -> int:
         return int(x)
-
-    def metric(self, x: Any) -> Any:
-        return float(x) if np.ndim(x) == 0 else np.asarray(x, np.float32)
 
     def nonfinite_steps(self, counts: Any, steps: int) -> str:
         return f"{int(counts)} of the {steps} training steps"
@@ -149,12 +148,9 @@ class OneModel:
     def first_batch(self, batch: Any) -> Any:
         return batch
 
-    def orders(self, orders: list[np.ndarray]) -> np.ndarray:
+    def cut(self, orders: list[np.ndarray], batch_size: int, drop: bool) -> tuple[Any, Any]:
         (order,) = orders
-        return order
-
-    def steps_first(self, indices: np.ndarray) -> np.ndarray:
-        return indices
+        return cut_batches(order, batch_size, drop_remainder=drop)
 
     def batch_numbers(self, indices: np.ndarray, batch_size: int) -> tuple[np.ndarray, Any]:
         # Batch k of the stored order is rows k*B .. k*B+B-1: its first index / B.
@@ -216,9 +212,6 @@ class Members:
 
     def count(self, x: Any) -> np.ndarray:
         return np.asarray(x).astype(np.int64)
-
-    def metric(self, x: Any) -> np.ndarray:
-        return np.asarray(x, np.float32)
 
     def nonfinite_steps(self, counts: Any, steps: int) -> str:
         per = ", ".join(f"member {m}: {int(n)}" for m, n in enumerate(counts) if n)
@@ -328,11 +321,10 @@ class Members:
             )
         return jax.tree.map(lambda x: x[0], batch)
 
-    def orders(self, orders: list[np.ndarray]) -> np.ndarray:
-        return np.stack(orders)
-
-    def steps_first(self, indices: np.ndarray) -> np.ndarray:
-        return np.swapaxes(indices, 0, 1)  # (N, steps, batch) -> (steps, N, batch)
+    def cut(self, orders: list[np.ndarray], batch_size: int, drop: bool) -> tuple[Any, Any]:
+        full, tail = cut_batches(np.stack(orders), batch_size, drop_remainder=drop)
+        # Steps first, as make_epoch scans them: (N, steps, batch) -> (steps, N, batch).
+        return np.swapaxes(full, 0, 1), None if tail is None else np.swapaxes(tail, 0, 1)
 
     def batch_numbers(self, indices: np.ndarray, batch_size: int) -> tuple[np.ndarray, Any]:
         # Vmapped over members, slicing a batch by number would be a gather per step:
