@@ -81,7 +81,7 @@ def _epoch_order(key_or_order: Any, n: int, shuffle: bool, orders: Any) -> jax.A
         shape = np.shape(key_or_order)
         # A raw key (jax.random.PRNGKey) has a trailing axis of key data.
         if (shape if typed else shape[:-1]) != orders.lead:
-            raise ValueError(f"the epoch's keys have shape {shape}: pass {orders.keys}.")
+            raise ValueError(f"the epoch's keys have shape {shape}: pass {orders.keys_text}.")
         return orders.permutation(key_or_order, n) if shuffle else orders.stored(n)
     dtype = getattr(key_or_order, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.signedinteger):
@@ -94,7 +94,7 @@ def _epoch_order(key_or_order: Any, n: int, shuffle: bool, orders: Any) -> jax.A
     if shape != (*orders.lead, n):
         raise ValueError(
             f"the epoch's order has shape {shape}, but the data has {n} examples: pass "
-            f"{orders.orders(n)}."
+            f"{orders.orders_text(n)}."
         )
     return jnp.asarray(key_or_order, jnp.int32)
 

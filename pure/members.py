@@ -165,12 +165,12 @@ class _ModelOrders:
     ``shared_batch`` step trains)."""
 
     lead: tuple[int, ...] = ()
-    keys = (
+    keys_text = (
         "one key, e.g. jax.random.key(0) (for one key per member, build the epoch with "
         "make_epoch(..., num_members=N))"
     )
 
-    def orders(self, n: int) -> str:
+    def orders_text(self, n: int) -> str:
         return (
             f"an order of shape ({n},), e.g. epoch_order(seed, epoch, {n}) (for one order per "
             f"member, (N, {n}), build the epoch with make_epoch(..., num_members=N))"
@@ -197,9 +197,10 @@ class _MemberOrders:
 
     def __init__(self, num_members: int):
         self.lead = (num_members,)
-        self.keys = f"{num_members} keys, one per member, e.g. jax.random.split(key, {num_members})"
+        count = self.lead[0]
+        self.keys_text = f"{count} keys, one per member, e.g. jax.random.split(key, {count})"
 
-    def orders(self, n: int) -> str:
+    def orders_text(self, n: int) -> str:
         count = self.lead[0]
         return (
             f"one order per member, shape ({count}, {n}), e.g. np.stack([epoch_order(s, "
