@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from nnxscan.pure import batching, checks
-from nnxscan.pure.members import _epoch_orders
+from nnxscan.pure.members import _epoch_orders, _epoch_orders_given
 from nnxscan.pure.scan import scan_indexed_steps
 from nnxscan.pure.train_step import StepFn
 
@@ -125,10 +125,12 @@ def make_epoch(
     ``num_members=N`` and takes one order per member: an ``(N, num_examples)`` order array
     (``np.stack([epoch_order(s, e, n) for s in seeds])``, what ``Population.fit`` trains),
     or ``N`` keys (``jax.random.split(key, N)``); each step's batch then has a leading
-    members axis, ``(N, batch, ...)``. The count is an argument, not read off the keys' or
-    orders' shapes: one order for all members (a ``shared_batch`` step) and one order per
-    member are told apart by what the epoch was built for, and a wrong shape is an error
-    that says which was expected.
+    members axis, ``(N, batch, ...)``. With ``num_members=N`` the count is the epoch's own:
+    one order for all members (a ``shared_batch`` step) and one order per member are told
+    apart by what the epoch was built for, and a wrong shape is an error that says which
+    was expected. Built without it (the form before ``num_members`` existed, which keeps
+    working), an epoch of a members step takes N keys or an ``(N, n)`` order array as the
+    members' own, and one key or order as one for all.
 
     With ``shuffle=False`` a key is ignored, and with no order given each step slices its
     batch from the stored rows: nothing is gathered (N members gather theirs: a slice
@@ -144,8 +146,9 @@ def make_epoch(
         as a final short step.
       unroll: the scan's ``unroll``.
       batch_sharding: each step's batch is constrained to it (a mesh's data axes).
-      num_members: ``None`` (one model, or members that share each batch): one key or one
-        order; ``N``: one per member, each step's batch ``(N, batch, ...)``.
+      num_members: ``N``: one key or order per member, each step's batch ``(N, batch,
+        ...)``, any other shape refused; ``None``: one model's epoch, or, for a members
+        step (its ``opt_state`` a ``MembersState``), told by each call's keys or orders.
 
     Returns:
       ``epoch(graphdef, state, opt_state, data, key_or_order) -> (state, opt_state,
@@ -167,20 +170,22 @@ def make_epoch(
       (n // 32, 4)
     """
     checks.check_batch_size(batch_size, batch_size, drop_remainder=False)
-    orders = _epoch_orders(num_members)
+    orders, told = _epoch_orders(num_members), num_members is not None
 
     def epoch(graphdef, state, opt_state, data, key_or_order=None):
         n = checks.check_leading_size(data, "data")
         checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
-        order = _epoch_order(key_or_order, n, shuffle, orders)
+        # Told its members (num_members=N), or, built without, by what it is given.
+        orders_of = orders if told else _epoch_orders_given(key_or_order, opt_state)
+        order = _epoch_order(key_or_order, n, shuffle, orders_of)
         full, tail = batching.cut_batches(order, batch_size, drop_remainder=drop_remainder)
         # Steps first, as the step's batches are laid out: (steps, *members, batch).
-        full = orders.steps_first(full)
-        tail = None if tail is None else orders.steps_first(tail)
+        full = orders_of.steps_first(full)
+        tail = None if tail is None else orders_of.steps_first(tail)
         rows = None  # every batch gathered by its indices ...
         if not shuffle and (key_or_order is None or _is_key(key_or_order)):
             # ... except the stored order's full batches, sliced by number where they can be.
-            full, rows = orders.batch_numbers(full, batch_size)
+            full, rows = orders_of.batch_numbers(full, batch_size)
 
         def scan(carry, idx, unroll):
             state, opt_state, outs = scan_indexed_steps(

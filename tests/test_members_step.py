@@ -195,6 +195,29 @@ def test_make_epoch_gives_each_member_its_own_order_from_orders_or_keys():
             assert_trees_close(member_state(trained, i), s_i)
 
 
+def test_a_members_epoch_built_without_num_members_takes_the_members_orders_as_before():
+    """``make_epoch(vmap_members(step), ...)`` without ``num_members`` (its form before the
+    argument existed) trains what the epoch told ``num_members=N`` trains, bitwise, from N
+    orders or N keys; one order is every member's (a shared batch)."""
+    graphdef, states = setup()
+    data, stacked = make_data(32), stack_states(states)
+    members = vmap_members(STEP)
+    start = members.init(graphdef, stacked)
+    told = jax.jit(make_epoch(members, batch_size=BS, num_members=N), static_argnums=0)
+    untold = jax.jit(make_epoch(members, batch_size=BS), static_argnums=0)
+    orders = np.stack([epoch_order(seed, 0, 32) for seed in range(N)])
+    keys = jax.random.split(jax.random.key(0), N)
+    for given in (orders, keys):
+        assert_trees_close(
+            untold(graphdef, stacked, start, data, given),
+            told(graphdef, stacked, start, data, given),
+            exact=True,
+        )
+    shared = make_epoch(vmap_members(STEP, shared_batch=True), batch_size=BS)
+    _, _, losses = jax.jit(shared, static_argnums=0)(graphdef, stacked, start, data, orders[0])
+    assert losses.shape == (32 // BS, N)
+
+
 def test_make_epoch_is_told_its_members_and_says_what_to_pass_otherwise():
     """The epoch's number of members is its argument (``num_members=``), never read off the
     keys or orders: N orders or keys for a one-model epoch, or one for a members' epoch, is
