@@ -129,8 +129,8 @@ def make_epoch(
     one order for all members (a ``shared_batch`` step) and one order per member are told
     apart by what the epoch was built for, and a wrong shape is an error that says which
     was expected. Built without it (the form before ``num_members`` existed, which keeps
-    working), an epoch of a members step takes N keys or an ``(N, n)`` order array as the
-    members' own, and one key or order as one for all.
+    working), the epoch takes N keys or an ``(N, n)`` order array as N members' own and
+    one key or order as one model's (or one for all members), as it always did.
 
     With ``shuffle=False`` a key is ignored, and with no order given each step slices its
     batch from the stored rows: nothing is gathered (N members gather theirs: a slice
@@ -147,8 +147,8 @@ def make_epoch(
       unroll: the scan's ``unroll``.
       batch_sharding: each step's batch is constrained to it (a mesh's data axes).
       num_members: ``N``: one key or order per member, each step's batch ``(N, batch,
-        ...)``, any other shape refused; ``None``: one model's epoch, or, for a members
-        step (its ``opt_state`` a ``MembersState``), told by each call's keys or orders.
+        ...)``, any other shape refused; ``None``: told by each call's keys or orders (N
+        of them: N members).
 
     Returns:
       ``epoch(graphdef, state, opt_state, data, key_or_order) -> (state, opt_state,
@@ -176,7 +176,7 @@ def make_epoch(
         n = checks.check_leading_size(data, "data")
         checks.check_batch_size(batch_size, n, drop_remainder=drop_remainder)
         # Told its members (num_members=N), or, built without, by what it is given.
-        orders_of = orders if told else _epoch_orders_given(key_or_order, opt_state)
+        orders_of = orders if told else _epoch_orders_given(key_or_order)
         order = _epoch_order(key_or_order, n, shuffle, orders_of)
         full, tail = batching.cut_batches(order, batch_size, drop_remainder=drop_remainder)
         # Steps first, as the step's batches are laid out: (steps, *members, batch).

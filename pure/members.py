@@ -236,33 +236,23 @@ def _epoch_orders(num_members: int | None) -> _ModelOrders | _MemberOrders:
     return _MemberOrders(checks.check_count(num_members, "num_members", 1))
 
 
-def _epoch_orders_given(key_or_order: Any, opt_state: Any) -> _ModelOrders | _MemberOrders:
+def _epoch_orders_given(key_or_order: Any) -> _ModelOrders | _MemberOrders:
     """An epoch built without ``num_members`` (``make_epoch``'s form before it had one, which
-    callers keep using): told by what each call is given, as it always was. For the step
-    of :func:`vmap_members` (its state a :class:`MembersState`), ``N`` keys or an ``(N, n)``
-    order array are the N members' own; one key, one ``(n,)`` order or none, one for all
-    (a ``shared_batch`` step's). Any other step's epoch is one model's, whose shape check
-    refuses N keys or orders and names ``num_members``.
+    callers keep using): told by what each call is given, as it always was. ``N`` keys or
+    an ``(N, n)`` order array are N members' own (a :func:`vmap_members` step's, whatever
+    guards wrap it); one key, one ``(n,)`` order or none, one model's (or one for all
+    members: a ``shared_batch`` step's). Any other shape is refused by the one model's
+    check, which names ``num_members``. Only ``num_members=N`` has a shape checked against
+    what the epoch was built for.
 
     Example:
-      >>> keys = jax.random.split(jax.random.key(0), 3)
-      >>> _epoch_orders_given(keys, MembersState(inner=(), active=jnp.ones(3, bool))).lead
+      >>> _epoch_orders_given(jax.random.split(jax.random.key(0), 3)).lead
       (3,)
     """
-    if key_or_order is None or not isinstance(opt_state, MembersState):
+    if key_or_order is None:
         return _ModelOrders()
     shape = tuple(jnp.shape(key_or_order))
     dtype = getattr(key_or_order, "dtype", None)
     typed_key = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
     lead = shape if typed_key else shape[:-1]  # a raw key's data, an order's examples
-    if len(lead) == 1:
-        return _MemberOrders(lead[0])
-    return _ModelOrders()
-    shape = tuple(jnp.shape(key_or_order))
-    dtype = getattr(key_or_order, "dtype", None)
-    raw_key = dtype is not None and jnp.issubdtype(dtype, jnp.unsignedinteger)
-    typed_key = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    lead = shape if typed_key else shape[:-1]  # a raw key's and an order's last axis
-    if len(lead) == 1 and (typed_key or raw_key or len(shape) == 2):
-        return _MemberOrders(lead[0])
-    return _ModelOrders()
+    return _MemberOrders(lead[0]) if len(lead) == 1 else _ModelOrders()

@@ -140,9 +140,13 @@ class FrontDoor:
         """How many members train (a Trainer: None): callbacks and writers read this."""
         return self._owner.layout.num_members
 
-    step = Owned("Steps trained so far (an ``nnx.Optimizer``'s ``step`` when a Trainer has one).")
-    epoch = Owned("The global index of the next epoch ``fit`` trains (epochs completed so far).")
-    metrics = Owned(
+    step = Owned[int](
+        "Steps trained so far (an ``nnx.Optimizer``'s ``step`` when a Trainer has one)."
+    )
+    epoch = Owned[int](
+        "The global index of the next epoch ``fit`` trains (epochs completed so far)."
+    )
+    metrics = Owned[nnx.Metric | None](
         "The training NNX metrics (each member's template), when given; reset after each "
         "epoch's logs read them."
     )

@@ -120,7 +120,10 @@ class Population(FrontDoor):
         """The members' stacked optax state (a copy, as :attr:`state`)."""
         return self._owner.copy_of(1)
 
-    active = Owned("Which members train, shape ``(N,)`` bool (a copy); see :meth:`freeze`.")
+    active = Owned[np.ndarray](
+        "Which members train, shape ``(N,)`` bool (a copy); see :meth:`freeze`.",
+        change="freeze() and unfreeze() change it",
+    )
 
     def freeze(self, members: int | Sequence[int]) -> None:
         """Stops training these members from the next compiled call on, across ``fit``

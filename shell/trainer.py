@@ -115,11 +115,15 @@ class Trainer(FrontDoor):
 
     # -- the user's objects (held by the owner) -------------------------------------------
 
-    model = Owned("The user's module: after every compiled call it holds the trained state.")
-    optimizer = Owned("The user's ``nnx.Optimizer``, when one was given.")
-    rngs = Owned("The call-time ``nnx.Rngs`` the loss receives, when one was given.")
-    opt_state = Owned("The optax state (read from the ``nnx.Optimizer`` when one was given).")
-    seed = Owned("The shuffle seed of the last ``fit`` (or of the restored checkpoint).")
+    model = Owned[nnx.Module](
+        "The user's module: after every compiled call it holds the trained state."
+    )
+    optimizer = Owned[nnx.Optimizer | None]("The user's ``nnx.Optimizer``, when one was given.")
+    rngs = Owned[nnx.Rngs | None](
+        "The call-time ``nnx.Rngs`` the loss receives, when one was given."
+    )
+    opt_state = Owned[Any]("The optax state (read from the ``nnx.Optimizer`` when one was given).")
+    seed = Owned[int]("The shuffle seed of the last ``fit`` (or of the restored checkpoint).")
 
     @at_the_call
     def fit(

@@ -32,12 +32,16 @@ if jax.default_backend() != "cpu":
 # -- one compilation cache for the run --------------------------------------------------------
 # Many tests compile programs another test compiled already (the same small model, loss and
 # shapes in another Trainer: the same XLA program). JAX's persistent compilation cache, in a
-# folder made for this run (shared by its xdist workers) and removed after it, compiles each
-# such program once per run: the fast lane 554 s -> 481 s on 2 cores (1,213 passed both
-# ways, load ~5; CPU time 11.5 -> 9.3 min). A program loaded from it is the one compiled, and
-# ``compile_count`` counts a load as a compile (JAX reports ``backend_compile_duration`` for
-# both), so no test depends on which test ran first. A user's own JAX_COMPILATION_CACHE_DIR
-# is left alone; NNXSCAN_TEST_COMPILATION_CACHE=off turns this off.
+# folder made for this run and removed after it, compiles each such program once per
+# process: the fast lane 554 -> 481 s on 2 cores (1,213 passed both ways, load ~5; CPU time
+# 11.5 -> 9.3 min). Each xdist worker writes its own subfolder: JAX writes an entry without
+# a lock, and an entry read while another process writes it is a warning ("Error reading
+# persistent compilation cache entry") that a test which turns warnings into errors would
+# fail on, depending on timing. A program loaded from the cache is the one compiled, and
+# ``compile_count`` counts a load as a compile (JAX reports ``backend_compile_duration``
+# for both), so no test depends on which test ran first. A user's own
+# JAX_COMPILATION_CACHE_DIR is left alone; NNXSCAN_TEST_COMPILATION_CACHE is this file's
+# (set by the run's first process for its xdist workers); "off" turns the cache off.
 _CACHE_ENV = "NNXSCAN_TEST_COMPILATION_CACHE"
 
 
@@ -45,10 +49,11 @@ def pytest_configure(config):
     folder = os.environ.get(_CACHE_ENV)
     if folder is None and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         folder = tempfile.mkdtemp(prefix="nnxscan-tests-jax-cache-")
-        os.environ[_CACHE_ENV] = folder  # xdist's workers start after this: they share it
+        os.environ[_CACHE_ENV] = folder  # xdist's workers start after this: they inherit it
         config._nnxscan_compilation_cache = folder  # made here: removed here
     if folder and folder != "off":
-        jax.config.update("jax_compilation_cache_dir", folder)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        jax.config.update("jax_compilation_cache_dir", os.path.join(folder, worker))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

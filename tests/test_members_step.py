@@ -198,7 +198,8 @@ def test_make_epoch_gives_each_member_its_own_order_from_orders_or_keys():
 def test_a_members_epoch_built_without_num_members_takes_the_members_orders_as_before():
     """``make_epoch(vmap_members(step), ...)`` without ``num_members`` (its form before the
     argument existed) trains what the epoch told ``num_members=N`` trains, bitwise, from N
-    orders or N keys; one order is every member's (a shared batch)."""
+    orders or N keys, a guard around the members step too; one order is every member's (a
+    shared batch)."""
     graphdef, states = setup()
     data, stacked = make_data(32), stack_states(states)
     members = vmap_members(STEP)
@@ -213,16 +214,25 @@ def test_a_members_epoch_built_without_num_members_takes_the_members_orders_as_b
             told(graphdef, stacked, start, data, given),
             exact=True,
         )
+    guarded = halt_after_nonfinite(members)  # its state is the guard's, not a MembersState
+    guarded_start = guarded.init(graphdef, stacked)
+    for num_members in (None, N):
+        epoch = make_epoch(guarded, batch_size=BS, num_members=num_members)
+        trained, _, losses = jax.jit(epoch, static_argnums=0)(
+            graphdef, stacked, guarded_start, data, orders
+        )
+        assert losses.shape == (32 // BS, N)
+        assert_trees_close(trained, told(graphdef, stacked, start, data, orders)[0], exact=True)
     shared = make_epoch(vmap_members(STEP, shared_batch=True), batch_size=BS)
     _, _, losses = jax.jit(shared, static_argnums=0)(graphdef, stacked, start, data, orders[0])
     assert losses.shape == (32 // BS, N)
 
 
 def test_make_epoch_is_told_its_members_and_says_what_to_pass_otherwise():
-    """The epoch's number of members is its argument (``num_members=``), never read off the
-    keys or orders: N orders or keys for a one-model epoch, or one for a members' epoch, is
-    an error that says what it takes. Unshuffled with no order, every member trains the
-    stored order (gathered, as an explicit ``arange`` order per member is)."""
+    """An epoch told its number of members (``num_members=``) takes one order or key per
+    member and refuses one for all, saying what it takes; a one-model epoch refuses orders
+    or keys of another rank. Unshuffled with no order, every member trains the stored
+    order (gathered, as an explicit ``arange`` order per member is)."""
     graphdef, states = setup()
     data, stacked = make_data(32), stack_states(states)
     members = vmap_members(STEP)
@@ -230,10 +240,10 @@ def test_make_epoch_is_told_its_members_and_says_what_to_pass_otherwise():
     one, one_opt = make_epoch(STEP, batch_size=BS), init_opt_state(TX, states[0])
     orders = np.stack([epoch_order(seed, 0, 32) for seed in range(N)])
     keys = jax.random.split(jax.random.key(0), N)
-    with pytest.raises(ValueError, match=r"order has shape \(3, 32\).*num_members=N"):
-        one(graphdef, states[0], one_opt, data, orders)
-    with pytest.raises(ValueError, match=r"keys have shape \(3,\).*num_members=N"):
-        one(graphdef, states[0], one_opt, data, keys)
+    with pytest.raises(ValueError, match=r"order has shape \(1, 3, 32\).*num_members=N"):
+        one(graphdef, states[0], one_opt, data, orders[None])
+    with pytest.raises(ValueError, match=r"keys have shape \(1, 3\).*num_members=N"):
+        one(graphdef, states[0], one_opt, data, keys[None])
     epoch = make_epoch(members, batch_size=BS, num_members=N)
     with pytest.raises(ValueError, match=r"order has shape \(32,\).*shape \(3, 32\)"):
         epoch(graphdef, stacked, start, data, orders[0])
