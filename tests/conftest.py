@@ -33,13 +33,15 @@ if jax.default_backend() != "cpu":
 # Many tests compile programs another test compiled already (the same small model, loss and
 # shapes in another Trainer: the same XLA program). JAX's persistent compilation cache, in a
 # folder made for this run and removed after it, compiles each such program once per
-# process: the fast lane 554 -> 481 s on 2 cores (1,213 passed both ways, load ~5; CPU time
-# 11.5 -> 9.3 min). Each xdist worker writes its own subfolder: JAX writes an entry without
-# a lock, and an entry read while another process writes it is a warning ("Error reading
-# persistent compilation cache entry") that a test which turns warnings into errors would
-# fail on, depending on timing. A program loaded from the cache is the one compiled, and
-# ``compile_count`` counts a load as a compile (JAX reports ``backend_compile_duration``
-# for both), so no test depends on which test ran first. A user's own
+# process. Each xdist worker writes its own subfolder: JAX writes an entry without a lock,
+# and an entry read while another process writes it is a warning ("Error reading persistent
+# compilation cache entry") that a test which turns warnings into errors would fail on,
+# depending on timing. (One folder shared by both workers took the fast lane's CPU time
+# 11.5 -> 9.3 min on 2 cores; a folder each, 11.5 -> 10.9 min, one run at load ~5. On an
+# accelerator, where the suite runs in one process and compiles cost more, it gains more.)
+# A program loaded from the cache is the one compiled, and ``compile_count`` counts a load
+# as a compile (JAX reports ``backend_compile_duration`` for both), so no test depends on
+# which test ran first. A user's own
 # JAX_COMPILATION_CACHE_DIR is left alone; NNXSCAN_TEST_COMPILATION_CACHE is this file's
 # (set by the run's first process for its xdist workers); "off" turns the cache off.
 _CACHE_ENV = "NNXSCAN_TEST_COMPILATION_CACHE"
