@@ -205,6 +205,8 @@ class Checkpointer:
         # (step, item) of the newest checkpoint saved as own files: its state/ item, for
         # Flax's code, is written by close() (one per run, off the training path).
         self._item: tuple[int, Any] | None = None
+        # Saves of own files made inside together(), written as one batch when it ends.
+        self._group: list | None = None
 
     def lock(self) -> None:
         """Takes the directory lock now (the first save or log append takes it
@@ -245,8 +247,59 @@ class Checkpointer:
             return latest_step(self.path)
         return self._steps[-1] if self._steps else None
 
+    @contextlib.contextmanager
+    def together(self, *, last: bool = False) -> Iterator[None]:
+        """Saves of nnxscan's own files made inside the block are written as one batch as
+        it ends (one wait for the disk for all; a save asks for no room in the writer's
+        queue meanwhile, the block's saves holding their host copies until then), in order;
+        with ``asynchronous=False``, durable once the block ends. ``last``: the block holds
+        the newest save this checkpointer makes, whose ``state/`` item (what :meth:`close`
+        adds) then goes into the same batch. Any other use of the directory
+        (:meth:`wait`, :meth:`close`, a save through orbax) writes the block's saves first.
+
+        Example:
+          >>> with Checkpointer("runs/ckpt") as checkpointer:
+          ...     with checkpointer.together(last=True):
+          ...         for step, tree in states_of_fused_epochs:  # written as one batch
+          ...             checkpointer.save(step, tree)
+        """
+        if self._group is not None:  # within another block: that one writes them
+            yield
+            return
+        self._group = []
+        try:
+            yield
+        finally:
+            group, self._group = self._group, None
+            if group:
+                if last and self._item is not None and self._item[0] == group[-1][0]:
+                    (_, item), self._item = self._item, None
+                    group[-1] = (*group[-1][:4], item)
+                self._submit(group)
+
+    def _flush_group(self) -> None:
+        """Writes (queues) the saves a :meth:`together` block holds so far."""
+        if self._group:
+            group, self._group = self._group, []
+            self._submit(group)
+
+    def _submit(self, saves: list) -> None:
+        """Writes saves of own files as one batch: queued for the background writer (one
+        job), or written now (``asynchronous=False``)."""
+        if not self.asynchronous:
+            self._write_batch(saves)
+            return
+        if self._writer is None:
+            self._writer = _writer.Writer(self._write_jobs, _weigh)
+        self._writer.submit(saves)
+
+    def _write_jobs(self, jobs: list[list]) -> None:
+        """The background writer's batch: the saves of every job it took, in order."""
+        self._write_batch([save for job in jobs for save in job])
+
     def wait(self) -> None:
         """Returns once every queued save is on disk; re-raises a failed write's error."""
+        self._flush_group()
         if self._manager is not None:
             with self._disk_errors("the checkpoint in flight was not written"):
                 self._manager.wait_until_finished()
@@ -320,8 +373,10 @@ class Checkpointer:
         # Writes in order. Our own files' writer may be behind (it writes what is queued
         # together, one wait for the disk); this save waits only when it is too far behind.
         # Anything else (orbax, replacing a step) starts once every write is done.
-        if own_files and self._writer is not None and not replace:
-            self._writer_wait(self._writer.make_room)
+        if own_files and not replace:
+            # (A together() block's saves wait for nothing: they are written as it ends.)
+            if self._writer is not None and self._group is None:
+                self._writer_wait(self._writer.make_room)
         else:
             self.wait()
         if self._steps is None:
@@ -408,12 +463,11 @@ class Checkpointer:
         if not self._cleaned:
             _files.remove_leftovers(self.path)  # of a process killed mid-save or mid-delete
             self._cleaned = True
-        if not self.asynchronous:
-            self._write_batch([(step, manifest, buffers, log, None)])
-            return
-        if self._writer is None:
-            self._writer = _writer.Writer(self._write_batch, _weigh)
-        self._writer.submit((step, manifest, buffers, log, None))
+        save = (step, manifest, buffers, log, None)
+        if self._group is not None:
+            self._group.append(save)
+        else:
+            self._submit([save])
 
     def _write_orbax(
         self,
@@ -477,12 +531,17 @@ class Checkpointer:
         files, written, synced, then deleted by ``max_to_keep``) cost a small model's run
         more than the rest of the checkpoint. A failed save leaves no item to write."""
         try:
+            self._flush_group()
             if self._item is not None and self._writer is not None:
                 # The newest save not yet written: its item goes with it, into its folder
                 # before the rename (one wait for the disk, not two).
                 step, item = self._item
-                if self._writer.amend_last(lambda save: (*save[:4], item) if save[0] == step
-                                           else None):  # fmt: skip
+
+                def with_item(job: list) -> list | None:
+                    *older, (newest, *rest) = job
+                    return [*older, (newest, *rest[:3], item)] if newest == step else None
+
+                if self._writer.amend_last(with_item):
                     self._item = None
             self.wait()
             if self._writer is not None:  # asynchronous saves' last renames, deletions
@@ -511,9 +570,9 @@ class Checkpointer:
         self.close()
 
 
-def _weigh(save: tuple[int, dict, dict, bytes, Any]) -> int:
-    """The host bytes a queued save holds."""
-    return sum(buffer.nbytes for buffer in save[2].values()) + len(save[3])
+def _weigh(saves: list[tuple[int, dict, dict, bytes, Any]]) -> int:
+    """The host bytes a queued job's saves hold."""
+    return sum(sum(b.nbytes for b in save[2].values()) + len(save[3]) for save in saves)
 
 
 def save_checkpoint(
