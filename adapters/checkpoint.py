@@ -144,14 +144,15 @@ class Checkpointer:
     compiled call may donate the device buffers at once, and training goes on while the
     checkpoint is written. Saves queue behind a write in progress and the writer takes
     everything queued at once (one wait for the disk for several saves; see
-    ``_checkpoint_writer.py``); a save waits only when the writer is more than one save
-    behind. Every other use of the directory waits for every queued save first —
+    ``_checkpoint_writer.py``); a save waits only when the writer is more than one job
+    behind (a job: a save, or the saves of a :meth:`together` block, written as one
+    batch). Every other use of the directory waits for every queued save first —
     :meth:`latest_step`, :meth:`wait`, :meth:`close`, a ``replace`` — so a checkpoint is
     never read half-written and a run never ends before its last save is on disk, and a
     failed write raises there (or at the next save). A process killed meanwhile loses the
-    saves not yet renamed into place (at most 4; a checkpoint is renamed only once every
-    file is written and fsync'ed). ``asynchronous=False`` makes each save durable on
-    return.
+    saves not yet renamed into place (at most 4 jobs; a checkpoint is renamed only once
+    every file is written and fsync'ed). ``asynchronous=False`` makes each save durable on
+    return (a :meth:`together` block's, as the block ends).
 
     Storage: a tree one process holds whole (every single-process run not sharded over
     devices) is written as nnxscan's own files: a raw file of packed buffers, the model
@@ -207,6 +208,8 @@ class Checkpointer:
         self._item: tuple[int, Any] | None = None
         # Saves of own files made inside together(), written as one batch when it ends.
         self._group: list | None = None
+        # Whether renames of asynchronous saves wait for the directory's fsync (close's).
+        self._renamed = False
 
     def lock(self) -> None:
         """Takes the directory lock now (the first save or log append takes it
@@ -254,8 +257,11 @@ class Checkpointer:
         queue meanwhile, the block's saves holding their host copies until then), in order;
         with ``asynchronous=False``, durable once the block ends. ``last``: the block holds
         the newest save this checkpointer makes, whose ``state/`` item (what :meth:`close`
-        adds) then goes into the same batch. Any other use of the directory
-        (:meth:`wait`, :meth:`close`, a save through orbax) writes the block's saves first.
+        adds) then goes into the same batch, written on this thread as the block ends (the
+        :meth:`close` that follows would wait for it: handing it to the background thread
+        only adds that thread's wake-up, several ms on a loaded machine). Any other use of
+        the directory (:meth:`wait`, :meth:`close`, a save through orbax) writes the
+        block's saves first.
 
         Example:
           >>> with Checkpointer("runs/ckpt") as checkpointer:
@@ -271,10 +277,14 @@ class Checkpointer:
             yield
         finally:
             group, self._group = self._group, None
-            if group:
-                if last and self._item is not None and self._item[0] == group[-1][0]:
+            if group and last:
+                if self._item is not None and self._item[0] == group[-1][0]:
                     (_, item), self._item = self._item, None
                     group[-1] = (*group[-1][:4], item)
+                if self._writer is not None:
+                    self._writer_wait(self._writer.drain)  # in order: the queued ones first
+                self._writer_wait(lambda: self._write_batch(group))
+            elif group:
                 self._submit(group)
 
     def _flush_group(self) -> None:
@@ -285,12 +295,14 @@ class Checkpointer:
 
     def _submit(self, saves: list) -> None:
         """Writes saves of own files as one batch: queued for the background writer (one
-        job), or written now (``asynchronous=False``)."""
+        job, once it is at most one job behind), or written now (``asynchronous=False``)."""
         if not self.asynchronous:
             self._write_batch(saves)
             return
         if self._writer is None:
             self._writer = _writer.Writer(self._write_jobs, _weigh)
+        else:
+            self._writer_wait(self._writer.make_room)
         self._writer.submit(saves)
 
     def _write_jobs(self, jobs: list[list]) -> None:
@@ -371,13 +383,10 @@ class Checkpointer:
         own_files = self.storage == "auto" and packing.held_whole
         self.lock()
         # Writes in order. Our own files' writer may be behind (it writes what is queued
-        # together, one wait for the disk); this save waits only when it is too far behind.
-        # Anything else (orbax, replacing a step) starts once every write is done.
-        if own_files and not replace:
-            # (A together() block's saves wait for nothing: they are written as it ends.)
-            if self._writer is not None and self._group is None:
-                self._writer_wait(self._writer.make_room)
-        else:
+        # together, one wait for the disk); this save waits only when it is too far behind
+        # (in _submit; a together() block's, as it ends). Anything else (orbax, replacing a
+        # step) starts once every write is done.
+        if not own_files or replace:
             self.wait()
         if self._steps is None:
             self._steps = _files.finished_steps(self.path)
@@ -458,6 +467,7 @@ class Checkpointer:
         _files.write_many(
             self.path, saves, sync_directory=not self.asynchronous, max_to_keep=self.max_to_keep
         )
+        self._renamed = self.asynchronous  # close() fsyncs the directory after the renames
 
     def _write_files(self, step: int, manifest: dict[str, Any], buffers: dict, log: bytes) -> None:
         if not self._cleaned:
@@ -544,7 +554,8 @@ class Checkpointer:
                 if self._writer.amend_last(with_item):
                     self._item = None
             self.wait()
-            if self._writer is not None:  # asynchronous saves' last renames, deletions
+            if self._renamed:  # asynchronous saves' last renames, deletions
+                self._renamed = False
                 _files.sync_directory(self.path)
             log = self._take_log()
             if log:

@@ -279,3 +279,33 @@ def test_the_saved_states_are_the_models_own_leaves(tmp_path):
     fresh.restore(tmp_path, step=16)
     for a, b in zip(state_arrays(fresh.model), state_arrays(trainer.model), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_the_last_fused_saves_renames_reach_the_disk_before_fit_returns(
+    tmp_path, monkeypatch, asynchronous
+):
+    """The fit's last batch is written as the fused call's saves end (on the training
+    thread): the directory is fsync'ed after its renames before ``fit`` returns."""
+    import pathlib
+
+    from nnxscan.adapters import _checkpoint_files
+
+    events = []
+    real_fsync, real_rename = _checkpoint_files._fsync, os.rename
+
+    def fsync(path):
+        events.append(("fsync", pathlib.Path(path)))
+        real_fsync(path)
+
+    def rename(source, target):
+        events.append(("rename", pathlib.Path(target)))
+        real_rename(source, target)
+
+    monkeypatch.setattr(_checkpoint_files, "_fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    fit(tmp_path, separate=False, epochs=3, checkpoint_async=asynchronous)
+    steps = [path.name for kind, path in events if kind == "rename" and path.parent == tmp_path]
+    assert steps == ["8", "16", "24"]
+    last = max(i for i, (kind, path) in enumerate(events) if kind == "rename")
+    assert ("fsync", tmp_path.resolve()) in events[last:]
