@@ -464,10 +464,12 @@ class Checkpointer:
             step, manifest, buffers, log, item = saves[0]
             log = b"".join(save[3] for save in skipped) + log
             saves = [(step, manifest, buffers, log, item), *saves[1:]]
+        # close() fsyncs the directory after the renames (set first: a failure after some
+        # renames still has them synced).
+        self._renamed = self._renamed or self.asynchronous
         _files.write_many(
             self.path, saves, sync_directory=not self.asynchronous, max_to_keep=self.max_to_keep
         )
-        self._renamed = self.asynchronous  # close() fsyncs the directory after the renames
 
     def _write_files(self, step: int, manifest: dict[str, Any], buffers: dict, log: bytes) -> None:
         if not self._cleaned:

@@ -309,3 +309,55 @@ def test_the_last_fused_saves_renames_reach_the_disk_before_fit_returns(
     assert steps == ["8", "16", "24"]
     last = max(i for i, (kind, path) in enumerate(events) if kind == "rename")
     assert ("fsync", tmp_path.resolve()) in events[last:]
+
+
+def _sample_update(graphdef, state, opt_state, batch):
+    """A step without data: it draws its batch from a PRNG key its opt_state carries."""
+    import jax.numpy as jnp
+
+    from nnxscan.pure import split_wrt
+
+    key, sub = jax.random.split(opt_state["key"])
+    x = jax.random.normal(sub, (16, 4))
+    sampled = {"x": x, "y": jnp.argmax(x @ jnp.ones((4, 3)), -1)}
+    params, rest = split_wrt(state, nnx.Param)
+    loss, grads = jax.value_and_grad(lambda p: xent(nnx.merge(graphdef, p, rest), sampled))(params)
+    updates, tx_state = TX.update(grads, opt_state["tx"], params)
+    new = nnx.merge_state(optax.apply_updates(params, updates), rest)
+    return new, {"tx": tx_state, "key": key}, (loss, {"first_x": x[0, 0]})
+
+
+def test_fused_saves_of_a_step_without_data_and_of_an_nnx_optimizer(tmp_path, stretch_count):
+    """Two other owners and epoch sources: a pure Step that takes no batch (a typed PRNG
+    key in its opt_state, aux logs) and an ``nnx.Optimizer`` (its step counter), each
+    against its own run of one call an epoch."""
+    from nnxscan.pure import Step, init_opt_state
+
+    sampler = Step(
+        lambda graphdef, state: {"tx": init_opt_state(TX, state), "key": jax.random.key(0)},
+        _sample_update, has_aux=True,
+    )  # fmt: skip
+
+    def dataless(directory, separate):
+        trainer = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=sampler)
+        history = trainer.fit(None, epochs=5, steps_per_epoch=6, checkpoint_dir=directory,
+                              progress=False, callbacks=apart() if separate else [])  # fmt: skip
+        return trainer, history
+
+    def with_optimizer(directory, separate):
+        model = MLP(rngs=nnx.Rngs(0))
+        trainer = Trainer(model, nnx.Optimizer(model, TX, wrt=nnx.Param), xent)
+        history = trainer.fit(DATA, epochs=5, batch_size=BS, checkpoint_dir=directory,
+                              progress=False, callbacks=apart() if separate else [])  # fmt: skip
+        return trainer, history
+
+    for name, run in (("dataless", dataless), ("optimizer", with_optimizer)):
+        before = stretch_count()
+        fused, history = run(tmp_path / name / "fused", False)
+        assert stretch_count() == before + 1
+        separate, want = run(tmp_path / name / "apart", True)
+        files = checkpoint_files(tmp_path / name / "fused")
+        assert files == checkpoint_files(tmp_path / name / "apart") and len(files) == 3
+        same_history(history, want)
+        assert_trees_close(fused.model, separate.model, exact=True)
+        assert fused.step == separate.step
