@@ -1,14 +1,15 @@
 """The background writer of a checkpointer's asynchronous saves: a bounded queue, in order.
 
-Saves are queued as they come; one thread takes everything queued at once and writes it
-as one batch (the checkpointer's ``_write_batch``: every file of the batch fsync'ed
-together, then each checkpoint renamed into place, in order), so that a writer that falls
-behind waits for the disk once for several saves instead of once for each. The training
-thread waits only when the writer is more than one save behind: when :data:`QUEUED` saves
-already wait behind the batch being written, or one save of more than
-:data:`QUEUED_BYTES` does (a save's host copy is held until it is written). A process
-killed meanwhile loses what is not yet renamed into place: the batch being written and
-those queued, at most ``2 * QUEUED`` saves (the checkpoints before stay).
+Jobs (a save, or the saves a fused call made together) are queued as they come; one
+thread takes everything queued at once and writes it as one batch (the checkpointer's
+``_write_jobs``: every file of the batch fsync'ed together, then each checkpoint renamed
+into place, in order), so that a writer that falls behind waits for the disk once for
+several saves instead of once for each. The training thread waits only when the writer is
+more than one job behind: when :data:`QUEUED` jobs already wait behind the batch being
+written, or one job of more than :data:`QUEUED_BYTES` does (a save's host copy is held
+until it is written). A process killed meanwhile loses what is not yet renamed into place:
+the batch being written and the jobs queued, at most ``2 * QUEUED`` jobs (the checkpoints
+before stay).
 
 A failed batch drops the saves queued behind it (they would follow a checkpoint that is
 not there) and its error is raised, once, by the next :meth:`Writer.make_room` or
@@ -24,9 +25,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-#: A save waits while this many saves are queued, not yet taken by the writer ...
+#: A job waits while this many jobs are queued, not yet taken by the writer ...
 QUEUED = 2
-#: ... or one save holding more bytes than this (large models keep one copy queued).
+#: ... or one job holding more bytes than this (large models keep one copy queued).
 QUEUED_BYTES = 64 * 2**20
 
 
@@ -87,7 +88,7 @@ class Writer:
             return True
 
     def make_room(self) -> None:
-        """Returns once fewer than :data:`QUEUED` saves wait behind the batch being written
+        """Returns once fewer than :data:`QUEUED` jobs wait behind the batch being written
         (none, when those waiting hold more than ``queued_bytes``); raises a failed batch's
         error."""
         self._wait_until(
@@ -95,7 +96,7 @@ class Writer:
         )
 
     def drain(self) -> None:
-        """Returns once every queued save is written; raises a failed batch's error."""
+        """Returns once every queued job is written; raises a failed batch's error."""
         self._wait_until(lambda: not self._queued and not self._writing)
 
     def _wait_until(self, done: Callable[[], bool]) -> None:

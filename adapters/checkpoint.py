@@ -144,14 +144,15 @@ class Checkpointer:
     compiled call may donate the device buffers at once, and training goes on while the
     checkpoint is written. Saves queue behind a write in progress and the writer takes
     everything queued at once (one wait for the disk for several saves; see
-    ``_checkpoint_writer.py``); a save waits only when the writer is more than one save
-    behind. Every other use of the directory waits for every queued save first —
+    ``_checkpoint_writer.py``); a save waits only when the writer is more than one job
+    behind (a job: a save, or the saves of a :meth:`together` block, written as one
+    batch). Every other use of the directory waits for every queued save first —
     :meth:`latest_step`, :meth:`wait`, :meth:`close`, a ``replace`` — so a checkpoint is
     never read half-written and a run never ends before its last save is on disk, and a
     failed write raises there (or at the next save). A process killed meanwhile loses the
-    saves not yet renamed into place (at most 4; a checkpoint is renamed only once every
-    file is written and fsync'ed). ``asynchronous=False`` makes each save durable on
-    return.
+    saves not yet renamed into place (at most 4 jobs; a checkpoint is renamed only once
+    every file is written and fsync'ed). ``asynchronous=False`` makes each save durable on
+    return (a :meth:`together` block's, as the block ends).
 
     Storage: a tree one process holds whole (every single-process run not sharded over
     devices) is written as nnxscan's own files: a raw file of packed buffers, the model
@@ -205,6 +206,10 @@ class Checkpointer:
         # (step, item) of the newest checkpoint saved as own files: its state/ item, for
         # Flax's code, is written by close() (one per run, off the training path).
         self._item: tuple[int, Any] | None = None
+        # Saves of own files made inside together(), written as one batch when it ends.
+        self._group: list | None = None
+        # Whether renames of asynchronous saves wait for the directory's fsync (close's).
+        self._renamed = False
 
     def lock(self) -> None:
         """Takes the directory lock now (the first save or log append takes it
@@ -245,8 +250,68 @@ class Checkpointer:
             return latest_step(self.path)
         return self._steps[-1] if self._steps else None
 
+    @contextlib.contextmanager
+    def together(self, *, last: bool = False) -> Iterator[None]:
+        """Saves of nnxscan's own files made inside the block are written as one batch as
+        it ends (one wait for the disk for all; a save asks for no room in the writer's
+        queue meanwhile, the block's saves holding their host copies until then), in order;
+        with ``asynchronous=False``, durable once the block ends. ``last``: the block holds
+        the newest save this checkpointer makes, whose ``state/`` item (what :meth:`close`
+        adds) then goes into the same batch, written on this thread as the block ends (the
+        :meth:`close` that follows would wait for it: handing it to the background thread
+        only adds that thread's wake-up, several ms on a loaded machine). Any other use of
+        the directory (:meth:`wait`, :meth:`close`, a save through orbax) writes the
+        block's saves first.
+
+        Example:
+          >>> with Checkpointer("runs/ckpt") as checkpointer:
+          ...     with checkpointer.together(last=True):
+          ...         for step, tree in states_of_fused_epochs:  # written as one batch
+          ...             checkpointer.save(step, tree)
+        """
+        if self._group is not None:  # within another block: that one writes them
+            yield
+            return
+        self._group = []
+        try:
+            yield
+        finally:
+            group, self._group = self._group, None
+            if group and last:
+                if self._item is not None and self._item[0] == group[-1][0]:
+                    (_, item), self._item = self._item, None
+                    group[-1] = (*group[-1][:4], item)
+                if self._writer is not None:
+                    self._writer_wait(self._writer.drain)  # in order: the queued ones first
+                self._writer_wait(lambda: self._write_batch(group))
+            elif group:
+                self._submit(group)
+
+    def _flush_group(self) -> None:
+        """Writes (queues) the saves a :meth:`together` block holds so far."""
+        if self._group:
+            group, self._group = self._group, []
+            self._submit(group)
+
+    def _submit(self, saves: list) -> None:
+        """Writes saves of own files as one batch: queued for the background writer (one
+        job, once it is at most one job behind), or written now (``asynchronous=False``)."""
+        if not self.asynchronous:
+            self._write_batch(saves)
+            return
+        if self._writer is None:
+            self._writer = _writer.Writer(self._write_jobs, _weigh)
+        else:
+            self._writer_wait(self._writer.make_room)
+        self._writer.submit(saves)
+
+    def _write_jobs(self, jobs: list[list]) -> None:
+        """The background writer's batch: the saves of every job it took, in order."""
+        self._write_batch([save for job in jobs for save in job])
+
     def wait(self) -> None:
         """Returns once every queued save is on disk; re-raises a failed write's error."""
+        self._flush_group()
         if self._manager is not None:
             with self._disk_errors("the checkpoint in flight was not written"):
                 self._manager.wait_until_finished()
@@ -318,11 +383,10 @@ class Checkpointer:
         own_files = self.storage == "auto" and packing.held_whole
         self.lock()
         # Writes in order. Our own files' writer may be behind (it writes what is queued
-        # together, one wait for the disk); this save waits only when it is too far behind.
-        # Anything else (orbax, replacing a step) starts once every write is done.
-        if own_files and self._writer is not None and not replace:
-            self._writer_wait(self._writer.make_room)
-        else:
+        # together, one wait for the disk); this save waits only when it is too far behind
+        # (in _submit; a together() block's, as it ends). Anything else (orbax, replacing a
+        # step) starts once every write is done.
+        if not own_files or replace:
             self.wait()
         if self._steps is None:
             self._steps = _files.finished_steps(self.path)
@@ -400,6 +464,9 @@ class Checkpointer:
             step, manifest, buffers, log, item = saves[0]
             log = b"".join(save[3] for save in skipped) + log
             saves = [(step, manifest, buffers, log, item), *saves[1:]]
+        # close() fsyncs the directory after the renames (set first: a failure after some
+        # renames still has them synced).
+        self._renamed = self._renamed or self.asynchronous
         _files.write_many(
             self.path, saves, sync_directory=not self.asynchronous, max_to_keep=self.max_to_keep
         )
@@ -408,12 +475,11 @@ class Checkpointer:
         if not self._cleaned:
             _files.remove_leftovers(self.path)  # of a process killed mid-save or mid-delete
             self._cleaned = True
-        if not self.asynchronous:
-            self._write_batch([(step, manifest, buffers, log, None)])
-            return
-        if self._writer is None:
-            self._writer = _writer.Writer(self._write_batch, _weigh)
-        self._writer.submit((step, manifest, buffers, log, None))
+        save = (step, manifest, buffers, log, None)
+        if self._group is not None:
+            self._group.append(save)
+        else:
+            self._submit([save])
 
     def _write_orbax(
         self,
@@ -477,15 +543,21 @@ class Checkpointer:
         files, written, synced, then deleted by ``max_to_keep``) cost a small model's run
         more than the rest of the checkpoint. A failed save leaves no item to write."""
         try:
+            self._flush_group()
             if self._item is not None and self._writer is not None:
                 # The newest save not yet written: its item goes with it, into its folder
                 # before the rename (one wait for the disk, not two).
                 step, item = self._item
-                if self._writer.amend_last(lambda save: (*save[:4], item) if save[0] == step
-                                           else None):  # fmt: skip
+
+                def with_item(job: list) -> list | None:
+                    *older, (newest, *rest) = job
+                    return [*older, (newest, *rest[:3], item)] if newest == step else None
+
+                if self._writer.amend_last(with_item):
                     self._item = None
             self.wait()
-            if self._writer is not None:  # asynchronous saves' last renames, deletions
+            if self._renamed:  # asynchronous saves' last renames, deletions
+                self._renamed = False
                 _files.sync_directory(self.path)
             log = self._take_log()
             if log:
@@ -511,9 +583,9 @@ class Checkpointer:
         self.close()
 
 
-def _weigh(save: tuple[int, dict, dict, bytes, Any]) -> int:
-    """The host bytes a queued save holds."""
-    return sum(buffer.nbytes for buffer in save[2].values()) + len(save[3])
+def _weigh(saves: list[tuple[int, dict, dict, bytes, Any]]) -> int:
+    """The host bytes a queued job's saves hold."""
+    return sum(sum(b.nbytes for b in save[2].values()) + len(save[3]) for save in saves)
 
 
 def save_checkpoint(

@@ -4,11 +4,14 @@ On the digits MLP of ``_workloads.py`` (and the byte-level LM, a model 30x large
 
 - a checkpoint every epoch: ``fit(checkpoint_every=1)`` with asynchronous saves (the
   default: a save returns once the arrays are on the host) and with synchronous ones
-  (``checkpoint_async=False``), and asynchronous saves through orbax (how every save was
-  written before nnxscan's own files storage), against the same ``fit`` without
-  checkpoints (epochs fused when nothing needs the host); and that fit with only an empty
-  epoch callback, which keeps the epochs apart as checkpoints do (what that alone costs);
-  warm runs, interleaved, medians, ratios;
+  (``checkpoint_async=False``), both with the epochs fused into one call that returns the
+  states their saves need; the same saves with one call an epoch, each save written on its
+  own (what ``fit`` did before: an empty epoch callback keeps the epochs apart, and a
+  checkpointer whose ``together()`` groups nothing); and asynchronous saves through orbax
+  (how every save was written before nnxscan's own files storage; one call an epoch),
+  against the same ``fit`` without checkpoints (epochs fused when nothing needs the
+  host); and that fit with only the empty epoch callback (what keeping the epochs apart
+  alone costs); warm runs, interleaved, medians, ratios;
 
 - per save: ``fit`` with ``checkpoint_every_steps=k`` against the same ``fit`` without
   checkpoints (interleaved, medians), the difference divided by the number of saves;
@@ -27,12 +30,13 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import jax
 from _workloads import WORKLOADS
 
-from nnxscan.adapters import _checkpoint_files, _checkpoint_manifest, _orbax_item
+from nnxscan.adapters import _checkpoint_files
 from nnxscan.adapters.checkpoint import Checkpointer, all_steps
 from nnxscan.shell import LambdaCallback, Trainer
 from nnxscan.shell._edges import checkpointing as _checkpointing
@@ -99,80 +103,51 @@ def resume_cost(name: str, reps: int) -> str:
     return f"| {name} | {1000 * statistics.median(costs):.0f} |"
 
 
+_APART = [LambdaCallback(on_epoch_end=_nothing)]
 VARIANTS = {
     "none": {},
-    # No checkpoints, the epochs kept apart as checkpoints keep them: what that alone costs.
+    # No checkpoints, the epochs kept apart as checkpoints kept them before: what that costs.
     "epoch callback": {"callbacks": [LambdaCallback(on_epoch_end=_nothing)]},
     "sync": {"checkpoint_async": False},
     "async": {},
-    # The writer as it was before the queue (OneAtATime): each save waits for the one
-    # before it, written alone; the state/ item added by close().
-    "async, one at a time": {"storage": "one at a time"},
-    # The writes as they were before issue 58 item 9 (ItemEverySave): the model state's
-    # state/ item with every save, and one fsync after another.
-    "async, before": {"storage": "item every save"},
-    "async, orbax": {"storage": "orbax"},
+    # Before fused saves: one call an epoch (the hook), each save written on its own (Apart).
+    "sync, before": {"checkpoint_async": False, "storage": "apart", "callbacks": _APART},
+    "async, before": {"storage": "apart", "callbacks": _APART},
+    "async, orbax": {"storage": "orbax"},  # orbax storage never fuses: one call an epoch
 }
 
 
-class OneAtATime(Checkpointer):
-    """The checkpointer's asynchronous writes before the queue (nnxscan at commit cbadd20):
-    a save waits for the write before it (after copying its arrays to the host), each save
-    is written alone (its own fsyncs), and close() adds the state/ item to the newest
-    checkpoint once it is written."""
+class Apart(Checkpointer):
+    """The checkpointer as it was before fused saves (nnxscan at commit 184f481): no
+    ``together()`` batches; each save queued (or, synchronous, written) on its own, and the
+    newest checkpoint's ``state/`` item added by ``close()``; each batch's files fsync'ed
+    by a thread made per file (:func:`_fsync_all_before`, swapped in by :func:`storage`).
+    (Not reproduced: the ``state/`` item was written after ``arrays.bin``, not meanwhile.)"""
 
-    def _write_files(self, step, manifest, buffers, log):
-        if self._writer is not None:
-            self._writer_wait(self._writer.drain)
-        super()._write_files(step, manifest, buffers, log)
-
-    def close(self):
-        if self._writer is not None:
-            self._writer_wait(self._writer.drain)  # nothing queued: the item comes after
-        super().close()
+    @contextlib.contextmanager
+    def together(self, *, last: bool = False):
+        yield
 
 
-class ItemEverySave(Checkpointer):
-    """The checkpointer's writes as they were before issue 58 item 9 (nnxscan at commit
-    98832c3): every save also writes the model state's ``state/`` item (its tensorstore
-    store committed while ``arrays.bin`` is written), fsyncs the run log, then every file
-    and folder one after another, and the directory after the rename; ``max_to_keep``
-    deletes the item again. (Queued as saves are queued now: each save written on its own.)"""
+def _fsync_all_before(paths):
+    """``_checkpoint_files._fsync_all`` at commit 184f481: a thread made per path."""
+    errors = []
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._items = {}
+    def sync(target):
+        try:
+            _checkpoint_files._fsync(target)
+        except BaseException as error:
+            errors.append(error)
 
-    def _write_files(self, step, manifest, buffers, log):
-        self._items[step] = None if self._item is None else self._item[1]
-        self._item = None  # written with every save, not by close()
-        super()._write_files(step, manifest, buffers, log)
-
-    def _write_batch(self, saves):
-        for step, manifest, buffers, log, _ in saves:
-            if log:
-                _checkpoint_files.append_log(self.path, log)  # fsync'ed on its own
-            _write_before(self.path, step, manifest, buffers, self._items.pop(step))
-            _checkpoint_files.keep_newest(self.path, self.max_to_keep)
-
-
-def _write_before(path, step, manifest, buffers, item):
-    """``_checkpoint_files.write`` of commit 98832c3 (its error handling aside)."""
-    files = _checkpoint_files
-    tmp = path / f"{step}{files.TMP_SUFFIX}"
-    path.mkdir(parents=True, exist_ok=True)
-    files.remove(tmp)
-    tmp.mkdir()
-    finish_item = None if item is None else _orbax_item.write_item(tmp / files.ITEM, *item)
-    placed, written = files._write_data(tmp / files.DATA, buffers), [tmp / files.DATA]
-    text = _checkpoint_manifest.dumps_checked({**manifest, "buffers": placed})
-    written.append(files._write_file(tmp / files.MANIFEST, text))
-    if finish_item is not None:
-        written += finish_item()
-    for written_path in (*written, tmp):
-        files._fsync(written_path)
-    os.rename(tmp, path / str(step))
-    files._fsync(path)
+    threads = [threading.Thread(target=sync, args=(p,), daemon=True) for p in paths[:-1]]
+    for thread in threads:
+        thread.start()
+    if paths:
+        sync(paths[-1])
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 @contextlib.contextmanager
@@ -182,25 +157,26 @@ def storage(name: str | None):
     if name is None:
         yield
         return
-    original = _checkpointing.open_checkpointer
+    original = _checkpointing.open_checkpointer, _checkpoint_files._fsync_all
     _checkpointing.open_checkpointer = functools.partial(_checkpointer, name)
+    if name == "apart":
+        _checkpoint_files._fsync_all = _fsync_all_before
     try:
         yield
     finally:
-        _checkpointing.open_checkpointer = original
+        _checkpointing.open_checkpointer, _checkpoint_files._fsync_all = original
 
 
 def _checkpointer(name, directory, *, max_to_keep=3, asynchronous=True):
-    if name == "item every save":
-        return ItemEverySave(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
-    if name == "one at a time":
-        return OneAtATime(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
+    if name == "apart":
+        return Apart(directory, max_to_keep=max_to_keep, asynchronous=asynchronous)
     return Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name)
 
 
 def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) -> str:
-    """``fit`` with a checkpoint every epoch (async and sync, own files; async through
-    orbax), and with only an empty epoch callback, ÷ the same fit without either."""
+    """``fit`` with a checkpoint every epoch (async and sync, own files, fused and as
+    before; async through orbax), and with only an empty epoch callback, ÷ the same fit
+    without either."""
     workload = WORKLOADS[name](False)
     data = workload.data
     if steps_per_epoch is not None:
@@ -260,8 +236,7 @@ def every_epoch_table(reps: int) -> None:
     print(
         "| workload | epochs x steps | fit s, no checkpoints | an epoch callback instead s | "
         "÷ none | every epoch, sync s | ÷ none | every epoch, async s | ÷ none | "
-        "async, one save at a time (before the queue) s | ÷ none | "
-        "async as before (state/ every save, fsyncs one by one) s | ÷ none | "
+        "sync, before (a call an epoch, saves apart) s | ÷ none | async, before s | ÷ none | "
         "async through orbax s | ÷ none |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

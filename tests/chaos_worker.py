@@ -1,8 +1,11 @@
 """Run by tests/test_chaos.py in subprocesses (not collected by pytest).
 
-``python chaos_worker.py CHECKPOINT_DIR OUT.npz CACHE_DIR [trainer|population]``: a
+``python chaos_worker.py CHECKPOINT_DIR OUT.npz CACHE_DIR [trainer|population|fused]``: a
 preemptible training script on a small model whose forward pass moves batch statistics and
-RNG counts (a ``Trainer``, or a ``Population`` of two such members). It asks for the
+RNG counts (a ``Trainer``, or a ``Population`` of two such members). ``fused``: a Trainer
+saving every epoch with nothing else between epochs but an evaluation every
+``FUSED_EVAL_EVERY``: its epochs fuse into calls that keep the states their saves need;
+it reports only "ready", "training" and "done" (no hook may look between them). It asks for the
 WHOLE run with ``resume=True``: rerunning the same command after a kill goes on from the
 newest checkpoint. On stdout it reports "ready" just before ``fit`` (imports done, model
 built), "training" when ``fit``'s loop begins (after any restore) and "step N" after every
@@ -21,6 +24,8 @@ EPOCHS, BATCH, EXAMPLES, EVERY_STEPS, SEED = 6, 8, 200, 4, 3  # 25 steps an epoc
 # quarter of the run (9 calls or more) then outlasts the test's kill delay, however fast a
 # save is on this machine. Timing changes nothing that is trained.
 PACE_S = 0.015
+# The fused mode: 40 epochs, evaluated every 4 (each evaluation ends a fused call).
+FUSED_EPOCHS, FUSED_EVAL_EVERY = 40, 4
 
 
 def main(checkpoint_dir: str, out: str, cache_dir: str, mode: str = "trainer") -> None:
@@ -31,7 +36,7 @@ def main(checkpoint_dir: str, out: str, cache_dir: str, mode: str = "trainer") -
 
     from nnxscan.shell import LambdaCallback, Population, Trainer, enable_compilation_cache
 
-    from conftest import BNDropout, make_data, xent
+    from conftest import BNDropout, accuracy, make_data, xent
     from run_record import save_run
 
     enable_compilation_cache(cache_dir)
@@ -56,6 +61,16 @@ def main(checkpoint_dir: str, out: str, cache_dir: str, mode: str = "trainer") -
         on_train_begin=lambda trainer: print("training", flush=True), on_call_end=call_end
     )
     print("ready", flush=True)
+    if mode == "fused":
+        history = trainer.fit(
+            data, epochs=FUSED_EPOCHS, batch_size=BATCH, checkpoint_dir=checkpoint_dir,
+            resume=True, progress=False, eval_data=make_data(40, seed=1), metric_fn=accuracy,
+            eval_every=FUSED_EVAL_EVERY, eval_batch_size=40, seed=SEED,
+            callbacks=[LambdaCallback(on_train_begin=lambda t: print("training", flush=True))],
+        )  # fmt: skip
+        save_run(out, model, trainer, history)
+        print("done", flush=True)
+        return
     history = trainer.fit(
         data, epochs=EPOCHS, batch_size=BATCH, checkpoint_dir=checkpoint_dir,
         checkpoint_every_steps=EVERY_STEPS, resume=True, progress=False,

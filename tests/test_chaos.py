@@ -344,3 +344,41 @@ def test_sigterm_saves_and_raises_preempted_and_the_rerun_ends_bitwise(reference
     )
     assert preempted_at == sorted(preempted_at)
     assert_same_final_state(load(out), reference.arrays)
+
+
+def test_a_fused_run_killed_or_preempted_at_random_moments_ends_bitwise(reference, tmp_path):
+    """Epochs that save fuse (chaos_worker's ``fused`` mode: a fused call keeps the states
+    of its saves, written after it as one batch): SIGKILLs and SIGTERMs at random moments
+    of the rerun's training, then a rerun to the end, give bitwise the uninterrupted run's
+    state and its History. A SIGTERM lets the call in flight finish, saves and raises."""
+    rng = random.Random(1)
+    cache = reference.cache  # the programs of the other modes' runs are no use here
+    ref_out = tmp_path / "reference.npz"
+    run_to_completion(tmp_path / "compiles", ref_out, cache, "fused")  # fills the cache
+    ref, _ = run_to_completion(tmp_path / "reference", ref_out, cache, "fused")
+    train_s = max(ref.seen["done"] - ref.seen["training"], 0.05)  # as a rerun trains
+    directory, out = tmp_path / "checkpoints", tmp_path / "final.npz"
+    landed, latest = [], []
+    for signum in (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL, signal.SIGTERM):
+        worker = Worker(directory, out, cache, "fused")
+        if worker.wait_for("training", STARTUP_TIMEOUT_S) is None:  # nothing left to train
+            assert worker.finish(30) == 0 and "done" in worker.seen, worker.stderr()
+            break
+        if not worker.signal_after(rng.uniform(0.0, train_s), signum):
+            assert worker.proc.returncode == 0, worker.stderr()
+            break  # it finished first: nothing left to interrupt
+        if worker.proc.returncode == 1:  # a SIGTERM fit handled (else it came after fit)
+            assert "Preempted: fit stopped on signal SIGTERM" in worker.stderr(), worker.stderr()
+            assert not saves_in_progress(directory)
+        landed.append(signal.Signals(signum).name)
+        steps = checkpoint_steps(directory)
+        latest.append(steps[-1] if steps else None)
+    run_to_completion(directory, out, cache, "fused")
+    print(f"\nchaos (fused): {landed} landed in {train_s:.2f} s of training; the newest "
+          f"checkpoint after each: {latest}")  # fmt: skip
+    got, want = load(out), load(ref_out)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    seen = [s for s in latest if s is not None]
+    assert seen == sorted(seen), f"a checkpoint went back: {latest}"

@@ -13,7 +13,13 @@ import itertools
 import pytest
 
 from nnxscan.shell._engine.plans import Plan
-from nnxscan.shell._engine.schedule import FUSED_STEPS, Schedule, with_steps_per_call
+from nnxscan.shell._engine.schedule import (
+    FUSED_STEPS,
+    SAVED_FUSED_BYTES,
+    Saves,
+    Schedule,
+    with_steps_per_call,
+)
 
 
 def plain_loop(epoch, skip, step, end_epoch, stop_at, per):
@@ -133,3 +139,40 @@ def test_fused_stretches_hold_at_most_fused_steps(epochs, fused_steps, lengths):
     got = [s.epochs for s in schedule.stretches()]
     assert sum(got) == epochs and max(got) == min(epochs, max(1, fused_steps // per))
     assert lengths is None or got == lengths
+
+
+@pytest.mark.parametrize(
+    ("epoch", "epochs", "every", "keep"),
+    [(0, 10, 1, 3), (0, 7, 2, 3), (3, 9, 4, 2), (0, 5, 1, 1), (0, 4, 5, 3), (2, 6, 3, 10)],
+)
+def test_fused_stretches_that_save_hold_the_states_of_the_saves_the_directory_keeps(
+    epoch, epochs, every, keep
+):
+    """Reference: the saves a loop of one call an epoch makes (every ``every`` epochs) and
+    those ``max_to_keep`` leaves of them once the stretch's last is written."""
+    saves = Saves(every, keep, carry_bytes=1000)
+    schedule = Schedule(epoch, 0, 8 * epoch, epoch + epochs, None, per_epoch=8,
+                        plan=Plan("scan"), fuse=True, saves=saves)  # fmt: skip
+    (stretch,) = schedule.stretches()
+    due = [i for i in range(epochs) if (epoch + i + 1) % every == 0]
+    kept = due[-keep:]
+    assert stretch.held == tuple(i for i in kept if i != epochs - 1)
+    assert [i for i in range(epochs) if stretch.saved(i, every, keep)] == kept
+
+
+def test_fused_saves_keep_the_steps_times_the_carry_within_a_budget():
+    """A fused call that saves holds at most SAVED_FUSED_BYTES of steps times carry bytes
+    (a preemption waits for it; the states it keeps fit in it too): a bigger model fuses
+    fewer epochs, one of over half the budget none; saves never fuse calls a plan cuts."""
+
+    def lengths(carry_bytes, plan=None):
+        plan = plan or Plan("scan")
+        schedule = Schedule(0, 0, 0, 40, None, per_epoch=8, plan=plan, fuse=True,
+                            saves=Saves(1, 3, carry_bytes))  # fmt: skip
+        return [s.epochs for s in schedule.stretches()]
+
+    assert lengths(1000) == [40]
+    most = SAVED_FUSED_BYTES // (10 * 2**20) // 8  # epochs of 8 steps of a 10 MiB carry
+    assert max(lengths(10 * 2**20)) == most and sum(lengths(10 * 2**20)) == 40
+    assert lengths(SAVED_FUSED_BYTES // 2 + 1) == [1] * 40
+    assert lengths(1000, with_steps_per_call(Plan("scan"), 4)) == [1] * 40

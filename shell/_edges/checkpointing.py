@@ -50,18 +50,27 @@ def save(owner: Owner, directory: str | os.PathLike[str], *, max_to_keep: int = 
 
 
 def save_with(
-    checkpoints: Any, owner: Owner, run: str = "", carry: tuple | None = None
+    checkpoints: Any,
+    owner: Owner,
+    run: str = "",
+    carry: tuple | None = None,
+    at: dict[str, int] | None = None,
 ) -> pathlib.Path:
     """Saves the owner's objects and counters (and ``run``, where the History so far is in
     the run log: :meth:`RunLog.record`) as checkpoint number ``owner.step``; ``carry`` is
-    fit's ``(state, opt_state)`` when it was just written into the objects. A step that has
-    a checkpoint keeps it (``save()`` right after ``restore()``), unless a state was loaded
-    since (EarlyStopping's best epoch)."""
-    step = owner.step
+    fit's ``(state, opt_state)`` when it was just written into the objects, or with ``at``
+    (counters: ``epoch``, ``step``, ``epoch_step``) the state at an earlier epoch end of
+    the run (a fused call's), saved as checkpoint ``at["step"]`` with those counters. A
+    step that has a checkpoint keeps it (``save()`` right after ``restore()``), unless a
+    state was loaded since (EarlyStopping's best epoch)."""
+    step = owner.step if at is None else at["step"]
     existing = checkpoints.newest_step() == step  # on disk or in flight; never waits
     if existing and not owner.loaded_since_checkpoint:
         return checkpoints.path / str(step)
-    saved = checkpoints.save(step, owner.checkpoint_tree(run, carry), replace=existing)
+    tree = owner.checkpoint_tree(run, carry)
+    if at is not None:
+        tree["meta"] = {**tree["meta"], **at}
+    saved = checkpoints.save(step, tree, replace=existing)
     owner.loaded_since_checkpoint = False
     return saved
 

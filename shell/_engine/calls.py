@@ -260,7 +260,9 @@ class Call(NamedTuple):
     ``sink`` is a list, the call's outputs (losses) are appended to it, so the caller can
     wait for the call to finish. ``unroll`` overrides the plan's (a short final batch runs
     unrolled, as the core trains it). With ``rows``, ``indices`` are batch numbers of
-    ``data`` in its stored order, ``rows`` examples each (sliced, not gathered)."""
+    ``data`` in its stored order, ``rows`` examples each (sliced, not gathered). ``kept``:
+    ``(count, slots)`` for fused epochs that save checkpoints (the runner's ``kept`` and
+    ``slots``: each epoch's end state into its slot, ``count`` of them returned)."""
 
     data: Any
     indices: Any
@@ -269,6 +271,7 @@ class Call(NamedTuple):
     sink: list | None = None
     unroll: bool | None = None
     rows: int | None = None
+    kept: tuple[int, Any] | None = None
 
 
 def plan_calls(
@@ -307,7 +310,7 @@ def run_calls(
     run = live.runner(donate)
     outs, called = [], set()
     try:
-        for data, indices, start, length, sink, unroll, rows in calls:
+        for data, indices, start, length, sink, unroll, rows, kept in calls:
             if should_stop is not None and should_stop():
                 # A stop (a signal) that came while the previous call's hooks ran, or while
                 # this one's batches were read: no call starts after it.
@@ -320,15 +323,17 @@ def run_calls(
             with held_interrupts() as interrupted:
                 leaves = live.donatable() if donate else live.leaves
                 compiled, started = _cache_size(run), time.perf_counter()
-                key = call_key(indices, length, unroll, rows, data)
+                key = call_key(indices, length, unroll, rows, data, kept)
                 if ready is not None:
                     ready(key)
+                saving = {} if kept is None else {"kept": kept[0], "slots": kept[1]}
                 # A call of a new shape may trace its program: with the collector paused
                 # (only then: a long synchronous call would otherwise run with it off).
                 with paused_gc() if key not in called else contextlib.nullcontext():
                     leaves, out, halted = run(
-                        leaves, data, indices, start, length=length, unroll=unroll, rows=rows
-                    )
+                        leaves, data, indices, start, length=length, unroll=unroll, rows=rows,
+                        **saving,
+                    )  # fmt: skip
                 called.add(key)
                 if _cache_size(run) > compiled:  # this call traced and compiled a program
                     live.compile_s += time.perf_counter() - started
@@ -362,13 +367,17 @@ def run_calls(
     return outs
 
 
-def call_key(indices: Any, length: int, unroll: Any, rows: Any, data: Any = None) -> Hashable:
+def call_key(
+    indices: Any, length: int, unroll: Any, rows: Any, data: Any = None, kept: Any = None
+) -> Hashable:
     """What tells a call's program from another's within one fit (its runner and carry
-    being the fit's): the indices' shape and the static options; for stacked batches in
-    order (``indices=None``: a stream's chunks, whose lengths may differ) the data's steps."""
+    being the fit's): the indices' shape and the static options (fused epochs' kept states
+    too); for stacked batches in order (``indices=None``: a stream's chunks, whose lengths
+    may differ) the data's steps."""
     if indices is None:
         return ("in order", np.shape(jax.tree.leaves(data)[0])[0], length, unroll)
-    return (np.shape(indices), length, unroll, rows)
+    saving = None if kept is None else (kept[0], np.shape(kept[1]))
+    return (np.shape(indices), length, unroll, rows, saving)
 
 
 def _cache_size(run: Any) -> int:

@@ -287,19 +287,24 @@ class Engine:
         run_log = _checkpointing.RunLog(checkpointer)
 
         def save(history: History, partial: np.ndarray, carry: tuple | None = None,
-                 partial_aux: dict[str, np.ndarray] | None = None) -> None:  # fmt: skip
+                 partial_aux: dict[str, np.ndarray] | None = None,
+                 at: dict[str, int] | None = None) -> None:  # fmt: skip
             owner = self.owner
-            if checkpointer.newest_step() == owner.step and not owner.loaded_since_checkpoint:
+            step = owner.step if at is None else at["step"]
+            if checkpointer.newest_step() == step and not owner.loaded_since_checkpoint:
                 # This step is saved (save_with would keep it): no log line either; a
                 # state/ item a killed run left out is added as the checkpointer closes.
-                checkpointer.keep_item(owner.step, lambda: owner.checkpoint_tree("", carry))
+                checkpointer.keep_item(step, lambda: owner.checkpoint_tree("", carry))
                 return
             run = run_log.record(history, partial, partial_aux)
-            _checkpointing.save_with(checkpointer, owner, run, carry)
+            _checkpointing.save_with(checkpointer, owner, run, carry, at)
 
+        # Fused epochs' saves are written from host copies of the states: own files only.
+        keep = checkpointer.max_to_keep if checkpointer.storage == "auto" else 0
         return directory, Checkpoints(
-            every, every_steps, save, checkpointer.close, run_log, checkpointer.lock
-        )
+            every, every_steps, save, checkpointer.close, run_log, checkpointer.lock, keep,
+            checkpointer.together,
+        )  # fmt: skip
 
 
 def _one_model(x: Any, sharding: Any, axes: int, spec_axes: int) -> Any:

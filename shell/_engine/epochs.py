@@ -50,6 +50,19 @@ def _arange(length: int) -> np.ndarray:
     return steps
 
 
+def kept_slots(stretch: Stretch, put: Callable[[Any], Any]) -> tuple[int, Any] | None:
+    """``Call.kept`` of a stretch of fused epochs that save (its one call): how many end
+    states it returns, and each epoch's slot (``put`` on the device; the spare slot for an
+    epoch whose state is not kept). None when it keeps none."""
+    if not stretch.held:
+        return None
+    assert len(stretch.calls) == 1 and stretch.skip == 0, "kept states need one whole call"
+    count = len(stretch.held)
+    slots = np.full(stretch.epochs, count, np.int32)
+    slots[list(stretch.held)] = np.arange(count, dtype=np.int32)
+    return count, put(slots)
+
+
 class EpochOrders:
     """The epochs' orders (``epoch_order(seed, epoch, n)``), the next epoch's drawn AHEAD.
 
@@ -156,9 +169,10 @@ class ArrayEpochs:
             # The stored order: each step may slice its batch by number, gathering nothing.
             full, rows = self.layout.batch_numbers(full, self.batch_size)
         full, tail = self.put((full, tail))
+        kept = kept_slots(stretch, self.put)
         for start, length in stretch.calls:
             if start < full.shape[0]:
-                yield Call(self.data, full, start, length, rows=rows)
+                yield Call(self.data, full, start, length, rows=rows, kept=kept)
             else:  # the short batch: one step of its own shape, unrolled (no loop)
                 yield Call(self.data, tail, 0, 1, unroll=True)
 
@@ -176,12 +190,14 @@ class StepEpochs:
 
     def __init__(self, steps_per_epoch: int, put: Callable[[Any], Any]):
         self.steps_per_epoch = steps_per_epoch
+        self._put = put
         self._indices = functools.cache(lambda length: put(_arange(length)))  # placed once
 
     def __call__(self, stretch: Stretch, stats: EpochStats | None = None) -> Iterator[Call]:
         indices = self._indices(stretch.ends)
+        kept = kept_slots(stretch, self._put)
         for start, length in stretch.calls:
-            yield Call(None, indices, start, length)
+            yield Call(None, indices, start, length, kept=kept)
 
 
 def peek_stream(source: EpochSource) -> tuple[Any, Iterator]:

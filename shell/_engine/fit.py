@@ -46,11 +46,12 @@ from nnxscan.shell._engine.calls import (
     run_calls,
 )
 from nnxscan.shell._engine.epochs import Epochs, EpochStats
+from nnxscan.shell._engine.held_states import BankLayout
 from nnxscan.shell._engine.layout import Layout
 from nnxscan.shell._engine.owner import Owner
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.programs import TrainProgram
-from nnxscan.shell._engine.schedule import Schedule, Stretch
+from nnxscan.shell._engine.schedule import Saves, Schedule, Stretch
 from nnxscan.shell.history import History
 
 _HOOKS = ("on_train_begin", "on_epoch_begin", "on_call_end", "on_epoch_end", "on_train_end")
@@ -154,16 +155,20 @@ class Ahead:
 
 class Checkpoints(NamedTuple):
     """Where and when ``fit`` saves: ``save(history, partial_losses, carry=None,
-    partial_aux=None)`` writes a checkpoint of the owner's objects (``carry``: the state just
-    written into them) with the run so far (``partial_aux``: the unfinished epoch's scalar
-    aux logs per step, beside its losses); every ``every_epochs`` epochs, every
+    partial_aux=None, at=None)`` writes a checkpoint of the owner's objects (``carry``: the
+    state just written into them; with ``at``, the counters of an earlier epoch end whose
+    state ``carry`` is: a fused call's) with the run so far (``partial_aux``: the
+    unfinished epoch's scalar aux logs per step, beside its losses); every ``every_epochs``
+    epochs, every
     ``every_steps`` steps (at call boundaries; None: never mid-epoch), on SIGTERM or SIGINT,
     and at the end when the budget is spent or a callback loaded a state (EarlyStopping's
     best epoch). A save may return before it is on disk; ``close()`` waits for it (fit calls
     it on every way out). ``run_log``: where the saves put the History
     (``_edges.checkpointing.RunLog``; a resume tells it where the restored run's lines end).
     ``lock()``: takes the directory lock (fit does, before it reads or trains
-    anything; ``close()`` releases it)."""
+    anything; ``close()`` releases it). ``keep``: how many checkpoints the directory keeps
+    (0: saves never fuse epochs — a storage whose saves must see the device arrays).
+    ``together()``: a context in which saves are written as one batch (a fused call's)."""
 
     every_epochs: int
     every_steps: int | None
@@ -171,6 +176,8 @@ class Checkpoints(NamedTuple):
     close: Callable[[], None] = lambda: None
     run_log: Any = None
     lock: Callable[[], None] = lambda: None
+    keep: int = 0
+    together: Callable[..., Any] = lambda last=False: contextlib.nullcontext()
 
 
 def written_carry(live: LiveState) -> tuple | None:
@@ -306,14 +313,16 @@ class FitLoop:
         owner.release_reads()  # from here on callbacks may change the objects
         # Whether tx came from inject_hyperparams: looked up once, not every epoch.
         injected = learning_rate(live.carry()[1], self.layout) is not None
+        fuse = self._may_fuse(injected, live)
+        saves = self._saves(live) if fuse and self.checkpoints is not None else None
         lengths = self.program.compiled_lengths(
-            call_shape(live.runner(self.execution.donate), epoch_calls)
+            (call_shape(live.runner(self.execution.donate), epoch_calls), saves is not None)
         )
         schedule = dataclasses.replace(
             schedule, per_epoch=epoch_calls.steps_per_epoch, tail=epoch_calls.keep_tail,
-            plan=self.execution.plan, fuse=self._may_fuse(injected),
+            plan=self.execution.plan, fuse=fuse,
             every=None if self.evaluation is None else self.evaluation.every,
-            compiled=frozenset(lengths), fused_steps=epoch_calls.fused_steps,
+            compiled=frozenset(lengths), fused_steps=epoch_calls.fused_steps, saves=saves,
         )  # fmt: skip
         # Compiled by this fit (the first as it runs, the others ahead): whole epochs.
         lengths.update(s.epochs for s in schedule.stretches() if not s.skip and s.steps == s.ends)
@@ -334,7 +343,10 @@ class FitLoop:
                         self._preempted(history, [])
                     if self._stop_requested or not owner.trains():
                         break
-                    if not self._train(history, live, epoch_calls, stretch, bar, injected):
+                    # The budget's last stretch: its saves are the fit's last (see together()).
+                    final = schedule.spent(stretch.epoch + stretch.epochs,
+                                           owner.step + (stretch.steps or 0))  # fmt: skip
+                    if not self._train(history, live, epoch_calls, stretch, bar, injected, final):
                         break
                 if self._signals:  # came during the last epoch's hooks or save: not absorbed
                     self._preempted(history, [])
@@ -387,10 +399,12 @@ class FitLoop:
             seen_stretches.add(shape)
             for call in placeholder_calls(stretch):
                 unroll = self.execution.plan.unroll if call.unroll is None else call.unroll
-                key = call_key(call.indices, call.length, unroll, call.rows, call.data)
+                key = call_key(call.indices, call.length, unroll, call.rows, call.data, call.kept)
                 if key not in seen and seen:  # the first call compiles as it runs
                     args = (live.leaves, call.data, call.indices, call.start)
                     options = dict(length=call.length, unroll=unroll, rows=call.rows)
+                    if call.kept is not None:
+                        options.update(kept=call.kept[0], slots=call.kept[1])
                     lower = functools.partial(run.lower, *args, **options)
                     (later if len(seen_stretches) > 1 else first).append((key, lower))
                 seen.add(key)
@@ -441,9 +455,14 @@ class FitLoop:
 
         return refresh
 
-    def _may_fuse(self, injected: bool) -> bool:
+    def _may_fuse(self, injected: bool, live: LiveState) -> bool:
         """Whether whole epochs may run fused into one stretch: when nothing needs the host
-        between them (see ``docs/performance.md``)."""
+        between them (see ``docs/performance.md``). Checkpoints do not: a fused call
+        returns the states their saves need (``held_states.py``), the checkpoint of each
+        epoch bitwise the one a call of that epoch alone leaves (unless saves come inside
+        epochs, or the model is placed on a mesh or over processes, whose saves go
+        through orbax from the devices' arrays)."""
+        checkpoints = self.checkpoints
         return not (
             self.callbacks.has_epoch_hooks
             or self.callbacks.has_call_hooks
@@ -451,11 +470,31 @@ class FitLoop:
             or self.owner.metrics is not None  # train_<metric> is computed per epoch
             or self.program.halts  # the non-finite stop names its epoch
             or not self.execution.donate  # host callbacks: a failure keeps the last epoch
-            or self.checkpoints is not None  # saves at epoch boundaries (and within)
+            or (checkpoints is not None and not self._saves_fuse(live))
         )
 
-    def _train(self, history, live, epoch_calls, stretch: Stretch, bar, injected) -> bool:
-        """Trains one stretch of the schedule; False when fit should end."""
+    def _saves_fuse(self, live: LiveState) -> bool:
+        """Whether epochs that save may fuse: saves at epoch ends only (those inside epochs
+        come at call boundaries), written as nnxscan's own files from host copies of the
+        states a fused call keeps (one process holding the model whole, off a mesh)."""
+        checkpoints = self.checkpoints
+        return (
+            checkpoints.every_steps is None
+            and checkpoints.keep > 0
+            and live.shardings is None
+            and jax.process_count() == 1
+        )
+
+    def _saves(self, live: LiveState) -> Saves:
+        """The checkpoints' schedule, for fused epochs: which states their calls keep."""
+        carry_bytes = sum(int(x.nbytes) for x in live.leaves)
+        return Saves(self.checkpoints.every_epochs, self.checkpoints.keep, carry_bytes)
+
+    def _train(
+        self, history, live, epoch_calls, stretch: Stretch, bar, injected, final=False
+    ) -> bool:
+        """Trains one stretch of the schedule; False when fit should end. ``final``: the
+        schedule's last (its saves are the fit's last, the ``state/`` item's with them)."""
         owner, callbacks, checkpoints = self.owner, self.callbacks, self.checkpoints
         epoch, count, skip = stretch.epoch, stretch.epochs, stretch.skip
         first_step, stats = owner.step, EpochStats()
@@ -464,10 +503,14 @@ class FitLoop:
             return False
         start = time.perf_counter()
         outs: list = []
+        kept: list = []  # a fused call's kept epoch-end states (see held_states.py)
         every_steps = checkpoints.every_steps if checkpoints is not None else None
         next_save = [(first_step // every_steps + 1) * every_steps if every_steps else None]
 
         def on_call(steps: int, out: Any) -> None:
+            if stretch.held:
+                out, states = out
+                kept.append(states)
             outs.append(out)
             bar.call_done(epoch, steps, out, live.compile_s)
             if next_save[0] is not None and owner.step >= next_save[0]:
@@ -508,17 +551,22 @@ class FitLoop:
         if not outs and not (skip and complete) and not self._signals:
             return False  # stopped before the epoch's first call
 
-        def on_signal() -> None:
+        def on_signal(last: Any = None) -> None:
             """A signal before the epoch's end (its metrics, evaluation, hooks) began: they
             are left to the resumed run, which finds the epoch with all its steps trained
             and none logged (``epoch_step`` = its steps) and ends it. Saves and raises.
-            (Epochs fuse only without checkpoints: a stretch here is one epoch.)"""
+            Fused epochs (``last``: the outputs of the last) end as without a signal but
+            the last, whose end is left to the resumed run: the signal is acted on as
+            that end begins (nothing of the user's runs between fused epochs)."""
             if not self._signals:
                 return
             if complete and count == 1:
                 owner.epoch, owner.epoch_step = epoch, skip + trained
+            elif complete and last is None:
+                return  # asked again as the last epoch's end begins
             elif complete:
-                self._log_finished(history, stretch, count, complete, outs, start)
+                owner.epoch, owner.epoch_step = epoch + count - 1, stretch.per_epoch
+                outs[:] = [last]  # the unfinished epoch's losses: the last one's
             self._preempted(history, outs)
 
         if outs:  # the host sync: waits for the calls to finish
@@ -536,10 +584,39 @@ class FitLoop:
                                      self._partial_aux, self.layout)  # fmt: skip
         self._partial, self._partial_aux = empty_losses(self.layout), {}
         timing = (wall_time / count, (live.compile_s - compiled_before) / count)
-        for i, piece in enumerate([stacked] if count == 1 else split_steps(stacked, count)):
-            self._log_epoch(history, epoch + i, piece, timing, stats, complete, live,
-                            injected, bar, on_signal)  # fmt: skip
+        pieces = [stacked] if count == 1 else split_steps(stacked, count)
+        saved = self._fused_saves(live, stretch, first_step, kept)
+        together = None
+        if checkpoints is not None:
+            # The fit's last save is this stretch's when its last epoch saves; else the
+            # fit's end saves the final state after it.
+            last = final and (epoch + count) % checkpoints.every_epochs == 0
+            together = checkpoints.together(last=last)
+        with together or contextlib.nullcontext():
+            for i, piece in enumerate(pieces):
+                last = i == count - 1
+                signal_check = on_signal if count == 1 else (
+                    functools.partial(on_signal, piece) if last else lambda: None)  # fmt: skip
+                self._log_epoch(history, epoch + i, piece, timing, stats, complete, live,
+                                injected, bar, signal_check, saved.get(i))  # fmt: skip
         return not self._stop_requested and owner.trains()
+
+    def _fused_saves(self, live: LiveState, stretch: Stretch, first_step: int, kept: list) -> dict:
+        """What the saves due at the ends of a fused stretch's epochs write, by epoch (see
+        :meth:`_log_epoch`'s ``saved``): the kept states with their epochs' counters; ``()``
+        for a due save the stretch's own newer saves would delete at once (not written);
+        the last epoch's: the carry, as an epoch's alone."""
+        if stretch.epochs == 1 or self.checkpoints is None:
+            return {}
+        saved: dict[int, Any] = {i: () for i in range(stretch.epochs - 1)}
+        if kept:
+            layout = BankLayout.of(live.leaves)
+            states = layout.unpack(kept[0], len(stretch.held))
+            for i, leaves in zip(stretch.held, states, strict=True):
+                step = first_step + (i + 1) * stretch.per_epoch
+                at = {"epoch": stretch.epoch + i + 1, "step": step, "epoch_step": 0}
+                saved[i] = (jax.tree.unflatten(live.treedef, leaves), at)
+        return saved
 
     def _log_finished(self, history, stretch, finished, complete, outs, start) -> None:
         """Logs the ``finished`` first epochs of a stretch that an error or a signal ends
@@ -638,11 +715,14 @@ class FitLoop:
         )
 
     def _log_epoch(
-        self, history, epoch, outputs, timing, stats, complete, live, injected, bar, on_signal
-    ):
+        self, history, epoch, outputs, timing, stats, complete, live, injected, bar, on_signal,
+        saved=None,
+    ):  # fmt: skip
         """One epoch's logs: losses, metrics, evaluation; then the on_epoch_end hooks.
         ``on_signal()`` saves and raises if a signal came: asked before the epoch's end
-        (metrics, evaluation) begins."""
+        (metrics, evaluation) begins. ``saved``: what a save due now writes (a fused
+        epoch's: ``(carry, counters)`` of its end, or ``()``: nothing), else the owner's
+        objects as they are."""
         owner = self.owner
         logs, losses = self._logs(epoch, outputs, timing, stats)
         if complete:
@@ -669,7 +749,11 @@ class FitLoop:
             self._save_at_epoch_end = False
             if checkpoints is not None:
                 checkpoints.run_log.check(epoch, logs)  # what it cannot keep: refused now
-                if due or (epoch + 1) % checkpoints.every_epochs == 0:
+                if saved is not None and (epoch + 1) % checkpoints.every_epochs == 0:
+                    if saved:  # a fused call's epoch before its last
+                        carry, at = saved
+                        checkpoints.save(history, empty_losses(self.layout), carry, at=at)
+                elif due or (epoch + 1) % checkpoints.every_epochs == 0:
                     checkpoints.save(history, empty_losses(self.layout), written_carry(live))
 
     def _nonfinite_error(self, history, epoch, first_step, stop, start, stats) -> Exception:

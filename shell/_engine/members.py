@@ -227,7 +227,9 @@ class StackedOwner:
         )
 
     def checkpoint_tree(self, run: str = "", carry: tuple | None = None) -> dict[str, Any]:
-        state, members_state = self._carry  # the stacked carry is this owner's own already
+        # The stacked carry is this owner's own already; ``carry``: a fused call's state
+        # at an earlier epoch end (the same structure).
+        state, members_state = self._carry if carry is None else carry
         meta = {
             **counters(self),
             "seeds": np.asarray(self.seeds, np.int64),

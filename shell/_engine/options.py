@@ -59,16 +59,20 @@ class FitArguments(TypedDict, total=False):
       prefetch: prepare a stream's next chunk in a background thread (default True).
       checkpoint_dir: save a checkpoint here every ``checkpoint_every`` epochs, counted by
         the global epoch index, and once the last epoch is trained (a rerun with
-        ``resume=True`` then trains nothing).
+        ``resume=True`` then trains nothing). Epochs that nothing else needs the host
+        between (no epoch or call hooks, ...: docs/performance.md) still fuse into one
+        compiled call, which returns the states of the epochs whose checkpoints stay
+        (bitwise what one call an epoch saves; docs/checkpoints.md).
       checkpoint_every: epochs between checkpoints (default 1).
       checkpoint_every_steps: also save every this many global steps, at the first
         compiled-call boundary at or after each multiple (the scan plan then runs calls of
-        at most this many steps).
+        at most this many steps, and epochs never fuse).
       checkpoint_async: a save returns once the arrays are copied to the host and is
         written to disk in the background while training goes on (default True; the next
         save, the end of ``fit``, a preemption and any exception wait for it, so every
-        checkpoint is on disk when ``fit`` returns or raises; a SIGKILL loses at most the
-        one in flight). ``False``: each save is on disk before training goes on.
+        checkpoint is on disk when ``fit`` returns or raises; a SIGKILL loses what is not
+        yet renamed into place: docs/checkpoints.md). ``False``: each save is on disk
+        before the next compiled call starts.
       resume: with a ``checkpoint_dir``, ``epochs`` counts the WHOLE run: if the directory
         holds a checkpoint, restore it (the History so far included) and train only what
         remains, finishing a partly trained epoch first; with none, train from the start.

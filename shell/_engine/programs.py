@@ -10,6 +10,7 @@ most recent ones, and lets ``jax.jit``'s own cache handle shapes and graphdefs: 
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from nnxscan.pure.batching import constrain_sharding
 from nnxscan.pure.step_node import unpack_step_node
 from nnxscan.shell._engine.caching import identity_key as _identity_key
 from nnxscan.shell._engine.caching import lookup as _lookup
+from nnxscan.shell._engine.held_states import BankLayout
 from nnxscan.shell._engine.plans import StepTraits, step_traits
 from nnxscan.shell._engine.trace_notes import noting_batch
 
@@ -203,12 +205,29 @@ def chunk_runner(
     ``indices`` (batch numbers of ``rows`` stored examples each when ``rows`` is given) with
     ``scan_indexed_steps``, or with ``indices=None`` the stacked batches
     ``data[start:start+length]`` in order with ``scan_steps``, and keeps the new carry where
-    it was placed (``carry_shardings``)."""
+    it was placed (``carry_shardings``).
 
-    def run(leaves, data, indices, start, *, length, unroll, rows=None):
+    With ``slots`` (an int array, one per epoch of the call's ``length`` steps) and ``kept``
+    (static), the call trains whole epochs that save checkpoints: each epoch as the loop of
+    steps a call of that epoch alone runs (bitwise the same), in an outer loop over the
+    epochs; epoch ``i``'s end state goes to slot ``slots[i]`` (``kept``: not kept), and
+    ``outs`` is ``(outs, kept_states)`` (see ``held_states.py``). Never with halts."""
+
+    def one_epoch(state, carry, idx, *, data, unroll, rows):
+        data, idx = layout.gathered(data, idx)
+        return scan_indexed_steps(
+            step, graphdef, state, carry, data, idx, unroll=unroll,
+            batch_sharding=batch_sharding, batch_rows=rows,
+        )  # fmt: skip
+
+    def run(leaves, data, indices, start, *, length, unroll, rows=None, kept=0, slots=None):
         state, held = jax.tree.unflatten(carry_def, leaves)
         carry = step.init(graphdef, (state, held))
-        if indices is None:
+        if slots is not None:
+            idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=0)
+            epoch = functools.partial(one_epoch, data=data, unroll=unroll, rows=rows)
+            state, carry, outs = _holding_epochs(epoch, state, carry, idx, kept, slots)
+        elif indices is None:
             # Stacked batches in order (scan_train's, a stream chunk's): the loop scans
             # their slice, each step's batch at the loop's own counter. Nothing is copied
             # when the call trains them all, and no step reads its batch's place from an
@@ -220,11 +239,7 @@ def chunk_runner(
             )  # fmt: skip
         else:
             idx = jax.lax.dynamic_slice_in_dim(indices, start, length, axis=0)
-            data, idx = layout.gathered(data, idx)
-            state, carry, outs = scan_indexed_steps(
-                step, graphdef, state, carry, data, idx, unroll=unroll,
-                batch_sharding=batch_sharding, batch_rows=rows,
-            )  # fmt: skip
+            state, carry, outs = one_epoch(state, carry, idx, data=data, unroll=unroll, rows=rows)
         held, halted = _halted(carry) if halts else (carry, None)
         leaves = jax.tree.leaves((state, held))
         if carry_shardings is not None:
@@ -236,7 +251,33 @@ def chunk_runner(
     donated = (0,) if donate else ()
     if jax.default_backend() == "cpu":  # loop-body convolutions are slow there (jax#12868)
         run = canonical_conv_dimensions(run)  # after vmap: a population's convs too
-    return jax.jit(run, static_argnames=("length", "unroll", "rows"), donate_argnums=donated)
+    static = ("length", "unroll", "rows", "kept")
+    return jax.jit(run, static_argnames=static, donate_argnums=donated)
+
+
+def _holding_epochs(
+    epoch: Callable, state: Any, carry: Any, idx: Any, kept: int, slots: Any
+) -> tuple[Any, Any, Any]:
+    """Trains the epochs of ``idx`` (``len(slots)`` epochs of equal length, steps first),
+    each by ``epoch(state, carry, its_idx)``, in an outer loop that writes each epoch's end
+    state into slot ``slots[i]`` of a bank of ``kept + 1`` (the last: the spare). Returns
+    ``(state, carry, (outs, kept_states))``, ``outs`` stacked along the steps axis as one
+    loop would."""
+    count = slots.shape[0]
+    idx = idx.reshape(count, idx.shape[0] // count, *idx.shape[1:])
+    leaves = jax.tree.leaves((state, carry))
+    bank = BankLayout.of(leaves)
+
+    def body(loop_carry, xs):
+        state, carry, banks = loop_carry
+        epoch_idx, slot = xs
+        state, carry, outs = epoch(state, carry, epoch_idx)
+        return (state, carry, bank.put(banks, jax.tree.leaves((state, carry)), slot)), outs
+
+    start = (state, carry, bank.empty(leaves, kept + 1))
+    (state, carry, banks), outs = jax.lax.scan(body, start, (idx, slots))
+    outs = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), outs)
+    return state, carry, (outs, bank.outputs(banks, kept))
 
 
 def train_program(

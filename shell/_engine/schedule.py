@@ -20,6 +20,13 @@ FUSED_STEPS = 10_000
 # call's host cost is about a thousandth of a small program's compile (docs/performance.md),
 # so even this many extra calls cost less than one more compile.
 REUSED_CALLS = 64
+# With checkpoints, a fused stretch's steps times the bytes of the carry (model and optimizer
+# state) it updates stay within this: a preemption waits for the call in flight, and a
+# bigger model's steps take longer, so it fuses fewer of them (none past 128 MiB of carry:
+# two steps' worth). It bounds the epoch-end states the call holds for the saves too (at
+# most one per step). A rule on sizes, not a clock: where epochs are cut never depends on
+# timing.
+SAVED_FUSED_BYTES = 256 * 2**20
 
 
 def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
@@ -29,10 +36,26 @@ def with_steps_per_call(plan: Plan, steps_per_call: int | None) -> Plan:
     return plan._replace(steps_per_call=steps_per_call)
 
 
+class Saves(NamedTuple):
+    """The checkpoints a fit saves at the ends of epochs: every ``every`` epochs, of which
+    the directory keeps the newest ``keep``; ``carry_bytes``: what one state (the model's
+    and the optimizer's) weighs. Fused epochs then return the states of the epochs whose
+    saves stay (:attr:`Stretch.held`)."""
+
+    every: int
+    keep: int
+    carry_bytes: int
+
+
 class Stretch(NamedTuple):
     """``epochs`` epochs from ``epoch`` less their first ``skip`` steps (trained before), in
     one run of compiled calls. A stream's epoch has ``ends``, ``calls`` and ``per_epoch``
-    None or empty (its length shows when it ends, its chunks make its calls)."""
+    None or empty (its length shows when it ends, its chunks make its calls).
+
+    ``held``: of fused epochs that save checkpoints, those (counted from ``epoch``) whose
+    end state the call returns besides its carry: the epochs saved that ``keep`` leaves on
+    disk, but the last (its state is the carry). The others' saves would be deleted by the
+    stretch's own newer ones: they are not written."""
 
     epoch: int
     epochs: int
@@ -42,6 +65,13 @@ class Stretch(NamedTuple):
     # (start, length) of each call, from ``skip``; one past the full batches: the short one
     calls: tuple[tuple[int, int], ...]
     per_epoch: int | None
+    held: tuple[int, ...] = ()
+
+    def saved(self, index: int, every: int, keep: int) -> bool:
+        """Whether the save due at the end of epoch ``epoch + index`` is written: a fused
+        stretch writes the newest ``keep`` of its due saves (every ``every`` epochs)."""
+        due = [i for i in range(self.epochs) if (self.epoch + i + 1) % every == 0]
+        return index in due[-keep:]
 
     def complete(self, trained: int, ended: Callable[[], bool]) -> bool:
         """Whether ``trained`` steps finish its epochs (a stream's: whether it ``ended()``)."""
@@ -64,7 +94,9 @@ class Schedule:
     of it trained before, its global ``step``), and how its epochs become calls: the
     ``plan``'s, over epochs of ``per_epoch`` steps (None: a stream's) whose last may be a
     short batch (``tail``: a call of its own, never fused). With ``fuse``, whole epochs run
-    as one stretch, ending where evaluation runs (every ``every`` epochs)."""
+    as one stretch, ending where evaluation runs (every ``every`` epochs); with ``saves``
+    (checkpoints), within :data:`SAVED_FUSED_BYTES` of steps times the carry's bytes, the
+    stretch returning the states its saves need (:attr:`Stretch.held`)."""
 
     epoch: int
     skip: int
@@ -84,6 +116,7 @@ class Schedule:
     # holds fewer (pure.batching.steps_per_gather), so that a call is one loop of steps,
     # not an outer loop of chunks around it, which XLA compiles longer.
     fused_steps: int = FUSED_STEPS
+    saves: Saves | None = None
 
     def __post_init__(self) -> None:
         if self.per_epoch is not None and self.skip > self.per_epoch:
@@ -135,7 +168,9 @@ class Schedule:
         if per is None:  # a stream's epoch
             return Stretch(epoch, 1, left, skip, None, (), None)
         epochs = 1
-        if self.fuse and not self.tail and not skip:
+        # Epochs that save fuse only into one call (its outer loop returns their states).
+        one_call = self.saves is None or self.plan.steps_per_call is None
+        if self.fuse and not self.tail and not skip and one_call:
             most = []
             if self.end_epoch is not None:
                 most.append(self.end_epoch - epoch)
@@ -143,7 +178,10 @@ class Schedule:
                 most.append(self.every - epoch % self.every)
             if left is not None:  # whole epochs only: the budget's last one runs alone
                 most.append(left // per)
-            cap = max(1, self.fused_steps // per)
+            fused_steps = self.fused_steps
+            if self.saves is not None:
+                fused_steps = min(fused_steps, SAVED_FUSED_BYTES // max(self.saves.carry_bytes, 1))
+            cap = max(1, fused_steps // per)
             epochs = max(1, even_share(min(most), cap) if most else cap)
             if most and epochs not in self.compiled:
                 run = min(most)
@@ -156,7 +194,12 @@ class Schedule:
         calls = [(a, min(n, steps - a)) for a, n in self.plan.chunks(full) if a < steps]
         if steps > full:  # the short batch: one step of its own shape, as the core trains it
             calls.append((full, 1))
-        return Stretch(epoch, epochs, steps, skip, ends, tuple(calls), per)
+        stretch = Stretch(epoch, epochs, steps, skip, ends, tuple(calls), per)
+        if epochs > 1 and self.saves is not None:
+            every, keep = self.saves.every, self.saves.keep
+            held = [i for i in range(epochs - 1) if stretch.saved(i, every, keep)]
+            stretch = stretch._replace(held=tuple(held))
+        return stretch
 
 
 def even_share(epochs: int, cap: int) -> int:
