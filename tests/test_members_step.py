@@ -222,7 +222,8 @@ def test_a_members_epoch_built_without_num_members_takes_the_members_orders_as_b
             graphdef, stacked, guarded_start, data, orders
         )
         assert losses.shape == (32 // BS, N)
-        assert_trees_close(trained, told(graphdef, stacked, start, data, orders)[0], exact=True)
+        # The guard's program is another program than the bare members step's: to rounding.
+        assert_trees_close(trained, told(graphdef, stacked, start, data, orders)[0])
     shared = make_epoch(vmap_members(STEP, shared_batch=True), batch_size=BS)
     _, _, losses = jax.jit(shared, static_argnums=0)(graphdef, stacked, start, data, orders[0])
     assert losses.shape == (32 // BS, N)
