@@ -18,9 +18,7 @@ order), each as a ratio to its own time at the first size (N=1), and one_by_one 
 
     python benchmarks/bench_population_build.py --sizes 1,16,256,1024 --reps 3
 
-``--chunk K`` builds in a loop over chunks of K members (a TPU's rule,
-``member_build.members_per_chunk``) on any backend; ``--chunk 0``, one vmap over all of them
-(the CPU's rule). ``--one-program-only`` leaves the one-by-one build out (on a TPU v5e it
+``--one-program-only`` leaves the one-by-one build out (on a TPU v5e it
 takes ~50 ms a member).
 """
 
@@ -37,7 +35,6 @@ import optax
 from _workloads import MLP
 from flax import nnx
 
-from nnxscan.shell._engine import member_build
 from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.member_build import build_members
 from nnxscan.shell._population_checks import member_init
@@ -64,12 +61,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,16,256,1024")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--chunk", type=int, default=None, help="members per chunk; 0: none")
     parser.add_argument("--one-program-only", action="store_true")
     args = parser.parse_args()
-    if args.chunk is not None:
-        chunk = args.chunk
-        member_build.members_per_chunk = lambda n: chunk if 0 < chunk < n else None
     if args.one_program_only:
         VARIANTS.pop("one_by_one")
     sizes = [int(s) for s in args.sizes.split(",")]

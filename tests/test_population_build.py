@@ -282,6 +282,7 @@ def test_a_model_fns_own_error_is_raised_with_its_own_message():
         build_members(lambda rngs: 3, init_opt(TX), SEEDS, {}, Members(len(SEEDS)))
 
 
+@pytest.mark.slow_on_accelerator("members built eagerly, op by op")
 def test_seeds_outside_int32_and_disable_jit_are_built_one_by_one():
     model_fn = counted(lambda rngs: MLP(rngs=rngs))
     seeds = (1, 2**31)
@@ -298,6 +299,7 @@ def test_seeds_outside_int32_and_disable_jit_are_built_one_by_one():
 # -- one program; the same training ----------------------------------------------------------
 
 
+@pytest.mark.slow_on_accelerator("a population built from cleared caches")
 def test_building_members_compiles_one_program(compile_count, monkeypatch):
     from nnxscan.pure import build
 
@@ -343,29 +345,6 @@ def test_a_build_drawing_many_entries_draws_them_through_the_unrolled_hash(monke
         _, ref_state, ref_opt = eager(lambda r: BNDropout(hidden=6, rngs=r), seed)
         assert_member(owner.read()[1], i, ref_state)
         assert_member(owner.read()[2].inner, i, ref_opt)
-
-
-def test_a_build_in_chunks_of_members_builds_the_same_members(monkeypatch):
-    """A TPU builds its members in a loop over chunks (``members_per_chunk``); forced here on
-    any backend, with a chunk that does not divide the members (a remainder chunk too):
-    member i is still ``model_fn(nnx.Rngs(seed_i))`` with its own hyperparameters."""
-    chunks = []
-    monkeypatch.setattr(members_module, "members_per_chunk", lambda n: chunks.append(n) or 2)
-    args = (lambda r: BNDropout(hidden=6, rngs=r), init_opt(INJECTED), SEEDS,
-            {"learning_rate": RATES}, Members(len(SEEDS)))  # fmt: skip
-    owner = build_members(*args)
-    assert chunks == [len(SEEDS)]  # the chunked path ran (3 members: a chunk of 2, then 1)
-    for i, (seed, rate) in enumerate(zip(SEEDS, RATES, strict=True)):
-        _, ref_state, ref_opt = eager(lambda r: BNDropout(hidden=6, rngs=r), seed, INJECTED,
-                                      learning_rate=rate)  # fmt: skip
-        assert_member(owner.read()[1], i, ref_state)
-        assert_member(owner.read()[2].inner, i, ref_opt)
-
-
-def test_only_a_tpu_builds_in_chunks_and_only_past_one_chunk():
-    tpu = jax.default_backend() == "tpu"
-    assert members_module.members_per_chunk(members_module.BUILD_CHUNK) is None
-    assert members_module.members_per_chunk(1024) == (members_module.BUILD_CHUNK if tpu else None)
 
 
 def test_the_one_by_one_build_and_the_traced_build_agree():
