@@ -29,6 +29,32 @@ if jax.default_backend() != "cpu":
     os.environ["JAX_PLATFORMS"] = "cpu"  # read by subprocesses; this one's backend is up
 
 
+# A test marked ``slow_on_accelerator(reason)`` is in the fast lane on the CPU and in the
+# slow lane on any other backend, where it still runs (``pytest -m slow``), never skipped.
+# The fast lane must pass in one process in under 10 minutes on a TPU v5e (issue 57), where
+# every XLA compile and every eager op costs several times the CPU's: the tests marked so
+# took 4-41 s each there (the reason on each mark says what costs), ~220 s of ~690.
+def lane_for_backend(items, backend: str) -> int:
+    """Adds ``slow`` to the items marked ``slow_on_accelerator`` when ``backend`` is not the
+    CPU; returns how many it moved. Conftest's own, tested in test_conftest_lanes.py."""
+    moved = 0
+    for item in items:
+        mark = item.get_closest_marker("slow_on_accelerator")
+        if mark is None:
+            continue
+        if not (mark.args and isinstance(mark.args[0], str) and mark.args[0].strip()):
+            raise pytest.UsageError(f"{item.nodeid}: slow_on_accelerator needs a reason.")
+        if backend != "cpu":
+            item.add_marker(pytest.mark.slow)
+            moved += 1
+    return moved
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m deselects by the markers
+def pytest_collection_modifyitems(config, items):
+    lane_for_backend(items, jax.default_backend())
+
+
 # -- one compilation cache for the run --------------------------------------------------------
 # Many tests compile programs another test compiled already (the same small model, loss and
 # shapes in another Trainer: the same XLA program). JAX's persistent compilation cache, in a

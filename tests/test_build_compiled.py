@@ -37,6 +37,7 @@ def _bits(x):
 
 
 @pytest.mark.parametrize("index", [0, 1, 2], ids=["heads", "chunked", "structured"])
+@pytest.mark.slow_on_accelerator("eager builds of hypernetworks op by op: 14 s")
 def test_a_compiled_build_has_the_eager_builds_values_and_structure(index):
     constructor = _build_hypernetworks()[index]
     eager, compiled = constructor(), build_compiled(constructor)
@@ -205,6 +206,7 @@ class _Chain(nnx.Module):
         self.key = nnx.Variable(jax.random.key_data(key))
 
 
+@pytest.mark.slow_on_accelerator("eager builds op by op as the reference: 16 s")
 def test_a_chain_of_splits_runs_through_and_its_draws_merge(merged):
     # Keys merge in the first round only: the chain's first split, then the other
     # nineteen as ordinary ops, then all twenty draws in one hash (a round per link

@@ -286,6 +286,7 @@ def save_in_progress(directory, step: int):
 
 
 @pytest.mark.parametrize("storage", ["auto", pytest.param("orbax", marks=pytest.mark.slow)])
+@pytest.mark.slow_on_accelerator("a subprocess killed mid-save")
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_restorable(tmp_path, storage):
     child = subprocess.Popen(
         [sys.executable, "-c", CRASHING_SAVER, str(tmp_path), storage],

@@ -186,6 +186,7 @@ def gan_straight(reals):
     return trainer, trainer.fit(reals, epochs=4, batch_size=BS, progress=False)
 
 
+@pytest.mark.slow_on_accelerator("a GAN's programs under fit and by hand: 5 s")
 def test_a_gan_step_under_fit_is_a_hand_written_scan_of_its_update(reals, gan_straight):
     trainer, history = gan_straight
     graphdef, state = nnx.split(GAN(rngs=nnx.Rngs(0)))

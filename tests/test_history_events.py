@@ -84,6 +84,7 @@ def test_a_trainer_records_the_stop_and_the_restore_and_its_checkpoint_keeps_the
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow_on_accelerator("a population stopped, saved and restored")
 def test_a_population_records_each_members_stop_and_restore_and_its_checkpoint_keeps_them(
     tmp_path,
 ):

@@ -55,6 +55,7 @@ def test_spec_measures_the_targets_own_tensors():
 
 
 @pytest.mark.parametrize("input_variance", [1.0, 4.0])
+@pytest.mark.slow_on_accelerator("many eager draws for the variance: 13 s")
 def test_generated_weights_have_the_target_initializers_variance(input_variance):
     target = Wide(nnx.Rngs(0))
     spec = hyper.ParamSpec.from_module(target)

@@ -174,6 +174,7 @@ CLOSED_FORM = {
 
 
 @pytest.mark.parametrize("init", ["hyperfan_in", "hyperfan_out"])
+@pytest.mark.slow_on_accelerator("many eager draws for the variance")
 def test_hyperfan_init_variance_matches_the_closed_form(init):
     spec = hyper.ParamSpec.from_module(ReLUNet(nnx.Rngs(0)))
     d_k, input_variance, draws = 32, 4.0, 24

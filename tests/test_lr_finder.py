@@ -172,6 +172,7 @@ def test_a_suggestion_at_either_end_of_the_range_warns_to_widen_it():
     # test_a_diverging_rate_is_excluded_and_frozen_where_its_loss_became_non_finite.)
 
 
+@pytest.mark.slow_on_accelerator("a range test compiled")
 def test_a_suggestion_inside_the_range_does_not_warn(found_and_warnings):
     result, caught = found_and_warnings
     assert 0 < list(result.learning_rates).index(result.suggestion) < NUM - 1
@@ -258,6 +259,7 @@ def test_lr_find_demo_prints_a_table_and_writes_the_figure(tmp_path, capsys):
 
 
 @pytest.mark.filterwarnings("ignore:the suggestion .* rate tried")
+@pytest.mark.slow_on_accelerator("a range test and a trainer compiled")
 def test_a_data_set_not_a_multiple_of_the_batch_drops_the_rest_as_trainer_does():
     data = make_data(n=37)  # 2 batches of 16 an epoch, 5 examples dropped each epoch
     result = find_learning_rate(

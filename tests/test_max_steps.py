@@ -80,6 +80,7 @@ def test_a_run_ended_by_max_steps_resumes_inside_its_epoch(tmp_path):
     assert again.step == 21  # finished: a rerun trains nothing
 
 
+@pytest.mark.slow_on_accelerator("a trainer per member as the reference")
 def test_a_population_trains_max_steps_per_member():
     population = Population(lambda rngs: MLP(rngs=rngs), TX, xent, seeds=[0, 1])
     history = population.fit(DATA, max_steps=11, batch_size=BS, progress=False)

@@ -241,6 +241,7 @@ def test_step_checkpoints_resume_mid_epoch_by_rerunning_bitwise(straight, tmp_pa
     assert [e["epoch"] for e in history.epochs] == [0, 1, 2]
 
 
+@pytest.mark.slow_on_accelerator("a population interrupted, resumed and run straight: 6 s")
 def test_sigterm_saves_mid_epoch_and_the_rerun_ends_bitwise(straight, tmp_path, default_sigint):
     reference, ref_history = straight
     sent = []

@@ -128,6 +128,7 @@ def test_early_stopping_freezes_each_member_as_its_own_trainer_stops(tmp_path):
     assert len(history.epochs) == 12 and pop.active.tolist() == [False, False, True]
 
 
+@pytest.mark.slow_on_accelerator("a trainer per member as the reference")
 def test_skip_nonfinite_is_per_member(data):
     """A NaN example poisons the step each member meets it at, at a different step per
     member (each has its own order): skipping it leaves the others untouched."""
@@ -165,6 +166,7 @@ def test_stop_nonfinite_freezes_the_member_at_the_state_before_its_step(data):
         assert_trees_close(pop.member(i), trainer.model)
 
 
+@pytest.mark.slow_on_accelerator("a CNN population and per-member per-step references: 9 s")
 def test_scanned_cnn_population_equals_trainer_step_plan():
     rng = np.random.default_rng(0)
     images = {

@@ -95,6 +95,7 @@ def trainer_run(seed, data, epochs, step=ADAMW, on_nonfinite="ignore", **fit_opt
 # -- each member = that member trained alone ---------------------------------------------------
 
 
+@pytest.mark.slow_on_accelerator("a trainer per member as the reference")
 def test_members_equal_each_trained_alone_by_a_trainer(data):
     pop = Population(mlp, train_step=ADAMW, seeds=SEEDS)
     assert pop.train_step is ADAMW and pop.tx is None and pop.has_aux

@@ -153,6 +153,7 @@ def test_mlflow_run_fails_when_fit_raises(tracking_uri, raised, status):
     assert [s for s, _ in want] == [8, 16]  # both epochs logged before the hook raised
 
 
+@pytest.mark.slow_on_accelerator("mlflow's SQL store and a population")
 def test_mlflow_population_logs_each_member_and_its_hyperparameters(tracking_uri):
     data, test = _split()
     rates = [3e-2, 1e-2, 3e-3]
@@ -178,6 +179,7 @@ def test_mlflow_population_logs_each_member_and_its_hyperparameters(tracking_uri
     np.testing.assert_allclose([v for _, v in got["learning_rate/2"]], [3e-3, 3e-3], rtol=1e-6)
 
 
+@pytest.mark.slow_on_accelerator("mlflow's SQL store set up on the host: 5 s")
 def test_mlflow_scripted_logs_keep_nan_and_skip_what_is_no_number(mlflow_db, tracking_uri):
     writer = MLflowWriter(mlflow_db, experiment="scripted")  # a Path: that SQLite file
     assert writer.tracking_uri == tracking_uri
