@@ -16,6 +16,8 @@ batch):
   floor, shuffled  the same scan over a shuffled epoch: ``jax.random.permutation`` and the
               gather of every batch in the program, before the loop (PureJaxRL's way):
               the floor of what ``fit`` computes
+  floor, not donated  the floor's program called without donating its carry (as
+              ``nnx.jit`` calls ``nnx.scan``'s): does donation set XLA:TPU's schedule?
   nnx.scan    Flax's ``nnx.scan`` inside ``nnx.jit``, model and optimizer as ``nnx.Carry``
   scan_steps  ``jax.jit(nnxscan.pure.scan_steps)`` over the same stacked batches
   scan_train  ``nnxscan.shell.scan_train`` over the same stacked batches
@@ -130,6 +132,19 @@ def variants(name: str, steps: int) -> dict[str, Callable[[], object]]:
         return losses
 
     out["floor"] = run_floor
+
+    # The same program with nothing donated, as nnx.jit calls it: Flax's nnx.scan runs
+    # 0.81-0.95x the floor on three workloads with the same fusions in the same order; a
+    # donated carry ties the loop's buffers to the arguments', which may limit XLA:TPU's
+    # memory-space assignment. Measured beside the floor, this tells.
+    kept_jit = jax.jit(floor)
+    kept_carry = jax.tree.map(jax.numpy.copy, floor_carry)
+
+    def run_kept():
+        *kept_carry[:], losses = kept_jit(*kept_carry, stacked)
+        return losses
+
+    out["floor, not donated"] = run_kept
 
     # The floor of a shuffled epoch (what fit trains): the permutation drawn and the batches
     # gathered in the program before the scan, as PureJaxRL's minibatches are.
