@@ -20,6 +20,7 @@ batch):
               ``nnx.jit`` calls ``nnx.scan``'s): does donation set XLA:TPU's schedule?
   nnx.scan    Flax's ``nnx.scan`` inside ``nnx.jit``, model and optimizer as ``nnx.Carry``
   scan_steps  ``jax.jit(nnxscan.pure.scan_steps)`` over the same stacked batches
+  scan_steps, not donated  the same, its carry not donated
   scan_train  ``nnxscan.shell.scan_train`` over the same stacked batches
   fit         ``Trainer.fit(epochs=1)`` over the flat data (shuffled: it gathers its batches)
 
@@ -182,6 +183,16 @@ def variants(name: str, steps: int) -> dict[str, Callable[[], object]]:
         return losses
 
     out["scan_steps"] = run_pure
+
+    # The pure core called without donating its carry (as the floor, not donated).
+    pure_kept = jax.jit(lambda s, o, b: scan_steps(step, p_graphdef, s, o, b))
+    kept_pure_carry = jax.tree.map(jax.numpy.copy, [p_state, init_opt_state(TX, p_state)])
+
+    def run_pure_kept():
+        kept_pure_carry[0], kept_pure_carry[1], losses = pure_kept(*kept_pure_carry, stacked)
+        return losses
+
+    out["scan_steps, not donated"] = run_pure_kept
 
     st_model = build()
     st_opt = nnx.Optimizer(st_model, TX, wrt=nnx.Param)
