@@ -23,7 +23,7 @@ from nnxscan.adapters.data import GrainEpochs
 from nnxscan.pure.checks import abstract_batch, check_batch_size, check_count
 from nnxscan.shell._edges import checkpointing as _checkpointing
 from nnxscan.shell._edges.logs import empty_history, empty_losses
-from nnxscan.shell._engine.calls import Execution, prepare_execution
+from nnxscan.shell._engine.calls import Execution, donates_carry, prepare_execution
 from nnxscan.shell._engine.epochs import (
     ArrayEpochs,
     EpochOrders,
@@ -109,7 +109,10 @@ class Engine:
 
         sharding = placement.batch_sharding
         batch = jax.tree.map(lambda x: _one_model(x, sharding, lead, 0), batch)
-        return prepare_execution(self.program, self.explicit_plan, graphdef, abstract_carry, batch)
+        donate = donates_carry((state, opt_state))
+        return prepare_execution(
+            self.program, self.explicit_plan, graphdef, abstract_carry, batch, donate
+        )
 
     def plan_for(self, data: Any, batch_size: int, member_batches: bool = False) -> Plan:
         """The plan ``fit`` uses for this data set and batch size (traces, no compile)."""

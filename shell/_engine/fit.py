@@ -469,7 +469,7 @@ class FitLoop:
             or injected  # the learning rate is logged per epoch
             or self.owner.metrics is not None  # train_<metric> is computed per epoch
             or self.program.halts  # the non-finite stop names its epoch
-            or not self.execution.donate  # host callbacks: a failure keeps the last epoch
+            or self.execution.waits  # host callbacks: a failure keeps the last epoch
             or (checkpoints is not None and not self._saves_fuse(live))
         )
 
