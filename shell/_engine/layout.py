@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nnxscan.adapters._log_values import is_scalar
 from nnxscan.pure import MembersState, Step, vmap_members
 from nnxscan.pure.batching import cut_batches
 from nnxscan.pure.checks import abstract_batch, check_leading_size
@@ -99,7 +100,7 @@ class OneModel:
         return np.mean(values[finite]) if finite.any() else np.float32(np.nan)
 
     def value(self, x: Any) -> Any:
-        return float(x) if np.ndim(x) == 0 else np.asarray(x, np.float32)
+        return float(x) if is_scalar(x) else np.asarray(x, np.float32)
 
     def count(self, x: Any) -> int:
         return int(x)
@@ -109,7 +110,7 @@ class OneModel:
 
     def shown(self, name: str, value: Any) -> str | None:
         number = _finite_median(value)
-        median = "median " if np.ndim(value) else ""  # a metric per class, say
+        median = "" if is_scalar(value) else "median "  # a metric per class, say
         return None if number is None else f"{name} {median}{number:.4g}"
 
     def loss_text(self, loss: Any) -> str:
