@@ -52,6 +52,9 @@ class Layout(Protocol):
     # array) and a count, as logs hold them; a value and the epoch's loss as the progress
     # line shows them.
     def step_mean(self, values: np.ndarray, skipping: bool) -> Any: ...
+    # Whether a leaf of a call's stacked outputs (an aux leaf) is a scalar per step (per
+    # member), ``(steps, *shape)``: a log.
+    def scalar_per_step(self, leaf: Any) -> bool: ...
     def value(self, x: Any) -> Any: ...
     def count(self, x: Any) -> Any: ...
     def nonfinite_steps(self, counts: Any, steps: int) -> str: ...
@@ -98,6 +101,9 @@ class OneModel:
             return np.mean(values, axis=0)
         finite = np.isfinite(values)
         return np.mean(values[finite]) if finite.any() else np.float32(np.nan)
+
+    def scalar_per_step(self, leaf: Any) -> bool:
+        return np.ndim(leaf) == 1  # (steps,)
 
     def value(self, x: Any) -> Any:
         return float(x) if is_scalar(x) else np.asarray(x, np.float32)
@@ -207,6 +213,10 @@ class Members:
         sums = np.where(finite, values, 0).sum(axis=0)
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan).astype(values.dtype)
+
+    def scalar_per_step(self, leaf: Any) -> bool:
+        # (steps, N): vmap_members gives every leaf of a member's outputs the members axis.
+        return np.ndim(leaf) == 2
 
     def value(self, x: Any) -> np.ndarray:
         return np.asarray(x, np.float32)
