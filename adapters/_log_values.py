@@ -25,6 +25,18 @@ def is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def is_scalar(value: Any) -> bool:
+    """Whether a log value is one number (a float, a 0-d array), not an array of them (a
+    metric per class, one value per member). A question about the value only: whether a
+    run has members is :func:`logs_of`'s to say, never a value's shape.
+
+    Example:
+      >>> is_scalar(0.5), is_scalar(np.float32(0.5)), is_scalar(np.zeros(3))
+      (True, True, False)
+    """
+    return np.ndim(value) == 0
+
+
 def primary_only(hook: Any) -> Any:
     """Runs a writer's hook on process 0 only: several processes train one model, and
     one log is wanted, not one per process writing over the others."""
@@ -119,7 +131,7 @@ def spread(logs: Mapping[str, Any]) -> dict[str, Any]:
     are unchanged."""
     out: dict[str, Any] = {}
     for key, value in logs.items():
-        if np.ndim(value) >= 1 and not isinstance(value, str):
+        if not is_scalar(value):
             out.update(spread({f"{key}/{i}": v for i, v in enumerate(np.asarray(value))}))
         else:
             out[key] = value

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnxscan.adapters._log_values import logs_of
+from nnxscan.adapters._log_values import is_scalar, logs_of
 from nnxscan.adapters.distributed import is_primary
 from nnxscan.pure import select_members
 from nnxscan.shell._edges.stop_events import record_members, record_one_model
@@ -280,7 +280,7 @@ class _ModelWatch:
         self.stop_, self.trainer = stop, trainer
 
     def values(self, value: Any) -> np.ndarray:
-        if np.ndim(value) != 0:
+        if not is_scalar(value):
             raise ValueError(
                 f"EarlyStopping(monitor={self.stop_.monitor!r}) watches one number per epoch, "
                 f"but {self.stop_.monitor!r} is an array of shape {np.shape(value)} (a metric "

@@ -11,8 +11,9 @@ package's source with ``ast`` and counts both ways code could ask anyway:
 - by name: a branch that tests ``x.num_members``, a variable ``num_members`` against None,
   ``Members``/``OneModel``/``ONE_MODEL``/``MembersState``, or any ``getattr(x,
   "num_members", ...)`` probe;
-- by shape: a branch whose test reads ``.ndim``, ``np.ndim(...)``, ``len(x.shape)`` or
-  ``isinstance(x, np.ndarray)``.
+- by shape: a branch whose test reads ``.ndim``, ``np.ndim(...)``, ``len(x.shape)``,
+  ``isinstance(x, np.ndarray)`` or calls ``is_scalar(...)`` (``adapters/_log_values.py``'s
+  name for "a scalar, not an array": a shape test, whatever it is named).
 
 Shape tests that validate an argument or read a data structure (not "which kind of run")
 are listed in ``OTHER_SHAPE_TESTS`` with their reason. Nothing else asks: ``make_epoch`` is
@@ -43,7 +44,7 @@ OTHER_SHAPE_TESTS = {
     ("adapters/_checkpoint_packing.py", None): "a checkpoint leaf's type (numpy or jax)",
     ("adapters/_checkpoint_read.py", None): "a template leaf's type",
     ("adapters/_checkpoint_shards.py", "damaged"): "a restored array: numpy or a jax.Array",
-    ("adapters/_log_values.py", "spread"): "an array log (a metric per class too) spreads",
+    ("adapters/_log_values.py", "spread"): "any array log spreads (per member or per class)",
     ("adapters/_log_values.py", "to_exact_json"): "a value's type",
     ("adapters/data.py", None): "a data record's leaves",
     ("adapters/nnx_optimizer.py", "_shape_dtype"): "a leaf's type",
@@ -56,7 +57,6 @@ OTHER_SHAPE_TESTS = {
     ("pure/population.py", "with_hyperparams"): "a hyperparameter must be a scalar",
     ("pure/scan.py", None): "batch numbers (1-D) are sliced, index arrays gathered",
     ("pure/train_step.py", "cut"): "a scalar loss is not cut into micro-batches",
-    ("shell/_edges/logs.py", "scalar_aux"): "aux leaves of the layout's shape per step",
     ("shell/_engine/owner.py", "metric_logs"): "a metric's value: scalar or array",
     ("shell/_engine/owner.py", "_swappable"): "a Variable's value type",
     ("shell/_engine/streaming.py", "is_stream"): "a data set's type",
@@ -67,6 +67,8 @@ OTHER_SHAPE_TESTS = {
 }
 
 _KINDS = {"Members", "OneModel", "ONE_MODEL", "MembersState"}
+#: Helpers that test a value's shape under a name: a call counts as ``np.ndim`` would.
+SHAPE_HELPERS = {"is_scalar"}
 
 
 def _is_none(node: ast.AST) -> bool:
@@ -92,6 +94,9 @@ def _by_shape(node: ast.AST) -> bool:
         return False
     func, args = node.func, node.args
     if isinstance(func, ast.Attribute) and func.attr == "ndim":
+        return True
+    # The named value test: still a shape read, so no members question hides behind it.
+    if ast.unparse(func).rsplit(".", 1)[-1] in SHAPE_HELPERS:
         return True
     if isinstance(func, ast.Name) and func.id == "len" and args:
         return isinstance(args[0], ast.Attribute) and args[0].attr == "shape"
@@ -171,15 +176,17 @@ def test_the_counter_sees_both_kinds():
         "    if getattr(t, 'num_members', None) is None: pass\n"
         "    if num_members is not None: pass\n"
         "    y = 1 if x.ndim == 2 else 0\n"
+        "    if not is_scalar(x): pass\n"
+        "    z = [v for v in x if _log_values.is_scalar(v)]\n"
         "    assert x.shape == (num_members,)\n"
-        "    return len(x.shape) + x.ndim\n"
+        "    return len(x.shape) + x.ndim + is_scalar(x)\n"
     )
     kinds = []
     for _, test in _tests(ast.parse(source)):
         nodes = list(ast.walk(test))
         name, shape = any(map(_by_name, nodes)), any(map(_by_shape, nodes))
         kinds.append("name" if name else "shape" if shape else None)
-    assert kinds == ["name", "name", "name", "shape", None]
+    assert kinds == ["name", "name", "name", "shape", "shape", "shape", None]
 
 
 def test_a_wrappers_state_is_built_by_its_wrapper_alone():

@@ -38,12 +38,12 @@ RESERVED_LOGS = frozenset(
 
 
 def scalar_aux(aux: Any, layout: Layout) -> dict[str, Any]:
-    """The aux leaves that are a scalar per step (per member): ``(steps, *layout.shape)``, keyed by
-    their log name (their path; a name that would shadow one of fit's own logs gets ``aux/``)."""
-    per_step = 1 + len(layout.shape)
+    """The aux leaves that are a scalar per step (per member): ``(steps, *layout.shape)``, as
+    ``layout.scalar_per_step`` says, keyed by their log name (their path; a name that would
+    shadow one of fit's own logs gets ``aux/``)."""
     leaves = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
-        if np.ndim(leaf) == per_step:
+        if layout.scalar_per_step(leaf):
             key = jax.tree_util.keystr(path, simple=True, separator="/") or "aux"
             leaves[f"aux/{key}" if key in RESERVED_LOGS else key] = leaf
     return leaves

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nnxscan.adapters._log_values import is_scalar
 from nnxscan.pure import MembersState, Step, vmap_members
 from nnxscan.pure.batching import cut_batches
 from nnxscan.pure.checks import abstract_batch, check_leading_size
@@ -51,6 +52,9 @@ class Layout(Protocol):
     # array) and a count, as logs hold them; a value and the epoch's loss as the progress
     # line shows them.
     def step_mean(self, values: np.ndarray, skipping: bool) -> Any: ...
+    # Whether a leaf of a call's stacked outputs (an aux leaf) is a scalar per step (per
+    # member), ``(steps, *shape)``: a log.
+    def scalar_per_step(self, leaf: Any) -> bool: ...
     def value(self, x: Any) -> Any: ...
     def count(self, x: Any) -> Any: ...
     def nonfinite_steps(self, counts: Any, steps: int) -> str: ...
@@ -98,8 +102,11 @@ class OneModel:
         finite = np.isfinite(values)
         return np.mean(values[finite]) if finite.any() else np.float32(np.nan)
 
+    def scalar_per_step(self, leaf: Any) -> bool:
+        return np.ndim(leaf) == 1  # (steps,)
+
     def value(self, x: Any) -> Any:
-        return float(x) if np.ndim(x) == 0 else np.asarray(x, np.float32)
+        return float(x) if is_scalar(x) else np.asarray(x, np.float32)
 
     def count(self, x: Any) -> int:
         return int(x)
@@ -109,7 +116,7 @@ class OneModel:
 
     def shown(self, name: str, value: Any) -> str | None:
         number = _finite_median(value)
-        median = "median " if np.ndim(value) else ""  # a metric per class, say
+        median = "" if is_scalar(value) else "median "  # a metric per class, say
         return None if number is None else f"{name} {median}{number:.4g}"
 
     def loss_text(self, loss: Any) -> str:
@@ -206,6 +213,10 @@ class Members:
         sums = np.where(finite, values, 0).sum(axis=0)
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan).astype(values.dtype)
+
+    def scalar_per_step(self, leaf: Any) -> bool:
+        # (steps, N): vmap_members gives every leaf of a member's outputs the members axis.
+        return np.ndim(leaf) == 2
 
     def value(self, x: Any) -> np.ndarray:
         return np.asarray(x, np.float32)

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxscan.adapters._checkpoint_manifest import COUNTERS, check_meta_ints
+from nnxscan.adapters._log_values import is_scalar
 from nnxscan.adapters.nnx_optimizer import (
     _is_variable,
     optax_state_from_optimizer,
@@ -103,7 +104,7 @@ def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
     else:
         items = {name: computed}
     host = jax.device_get(items)
-    return {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in host.items()}
+    return {k: float(v) if is_scalar(v) else np.asarray(v) for k, v in host.items()}
 
 
 def counters(owner: Any) -> dict[str, int]:
