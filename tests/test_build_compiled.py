@@ -65,6 +65,7 @@ def test_build_compiled_rejects_what_it_cannot_build():
         build_compiled(lambda: nnx.Linear(2, 2, rngs=outside))
 
 
+@pytest.mark.slow_on_accelerator("builds compiled twice, option by option: 5.7 s")
 def test_build_compiled_falls_back_when_xla_refuses_an_option(monkeypatch):
     # Newer XLA releases refuse the older-fusion-emitter option; the build then compiles
     # with the options it knows, to the same values (here an option no XLA knows).

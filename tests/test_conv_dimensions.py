@@ -295,6 +295,7 @@ def test_scanned_rewritten_step_equals_the_per_step_program(case):
     np.testing.assert_allclose(losses, [t[2] for t in case.trajectory], **ACROSS_PROGRAMS)
 
 
+@pytest.mark.slow_on_accelerator("a per-step nnx.jit reference loop of a CNN: 7.5 s")
 def test_batchnorm_and_dropout_state_moves_every_step():
     """The comparisons are only worth something if the carried state moves: batch
     statistics and RNG counts change every step (and the dropout masks with them)."""

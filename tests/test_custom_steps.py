@@ -214,6 +214,7 @@ def test_a_gan_step_under_fit_is_a_hand_written_scan_of_its_update(reals, gan_st
     assert trainer.step == 16 and int(trainer.opt_state["count"]) == 16
 
 
+@pytest.mark.slow_on_accelerator("three GAN fits and a resume: 5.8 s")
 def test_a_gan_cut_after_two_epochs_and_resumed_is_the_run_never_cut(reals, gan_straight, tmp_path):
     straight, straight_history = gan_straight
     first = Trainer(GAN(rngs=nnx.Rngs(0)), train_step=GAN_STEP)

@@ -127,9 +127,16 @@ SLOW_GUIDES = {"custom_loops.md", "custom_steps.md", "evaluation.md", "hypernetw
                "reinforcement_learning.md", "training.md"}  # fmt: skip
 
 
+# Guides in the slow lane off the CPU only (tests/conftest.py, lane_for_backend), and why.
+SLOW_ON_ACCELERATOR_GUIDES = {"performance.md": "its examples' eager loops: 12 s on a TPU v5e"}
+
+
 def _lane(path: pathlib.Path):
     slow = path.name in SLOW_GUIDES or "\n# run:" in path.read_text()
-    return pytest.param(path, id=path.name, marks=[pytest.mark.slow] if slow else [])
+    marks = [pytest.mark.slow] if slow else []
+    if path.name in SLOW_ON_ACCELERATOR_GUIDES:
+        marks.append(pytest.mark.slow_on_accelerator(SLOW_ON_ACCELERATOR_GUIDES[path.name]))
+    return pytest.param(path, id=path.name, marks=marks)
 
 
 @pytest.mark.parametrize("path", [_lane(p) for p in MARKDOWN])

@@ -163,6 +163,7 @@ def test_a_streamed_run_resumes_mid_epoch_skipping_the_batches_it_trained(tmp_pa
 @pytest.mark.parametrize(
     ("signum", "error"), [(signal.SIGTERM, Preempted), (signal.SIGINT, KeyboardInterrupt)]
 )
+@pytest.mark.slow_on_accelerator("fits signalled, saved and resumed: 4.4 s")
 def test_a_signal_finishes_the_call_saves_and_raises_then_resume_goes_on(
     tmp_path, signum, error, default_sigint
 ):

@@ -151,6 +151,7 @@ def sgd_range(min_lr, max_lr):
     return result, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 
+@pytest.mark.slow_on_accelerator("two learning-rate sweeps: 4.3 s")
 def test_a_suggestion_at_either_end_of_the_range_warns_to_widen_it():
     """Whether the suggestion sits at an end is read from the result itself (its rates,
     final losses and the stated rule), not from a machine's digits."""
@@ -179,6 +180,7 @@ def test_a_suggestion_inside_the_range_does_not_warn(found_and_warnings):
     assert caught == []
 
 
+@pytest.mark.slow_on_accelerator("a learning-rate sweep and its figure: 4.3 s")
 def test_the_figure_draws_a_curve_per_rate_and_final_loss_against_a_log_rate(found, tmp_path):
     fig = found.plot(tmp_path / "lr.png")
     assert (tmp_path / "lr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -149,6 +149,7 @@ def test_the_progress_total_is_the_calls_fit_makes(monkeypatch, tmp_path):
     assert bars == [[4, 4], [4, 4], [7, 7]]
 
 
+@pytest.mark.slow_on_accelerator("population runs cut, resumed and whole: 4.8 s")
 def test_a_population_resumed_inside_an_epoch_ends_where_one_run_ends(tmp_path):
     options = dict(batch_size=BS, checkpoint_dir=tmp_path, resume=True, progress=False)
 

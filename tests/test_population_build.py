@@ -155,6 +155,7 @@ def test_per_member_hyperparams_are_written_into_each_members_optax_state(swept)
         assert_member(opt_state, i, ref_opt)
 
 
+@pytest.mark.slow_on_accelerator("members built one by one as the reference: 4.2 s")
 @pytest.mark.parametrize("model_fn", [BNDropout, SmallCNN], ids=["batchnorm_dropout", "conv"])
 def test_batchnorm_dropout_and_conv_members_with_their_rng_state(model_fn):
     pop = Population(lambda rngs: model_fn(rngs=rngs), TX, xent, seeds=list(SEEDS))

@@ -144,6 +144,7 @@ def test_skip_nonfinite_is_per_member(data):
     assert history.epochs[0]["skipped_steps"].tolist() == [1, 1, 1]
 
 
+@pytest.mark.slow_on_accelerator("an eager reference loop per member: 4.2 s")
 def test_stop_nonfinite_freezes_the_member_at_the_state_before_its_step(data):
     poisoned = {k: v.copy() for k, v in data.items()}
     poisoned["x"][5, 0] = np.nan

@@ -239,6 +239,7 @@ def _loop(seed, data, epochs, policy):
     return nnx.merge(graphdef, state), losses
 
 
+@pytest.mark.slow_on_accelerator("an eager reference loop per member: 4.7 s")
 def test_skip_nonfinite_equals_a_loop_that_skips_the_poisoned_batches(data):
     poisoned = _poisoned(data)
     pop = Population(mlp, train_step=ADAMW, seeds=SEEDS, on_nonfinite="skip")
