@@ -54,8 +54,8 @@ class Execution(NamedTuple):
 
 #: On a TPU, a carry (the state and optimizer state, every member's) of at most this many
 #: bytes is not donated to a compiled call. Donating ties the loop's carry to the call's
-#: argument buffers, and XLA:TPU then keeps it out of the chip's fast memory: measured on a
-#: TPU v5e, the same scan undonated runs 0.81x (small MLP), 0.94x (784-512-512-10 MLP) and
+#: argument buffers, which constrains XLA:TPU's buffer assignment: measured on a TPU v5e,
+#: the same scan undonated runs 0.81x (small MLP), 0.94x (784-512-512-10 MLP) and
 #: 0.90x (8x8 CNN) the donated one's step, as Flax's ``nnx.scan`` under ``nnx.jit`` (which
 #: donates nothing) does (docs/performance.md). Not donating keeps the old buffers alive
 #: during a call: at most this much more device memory (0.4% of a 16 GiB chip). A larger
