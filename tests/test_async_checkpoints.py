@@ -248,7 +248,7 @@ def test_a_full_disk_while_a_queued_item_is_written_keeps_the_checkpoint_whole(
     np.testing.assert_array_equal(np.asarray(tree["state"]["w"]), np.full((3,), 2.0))
 
 
-@pytest.mark.slow_on_accelerator("a subprocess that exits mid-write")
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_saves_of_a_checkpointer_never_closed_are_written_before_the_process_exits(tmp_path):
     """Reference: the saved arrays, read back bitwise in this process."""
     import subprocess

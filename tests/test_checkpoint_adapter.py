@@ -285,8 +285,8 @@ def save_in_progress(directory, step: int):
     return next((p for p in directory.iterdir() if p.name.startswith(f"{step}.")), None)
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 @pytest.mark.parametrize("storage", ["auto", pytest.param("orbax", marks=pytest.mark.slow)])
-@pytest.mark.slow_on_accelerator("a subprocess killed mid-save")
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_restorable(tmp_path, storage):
     child = subprocess.Popen(
         [sys.executable, "-c", CRASHING_SAVER, str(tmp_path), storage],

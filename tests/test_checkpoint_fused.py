@@ -136,7 +136,7 @@ def test_a_fused_fits_checkpoints_restore_the_epochs_they_hold_and_flax_loads_th
     assert_trees_close(model, load_model(tmp_path, abstract), exact=True)
 
 
-@pytest.mark.slow_on_accelerator("fused and per-epoch population programs: 9 s")
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_a_population_fused_saves_write_the_checkpoints_of_one_call_an_epoch(
     tmp_path, stretch_count
 ):
@@ -155,6 +155,7 @@ def test_a_population_fused_saves_write_the_checkpoints_of_one_call_an_epoch(
         np.testing.assert_array_equal(host(a), host(b))
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_epochs_fuse_with_saves_only_when_nothing_else_needs_the_host(tmp_path, stretch_count):
     """The rule: a hook (it may look at the model), saves inside epochs (they come at call
     boundaries) and orbax's storage keep one call an epoch; evaluation ends a fused call
@@ -328,7 +329,7 @@ def _sample_update(graphdef, state, opt_state, batch):
     return new, {"tx": tx_state, "key": key}, (loss, {"first_x": x[0, 0]})
 
 
-@pytest.mark.slow_on_accelerator("fused and per-epoch programs of two steps")
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_fused_saves_of_a_step_without_data_and_of_an_nnx_optimizer(tmp_path, stretch_count):
     """Two other owners and epoch sources: a pure Step that takes no batch (a typed PRNG
     key in its opt_state, aux logs) and an ``nnx.Optimizer`` (its step counter), each

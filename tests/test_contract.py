@@ -521,6 +521,7 @@ def test_counters_are_read_only_views_of_the_owner(data):
 # -- what the review of the reshape found ----------------------------------------------------
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_a_stop_at_the_first_step_of_a_call_leaves_the_objects_readable(data):
     """The halted call trained 0 steps but consumed the donated buffers: its output (the
     state before the bad step) must still be written back."""

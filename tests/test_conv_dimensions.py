@@ -286,7 +286,7 @@ def test_rewritten_step_equals_the_jitted_step(case):
         np.testing.assert_allclose(got[2], want[2], **ACROSS_PROGRAMS, err_msg=f"step {i} loss")
 
 
-@pytest.mark.slow_on_accelerator("an XLA:CPU rewrite; per-step reference programs: 14 s")
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_scanned_rewritten_step_equals_the_per_step_program(case):
     state, opt_state, losses = case.scan(canonical_conv_dimensions(case.step))
     final_state, final_opt_state = case.trajectory[-1][:2]
@@ -390,7 +390,7 @@ def nested_inputs():
     return w, x
 
 
-@pytest.mark.slow_on_accelerator("an XLA:CPU rewrite against per-step programs")
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_every_nested_convolution_is_rewritten_and_equal_to_rounding():
     w, x = nested_inputs()
     step = jax.value_and_grad(conv_net, argnums=(0, 1))

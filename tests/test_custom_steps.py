@@ -90,6 +90,7 @@ def _as_images(batch: dict) -> dict:
     return {"image": batch["x"], "label": batch["y"]}  # the tutorial's keys
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_the_tutorials_train_step_under_fit_is_the_tutorials_loop(data):
     images = _as_images(data)
     epochs = 3

@@ -135,6 +135,7 @@ def test_programs_of_later_calls_compile_ahead_and_once(data, tail, slow, monkey
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_only_an_evaluation_the_run_reaches_compiles_ahead(data):
     """The evaluation compiles ahead when the fit surely reaches one (with callbacks that
     could stop it, only when the first epoch ends in one), and not at all when none falls

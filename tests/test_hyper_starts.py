@@ -130,6 +130,7 @@ def lora_setup():
     return base
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 @pytest.mark.parametrize("freeze", [True, False])
 def test_generated_lora_leaves_the_base_bitwise_unchanged_through_fit(lora_setup, freeze):
     net = LoRANet(nnx.clone(lora_setup, arrays=True), rngs=nnx.Rngs(1))

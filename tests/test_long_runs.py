@@ -58,6 +58,7 @@ def same_history(a, b) -> None:
                                rtol=1e-6)  # fmt: skip
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 @pytest.mark.parametrize(
     "cut",
     [pytest.param(7, marks=pytest.mark.slow), 10, pytest.param(16, marks=pytest.mark.slow)],

@@ -176,6 +176,7 @@ def test_a_guard_of_a_plain_function_is_a_step_whose_init_says_what_to_do():
         guarded.init(None, None)
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_make_epoch_gives_each_member_its_own_order_from_orders_or_keys():
     graphdef, states = setup()
     data = make_data(32)

@@ -258,6 +258,7 @@ def test_hijax_variables_which_vmap_cannot_batch_are_built_one_by_one():
         assert_member(owner.read()[1], i, nnx.split(reference)[1], exact=True)
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_a_seed_dependent_structure_still_names_the_member():
     """A width drawn per member (a random architecture search) is a read of a value on
     the host: the trace fails, and the one-by-one build names the member that differs."""
@@ -283,7 +284,7 @@ def test_a_model_fns_own_error_is_raised_with_its_own_message():
         build_members(lambda rngs: 3, init_opt(TX), SEEDS, {}, Members(len(SEEDS)))
 
 
-@pytest.mark.slow_on_accelerator("members built eagerly, op by op")
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_seeds_outside_int32_and_disable_jit_are_built_one_by_one():
     model_fn = counted(lambda rngs: MLP(rngs=rngs))
     seeds = (1, 2**31)

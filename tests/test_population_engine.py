@@ -71,6 +71,7 @@ def test_a_shared_stream_trains_every_member_as_its_own_trainer_on_that_stream()
     assert_members_match(pop, history, runs)
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_per_member_batches_give_member_i_its_own_slice():
     members = [make_data(40, seed=s) for s in (10, 11, 12)]
     stacked = [
@@ -102,6 +103,7 @@ def test_per_member_batches_give_member_i_its_own_slice():
 # -- plans, fusing, accumulation -------------------------------------------------------------
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_steps_per_call_and_fused_epochs_train_bitwise_what_one_call_per_epoch_trains():
     def run(**fit):
         pop = Population(mlp, TX, xent, seeds=SEEDS)
@@ -241,7 +243,7 @@ def test_step_checkpoints_resume_mid_epoch_by_rerunning_bitwise(straight, tmp_pa
     assert [e["epoch"] for e in history.epochs] == [0, 1, 2]
 
 
-@pytest.mark.slow_on_accelerator("a population interrupted, resumed and run straight: 6 s")
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_sigterm_saves_mid_epoch_and_the_rerun_ends_bitwise(straight, tmp_path, default_sigint):
     reference, ref_history = straight
     sent = []

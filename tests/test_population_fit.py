@@ -128,7 +128,7 @@ def test_early_stopping_freezes_each_member_as_its_own_trainer_stops(tmp_path):
     assert len(history.epochs) == 12 and pop.active.tolist() == [False, False, True]
 
 
-@pytest.mark.slow_on_accelerator("a trainer per member as the reference")
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_skip_nonfinite_is_per_member(data):
     """A NaN example poisons the step each member meets it at, at a different step per
     member (each has its own order): skipping it leaves the others untouched."""

@@ -95,7 +95,7 @@ def trainer_run(seed, data, epochs, step=ADAMW, on_nonfinite="ignore", **fit_opt
 # -- each member = that member trained alone ---------------------------------------------------
 
 
-@pytest.mark.slow_on_accelerator("a trainer per member as the reference")
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_members_equal_each_trained_alone_by_a_trainer(data):
     pop = Population(mlp, train_step=ADAMW, seeds=SEEDS)
     assert pop.train_step is ADAMW and pop.tx is None and pop.has_aux
@@ -239,7 +239,7 @@ def _loop(seed, data, epochs, policy):
     return nnx.merge(graphdef, state), losses
 
 
-@pytest.mark.slow_on_accelerator("an eager reference loop per member: 4.7 s")
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_skip_nonfinite_equals_a_loop_that_skips_the_poisoned_batches(data):
     poisoned = _poisoned(data)
     pop = Population(mlp, train_step=ADAMW, seeds=SEEDS, on_nonfinite="skip")

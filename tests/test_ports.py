@@ -166,8 +166,8 @@ def state_arrays_by_path(node):
 # "auto" scans the epoch: on the CPU its convolutions are canonicalized like the tutorial's
 # per-step program's, so it runs the same convolution kernels. Still two programs, so to
 # rounding (on the CPUs tested, bitwise).
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 @pytest.mark.parametrize("execution", [pytest.param("step", marks=pytest.mark.slow), "auto"])
-@pytest.mark.slow_on_accelerator("the MNIST tutorial's whole run: 41 s")
 def test_the_mnist_tutorial_runs_through_trainer_as_its_own_loop(
     mnist_like, tutorial_run, execution
 ):
@@ -304,7 +304,7 @@ def test_scan_train_cuts_flat_data_and_refuses_it_without_batch_size():
     assert_trees_close(model, ref, rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.slow_on_accelerator("a per-step reference loop of eager dispatches")
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_scan_train_with_call_time_rngs_matches_the_plain_loop():
     class Noisy(nnx.Module):
         def __init__(self, rngs):

@@ -34,6 +34,7 @@ def last_manifest(directory) -> bytes:
     return (directory / str(all_steps(directory)[-1]) / files.MANIFEST).read_bytes()
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_the_last_manifest_is_as_large_at_epoch_1000_as_at_epoch_10_and_resume_restores_all(
     tmp_path,
 ):
@@ -101,6 +102,7 @@ def truncated_by_a_kill(monkeypatch, at: str, calls: int = 3):
     return Killed
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 @pytest.mark.parametrize(
     "at", [pytest.param("mid_append", marks=pytest.mark.slow), "before_checkpoint"]
 )

@@ -131,6 +131,7 @@ def test_mlflow_records_a_fit_and_a_second_fit_continues_the_run(tracking_uri):
     _same_series(got, both)
 
 
+@pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 @pytest.mark.parametrize(
     "raised, status", [(RuntimeError, "FAILED"), (KeyboardInterrupt, "KILLED")]
 )
