@@ -44,14 +44,10 @@ from nnxscan.shell._engine.calls import Execution, LiveState, plan_calls, run_ca
 from nnxscan.shell._engine.owner import ModelOwner, step_array
 from nnxscan.shell._engine.placement import Placement, context_mesh
 from nnxscan.shell._engine.programs import TrainProgram
-from nnxscan.shell._engine.snapshot import retrace
+from nnxscan.shell._engine.snapshot import is_variable, retrace
 
 _KEPT: OrderedDict[int, KeptSetUp] = OrderedDict()
 _ENTRIES = 4
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def _aval(x: Any) -> Hashable | None:
@@ -80,7 +76,7 @@ class KeptSetUp:
         self._optimizer = weakref.ref(optimizer)
         self._rngs = None if owner.rngs is None else weakref.ref(owner.rngs)
         self._tx, self._wrt = optimizer.tx, optimizer.wrt
-        self._opt_def = jax.tree.structure(optimizer.opt_state, is_leaf=_is_variable)
+        self._opt_def = jax.tree.structure(optimizer.opt_state, is_leaf=is_variable)
         self.program, self.placement, self.device = program, placement, device
         self.graphdef = owner.split()[0]
         self.executions: dict[Hashable, Execution] = {}
@@ -90,6 +86,10 @@ class KeptSetUp:
         # The write-back made the Variables hold the carry's leaves: their avals are the
         # carry's, and the step counter's array is the one written (no sync to read it).
         self.avals = [_aval(x) for x in live.leaves]
+        # Weak references to the arrays last written into the Variables: a Variable that
+        # still holds its array needs no aval check (the carry's by construction), and
+        # nothing of the user's is kept alive by them.
+        self._written = [weakref.ref(x) for x in live.leaves]
         self._step = (optimizer.step.get_value(), owner.step)
         self.donate = live.keep_between_runs()
 
@@ -107,14 +107,17 @@ class KeptSetUp:
         found = retrace(step_node(model, rngs, None))
         if found is None or found[0] is not self.graphdef:
             return None
-        opt_variables, opt_def = jax.tree.flatten(optimizer.opt_state, is_leaf=_is_variable)
+        opt_variables, opt_def = jax.tree.flatten(optimizer.opt_state, is_leaf=is_variable)
         if opt_def != self._opt_def:
             return None
-        variables = jax.tree.leaves(found[1], is_leaf=_is_variable) + opt_variables
+        variables = jax.tree.leaves(found[1], is_leaf=is_variable) + opt_variables
         if len(variables) != len(self.avals):
             return None
-        for variable, aval in zip(variables, self.avals, strict=True):
-            if not _is_variable(variable) or _aval(variable.get_raw_value()) != aval:
+        for variable, aval, written in zip(variables, self.avals, self._written, strict=True):
+            if not is_variable(variable):
+                return None
+            value = variable.get_raw_value()
+            if value is not written() and _aval(value) != aval:
                 return None
         return variables
 
@@ -127,6 +130,7 @@ class KeptSetUp:
         def write(leaves: list, treedef: Any, steps: int) -> None:
             for variable, leaf in zip(variables, leaves, strict=True):
                 variable.set_raw_value(leaf)
+            self._written = [weakref.ref(x) for x in leaves]
             new = self._step[1] + steps
             array = step_array(new)
             optimizer.step.set_raw_value(array)
@@ -190,10 +194,10 @@ def keep_after_call(
     ``call``: the call's ``(live, device, execution, batches)`` (``scan_train._scan``'s)."""
     live, device, execution, batches = call
     optimizer = owner.optimizer
-    variables = jax.tree.leaves(owner.read_state(), is_leaf=_is_variable)
-    variables += jax.tree.leaves(optimizer.opt_state, is_leaf=_is_variable)
+    variables = jax.tree.leaves(owner.read_state(), is_leaf=is_variable)
+    variables += jax.tree.leaves(optimizer.opt_state, is_leaf=is_variable)
     if len(variables) != len(live.leaves) or not all(
-        _is_variable(v) and _aval(leaf) is not None and v.get_raw_value() is leaf
+        is_variable(v) and _aval(leaf) is not None and v.get_raw_value() is leaf
         for v, leaf in zip(variables, live.leaves, strict=True)
     ):
         forget(optimizer)

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 from flax import nnx
 from flax.core import FrozenDict
-from flax.nnx import graphlib
+from flax.nnx import graphlib, variablelib
 
 
 class GraphSnapshot:
@@ -50,7 +50,7 @@ class GraphSnapshot:
 
     def __init__(self, node: Any, graphdef: nnx.GraphDef, state: nnx.State):
         self.graphdef = graphdef
-        variables, self._state_def = jax.tree.flatten(state, is_leaf=_is_variable)
+        variables, self._state_def = jax.tree.flatten(state, is_leaf=is_variable)
         self._size = len(variables)
         self._spec: Any = None
         if all(isinstance(v, nnx.Variable) for v in variables):
@@ -82,8 +82,28 @@ class _Unfollowable(Exception):
     """A node the snapshot cannot retrace by identity."""
 
 
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
+# Whether objects of a type are nnx Variables, by type: ``isinstance(x, nnx.Variable)``
+# runs flax's metaclass check (~1 µs), and a carry's reads ask for every node of the graph
+# and the optax state on every call. Only a Tracer and a hijax Variable are Variables or not
+# by their value: those are asked every time.
+_VARIABLE_TYPES: dict[type, bool] = {}
+_BY_VALUE = (jax.core.Tracer, getattr(variablelib, "HijaxVariable", jax.core.Tracer))
+
+
+def is_variable(x: Any) -> bool:
+    """``isinstance(x, nnx.Variable)``, remembered per type.
+
+    Example:
+      >>> is_variable(nnx.Param(jnp.zeros(2))), is_variable(jnp.zeros(2))
+      (True, False)
+    """
+    kind = type(x)
+    known = _VARIABLE_TYPES.get(kind)
+    if known is None:
+        if issubclass(kind, _BY_VALUE):
+            return isinstance(x, nnx.Variable)
+        known = _VARIABLE_TYPES[kind] = isinstance(x, nnx.Variable)
+    return known
 
 
 # Spec entries: (kind, ...). A graph node: ("node", weakref, {attr: spec}); seen before:
@@ -97,7 +117,7 @@ _PLAIN = (int, float, str, bool, bytes, type(None))
 def _spec_of(x: Any, positions: dict[int, int], seen: set[int]) -> tuple:
     if isinstance(x, _PLAIN):
         return ("value", x)
-    if isinstance(x, nnx.Variable):
+    if is_variable(x):
         if getattr(x, "hijax", False) or getattr(x, "ref", False) or id(x) not in positions:
             raise _Unfollowable  # its value does not live in the Variable object
         return ("var", type(x), dict(x._var_metadata), positions[id(x)])
