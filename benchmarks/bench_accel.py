@@ -3,6 +3,7 @@ populations, on whatever backend JAX runs (a TPU, a GPU, or the CPU), in one pro
 
     python benchmarks/bench_accel.py                 # every workload, the population
     python benchmarks/bench_accel.py --only small    # one workload
+    python benchmarks/bench_accel.py --variant nnx.scan --variant fit  # and the floor
     python benchmarks/bench_accel.py --population-only
 
 Per workload (the small MLP 64-64-64-10, the compute-bound MLP 784-512-512-10, the Flax
@@ -235,10 +236,10 @@ def device_seconds(run: Callable[[], object], calls: int = 3) -> float | None:
     return total / calls / 1e9
 
 
-def bench_workload(name: str, reps: int) -> list[str]:
+def bench_workload(name: str, reps: int, only: set[str] | None = None) -> list[str]:
     sizes = WORKLOADS[name][4 if jax.default_backend() != "cpu" else 5]
     runs = {n: variants(name, n) for n in sizes}
-    names = list(runs[sizes[0]])
+    names = [v for v in runs[sizes[0]] if only is None or v in only or v == "floor"]
     for n in sizes:
         for v in names:
             timed(runs[n][v])
@@ -332,6 +333,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(WORKLOADS), help="workloads, comma-separated")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument(
+        "--variant", action="append", help="a variant to run (repeat it; default: all; the "
+        "floor always)"
+    )  # fmt: skip
     parser.add_argument("--population", action="store_true", help="also the population")
     parser.add_argument("--population-only", action="store_true")
     parser.add_argument("--members", type=int, default=1024)
@@ -340,7 +345,8 @@ def main() -> None:
     print(f"# bench_accel: {jax.devices()}, jax {jax.__version__}, {platform.processor()}")
     if not args.population_only:
         for name in args.only.split(","):
-            print("\n".join(bench_workload(name, args.reps)), flush=True)
+            only = None if args.variant is None else set(args.variant)
+            print("\n".join(bench_workload(name, args.reps, only)), flush=True)
     if args.population or args.population_only:
         print("\n".join(population_rows(args.members, args.epochs)), flush=True)
 
