@@ -16,9 +16,14 @@ On the digits MLP of ``_workloads.py`` (and the byte-level LM, a model 30x large
 - per save: ``fit`` with ``checkpoint_every_steps=k`` against the same ``fit`` without
   checkpoints (interleaved, medians), the difference divided by the number of saves;
 - resume: ``fit(..., resume=True)`` of a finished run (restore, nothing left to train),
-  i.e. what a restarted process pays before it trains again, besides compiling.
+  i.e. what a restarted process pays before it trains again, besides compiling;
+- ablation (issue 58 item 9): a checkpoint every epoch (async) ÷ the fit without, and the
+  same with parts of the fit's last write taken away *for the measurement only* (no
+  fsyncs at all; no ``state/`` item; fsyncs of the newest checkpoint only): bounds on what
+  moving each part off the training path, or dropping it, could gain. Not in the default
+  tables; the variants break the documented promises and exist only here.
 
-    python benchmarks/bench_checkpoint.py --reps 5 [--tables every-epoch,per-save,resume]
+    python benchmarks/bench_checkpoint.py --reps 5 [--tables every-epoch,per-save,resume,ablation]
 """
 
 from __future__ import annotations
@@ -208,6 +213,84 @@ def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) 
     return f"| {name} | {epochs} x {steps} | {none:.3f} | {cells} |"
 
 
+@contextlib.contextmanager
+def without(parts: frozenset[str]):
+    """The checkpointer's last write with ``parts`` taken away (the ablation's bounds):
+    ``"fsync"`` no fsync at all; ``"item"`` an empty ``state/`` folder instead of the
+    item; ``"older fsync"`` the fsyncs of a batch's older checkpoints left out (its newest,
+    the item, the run log and the directory still fsync'ed)."""
+    files = _checkpoint_files
+    saved = files._fsync, files._fsync_all, files._start_item
+    if "fsync" in parts:
+        files._fsync = files._fsync_all = lambda paths: None
+    if "older fsync" in parts:
+
+        def newest_only(paths):
+            tmps = [p for p in paths if p.name.endswith(files.TMP_SUFFIX)]
+            tmps.sort(key=lambda tmp: int(tmp.name.removesuffix(files.TMP_SUFFIX)))
+            older = set(tmps[:-1])
+            saved[1]([p for p in paths if not older.intersection([p, *p.parents])])
+
+        files._fsync_all = newest_only
+    if "item" in parts:
+        files._start_item = lambda where, item: (where.mkdir(), list)[1]
+    try:
+        yield
+    finally:
+        files._fsync, files._fsync_all, files._start_item = saved
+
+
+ABLATION = {
+    "none": None,
+    "async": frozenset(),
+    "no fsyncs": frozenset({"fsync"}),
+    "no state/ item": frozenset({"item"}),
+    "no fsyncs, no item": frozenset({"fsync", "item"}),
+    "newest fsync'ed only": frozenset({"older fsync"}),
+}
+
+
+def ablation(name: str, epochs: int, steps_per_epoch: int | None, reps: int) -> str:
+    """A checkpoint every epoch (async) ÷ the fit without, whole and with parts of its
+    writes taken away (:func:`without`): medians of interleaved warm runs."""
+    workload = WORKLOADS[name](False)
+    data = workload.data
+    if steps_per_epoch is not None:
+        data = jax.tree.map(lambda a: a[: steps_per_epoch * workload.batch_size], data)
+    nodes = workload.nodes()
+    trainer = Trainer(nodes[0], nodes[1], workload.loss_fn, **workload.trainer_options(nodes))
+    fit = dict(epochs=epochs, batch_size=workload.batch_size, progress=False)
+    times: dict[str, list[float]] = {variant: [] for variant in ABLATION}
+
+    def run(variant: str) -> float:
+        parts = ABLATION[variant]
+        with tempfile.TemporaryDirectory() as folder, without(parts or frozenset()):
+            options = {} if parts is None else {"checkpoint_dir": folder}
+            start = time.perf_counter()
+            trainer.fit(data, **fit, **options)
+            return time.perf_counter() - start
+
+    for variant in times:
+        run(variant)
+    for rep in range(reps):
+        order = list(times) if rep % 2 == 0 else list(reversed(times))
+        for variant in order:
+            times[variant].append(run(variant))
+    medians = {variant: statistics.median(seconds) for variant, seconds in times.items()}
+    none = medians["none"]
+    cells = " | ".join(f"{medians[v] / none:.2f}x" for v in list(ABLATION)[1:])
+    return f"| {name} | {_load()} | {1000 * none:.1f} ms | {cells} |"
+
+
+def ablation_table(reps: int) -> None:
+    print()
+    names = " | ".join(list(ABLATION)[1:])
+    print(f"| workload | load after | fit, no checkpoints | {names} |")
+    print("|---|---|---:|" + "---:|" * (len(ABLATION) - 1))
+    for name, epochs, steps in (("lm_24", 4, 8), ("mlp_digits", 10, None)):
+        print(ablation(name, epochs, steps, reps), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -220,6 +303,8 @@ def main() -> None:
         every_epoch_table(args.reps)
     if "per-save" in tables:
         per_save_table(args.reps)
+    if "ablation" in tables:
+        ablation_table(args.reps)
     if "resume" in tables:
         print("\n| workload | resume (restore) ms |\n|---|---:|")
         for name in ("mlp_digits", "lm_200"):
