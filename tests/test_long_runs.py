@@ -64,7 +64,6 @@ def same_history(a, b) -> None:
     [pytest.param(7, marks=pytest.mark.slow), 10, pytest.param(16, marks=pytest.mark.slow)],
     ids=["epoch_end", "mid_epoch", "late"],
 )
-@pytest.mark.slow_on_accelerator("runs cut at every point against a straight run")
 def test_rerunning_the_same_fit_with_resume_ends_bitwise_where_a_straight_run_ends(tmp_path, cut):
     ref_model, ref_trainer, ref_history = straight(4, steps_per_call=3)
 

@@ -106,7 +106,6 @@ def truncated_by_a_kill(monkeypatch, at: str, calls: int = 3):
 @pytest.mark.parametrize(
     "at", [pytest.param("mid_append", marks=pytest.mark.slow), "before_checkpoint"]
 )
-@pytest.mark.slow_on_accelerator("a subprocess killed while writing")
 def test_a_kill_while_the_log_is_written_leaves_a_resumable_directory(tmp_path, monkeypatch, at):
     ref = Trainer(BNDropout(rngs=nnx.Rngs(0)), TX, xent)
     ref_history = ref.fit(DATA, epochs=3, batch_size=BS, steps_per_call=3, progress=False)
