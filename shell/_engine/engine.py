@@ -181,7 +181,7 @@ class Engine:
             epochs = schedule.end_epoch - owner.epoch  # a stream's end_epoch is known
             epoch_calls, execution = self._stream(data, epochs, options, layout)
         else:
-            epoch_calls, execution = self._arrays(data, options, layout)
+            epoch_calls, execution = self._arrays(data, options, layout, schedule.end_epoch)
         execution = execution._replace(  # a data set's (a stream's chunks are its own)
             plan=with_steps_per_call(execution.plan, options.steps_per_call)
         )
@@ -199,7 +199,9 @@ class Engine:
         )  # fmt: skip
         return loop.run(schedule, epoch_calls, **run)
 
-    def _arrays(self, data, options: FitOptions, layout: Layout) -> tuple[Epochs, Execution]:
+    def _arrays(
+        self, data, options: FitOptions, layout: Layout, end_epoch: int | None = None
+    ) -> tuple[Epochs, Execution]:
         if options.batch_size is None:
             raise ValueError("batch_size is required when data is a data set of arrays.")
         n = layout.examples(data)
@@ -215,7 +217,7 @@ class Engine:
             num_examples=n, batch_size=batch_size, seeds=self.owner.run_seeds(options.run_keys),
             shuffle=options.shuffle,
             keep_tail=not options.drop_remainder and n % batch_size > 0, orders=self.orders,
-            layout=layout,
+            layout=layout, end_epoch=end_epoch,
         )  # fmt: skip
         return epoch_calls, execution
 

@@ -108,7 +108,9 @@ class ArrayEpochs:
 
     ``put`` places the index arrays next to the data (replicated on a mesh). ``orders``
     (the engine's, so that they outlive this fit) draws each order; the next call's are
-    drawn once this call's last compiled call is dispatched.
+    drawn once this call's last compiled call is dispatched, and, when each epoch is a
+    call of its own and the fit (ending before ``end_epoch``) has another, cut and placed
+    then too.
     """
 
     def __init__(
@@ -123,18 +125,29 @@ class ArrayEpochs:
         keep_tail: bool,
         orders: EpochOrders | None = None,
         layout: Layout = ONE_MODEL,
+        end_epoch: int | None = None,
     ):
         self.data, self.put, self.layout = data, put, layout
+        self.end_epoch = end_epoch  # the fit's (None: unknown, max_steps decides)
         self.orders = EpochOrders() if orders is None else orders
         self.num_examples, self.batch_size = num_examples, batch_size
         self.seeds, self.shuffle, self.keep_tail = seeds, shuffle, keep_tail
         self.steps_per_epoch = num_examples // batch_size + keep_tail
+        # The next epoch's orders, cut and placed while the device runs this stretch's last
+        # call: (epoch, numpy orders, placed (full, tail)); see _place_ahead.
+        self._ahead: tuple[int, list, Any] | None = None
         # Fused epochs gather their batches in one go where they fit one gather, so each
         # call is one loop; a shuffled order only (the stored order slices its batches).
         gathered = steps_per_gather(data, batch_size * len(seeds)) if shuffle else None
         self.fused_steps = min(FUSED_STEPS, gathered or FUSED_STEPS)
 
+    #: The most indices (all members') placed ahead: a second order on the device for a
+    #: while. Placing costs a short epoch's call ~0.1 ms on the CPU; a long one hides it.
+    PLACE_AHEAD_MAX_ROWS = 1 << 20
+
     def _orders(self, epoch: int) -> list[np.ndarray]:
+        if self._ahead is not None and self._ahead[0] == epoch:
+            return self._ahead[1]
         n, shuffle = self.num_examples, self.shuffle
         # One draw per distinct seed (a population's shared_order: one for all).
         unique = {s: self.orders.get(s, epoch, n, shuffle) for s in dict.fromkeys(self.seeds)}
@@ -145,6 +158,21 @@ class ArrayEpochs:
         if stretch.steps == stretch.ends:  # the device is busy with the last call
             next_epoch = stretch.epoch + stretch.epochs
             self.orders.draw_ahead(self.seeds, next_epoch, self.num_examples, self.shuffle)
+            if stretch.epochs == 1 and (self.end_epoch is None or next_epoch < self.end_epoch):
+                self._place_ahead(next_epoch)  # epochs one call each, and one more to come
+
+    def _place_ahead(self, epoch: int) -> None:
+        """Cuts and places epoch ``epoch``'s orders now, for a next stretch of that one
+        epoch from its first step (each epoch its own call: hooks, evaluation): placing an
+        order is host time the call would otherwise wait for. The same arrays whenever
+        placed: this changes when, never what."""
+        self._ahead = None
+        rows = self.num_examples * len(self.seeds)
+        if not self.shuffle or rows > self.PLACE_AHEAD_MAX_ROWS:
+            return
+        orders = self._orders(epoch)
+        cut = self.layout.cut(orders, self.batch_size, not self.keep_tail)
+        self._ahead = (epoch, orders, self.put(cut))
 
     def placeholder_calls(self, stretch: Stretch) -> Iterator[Call]:
         """The stretch's calls as ``__call__`` makes them, but every epoch in the stored
@@ -153,6 +181,17 @@ class ArrayEpochs:
         return self._calls(stretch, lambda epoch: [stored] * len(self.seeds))
 
     def _calls(self, stretch: Stretch, orders: Callable[[int], list]) -> Iterator[Call]:
+        ahead = self._ahead
+        if (
+            ahead is not None
+            and orders == self._orders
+            and (stretch.epoch, stretch.epochs, stretch.skip) == (ahead[0], 1, 0)
+        ):
+            self._ahead = None
+            yield from self._yield_calls(stretch, *ahead[2], None)
+            return
+        # Any other stretch cuts its own (a fused one, a resumed epoch's rest); the orders
+        # drawn ahead still serve it through _orders.
         fulls, tail, drop = [], None, not self.keep_tail
         for e in range(stretch.epoch, stretch.epoch + stretch.epochs):
             # The core's cut of the same orders make_epoch uses, steps first as it scans
@@ -169,6 +208,9 @@ class ArrayEpochs:
             # The stored order: each step may slice its batch by number, gathering nothing.
             full, rows = self.layout.batch_numbers(full, self.batch_size)
         full, tail = self.put((full, tail))
+        yield from self._yield_calls(stretch, full, tail, rows)
+
+    def _yield_calls(self, stretch: Stretch, full: Any, tail: Any, rows: Any) -> Iterator[Call]:
         kept = kept_slots(stretch, self.put)
         for start, length in stretch.calls:
             if start < full.shape[0]:
