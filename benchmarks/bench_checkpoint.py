@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 from _workloads import WORKLOADS
@@ -178,6 +179,18 @@ def _checkpointer(name, directory, *, max_to_keep=3, asynchronous=True):
     return Checkpointer(directory, max_to_keep=max_to_keep, asynchronous=asynchronous, storage=name)
 
 
+def _interleaved_medians(run: Callable[[str], float], variants: list[str], reps: int) -> dict:
+    """Each variant's median of ``reps`` timed runs, after one untimed run each (every
+    program compiled first: saves are measured warm); rounds alternate forward and back."""
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
+    for variant in variants:
+        run(variant)
+    for rep in range(reps):
+        for variant in variants if rep % 2 == 0 else variants[::-1]:
+            times[variant].append(run(variant))
+    return {variant: statistics.median(seconds) for variant, seconds in times.items()}
+
+
 def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) -> str:
     """``fit`` with a checkpoint every epoch (async and sync, own files, fused and as
     before; async through orbax), and with only an empty epoch callback, ÷ the same fit
@@ -190,7 +203,6 @@ def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) 
     nodes = workload.nodes()
     trainer = Trainer(nodes[0], nodes[1], workload.loss_fn, **workload.trainer_options(nodes))
     fit = dict(batch_size=workload.batch_size, progress=False)
-    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
 
     def run(variant: str) -> float:
         options = dict(VARIANTS[variant])
@@ -201,13 +213,7 @@ def every_epoch(name: str, epochs: int, steps_per_epoch: int | None, reps: int) 
             trainer.fit(data, epochs=epochs, **fit, **options)
             return time.perf_counter() - start
 
-    for variant in times:  # compile every program first: saves are measured warm
-        run(variant)
-    for rep in range(reps):
-        order = list(times) if rep % 2 == 0 else list(reversed(times))
-        for variant in order:
-            times[variant].append(run(variant))
-    medians = {variant: statistics.median(seconds) for variant, seconds in times.items()}
+    medians = _interleaved_medians(run, list(VARIANTS), reps)
     none = medians["none"]
     cells = " | ".join(f"{medians[v]:.3f} | {medians[v] / none:.2f}x" for v in list(VARIANTS)[1:])
     return f"| {name} | {epochs} x {steps} | {none:.3f} | {cells} |"
@@ -260,7 +266,6 @@ def ablation(name: str, epochs: int, steps_per_epoch: int | None, reps: int) -> 
     nodes = workload.nodes()
     trainer = Trainer(nodes[0], nodes[1], workload.loss_fn, **workload.trainer_options(nodes))
     fit = dict(epochs=epochs, batch_size=workload.batch_size, progress=False)
-    times: dict[str, list[float]] = {variant: [] for variant in ABLATION}
 
     def run(variant: str) -> float:
         parts = ABLATION[variant]
@@ -270,13 +275,7 @@ def ablation(name: str, epochs: int, steps_per_epoch: int | None, reps: int) -> 
             trainer.fit(data, **fit, **options)
             return time.perf_counter() - start
 
-    for variant in times:
-        run(variant)
-    for rep in range(reps):
-        order = list(times) if rep % 2 == 0 else list(reversed(times))
-        for variant in order:
-            times[variant].append(run(variant))
-    medians = {variant: statistics.median(seconds) for variant, seconds in times.items()}
+    medians = _interleaved_medians(run, list(ABLATION), reps)
     none = medians["none"]
     cells = " | ".join(f"{medians[v] / none:.2f}x" for v in list(ABLATION)[1:])
     return f"| {name} | {_load()} | {1000 * none:.1f} ms | {cells} |"
