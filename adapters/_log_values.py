@@ -25,18 +25,6 @@ def is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def is_scalar(value: Any) -> bool:
-    """Whether a log value is one number (a float, a 0-d array), not an array of them (a
-    metric per class, one value per member). A question about the value only: whether a
-    run has members is :func:`logs_of`'s to say, never a value's shape.
-
-    Example:
-      >>> is_scalar(0.5), is_scalar(np.float32(0.5)), is_scalar(np.zeros(3))
-      (True, True, False)
-    """
-    return np.ndim(value) == 0
-
-
 def primary_only(hook: Any) -> Any:
     """Runs a writer's hook on process 0 only: several processes train one model, and
     one log is wanted, not one per process writing over the others."""
@@ -109,10 +97,11 @@ def logs_of(trainer: Any) -> ModelLogs | MemberLogs:
 
 
 def history_members(num_members: int | None, losses: Any) -> int | None:
-    """How many members a History logs: ``num_members`` as ``fit`` declared it; for a
-    History that declares none (built by hand, or pickled before ``History.num_members``
-    existed), its losses say, the one place their shape does: ``(steps, N)`` is ``N``
-    members, ``(steps,)`` one model (None).
+    """How many members a History logs: ``num_members`` as ``fit`` declared it (every
+    History a run makes, a resumed one's too, declares it). Only for a History that
+    declares none (built by hand, or pickled before ``History.num_members`` existed) do its
+    losses say, the one place their shape does: nothing else about it is left to read.
+    ``(steps, N)`` is ``N`` members, ``(steps,)`` one model (None).
 
     Example:
       >>> history_members(None, np.zeros((0, 3)))
@@ -124,17 +113,27 @@ def history_members(num_members: int | None, losses: Any) -> int | None:
 
 
 def spread(logs: Mapping[str, Any]) -> dict[str, Any]:
-    """Logs with every array value spread into one entry per element: ``key/i``, and
-    ``key/i/j`` for two axes. A ``Population``'s logs hold one value per member along
-    their first axis (its ``num_members`` says how many), so ``loss/2`` is member 2's
-    loss; a Trainer's array metric (``hits_per_class``) gives one entry per class; scalars
-    are unchanged."""
+    """Logs with every element of an array value as an entry of its own, named by its index:
+    ``key/i``, and ``key/i/j`` for two axes; a value of one element and no axes (a float, a
+    0-d array, text) keeps its key and is unchanged.
+
+    Every axis is spread the same way, whatever it holds: a ``Population``'s per-member
+    logs lead with the members axis (``loss/2`` is member 2's loss), a metric per class
+    has its classes (``hits_per_class/1``), and a per-class metric of members has both
+    (``eval_hits/2/1``: member 2, class 1). So nothing here asks what an axis is: whether a
+    run has members is :func:`logs_of`'s to say, never a value's shape.
+
+    Example:
+      >>> spread({"epoch": 3, "loss": np.array([0.5, 0.25])})
+      {'epoch': 3, 'loss/0': np.float64(0.5), 'loss/1': np.float64(0.25)}
+    """
     out: dict[str, Any] = {}
     for key, value in logs.items():
-        if not is_scalar(value):
-            out.update(spread({f"{key}/{i}": v for i, v in enumerate(np.asarray(value))}))
-        else:
-            out[key] = value
+        array = np.asarray(value)
+        # np.ndindex of a 0-d value yields the one empty index: the key itself, the value
+        # as it came (a Python float stays one).
+        for index in np.ndindex(array.shape):
+            out["/".join([key, *map(str, index)])] = array[index] if index else value
     return out
 
 

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnxscan.adapters._log_values import is_scalar, logs_of
+from nnxscan.adapters._log_values import logs_of
 from nnxscan.adapters.distributed import is_primary
 from nnxscan.pure import select_members
 from nnxscan.shell._edges.stop_events import record_members, record_one_model
@@ -280,14 +280,17 @@ class _ModelWatch:
         self.stop_, self.trainer = stop, trainer
 
     def values(self, value: Any) -> np.ndarray:
-        if not is_scalar(value):
+        # One model's logs have no members axis (logs_of said so when this watch was
+        # picked): the monitored value must be of shape (), as _MembersWatch's is (N,).
+        values = np.asarray(value, np.float64)
+        if values.shape != ():
             raise ValueError(
                 f"EarlyStopping(monitor={self.stop_.monitor!r}) watches one number per epoch, "
-                f"but {self.stop_.monitor!r} is an array of shape {np.shape(value)} (a metric "
+                f"but {self.stop_.monitor!r} is an array of shape {values.shape} (a metric "
                 f"per class, say): monitor a scalar log, e.g. its mean logged as a metric of "
                 f"its own."
             )
-        return np.array([float(value)])
+        return values.reshape(1)
 
     def alive(self) -> np.ndarray:
         return np.array([True])

@@ -12,13 +12,15 @@ package's source with ``ast`` and counts both ways code could ask anyway:
   ``Members``/``OneModel``/``ONE_MODEL``/``MembersState``, or any ``getattr(x,
   "num_members", ...)`` probe;
 - by shape: a branch whose test reads ``.ndim``, ``np.ndim(...)``, ``len(x.shape)``,
-  ``isinstance(x, np.ndarray)`` or calls ``is_scalar(...)`` (``adapters/_log_values.py``'s
-  name for "a scalar, not an array": a shape test, whatever it is named).
+  ``isinstance(x, np.ndarray)`` or calls ``is_scalar(...)`` (the name the package once
+  gave "a scalar, not an array": a shape test, whatever it is named).
 
 Shape tests that validate an argument or read a data structure (not "which kind of run")
 are listed in ``OTHER_SHAPE_TESTS`` with their reason. Nothing else asks: ``make_epoch`` is
-told its number of members (``num_members=``), and a ``History`` says how many members it
-logs (``History.num_members``).
+told its number of members (``num_members=``), a ``History`` says how many members it
+logs (``History.num_members``), and an epoch's logs are read as the run's layout (or
+``logs_of``) says: their leading members axis, if any, is the layout's, and only one
+model's layout, which has none, reads a value's rank (the log's own: a metric per class).
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ OTHER_SHAPE_TESTS = {
     ("adapters/_checkpoint_packing.py", None): "a checkpoint leaf's type (numpy or jax)",
     ("adapters/_checkpoint_read.py", None): "a template leaf's type",
     ("adapters/_checkpoint_shards.py", "damaged"): "a restored array: numpy or a jax.Array",
-    ("adapters/_log_values.py", "spread"): "any array log spreads (per member or per class)",
     ("adapters/_log_values.py", "to_exact_json"): "a value's type",
     ("adapters/data.py", None): "a data record's leaves",
     ("adapters/nnx_optimizer.py", "_shape_dtype"): "a leaf's type",
@@ -57,17 +58,16 @@ OTHER_SHAPE_TESTS = {
     ("pure/population.py", "with_hyperparams"): "a hyperparameter must be a scalar",
     ("pure/scan.py", None): "batch numbers (1-D) are sliced, index arrays gathered",
     ("pure/train_step.py", "cut"): "a scalar loss is not cut into micro-batches",
-    ("shell/_engine/owner.py", "metric_logs"): "a metric's value: scalar or array",
     ("shell/_engine/owner.py", "_swappable"): "a Variable's value type",
     ("shell/_engine/streaming.py", "is_stream"): "a data set's type",
     ("shell/_population_checks.py", None): "argument checks (seeds, hyperparams)",
-    ("shell/callbacks.py", "values"): "EarlyStopping's one-model watch: a scalar monitor",
     ("shell/population.py", "fit"): "a population's per-member logs (it knows it is one)",
     ("shell/_scan_train.py", "_check_steps_axis"): "stacked batches need a steps axis",
 }
 
 _KINDS = {"Members", "OneModel", "ONE_MODEL", "MembersState"}
-#: Helpers that test a value's shape under a name: a call counts as ``np.ndim`` would.
+#: Helpers that test a value's shape under a name: a call counts as ``np.ndim`` would
+#: (``is_scalar``, gone from the package, stays counted should it come back).
 SHAPE_HELPERS = {"is_scalar"}
 
 

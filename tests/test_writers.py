@@ -308,3 +308,18 @@ def test_writers_read_only_the_step_and_the_members_of_the_trainer(tmp_path, mem
             writer.on_epoch_end(subject, entry["epoch"], dict(entry))
         if hasattr(writer, "on_train_end"):
             writer.on_train_end(subject, types.SimpleNamespace(epochs=logs))
+
+
+def test_csv_spreads_every_axis_of_a_members_per_class_metric(tmp_path):
+    """A population's metric per class, ``(N, C)``, gets a column per member and class,
+    ``key/member/class``; its per-member loss ``key/member``; the run's own logs stay one
+    column each (the writer names elements by their index, whatever the axes hold)."""
+    hits = np.array([[0.25, 0.5, 0.125], [0.75, 0.0, 1.0]], np.float32)  # 2 members, 3 classes
+    writer = CSVWriter(tmp_path / "logs.csv")
+    _drive(writer, [_logs(0, np.array([1.5, 0.5]), eval_hits=hits)])
+    with (tmp_path / "logs.csv").open(newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    expected = {"epoch": "0", "loss/0": "1.5", "loss/1": "0.5", "steps": "4",
+                "steps_per_sec": "1000.0", "wall_time": "0.004"}  # fmt: skip
+    expected |= {f"eval_hits/{m}/{c}": str(float(hits[m, c])) for m in range(2) for c in range(3)}
+    assert row == expected and list(row) == list(expected)

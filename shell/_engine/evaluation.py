@@ -107,7 +107,7 @@ def make_evaluate_fn(
                     values = evaluate(*args)
                 values = to_host(values)
             if metric_fn is None:
-                return metric_logs(values, metrics)
+                return metric_logs(values, metrics, layout)
             return {k: layout.value(v) for k, v in values.items()}
 
     def lowered(data: Any) -> Any:

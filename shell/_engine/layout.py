@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnxscan.adapters._log_values import is_scalar
 from nnxscan.pure import MembersState, Step, vmap_members
 from nnxscan.pure.batching import cut_batches
 from nnxscan.pure.checks import abstract_batch, check_leading_size
@@ -48,14 +47,16 @@ class Layout(Protocol):
 
     def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> Layout: ...
     # Logs: the mean over steps (``skipping``: NaN steps left out); a value (a statistic
-    # reduced over steps, an evaluation metric: one model's float, an array metric stays an
-    # array) and a count, as logs hold them; a value and the epoch's loss as the progress
-    # line shows them.
+    # reduced over steps, an evaluation or NNX metric: one model's float, an array metric
+    # stays an array, of ``dtype``; None keeps the value's) and a count, as logs hold them;
+    # a value and the epoch's loss as the progress line shows them. A value's leading
+    # ``shape`` is the layout's (members); what follows is the log's own (a metric per
+    # class), so only one model's layout, which has none, reads a value's rank.
     def step_mean(self, values: np.ndarray, skipping: bool) -> Any: ...
     # Whether a leaf of a call's stacked outputs (an aux leaf) is a scalar per step (per
     # member), ``(steps, *shape)``: a log.
     def scalar_per_step(self, leaf: Any) -> bool: ...
-    def value(self, x: Any) -> Any: ...
+    def value(self, x: Any, dtype: Any = np.float32) -> Any: ...
     def count(self, x: Any) -> Any: ...
     def nonfinite_steps(self, counts: Any, steps: int) -> str: ...
     def shown(self, name: str, value: Any) -> str | None: ...
@@ -105,8 +106,9 @@ class OneModel:
     def scalar_per_step(self, leaf: Any) -> bool:
         return np.ndim(leaf) == 1  # (steps,)
 
-    def value(self, x: Any) -> Any:
-        return float(x) if is_scalar(x) else np.asarray(x, np.float32)
+    def value(self, x: Any, dtype: Any = np.float32) -> Any:
+        # No members axis: a value's axes are the log's own, none for a scalar (a float).
+        return float(x) if np.ndim(x) == 0 else np.asarray(x, dtype)
 
     def count(self, x: Any) -> int:
         return int(x)
@@ -116,7 +118,8 @@ class OneModel:
 
     def shown(self, name: str, value: Any) -> str | None:
         number = _finite_median(value)
-        median = "" if is_scalar(value) else "median "  # a metric per class, say
+        # No members axis: an array is the log's own axes (a metric per class, say).
+        median = "" if np.ndim(value) == 0 else "median "
         return None if number is None else f"{name} {median}{number:.4g}"
 
     def loss_text(self, loss: Any) -> str:
@@ -218,8 +221,8 @@ class Members:
         # (steps, N): vmap_members gives every leaf of a member's outputs the members axis.
         return np.ndim(leaf) == 2
 
-    def value(self, x: Any) -> np.ndarray:
-        return np.asarray(x, np.float32)
+    def value(self, x: Any, dtype: Any = np.float32) -> np.ndarray:
+        return np.asarray(x, dtype)  # (N, ...): never a float, whatever the log's own shape
 
     def count(self, x: Any) -> np.ndarray:
         return np.asarray(x).astype(np.int64)

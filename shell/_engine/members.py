@@ -168,9 +168,9 @@ class StackedOwner:
         if self.metrics is None:
             return {}
         computed = member_metrics(self.graphdef, self.with_rngs, "compute")(self._carry[0])
-        values = metric_logs(computed, self.metrics)
+        values = metric_logs(computed, self.metrics, self.layout)
         self.reset_metrics()
-        return {k: np.asarray(v) for k, v in values.items()}
+        return values
 
     # -- writing ----------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxscan.adapters._checkpoint_manifest import COUNTERS, check_meta_ints
-from nnxscan.adapters._log_values import is_scalar
 from nnxscan.adapters.nnx_optimizer import (
     _is_variable,
     optax_state_from_optimizer,
@@ -85,15 +84,18 @@ class Owner(Protocol):
     def begin_run(self, run_keys: dict[str, Any]) -> None: ...
 
 
-def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
-    """``metrics.compute()``'s result as flat logs of host values (floats for scalars).
+def metric_logs(computed: Any, metrics: nnx.Metric, layout: Layout) -> dict[str, Any]:
+    """``metrics.compute()``'s result as flat logs of host values, as ``layout`` logs a
+    value (:meth:`Layout.value`, the dtype kept): one model's scalars as floats; its array
+    metrics (per class), and every value of members (``(N, ...)``, computed under their
+    vmap), as numpy arrays.
 
     An ``nnx.MultiMetric`` gives one entry per metric; a single metric is named by its
     ``argname`` (``Average("loss")`` -> ``loss``) or its class; a named tuple of
-    statistics (``Welford``) gives ``<name>_<field>``. Arrays stay numpy arrays.
+    statistics (``Welford``) gives ``<name>_<field>``.
 
     Example:
-      >>> metric_logs(metrics.compute(), metrics)
+      >>> metric_logs(metrics.compute(), metrics, ONE_MODEL)
       {'accuracy': 0.5, 'loss': 1.2}
     """
     name = getattr(metrics, "argname", None) or type(metrics).__name__.lower()
@@ -104,7 +106,7 @@ def metric_logs(computed: Any, metrics: nnx.Metric) -> dict[str, Any]:
     else:
         items = {name: computed}
     host = jax.device_get(items)
-    return {k: float(v) if is_scalar(v) else np.asarray(v) for k, v in host.items()}
+    return {k: layout.value(v, dtype=None) for k, v in host.items()}
 
 
 def counters(owner: Any) -> dict[str, int]:
@@ -322,7 +324,7 @@ class ModelOwner:
         """The training metrics accumulated since the last reset, then reset (one host read)."""
         values: dict[str, Any] = {}
         for metrics in self._metric_objects:
-            values.update(metric_logs(metrics.compute(), metrics))
+            values.update(metric_logs(metrics.compute(), metrics, self.layout))
             metrics.reset()
         return values
 
