@@ -130,6 +130,7 @@ def test_batch_numbers_gather_their_rows_before_the_loop_bitwise(setup, monkeypa
         _run(setup, data, np.array([0, 8]), batch_rows=BS)
 
 
+@pytest.mark.slow  # over ~5 s on 2 cores: the fast lane's 5 minutes on CI's machine
 def test_an_accelerator_gathers_wide_batches_in_the_loop_and_stacked_ones_in_chunks(
     setup, monkeypatch
 ):

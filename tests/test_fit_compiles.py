@@ -22,6 +22,7 @@ from conftest import MLP, state_arrays, xent
 TX = optax.adam(1e-2)
 
 
+@pytest.mark.slow  # over ~5 s on 2 cores: the fast lane's 5 minutes on CI's machine
 def test_fused_epochs_compile_once_per_stretch_length(data, compile_count, stretch_count):
     trainer = Trainer(MLP(hidden=23, rngs=nnx.Rngs(0)), TX, xent)
     new, calls = [], []
@@ -103,7 +104,8 @@ def _compiles_during(run) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(
-    ("tail", "slow"), [(False, False), (True, False), (False, True)],
+    ("tail", "slow"), [pytest.param(False, False, marks=pytest.mark.slow), (True, False),
+     pytest.param(False, True, marks=pytest.mark.slow)],  # over ~5 s each on 2 cores
     ids=["cut_stretch", "short_batch", "slow_thread"],
 )  # fmt: skip
 def test_programs_of_later_calls_compile_ahead_and_once(data, tail, slow, monkeypatch):

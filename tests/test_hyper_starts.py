@@ -174,7 +174,9 @@ CLOSED_FORM = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("init", ["hyperfan_in", "hyperfan_out"])
+@pytest.mark.parametrize(
+    "init", [pytest.param("hyperfan_in", marks=pytest.mark.slow), "hyperfan_out"]
+)
 @pytest.mark.slow_on_accelerator("many eager draws for the variance")
 def test_hyperfan_init_variance_matches_the_closed_form(init):
     spec = hyper.ParamSpec.from_module(ReLUNet(nnx.Rngs(0)))

@@ -161,7 +161,11 @@ def test_a_streamed_run_resumes_mid_epoch_skipping_the_batches_it_trained(tmp_pa
 
 
 @pytest.mark.parametrize(
-    ("signum", "error"), [(signal.SIGTERM, Preempted), (signal.SIGINT, KeyboardInterrupt)]
+    ("signum", "error"),
+    [
+        pytest.param(signal.SIGTERM, Preempted, marks=pytest.mark.slow),  # over ~5 s
+        (signal.SIGINT, KeyboardInterrupt),
+    ],
 )
 @pytest.mark.slow_on_accelerator("fits signalled, saved and resumed: 4.4 s")
 def test_a_signal_finishes_the_call_saves_and_raises_then_resume_goes_on(

@@ -196,6 +196,7 @@ def test_make_epoch_gives_each_member_its_own_order_from_orders_or_keys():
             assert_trees_close(member_state(trained, i), s_i)
 
 
+@pytest.mark.slow  # over ~5 s on 2 cores: the fast lane's 5 minutes on CI's machine
 def test_a_members_epoch_built_without_num_members_takes_the_members_orders_as_before():
     """``make_epoch(vmap_members(step), ...)`` without ``num_members`` (its form before the
     argument existed) trains what the epoch told ``num_members=N`` trains, bitwise, from N

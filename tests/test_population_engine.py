@@ -59,6 +59,7 @@ def stream_of(data, batch_size=BS):
 # -- streams --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over ~5 s on 2 cores: the fast lane's 5 minutes on CI's machine
 def test_a_shared_stream_trains_every_member_as_its_own_trainer_on_that_stream():
     batches = stream_of(DATA)  # 14 overlapping batches of 8
     pop = Population(mlp, TX, xent, seeds=SEEDS)

@@ -274,6 +274,7 @@ def test_stop_nonfinite_freezes_each_member_before_its_poisoned_batch(data):
         assert_trees_close(pop.member(i), model)
 
 
+@pytest.mark.slow  # over ~5 s on 2 cores: the fast lane's 5 minutes on CI's machine
 def test_early_stopping_stops_each_member_as_its_own_trainer(data):
     def make_stop():
         return EarlyStopping("eval_accuracy", patience=1, mode="max", verbose=False)

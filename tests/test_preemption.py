@@ -238,6 +238,7 @@ def fit_gan_style(directory=None, callbacks=()):
     return trainer, history
 
 
+@pytest.mark.slow  # over ~5 s on 2 cores: the fast lane's 5 minutes on CI's machine
 def test_a_mid_epoch_resume_keeps_a_stateful_steps_multimetric(tmp_path):
     straight, want = fit_gan_style(callbacks=[same_calls()])
     with pytest.raises(Preempted, match="at step 11 "):

@@ -93,6 +93,7 @@ def test_make_train_step_is_a_step_value():
     assert make_train_step(xent, tx, has_aux=True).has_aux is True
 
 
+@pytest.mark.slow  # over ~5 s on 2 cores: the fast lane's 5 minutes on CI's machine
 def test_lbfgs_trains_as_optaxs_documented_loop():
     data, steps = _regression(), 12
     step = make_train_step(mse, optax.lbfgs())
