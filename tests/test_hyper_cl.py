@@ -158,6 +158,7 @@ def test_conditional_generates_from_the_conditions_own_embedding(conditional):
     assert not np.allclose(want[0], want[1], atol=1e-3)  # conditions differ
 
 
+@pytest.mark.slow  # over ~5 s on 2 cores: the fast lane's 5 minutes on CI's machine
 def test_conditional_with_a_free_input_joins_embedding_and_z():
     target = MLP(3, 8, 2, rngs=nnx.Rngs(0))
     hnet = hyper.ConditionalHypernetwork(
@@ -395,6 +396,7 @@ def test_chunked_init_gives_each_tensor_the_targets_own_variance(make_target, an
     np.testing.assert_allclose(raw_scaled[0], raw[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # over ~5 s on 2 cores: the fast lane's 5 minutes on CI's machine
 def test_compression_ratio_counts_the_hypernetworks_params_over_the_targets():
     target = MLP(64, 256, 10, rngs=nnx.Rngs(0))  # 19,210 generated scalars
     size = 64 * 256 + 256 + 256 * 10 + 10
