@@ -39,11 +39,11 @@ RESERVED_LOGS = frozenset(
 
 def scalar_aux(aux: Any, layout: Layout) -> dict[str, Any]:
     """The aux leaves that are a scalar per step (per member): ``(steps, *layout.shape)``, as
-    ``layout.scalar_per_step`` says, keyed by their log name (their path; a name that would
-    shadow one of fit's own logs gets ``aux/``)."""
+    ``layout.log_shape`` says, keyed by their log name (their path; a name that would shadow
+    one of fit's own logs gets ``aux/``)."""
     leaves = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
-        if layout.scalar_per_step(leaf):
+        if layout.log_shape(leaf, steps=1) == ():
             key = jax.tree_util.keystr(path, simple=True, separator="/") or "aux"
             leaves[f"aux/{key}" if key in RESERVED_LOGS else key] = leaf
     return leaves

@@ -51,11 +51,9 @@ class Layout(Protocol):
     # stays an array, of ``dtype``; None keeps the value's) and a count, as logs hold them;
     # a value and the epoch's loss as the progress line shows them. A value's leading
     # ``shape`` is the layout's (members); what follows is the log's own (a metric per
-    # class), so only one model's layout, which has none, reads a value's rank.
+    # class): ``log_shape`` (the same function on both layouts).
     def step_mean(self, values: np.ndarray, skipping: bool) -> Any: ...
-    # Whether a leaf of a call's stacked outputs (an aux leaf) is a scalar per step (per
-    # member), ``(steps, *shape)``: a log.
-    def scalar_per_step(self, leaf: Any) -> bool: ...
+    def log_shape(self, value: Any, *, steps: int = 0) -> tuple[int, ...]: ...
     def value(self, x: Any, dtype: Any = np.float32) -> Any: ...
     def count(self, x: Any) -> Any: ...
     def nonfinite_steps(self, counts: Any, steps: int) -> str: ...
@@ -86,6 +84,20 @@ class Layout(Protocol):
     def batch_numbers(self, indices: np.ndarray, batch_size: int) -> tuple[np.ndarray, Any]: ...
 
 
+def _log_shape(layout: Layout, value: Any, *, steps: int = 0) -> tuple[int, ...]:
+    """``layout.log_shape(value, steps=)``: a log's own shape, ``value``'s after its
+    ``steps`` leading step axes and the layout's members axes (``layout.shape``: none for
+    one model, ``(N,)`` for members, which ``vmap_members`` gives every leaf of a member's
+    outputs). ``()`` is one number per model (per step), ``(C,)`` a metric per class: the
+    one place a log's own axes are told from the layout's, which say one model or members.
+
+    Example:
+      >>> Members(3).log_shape(np.zeros((16, 3)), steps=1), ONE_MODEL.log_shape(np.zeros(5))
+      ((), (5,))
+    """
+    return tuple(np.shape(value))[steps + len(layout.shape) :]
+
+
 @dataclasses.dataclass(frozen=True)
 class OneModel:
     """The layout of one model: a value per model is a scalar; the step runs as it is."""
@@ -97,18 +109,16 @@ class OneModel:
     def for_run(self, data: DataKind, member_batches: bool, member_axis: str | None) -> OneModel:
         return self
 
+    log_shape = _log_shape
+
     def step_mean(self, values: np.ndarray, skipping: bool) -> Any:
         if not skipping:
             return np.mean(values, axis=0)
         finite = np.isfinite(values)
         return np.mean(values[finite]) if finite.any() else np.float32(np.nan)
 
-    def scalar_per_step(self, leaf: Any) -> bool:
-        return np.ndim(leaf) == 1  # (steps,)
-
     def value(self, x: Any, dtype: Any = np.float32) -> Any:
-        # No members axis: a value's axes are the log's own, none for a scalar (a float).
-        return float(x) if np.ndim(x) == 0 else np.asarray(x, dtype)
+        return float(x) if self.log_shape(x) == () else np.asarray(x, dtype)
 
     def count(self, x: Any) -> int:
         return int(x)
@@ -118,8 +128,7 @@ class OneModel:
 
     def shown(self, name: str, value: Any) -> str | None:
         number = _finite_median(value)
-        # No members axis: an array is the log's own axes (a metric per class, say).
-        median = "" if np.ndim(value) == 0 else "median "
+        median = "" if self.log_shape(value) == () else "median "  # a metric per class
         return None if number is None else f"{name} {median}{number:.4g}"
 
     def loss_text(self, loss: Any) -> str:
@@ -208,6 +217,8 @@ class Members:
             batches = "own batches"
         return dataclasses.replace(self, member_axis=member_axis, batches=batches)
 
+    log_shape = _log_shape
+
     def step_mean(self, values: np.ndarray, skipping: bool) -> Any:
         if not skipping:
             return np.mean(values, axis=0)
@@ -216,10 +227,6 @@ class Members:
         sums = np.where(finite, values, 0).sum(axis=0)
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan).astype(values.dtype)
-
-    def scalar_per_step(self, leaf: Any) -> bool:
-        # (steps, N): vmap_members gives every leaf of a member's outputs the members axis.
-        return np.ndim(leaf) == 2
 
     def value(self, x: Any, dtype: Any = np.float32) -> np.ndarray:
         return np.asarray(x, dtype)  # (N, ...): never a float, whatever the log's own shape
