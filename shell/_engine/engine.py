@@ -30,7 +30,6 @@ from nnxscan.shell._engine.epochs import (
     Epochs,
     StepEpochs,
     StreamEpochs,
-    peek_stream,
 )
 from nnxscan.shell._engine.fit import CallbackList, Checkpoints, FitLoop
 from nnxscan.shell._engine.layout import DataKind, Layout
@@ -40,7 +39,7 @@ from nnxscan.shell._engine.placement import Placement, device_of
 from nnxscan.shell._engine.plans import Plan
 from nnxscan.shell._engine.programs import TrainProgram
 from nnxscan.shell._engine.schedule import Schedule, with_steps_per_call
-from nnxscan.shell._engine.streaming import EpochSource, default_chunk_size, is_stream
+from nnxscan.shell._engine.streaming import EpochSource, default_chunk_size
 from nnxscan.shell.history import History
 
 
@@ -83,9 +82,8 @@ class Engine:
 
     # -- the plan ---------------------------------------------------------------------------
 
-    def run_layout(self, data: Any, member_batches: bool = False) -> Layout:
-        """The owner's layout for a fit of ``data`` on this call's mesh."""
-        kind: DataKind = "none" if data is None else "stream" if is_stream(data) else "arrays"
+    def run_layout(self, kind: DataKind, member_batches: bool = False) -> Layout:
+        """The owner's layout for a fit of data of this kind on this call's mesh."""
         return self.owner.layout.for_run(kind, member_batches, self.placement.member_axis)
 
     def execution(self, batch: Any, layout: Layout) -> Execution:
@@ -117,8 +115,8 @@ class Engine:
     def plan_for(self, data: Any, batch_size: int, member_batches: bool = False) -> Plan:
         """The plan ``fit`` uses for this data set and batch size (traces, no compile)."""
         with self.bind().context():
-            layout = self.run_layout(data, member_batches)
-            return self.execution(layout.batch_shapes(data, batch_size), layout).plan
+            layout = self.run_layout("arrays", member_batches)
+            return self.execution(layout.data_shapes(data, batch_size)[1], layout).plan
 
     def make_runner(self, layout: Layout) -> Callable[..., Any]:
         """``make(carry_def, carry_shardings, donate)``: the compiled runner of a fit laid
@@ -154,8 +152,8 @@ class Engine:
                 checkpoints.close()  # the loop closed it already, unless fit failed before
 
     def _fit(self, data: Any, options: FitOptions) -> History:
-        layout = self.run_layout(data, options.member_batches)
-        stream = data is not None and is_stream(data)
+        layout = self.run_layout(options.data_kind, options.member_batches)
+        stream = options.data_kind == "stream"
         if options.epochs is None and stream:
             raise ValueError(
                 "a stream's epochs have no length known before it is read: pass epochs= "
@@ -175,7 +173,7 @@ class Engine:
                 # but the state/ item a killed run left out of that checkpoint is added.
                 options.checkpoints.save(run["history"], empty_losses(owner.layout))
             return _finished(**run)
-        if data is None:
+        if options.data_kind == "none":
             epoch_calls, execution = self._steps(options, layout)
         elif stream:
             epochs = schedule.end_epoch - owner.epoch  # a stream's end_epoch is known
@@ -204,14 +202,14 @@ class Engine:
     ) -> tuple[Epochs, Execution]:
         if options.batch_size is None:
             raise ValueError("batch_size is required when data is a data set of arrays.")
-        n = layout.examples(data)
+        n, batch = layout.data_shapes(data, options.batch_size)
         batch_size = check_batch_size(options.batch_size, n, drop_remainder=options.drop_remainder)
         self.placement.check_batch_size(batch_size)
         if not options.drop_remainder:
             self.placement.check_batch_size(n % batch_size or batch_size)
         state = self.owner.read()[1]
         data = self.placement.put_data(data, state)
-        execution = self.execution(layout.batch_shapes(data, batch_size), layout)
+        execution = self.execution(batch, layout)
         epoch_calls = ArrayEpochs(
             data, functools.partial(self.placement.put_data, device=device_of(state)),
             num_examples=n, batch_size=batch_size, seeds=self.owner.run_seeds(options.run_keys),
@@ -229,7 +227,7 @@ class Engine:
     def _stream(self, data, epochs: int, options: FitOptions, layout: Layout):
         source = EpochSource(data, epochs)
         state = self.owner.read()[1]
-        first, first_epoch = peek_stream(source)
+        first, first_epoch = source.peek()
         # Each process streams its own share of every batch: check the local size.
         examples = jax.tree.leaves(layout.first_batch(first))[0].shape[0]
         self.placement.check_batch_size(examples, local=True)

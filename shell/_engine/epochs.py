@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from nnxscan.adapters.data import to_numpy
 from nnxscan.pure import epoch_order
 from nnxscan.pure.batching import steps_per_gather
 from nnxscan.shell._engine.calls import Call
@@ -240,15 +239,6 @@ class StepEpochs:
         kept = kept_slots(stretch, self._put)
         for start, length in stretch.calls:
             yield Call(None, indices, start, length, kept=kept)
-
-
-def peek_stream(source: EpochSource) -> tuple[Any, Iterator]:
-    """The first epoch's first batch (as numpy), and that epoch's iterator with it put back."""
-    first_epoch = source.epoch()
-    first = next(first_epoch, None)
-    if first is None:
-        raise ValueError("data is empty: the iterator yielded no batch.")
-    return to_numpy(first, index=0), itertools.chain([first], first_epoch)
 
 
 class StreamEpochs:

@@ -73,12 +73,12 @@ class Layout(Protocol):
     def evaluate(self, evaluate: Callable) -> Callable: ...
     def members_axis(self, mesh: Any, name: str | None) -> str | None: ...
     def batch_spec(self, member_axis: str | None) -> tuple: ...
-    # The data: examples (each member's), one step's batch shapes, a stream's first batch as
-    # one model trains it; the orders (one per seed) cut into indices with the core's cut,
-    # steps first (``(steps, batch)``, ``(steps, N, batch)``); the stored order's batches
-    # by number.
-    def examples(self, data: Any) -> int: ...
-    def batch_shapes(self, data: Any, batch_size: int) -> Any: ...
+    # The data: a data set's examples (each member's; checked) with one step's batch shapes,
+    # read once on the host before it is placed (the shapes' dtypes are JAX's canonical
+    # ones, those the placed data will have); a stream's first batch as one model trains
+    # it; the orders (one per seed) cut into indices with the core's cut, steps first
+    # (``(steps, batch)``, ``(steps, N, batch)``); the stored order's batches by number.
+    def data_shapes(self, data: Any, batch_size: int) -> tuple[int, Any]: ...
     def first_batch(self, batch: Any) -> Any: ...
     def cut(self, orders: list[np.ndarray], batch_size: int, drop: bool) -> tuple[Any, Any]: ...
     def batch_numbers(self, indices: np.ndarray, batch_size: int) -> tuple[np.ndarray, Any]: ...
@@ -158,11 +158,8 @@ class OneModel:
     def batch_spec(self, member_axis: str | None) -> tuple:
         return ()
 
-    def examples(self, data: Any) -> int:
-        return check_leading_size(data, "data")
-
-    def batch_shapes(self, data: Any, batch_size: int) -> Any:
-        return abstract_batch(data, leading=batch_size)
+    def data_shapes(self, data: Any, batch_size: int) -> tuple[int, Any]:
+        return check_leading_size(data, "data"), abstract_batch(data, leading=batch_size)
 
     def first_batch(self, batch: Any) -> Any:
         return batch
@@ -314,23 +311,20 @@ class Members:
     def batch_spec(self, member_axis: str | None) -> tuple:
         return () if self._shared_batch else (member_axis,)
 
-    def examples(self, data: Any) -> int:
+    def data_shapes(self, data: Any, batch_size: int) -> tuple[int, Any]:
         if not self.data_lead:
-            return check_leading_size(data, "data")
+            return check_leading_size(data, "data"), abstract_batch(data, leading=batch_size)
         if check_leading_size(data, "data") != self.num_members:
             raise ValueError(
                 f"with member_batches=True every data leaf needs a leading members axis of "
                 f"{self.num_members}: (members, examples, ...)."
             )
-        return check_leading_size(jax.tree.map(lambda x: x[0], data), "data[member]")
-
-    def batch_shapes(self, data: Any, batch_size: int) -> Any:
-        if not self.data_lead:
-            return abstract_batch(data, leading=batch_size)
-        return jax.tree.map(
+        examples = check_leading_size(jax.tree.map(lambda x: x[0], data), "data[member]")
+        batch = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0], batch_size, *x.shape[2:]), x.dtype),
             abstract_batch(data),
         )
+        return examples, batch
 
     def first_batch(self, batch: Any) -> Any:
         if not self.data_lead:

@@ -19,6 +19,8 @@ from flax import nnx
 
 from nnxscan.pure.checks import check_count
 from nnxscan.shell._engine.evaluation import fit_evaluation
+from nnxscan.shell._engine.layout import DataKind
+from nnxscan.shell._engine.streaming import is_stream
 
 
 class FitArguments(TypedDict, total=False):
@@ -166,6 +168,8 @@ class FitOptions(NamedTuple):
     steps_per_epoch: int | None = None
     progress_logs: tuple[str, ...] | None = None
     max_steps: int | None = None
+    #: What ``data`` is, decided here once: the engine and the layout read this, not the data.
+    data_kind: DataKind = "arrays"
 
 
 def fit_options(
@@ -206,6 +210,7 @@ def fit_options(
     batch_size, steps_per_epoch = o["batch_size"], o["steps_per_epoch"]
     if batch_size is not None:
         batch_size = check_count(batch_size, "batch_size", 1)
+    data_kind: DataKind = "none" if data is None else "stream" if is_stream(data) else "arrays"
     if data is None:
         if steps_per_epoch is None:
             raise ValueError(
@@ -246,6 +251,7 @@ def fit_options(
         evaluation=evaluation, checkpoint_dir=directory, checkpoints=checkpoints,
         resume=_resume(o["resume"]), run_keys=run_keys, member_batches=bool(member_batches),
         steps_per_epoch=steps_per_epoch, progress_logs=progress_logs, max_steps=max_steps,
+        data_kind=data_kind,
     )  # fmt: skip
 
 

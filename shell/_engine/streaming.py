@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc
 import inspect
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -110,6 +111,15 @@ class EpochSource:
                     f"the data callable returned a {type(it).__name__}, not an iterator of batches."
                 ) from None
         return it
+
+    def peek(self) -> tuple[Any, Iterator]:
+        """The first epoch's first batch (as numpy), and that epoch's iterator with it put
+        back."""
+        first_epoch = self.epoch()
+        first = next(first_epoch, None)
+        if first is None:
+            raise ValueError("data is empty: the iterator yielded no batch.")
+        return to_numpy(first, index=0), itertools.chain([first], first_epoch)
 
 
 def _describe(tree: Any) -> dict[str, tuple[tuple, str]]:
