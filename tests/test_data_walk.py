@@ -54,7 +54,8 @@ def _array_tree(value) -> bool:
 
 
 def walk(run, data) -> list[tuple[str, str]]:
-    """``(file, function)`` of every call on ``data``'s walk while ``run()`` runs."""
+    """``(file, function)`` of every call on ``data``'s walk while ``run()`` runs (on this
+    thread: a stream's prefetch thread only reads batches)."""
     followed = {id(data): data}  # by identity; the objects are kept alive here
     calls: list[tuple[str, str]] = []
     on_walk: dict[int, bool] = {}  # frame id -> got a followed object directly
@@ -83,11 +84,12 @@ def walk(run, data) -> list[tuple[str, str]]:
         elif id(frame) in on_walk and on_walk.pop(id(frame)) and _array_tree(arg):
             followed[id(arg)] = arg
 
+    previous = sys.getprofile()  # a profiler of the user's, put back after
     sys.setprofile(profile)
     try:
         run()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(previous)
     return calls
 
 
