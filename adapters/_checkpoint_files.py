@@ -7,7 +7,7 @@ each process's shards; its fixed CPU cost per save (mostly per array; measured i
 docs/checkpoints.md) is what this storage avoids, so that a checkpoint written in the
 background does not take the CPU from training.
 
-Layout of one checkpoint (both storages name a finished checkpoint by its step)::
+The files of one checkpoint (both storages name a finished checkpoint by its step)::
 
     <directory>/<step>/
       manifest.json        the manifest of checkpoint.py (validated whole on read: see

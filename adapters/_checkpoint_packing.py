@@ -221,7 +221,7 @@ def _packing(tree: dict[str, Any], with_item: bool) -> Packing:
         entries=tuple(record.to_json() for record in records),
         python=tuple(python),
         keys=frozenset(keys),
-        packs={pack: tuple(members) for pack, members in packs.items()},
+        packs={pack: tuple(indices) for pack, indices in packs.items()},
         item=tuple(zip(state, item_leaves, strict=True)) if item_leaves else (),
         item_files=item_files,
         arrays=arrays,
@@ -245,8 +245,8 @@ def fill(packing: Packing, leaves: list) -> tuple[list[dict[str, Any]], dict[str
         name: array_data(leaves[index], index in packing.keys)
         for name, index in packing.arrays.items()
     }
-    members = [index for indices in packing.packs.values() for index in indices]
-    values = [array_data(leaves[i], i in packing.keys) for i in members]
+    packed = [index for indices in packing.packs.values() for index in indices]
+    values = [array_data(leaves[i], i in packing.keys) for i in packed]
     host = iter(_to_host(values, start=not packing.on_host))
     for pack, indices in packing.packs.items():
         # The copy out of the device buffers (on the CPU, np.asarray is a view of them).

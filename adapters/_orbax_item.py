@@ -3,8 +3,8 @@
 Flax's checkpointing guide loads a model for inference with
 ``ocp.StandardCheckpointer().restore(path, abstract_state)``. For that to read an nnxscan
 checkpoint, nnxscan's own files storage also writes the tree's ``state`` entry as
-``<step>/state/``, in the layout orbax's ``StandardCheckpointer`` writes by default (an
-OCDBT key-value store of zarr v2 arrays; orbax reads every layout it ever wrote):
+``<step>/state/``, in the format orbax's ``StandardCheckpointer`` writes by default (an
+OCDBT key-value store of zarr v2 arrays; orbax reads every format it ever wrote):
 
     <step>/state/
       _METADATA                      the tree: each leaf's key path and shape

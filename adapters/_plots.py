@@ -25,7 +25,7 @@ def history_plot(history: Any, path: str | os.PathLike[str], smooth: float | int
         raise ValueError("nothing to plot: this History holds no training losses")
     # One column per model: a single model's losses, or each member's.
     columns = losses.reshape(len(losses), -1)
-    members = columns.shape[1]
+    num_members = columns.shape[1]
     window = _smoothing_window(smooth, columns.shape[0])
     figure_mod = require_extra("matplotlib.figure", "demo", needed_by="History.plot")
     agg = require_extra("matplotlib.backends.backend_agg", "demo", needed_by="History.plot")
@@ -38,11 +38,11 @@ def history_plot(history: Any, path: str | os.PathLike[str], smooth: float | int
     axes = fig.subplots(2 if evals else 1, 1, sharex=True, squeeze=False)[:, 0]
     ax = axes[0]
     finite = np.isfinite(columns)
-    labelled = members <= _LEGEND_MEMBERS
-    for m in range(members):
+    labelled = num_members <= _LEGEND_MEMBERS
+    for m in range(num_members):
         color = f"C{m % 10}"
-        single = members == 1
-        if members <= 4:
+        single = num_members == 1
+        if num_members <= 4:
             ax.plot(steps, columns[:, m], lw=0.6, alpha=0.3, color=color,
                     label="loss" if single else None)  # fmt: skip
         label = "loss (smoothed)" if single else (f"member {m}" if labelled else None)
@@ -50,7 +50,7 @@ def history_plot(history: Any, path: str | os.PathLike[str], smooth: float | int
                 color=color, label=label)  # fmt: skip
     if finite.any() and (columns[finite] > 0).all():
         ax.set_yscale("log")
-    ax.set_ylabel("training loss" if members == 1 else f"training loss, {members} members")
+    ax.set_ylabel("training loss" if num_members == 1 else f"training loss, {num_members} members")
     styles = ("-", "--", ":", "-.")
     names = sorted({name for name, _ in evals})
     for (name, member), (xs, ys) in evals.items():
@@ -65,7 +65,7 @@ def history_plot(history: Any, path: str | os.PathLike[str], smooth: float | int
         axes[1].set_ylabel(f"eval ({_eval_cadence(epochs)})")
         if labelled:
             axes[1].legend(loc="best", fontsize="small")
-    _mark_events(axes, events, epochs, ends, single=members == 1)
+    _mark_events(axes, events, epochs, ends, single=num_members == 1)
     if labelled or events:
         ax.legend(loc="upper right", fontsize="small")
     # Epoch boundaries help read the loss against the eval points; past a few dozen

@@ -27,7 +27,7 @@ def shape_dtype(leaf: Any) -> tuple[tuple[int, ...], str]:
     return tuple(np.shape(leaf)), str(leaf.dtype)
 
 
-def members_of(stacked: Any, what: str = "states") -> int:
+def num_members_of(stacked: Any, what: str = "states") -> int:
     """The size of the leading members axis every leaf of ``stacked`` shares."""
     leaves = leaf_paths(stacked)
     if not leaves:

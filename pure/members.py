@@ -102,7 +102,7 @@ def vmap_members(
     values = {name: tuple(map(float, v)) for name, v in (hyperparams or {}).items()}
 
     def init(graphdef: nnx.GraphDef, states: nnx.State) -> MembersState:
-        size = _members.members_of(states, "states")
+        size = _members.num_members_of(states, "states")
         inner = jax.vmap(lambda state: step.init(graphdef, state))(states)
         for name, given in values.items():
             if len(given) != size:
@@ -140,7 +140,7 @@ def _check_members(states: Any, opt_state: Any, batch: Any) -> None:
             f"the members' step takes the MembersState its init returns, got "
             f"{type(opt_state).__name__}: opt_state = members.init(graphdef, states)."
         )
-    size = _members.members_of(states, "states")
+    size = _members.num_members_of(states, "states")
     if tuple(jnp.shape(opt_state.active)) != (size,):
         raise ValueError(
             f"active has shape {tuple(jnp.shape(opt_state.active))} but the states hold "

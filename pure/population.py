@@ -87,7 +87,7 @@ def unstack_states(stacked: Any) -> list[Any]:
       >>> states = unstack_states(stacked)
       >>> model_2 = nnx.merge(graphdef, states[2])
     """
-    size = _members.members_of(stacked, "stacked")
+    size = _members.num_members_of(stacked, "stacked")
     return [member_state(stacked, i) for i in range(size)]
 
 

@@ -171,7 +171,7 @@ def make_train_step(
 
         (loss, (aux, new_state)), grads = jax.value_and_grad(forward, has_aux=True)(params)
         _, new_rest = nnx.split_state(new_state, wrt, ...)
-        _check_same_layout(rest, new_rest)
+        _check_same_structure(rest, new_rest)
         return loss, aux, grads, new_rest
 
     def loss_of(graphdef, rest, params, batch):
@@ -370,8 +370,9 @@ def _mean_over_micro_batches(x: jax.Array) -> jax.Array:
     return x[-1]
 
 
-def _check_same_layout(before: nnx.State, after: nnx.State) -> None:
-    """The state a step returns must have the layout it received: a scan carries it."""
+def _check_same_structure(before: nnx.State, after: nnx.State) -> None:
+    """The state a step returns must have the structure it received (the same variables,
+    each of the same shape and dtype): a scan carries it."""
     old = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(before)}
     new = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(after)}
     added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))

@@ -43,7 +43,7 @@ def check_seeds(seeds: Any) -> tuple[int, ...]:
     return tuple(check_seed(s, f"seeds[{i}]") for i, s in enumerate(seeds))
 
 
-def check_hyperparams(hyperparams: Any, members: int) -> dict[str, tuple]:
+def check_hyperparams(hyperparams: Any, num_members: int) -> dict[str, tuple]:
     """``{name: N values}`` after checking the form (the names are checked against tx)."""
     if hyperparams is None:
         return {}
@@ -56,12 +56,12 @@ def check_hyperparams(hyperparams: Any, members: int) -> dict[str, tuple]:
     for name, values in hyperparams.items():
         if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
             raise TypeError(
-                f"hyperparams[{name!r}] must be a list of {members} values (one per seed), "
+                f"hyperparams[{name!r}] must be a list of {num_members} values (one per seed), "
                 f"got {type(values).__name__}."
             )
-        if len(values) != members:
+        if len(values) != num_members:
             raise ValueError(
-                f"hyperparams[{name!r}] has {len(values)} values but there are {members} "
+                f"hyperparams[{name!r}] has {len(values)} values but there are {num_members} "
                 f"seeds: give exactly one value per member."
             )
         for i, value in enumerate(values):

@@ -336,10 +336,10 @@ class _MembersWatch:
 
     def values(self, value: Any) -> np.ndarray:
         values = np.asarray(value, np.float64)
-        members = len(self.population)
-        if values.shape != (members,):
+        num_members = len(self.population)
+        if values.shape != (num_members,):
             raise ValueError(
-                f"EarlyStopping(monitor={self.stop_.monitor!r}) on a population of {members} "
+                f"EarlyStopping(monitor={self.stop_.monitor!r}) on a population of {num_members} "
                 f"members needs one number per member, but {self.stop_.monitor!r} has shape "
                 f"{values.shape}."
             )

@@ -66,8 +66,8 @@ def head_init_scale(
     return jnp.sqrt(variance / (in_features * input_variance))
 
 
-# One compiled initializer per layout, drawing all head weights with one random call (a
-# random call per tensor costs a threefry compile per shape).
+# One compiled initializer per set of head shapes, drawing all head weights with one random
+# call (a random call per tensor costs a threefry compile per shape).
 @functools.partial(jax.jit, static_argnames=("shapes", "in_features", "dtype"))
 def _init_head_weights(key, scales, fills, *, shapes, in_features, dtype):
     sizes = [in_features * math.prod(shape) for shape in shapes]

@@ -238,7 +238,7 @@ class Hypernetwork(nnx.Module):
                 rngs=rngs,
             )
         self.target = nnx.merge(graphdef, slots, rest, copy=True)
-        # The original graphdef (slots typed as wrt selected them) and leaf layout, static.
+        # The original graphdef (slots typed as wrt selected them) and leaf structure, static.
         self._target_graphdef = spec.graphdef
         self._generated_treedef = spec.treedef
         self._generated_leaves = spec.leaves

@@ -270,7 +270,7 @@ def spec_from_split(
 
 @jax.jit
 def _moments(values: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    # One compiled call per layout rather than a few eager ops per tensor.
+    # One compiled call per list of tensor shapes rather than a few eager ops per tensor.
     values = [jnp.asarray(v, jnp.float32) for v in values]
     zero = jnp.zeros((), jnp.float32)
     mean = jnp.stack([jnp.mean(v) if v.size else zero for v in values])

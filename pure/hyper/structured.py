@@ -41,7 +41,7 @@ from nnxscan.pure.hyper.vector import EVERY_CONDITION, VectorHeads
 __all__ = ["StructuredHeads", "layer_groups"]
 
 
-# One compiled draw per layout, cut into the weights (a random call per array costs a
+# One compiled draw per set of shapes, cut into the weights (a random call per array costs a
 # threefry compile per shape).
 @functools.partial(jax.jit, static_argnames=("shapes", "scales", "dtype"))
 def _draw_normal(key, *, shapes, scales, dtype):

@@ -2,7 +2,7 @@
 
 :func:`~nnxscan.pure.hyper.ravel` orders a network's params tensor by tensor, row-major, as
 the target holds them. Chunked and structured heads compute a kernel output unit by output
-unit (each unit's fan-in contiguous, hypnettorch's layout), so building the params moves
+unit (each unit's fan-in contiguous, hypnettorch's order), so building the params moves
 every kernel's axes, and raveling them moves them back. Where only some vector of the
 generated scalars is needed (von Oswald et al.'s output regularizer compares every task's
 generated weights with a snapshot, entry by entry, in whatever order both sides share),
@@ -90,7 +90,7 @@ class VectorHeads(nnx.Module):
         return vector
 
     def vector_of(self, params: Any) -> jax.Array:
-        """The heads' vector of given params (in the target's layout): :meth:`params_of`
+        """The heads' vector of given params (the target's tensors): :meth:`params_of`
         undone, e.g. pretrained weights to add to generated deltas.
 
         Raises:

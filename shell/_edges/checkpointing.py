@@ -146,7 +146,7 @@ def _template(owner: Owner, placement: Placement) -> dict[str, Any]:
     # The model's CURRENT shardings (another mesh than the saved one's, too: elastic).
     shardings = placement.carry_shardings(template["state"], template["opt_state"])
     if shardings is not None:
-        # On a mesh, orbax reads straight into the layout training uses (replicated,
+        # On a mesh, orbax reads straight into the shardings training uses (replicated,
         # FSDP, members over their axis), rather than onto one device of one process.
         abstract = [
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)

@@ -46,7 +46,7 @@ from nnxscan.shell._engine.calls import (
     run_calls,
 )
 from nnxscan.shell._engine.epochs import Epochs, EpochStats
-from nnxscan.shell._engine.held_states import BankLayout
+from nnxscan.shell._engine.held_states import BankPacking
 from nnxscan.shell._engine.layout import Layout
 from nnxscan.shell._engine.owner import Owner
 from nnxscan.shell._engine.placement import Placement
@@ -610,8 +610,8 @@ class FitLoop:
             return {}
         saved: dict[int, Any] = {i: () for i in range(stretch.epochs - 1)}
         if kept:
-            layout = BankLayout.of(live.leaves)
-            states = layout.unpack(kept[0], len(stretch.held))
+            packing = BankPacking.of(live.leaves)
+            states = packing.unpack(kept[0], len(stretch.held))
             for i, leaves in zip(stretch.held, states, strict=True):
                 step = first_step + (i + 1) * stretch.per_epoch
                 at = {"epoch": stretch.epoch + i + 1, "step": step, "epoch_step": 0}

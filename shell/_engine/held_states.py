@@ -8,7 +8,7 @@ copy per dtype, not one op per leaf (per-leaf copies made the program compile ~0
 for a 19-leaf MLP). An epoch whose state is not kept writes into a spare slot. Typed PRNG
 keys (which no buffer of numbers holds) keep a slot array of their own.
 
-On the host the banks' slots are taken apart again (:meth:`BankLayout.unpack`): numpy views
+On the host the banks' slots are taken apart again (:meth:`BankPacking.unpack`): numpy views
 of one copy per dtype (on the CPU, of the device buffer itself) and the keys' own arrays,
 the carry's leaves in its order, bitwise what the carry held at that epoch's end.
 """
@@ -26,10 +26,10 @@ def _is_key(x: Any) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-class BankLayout(NamedTuple):
-    """Where each leaf of a carry lies in the banks: ``places[i]`` is ``(group, offset)``
-    in the dtype group's buffer, or ``(-1, k)`` for the ``k``-th key leaf; ``groups``, the
-    dtypes in order of first appearance; ``shapes``, each leaf's."""
+class BankPacking(NamedTuple):
+    """How a carry's leaves are packed into the banks: ``places[i]``, where leaf ``i`` lies,
+    is ``(group, offset)`` in the dtype group's buffer, or ``(-1, k)`` for the ``k``-th key
+    leaf; ``groups``, the dtypes in order of first appearance; ``shapes``, each leaf's."""
 
     groups: tuple[str, ...]
     places: tuple[tuple[int, int], ...]
@@ -37,8 +37,8 @@ class BankLayout(NamedTuple):
     sizes: tuple[int, ...]  # each group's elements
 
     @classmethod
-    def of(cls, leaves: list) -> BankLayout:
-        """The layout of a carry's leaves (arrays or their shapes and dtypes)."""
+    def of(cls, leaves: list) -> BankPacking:
+        """The packing of a carry's leaves (arrays or their shapes and dtypes)."""
         groups: dict[str, int] = {}
         sizes: list[int] = []
         places, keys = [], 0

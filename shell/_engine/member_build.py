@@ -153,10 +153,11 @@ _UNTRACEABLE = (
 )
 _INT32 = (-(2**31), 2**31 - 1)
 # From this many random entries drawn (all members'), a CPU build draws them through JAX's
-# threefry hash unrolled (nnxscan.pure.threefry: the same bits). XLA:CPU runs JAX's loop of
-# the hash at ~20-28 ns an entry here, the unrolled hash at 2-5 ns, which compiles and
-# traces ~0.4 s longer: 1,024 digits MLPs (26M entries) built in 1.5 s instead of 2.8 s,
-# 1,024 small MLPs (9M) 0.2 s sooner rolled. The entries are read off the traced build.
+# threefry hash unrolled (nnxscan.pure.threefry: the same bits). XLA:CPU runs the unrolled
+# hash several times faster per entry than JAX's loop of it, but traces and compiles it
+# longer, so it pays only where many entries are drawn: 2**24 lies between the builds that
+# ran sooner rolled and those that ran sooner unrolled (docs/performance.md, "Populations:
+# members built in one program"). The entries are read off the traced build.
 _UNROLL_FROM = 2**24
 
 
@@ -194,10 +195,10 @@ def _in_one_program(
         return state
 
     def build_all(seed_array: Any, rngs_state: Any) -> tuple[Any, MembersState]:
-        # One vmap over every member, on every backend. A loop over chunks of 128 (each
-        # vmapped, `lax.map(batch_size=)`) was tried on a TPU v5e to bound the compile's
-        # growth with N, and was slower: 1,024 small MLPs 15.9 s against 5.3 s in one
-        # vmap, 1,024 digits MLPs past 150 s against 4.1 s (docs/performance.md).
+        # One vmap over every member, on every backend: a loop over chunks of members
+        # (`lax.map(batch_size=)`, each chunk vmapped), which would bound the compile's
+        # growth with N on a TPU, builds there several times slower than one vmap
+        # (docs/performance.md, "Tried and not kept").
         states = jax.vmap(build_one)(seed_array, rngs_state)
         return states, members_step.init(graphdefs[-1][0], states)
 
@@ -229,8 +230,9 @@ def _in_one_program(
     with paused_gc():
         lowered = jax.jit(program).lower(*args)
     try:
-        # XLA:CPU's options for a program run once (pure.compile_once): 1,024 small MLPs and
-        # their Adam states compile in 0.5 s instead of 5.6 s here, run in 0.24 s, not 0.8.
+        # The build runs once, so its compile is most of what it costs: compiled for a
+        # program run once (pure.compile_once: on the CPU about 10x sooner for 1,024 small
+        # MLPs and their Adam states, and no slower to run; docs/performance.md).
         state, members_state = compile_once(lowered)(*args)
     except jax.errors.JaxRuntimeError as error:
         # Every member's initialiser temporaries at once may not fit where one member's
@@ -243,8 +245,9 @@ def _in_one_program(
 
 def _stacked_on_host(states: list) -> Any:
     """``stack_states(states)`` of small states made on the host (call-time Rngs: a key and
-    a count a stream), in one transfer and numpy (``jnp.stack`` of 1,024 members' leaves
-    took 2 s, this 0.07 s); None where two members' leaves differ in shape or dtype."""
+    a count a stream), in one transfer and numpy: states this small stack there many times
+    sooner than by ``jnp.stack`` on the device (docs/performance.md). None where two
+    members' leaves differ in shape or dtype."""
     leaves = [jax.tree.leaves(state) for state in states]
     first = leaves[0]
     avals = [(x.shape, x.dtype) for x in first]

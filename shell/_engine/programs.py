@@ -37,7 +37,7 @@ from nnxscan.pure.batching import constrain_sharding
 from nnxscan.pure.step_node import unpack_step_node
 from nnxscan.shell._engine.caching import identity_key as _identity_key
 from nnxscan.shell._engine.caching import lookup as _lookup
-from nnxscan.shell._engine.held_states import BankLayout
+from nnxscan.shell._engine.held_states import BankPacking
 from nnxscan.shell._engine.plans import StepTraits, step_traits
 from nnxscan.shell._engine.trace_notes import noting_batch
 
@@ -266,18 +266,18 @@ def _holding_epochs(
     count = slots.shape[0]
     idx = idx.reshape(count, idx.shape[0] // count, *idx.shape[1:])
     leaves = jax.tree.leaves((state, carry))
-    bank = BankLayout.of(leaves)
+    packing = BankPacking.of(leaves)
 
     def body(loop_carry, xs):
         state, carry, banks = loop_carry
         epoch_idx, slot = xs
         state, carry, outs = epoch(state, carry, epoch_idx)
-        return (state, carry, bank.put(banks, jax.tree.leaves((state, carry)), slot)), outs
+        return (state, carry, packing.put(banks, jax.tree.leaves((state, carry)), slot)), outs
 
-    start = (state, carry, bank.empty(leaves, kept + 1))
+    start = (state, carry, packing.empty(leaves, kept + 1))
     (state, carry, banks), outs = jax.lax.scan(body, start, (idx, slots))
     outs = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), outs)
-    return state, carry, (outs, bank.outputs(banks, kept))
+    return state, carry, (outs, packing.outputs(banks, kept))
 
 
 def train_program(

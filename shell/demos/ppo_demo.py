@@ -89,9 +89,9 @@ def draw_sweep_returns(
     """A matplotlib Figure: episode return against environment steps, a thin line per
     member in its value's color (``returns`` is ``(values, seeds, points)``) and each
     value's mean over seeds in bold, same color, labelled ``name=value``."""
-    members = returns.shape[0] * returns.shape[1]
+    num_members = returns.shape[0] * returns.shape[1]
     fig, ax = _returns_axes(
-        f"{members} members ({returns.shape[1]} seeds x {returns.shape[0]} {name}) in one "
+        f"{num_members} members ({returns.shape[1]} seeds x {returns.shape[0]} {name}) in one "
         f"Population"
     )
     for j, (value, group) in enumerate(zip(values, returns, strict=True)):
@@ -299,9 +299,9 @@ def _population_run(out_dir, env, env_params, config, seed_list, sweep, checkpoi
     name, values = next(iter(sweep.items())) if sweep else ("ent_coef", [config.ent_coef])
     values = [float(v) for v in values]
     epochs, per_epoch, env_steps = _epochs(config)
-    members = len(values) * len(seed_list)
+    num_members = len(values) * len(seed_list)
     print(
-        f"PPO on {ENV_NAME}: {members} members ({len(seed_list)} seeds x {name} in "
+        f"PPO on {ENV_NAME}: {num_members} members ({len(seed_list)} seeds x {name} in "
         f"{values}) x {config.num_envs} environments x {int(env_steps[-1]):,} steps, one "
         f"Population, {epochs} epochs of {per_epoch} updates"
     )
