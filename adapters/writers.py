@@ -292,11 +292,11 @@ class TextLogger:
         self.every = every
         self._last_written: int | None = None
 
-    def format_line(self, logs: dict[str, Any], members: int | None = None) -> str:
-        """The line for one epoch's logs, without a newline (``members``: a population's
+    def format_line(self, logs: dict[str, Any], num_members: int | None = None) -> str:
+        """The line for one epoch's logs, without a newline (``num_members``: a population's
         logs, shown as each member's value, or their spread for more than 8)."""
         parts = [f"epoch {logs['epoch']}"] if "epoch" in logs else []
-        kind = logs_of(_Counted(members))
+        kind = logs_of(_Counted(num_members))
         parts += [f"{k} {_format_value(v, kind)}" for k, v in logs.items() if k not in _TEXT_SKIP]
         if "steps_per_sec" in logs:
             parts.append(f"{float(logs['steps_per_sec']):,.0f} steps/s")

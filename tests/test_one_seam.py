@@ -11,9 +11,12 @@ package's source with ``ast`` and counts both ways code could ask anyway:
 - by name: a branch that tests ``x.num_members``, a variable ``num_members`` against None,
   ``Members``/``OneModel``/``ONE_MODEL``/``MembersState``, or any ``getattr(x,
   "num_members", ...)`` probe;
-- by shape: a branch whose test reads ``.ndim``, ``np.ndim(...)``, ``len(x.shape)``,
-  ``isinstance(x, np.ndarray)`` or calls ``is_scalar(...)`` (the name the package once
-  gave "a scalar, not an array": a shape test, whatever it is named).
+- by shape: a branch (``if``, a conditional expression, ``while``, ``assert``, a
+  comprehension's ``if``, ``match``'s subject, or a predicate's ``return`` of a comparison,
+  whose caller branches on it) whose test reads ``.ndim``, ``.shape``, ``np.ndim(...)``,
+  ``np.shape(...)``, ``len(x.shape)``, ``isinstance(x, np.ndarray)`` or calls
+  ``is_scalar(...)`` (the name the package once gave "a scalar, not an array": a shape
+  test, whatever it is named).
 
 Shape tests that validate an argument or read a data structure (not "which kind of run")
 are listed in ``OTHER_SHAPE_TESTS`` with their reason. Nothing else asks: ``make_epoch`` is
@@ -39,16 +42,29 @@ SEAM = {
     # A History that declares no num_members (built by hand, or pickled before it had
     # one): its losses' shape is all there is to read.
     ("adapters/_log_values.py", "history_members"),
+    # logs_of's members side: whether a log holds one value per member, (N,).
+    ("adapters/_log_values.py", "per_member"),
 }
 
 #: Shape tests about something else than one model or members, by (file, function).
 OTHER_SHAPE_TESTS = {
+    ("adapters/_checkpoint_manifest.py", "fits"): "a manifest entry against a template leaf",
     ("adapters/_checkpoint_packing.py", None): "a checkpoint leaf's type (numpy or jax)",
     ("adapters/_checkpoint_read.py", None): "a template leaf's type",
     ("adapters/_checkpoint_shards.py", "damaged"): "a restored array: numpy or a jax.Array",
     ("adapters/_log_values.py", "to_exact_json"): "a value's type",
     ("adapters/data.py", None): "a data record's leaves",
     ("adapters/nnx_optimizer.py", "_shape_dtype"): "a leaf's type",
+    ("adapters/nnx_optimizer.py", "optax_state_from_optimizer"): "a leaf against its template",
+    ("pure/batching.py", "_gathers_as_bytes"): "a data leaf's row bytes",
+    ("pure/batching.py", "full_then_tail"): "a data set's rows against its full batches",
+    ("pure/build.py", "_hashed"): "a traced draw's key (a scalar key)",
+    ("pure/conv_dimensions.py", "_conv_in_canonical_order"): "a convolution's operands",
+    ("pure/hyper/chunked.py", None): "a condition (a scalar index) and the trunk's features",
+    ("pure/hyper/conditional.py", "embed"): "a condition and an embedding's width",
+    ("pure/hyper/heads.py", "_pieces"): "the trunk's features",
+    ("pure/hyper/structured.py", None): "a target leaf's shape",
+    ("pure/nnx_step.py", "step_outputs"): "a step's loss must be a scalar",
     ("pure/_host_init.py", "_placement"): "numpy leaves",
     ("pure/checks.py", "check_leading_size"): "a scalar leaf has no examples axis",
     ("pure/hyper/continual.py", None): "a hypernetwork's task embeddings",
@@ -58,11 +74,18 @@ OTHER_SHAPE_TESTS = {
     ("pure/population.py", "with_hyperparams"): "a hyperparameter must be a scalar",
     ("pure/scan.py", None): "batch numbers (1-D) are sliced, index arrays gathered",
     ("pure/train_step.py", "cut"): "a scalar loss is not cut into micro-batches",
+    ("pure/train_step.py", "_check_same_structure"): "a step returns its variables as given",
     ("shell/_engine/owner.py", "_swappable"): "a Variable's value type",
+    ("shell/_engine/epochs.py", "_yield_calls"): "a call's steps against the index's",
+    ("shell/_engine/member_build.py", "_stacked_on_host"): "every member's leaves alike",
+    ("shell/_engine/members.py", "load"): "a loaded state against the one held",
     ("shell/_engine/streaming.py", "is_stream"): "a data set's type",
     ("shell/_population_checks.py", None): "argument checks (seeds, hyperparams)",
     ("shell/population.py", "fit"): "a population's per-member logs (it knows it is one)",
     ("shell/_scan_train.py", "_check_steps_axis"): "stacked batches need a steps axis",
+    ("shell/_scan_train.py", "_given"): "an opt_state leaf against its template",
+    # Each watch checks its monitored value once logs_of picked it: () or (N,).
+    ("shell/callbacks.py", "values"): "EarlyStopping's monitored value, as its watch needs",
 }
 
 _KINDS = {"Members", "OneModel", "ONE_MODEL", "MembersState"}
@@ -88,13 +111,13 @@ def _by_name(node: ast.AST) -> bool:
 
 
 def _by_shape(node: ast.AST) -> bool:
-    if isinstance(node, ast.Attribute) and node.attr == "ndim":
+    if isinstance(node, ast.Attribute) and node.attr in ("ndim", "shape"):
         return True
     if not isinstance(node, ast.Call):
         return False
     func, args = node.func, node.args
-    if isinstance(func, ast.Attribute) and func.attr == "ndim":
-        return True
+    if isinstance(func, ast.Attribute) and func.attr in ("ndim", "shape"):
+        return True  # np.ndim(x), np.shape(x), jnp.shape(x)
     # The named value test: still a shape read, so no members question hides behind it.
     if ast.unparse(func).rsplit(".", 1)[-1] in SHAPE_HELPERS:
         return True
@@ -113,6 +136,10 @@ def _tests(tree: ast.AST):
             function = node.name
         if isinstance(node, ast.If | ast.IfExp | ast.While | ast.Assert):
             yield function, node.test
+        elif isinstance(node, ast.Match):
+            yield function, node.subject
+        elif isinstance(node, ast.Return) and isinstance(node.value, ast.Compare | ast.BoolOp):
+            yield function, node.value  # a predicate: the branch is its caller's
         elif isinstance(node, ast.comprehension):
             for test in node.ifs:
                 yield function, test
@@ -179,14 +206,20 @@ def test_the_counter_sees_both_kinds():
         "    if not is_scalar(x): pass\n"
         "    z = [v for v in x if _log_values.is_scalar(v)]\n"
         "    assert x.shape == (num_members,)\n"
+        "    if np.shape(x) == (3,): pass\n"
+        "    match x.shape:\n"
+        "        case (): pass\n"
+        "    if t.epochs > 1: pass\n"
         "    return len(x.shape) + x.ndim + is_scalar(x)\n"
+        "def is_members(x):\n"
+        "    return x.shape != ()\n"
     )
     kinds = []
     for _, test in _tests(ast.parse(source)):
         nodes = list(ast.walk(test))
         name, shape = any(map(_by_name, nodes)), any(map(_by_shape, nodes))
         kinds.append("name" if name else "shape" if shape else None)
-    assert kinds == ["name", "name", "name", "shape", "shape", "shape", None]
+    assert kinds == ["name", "name", "name", *["shape"] * 6, None, "shape"]
 
 
 def test_a_wrappers_state_is_built_by_its_wrapper_alone():

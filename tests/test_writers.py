@@ -212,6 +212,19 @@ def test_text_logger_line_format():
     ]
 
 
+def test_text_logger_line_of_members():
+    # Ten members' losses: their spread (computed here by hand), not ten numbers; three
+    # members' shown each; a per-class array of one model shown as it is.
+    losses = np.arange(10, dtype=np.float64) / 8
+    line = TextLogger().format_line({"epoch": 0, "loss": losses}, num_members=10)
+    assert line == "epoch 0  loss min 0.0000 median 0.5625 max 1.1250"
+    line = TextLogger().format_line({"loss": losses[:3]}, num_members=3)
+    assert line == "loss [0.0000 0.1250 0.2500]"
+    assert TextLogger().format_line({"hits": losses[:9]}) == (
+        "hits [0.0000 0.1250 0.2500 0.3750 0.5000 0.6250 0.7500 0.8750 ...]"
+    )
+
+
 def test_text_logger_every_n_epochs_and_always_the_last(tmp_path, capsys):
     script = [_logs(e, 1.0 / (e + 1)) for e in range(5)]
     _drive(TextLogger(every=2), script=script)  # default: sys.stdout, as captured now
