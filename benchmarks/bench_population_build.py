@@ -33,11 +33,10 @@ import time
 import jax
 import optax
 from _workloads import MLP
-from flax import nnx
 
+from nnxscan.pure import make_train_step
 from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.member_build import build_members
-from nnxscan.shell._population_checks import member_init
 
 MODELS = {"small MLP 64-64-64-10": (64, 64, 64, 10), "digits MLP 64-128-128-10": (64, 128, 128, 10)}
 VARIANTS = {"one_program": False, "one_by_one": True}  # build_members(one_by_one=)
@@ -48,9 +47,9 @@ def build(one_by_one: bool, sizes: tuple[int, ...], n: int) -> float:
     gc.collect()
     jax.clear_caches()
     start = time.perf_counter()
-    init_opt = member_init("loss", None, optax.adam(1e-3), nnx.Param)[0]
+    step = make_train_step(lambda model, batch: 0.0, optax.adam(1e-3))  # init only
     owner = build_members(
-        lambda rngs: MLP(sizes, rngs=rngs), init_opt, tuple(range(n)), {}, Members(n),
+        lambda rngs: MLP(sizes, rngs=rngs), step, tuple(range(n)), {}, Members(n),
         one_by_one=one_by_one,
     )  # fmt: skip
     jax.block_until_ready(owner.read()[1:])

@@ -26,7 +26,12 @@ from nnxscan.shell._engine.options import fit_options
 from nnxscan.shell._engine.owner import check_rngs_and_metrics
 from nnxscan.shell._engine.placement import Placement
 from nnxscan.shell._engine.plans import Plan, resolve_plan
-from nnxscan.shell._engine.programs import nnx_step_program, step_program, train_program
+from nnxscan.shell._engine.programs import (
+    TrainProgram,
+    nnx_step_program,
+    step_program,
+    train_program,
+)
 from nnxscan.shell._tracebacks import at_the_call
 from nnxscan.shell._user_steps import check_loss_fn, refuse_loss_options
 from nnxscan.shell.history import History
@@ -111,8 +116,8 @@ class FrontDoor:
             accumulate=check_count(accumulate, "accumulate", 1),
         )  # fmt: skip
 
-    def _start(self, owner: Any, placement: Placement, tx: Any, wrt: Any, rngs: Any) -> None:
-        """Builds the program of the checked step and the engine over ``owner``."""
+    def _program(self, tx: Any, wrt: Any, rngs: Any) -> TrainProgram:
+        """The program of the checked step (its ``step`` is what the owner's state is for)."""
         c = self._config
         if c["train_step"] is None:
             program = train_program(
@@ -125,6 +130,11 @@ class FrontDoor:
                 c["train_step"], c["on_nonfinite"]
             )
         c.update(tx=tx, wrt=wrt, has_aux=program.has_aux)
+        return program
+
+    def _start(self, owner: Any, placement: Placement, program: TrainProgram, rngs: Any) -> None:
+        """The engine of ``program`` over ``owner``."""
+        c = self._config
         self._owner = owner
         self._engine = Engine(
             program=program, owner=owner, placement=placement, explicit_plan=self._plan,

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnxscan.pure import Step, hyperparam_names, init_opt_state, with_hyperparams
+from nnxscan.pure import Step, hyperparam_names, with_hyperparams
 from nnxscan.pure.checks import check_count, check_transform
 from nnxscan.shell._front_door import check_seed
 from nnxscan.shell._module_check import call_model_fn
@@ -130,18 +130,14 @@ def check_step_of_members(train_step: Any, kind: str) -> Step:
     raise TypeError(f"train_step must be a nnxscan.pure.Step, got {type(train_step).__name__}.")
 
 
-def member_init(kind: str, train_step: Any, tx: Any, wrt: Any) -> tuple[Callable, Any, Any]:
-    """``(init_opt, tx, wrt)``: each member's ``init_opt(graphdef, state)``, a user's
-    ``Step``'s (no tx, no wrt) or the built-in step's, after checking either; ``kind``:
-    which step was given (``_construction.step_kind``)."""
+def member_optimizer(kind: str, train_step: Any, tx: Any, wrt: Any) -> tuple[Any, Any]:
+    """``(tx, wrt)`` of the members' step, after checking it: a user's ``Step`` (it has
+    none: ``(None, None)``) or the built-in step's; ``kind``: which step was given
+    (``_construction.step_kind``)."""
     if kind != "loss":
-        return check_step_of_members(train_step, kind).init, None, None
-    tx = check_transform(tx)
-
-    def init_opt(graphdef: nnx.GraphDef, state: nnx.State) -> Any:
-        return init_opt_state(tx, state, wrt)
-
-    return init_opt, tx, wrt
+        check_step_of_members(train_step, kind)
+        return None, None
+    return check_transform(tx), wrt
 
 
 def check_member_indices(members: Any, num_members: int) -> list[int]:

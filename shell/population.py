@@ -71,7 +71,7 @@ class Population(FrontDoor):
         checks.check_model_fn(model_fn)
         self._check_step(o, tx, loss_fn)
         train_step, rngs, metrics = o["train_step"], o["rngs"], o["metrics"]
-        init_opt, tx, wrt = checks.member_init(self._step_kind, train_step, tx, o["wrt"])
+        tx, wrt = checks.member_optimizer(self._step_kind, train_step, tx, o["wrt"])
         seeds = checks.check_seeds(o["seeds"])
         hyperparams = checks.check_hyperparams(o["hyperparams"], len(seeds))
         checks.check_member_rngs(rngs)
@@ -80,17 +80,20 @@ class Population(FrontDoor):
             rules=o["shardings"], tx=tx, wrt=wrt,
         )  # fmt: skip
         layout = Members(len(seeds))  # the owner's: everything else reads it from there
+        # The step the members train with: its init builds their opt_states, in the
+        # members wrapper that takes their hyperparameters.
+        program = self._program(tx, wrt, rngs)
         # Members are built on the mesh they train on: a layer annotated with
         # with_partitioning is sharded as it is created, which needs the mesh in context.
         with placement.bound(layout).context():
             checks.check_hyperparam_names(
-                model_fn, init_opt, seeds[0], hyperparams, step=train_step is not None
+                model_fn, program.step.init, seeds[0], hyperparams, step=train_step is not None
             )
             owner = build_members(
-                model_fn, init_opt, seeds, hyperparams, layout, rngs=rngs, metrics=metrics
+                model_fn, program.step, seeds, hyperparams, layout, rngs=rngs, metrics=metrics
             )
         self._config.update(model_fn=model_fn, seeds=seeds, hyperparams=hyperparams)
-        self._start(owner, placement, tx, wrt, rngs)
+        self._start(owner, placement, program, rngs)
         # The latest values best(name) can look up: evaluate's results, the last epoch's logs.
         self._latest: dict[str, np.ndarray] = {}
 

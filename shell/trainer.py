@@ -111,7 +111,7 @@ class Trainer(FrontDoor):
             o["mesh"], o["data_axis"], o["fsdp_min_size"], rules=o["shardings"], tx=owner.tx,
             wrt=owner.wrt,
         )  # fmt: skip
-        self._start(owner, placement, owner.tx, owner.wrt, rngs)
+        self._start(owner, placement, self._program(owner.tx, owner.wrt, rngs), rngs)
 
     # -- the user's objects (held by the owner) -------------------------------------------
 

@@ -26,9 +26,14 @@ import optax
 import pytest
 from flax import nnx
 
-from nnxscan.pure import hyperparam_value, init_opt_state, unstack_states, with_hyperparams
+from nnxscan.pure import (
+    hyperparam_value,
+    init_opt_state,
+    make_train_step,
+    unstack_states,
+    with_hyperparams,
+)
 from nnxscan.shell import Population, Trainer
-from nnxscan.shell import _population_checks as checks
 from nnxscan.shell._engine import member_build as members_module
 from nnxscan.shell._engine.layout import Members
 from nnxscan.shell._engine.member_build import build_members
@@ -70,8 +75,10 @@ def counted(model_fn):
     return call
 
 
-def init_opt(tx):
-    return checks.member_init("loss", None, tx, nnx.Param)[0]
+def step_of(tx):
+    """The built-in step of a loss with ``tx``, as a Population makes it (a build runs its
+    ``init`` only)."""
+    return make_train_step(lambda model, batch: 0.0, tx)
 
 
 def bits(x) -> np.ndarray:
@@ -177,7 +184,7 @@ def test_call_time_rngs_and_metrics_are_in_each_members_node(kind):
     metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
     model_fn = counted(lambda r: DropoutMLP(rngs=r))
     owner = build_members(
-        model_fn, init_opt(TX), SEEDS, {}, Members(len(SEEDS)), rngs=rngs, metrics=metrics
+        model_fn, step_of(TX), SEEDS, {}, Members(len(SEEDS)), rngs=rngs, metrics=metrics
     )
     assert model_fn.calls == 1
     graphdef, state, members_state = owner.read()
@@ -217,7 +224,7 @@ def pretrained_mlp(rngs: nnx.Rngs) -> MLP:
 
 def test_a_model_fn_that_reads_values_on_the_host_is_built_one_by_one():
     model_fn = counted(orthogonal_mlp)
-    owner = build_members(model_fn, init_opt(TX), SEEDS, {}, Members(len(SEEDS)))
+    owner = build_members(model_fn, step_of(TX), SEEDS, {}, Members(len(SEEDS)))
     assert model_fn.calls == 1 + len(SEEDS)  # the trace that failed, then each member
     _, state, members_state = owner.read()
     opt_state = members_state.inner
@@ -227,7 +234,7 @@ def test_a_model_fn_that_reads_values_on_the_host_is_built_one_by_one():
         assert_member(opt_state, i, ref_opt, exact=True)
     # Loading numpy weights is traceable: one trace, the weights every member's.
     model_fn = counted(pretrained_mlp)
-    _, state, _ = build_members(model_fn, init_opt(TX), SEEDS, {}, Members(len(SEEDS))).read()
+    _, state, _ = build_members(model_fn, step_of(TX), SEEDS, {}, Members(len(SEEDS))).read()
     assert model_fn.calls == 1
     for i, seed in enumerate(SEEDS):
         assert_member(state, i, eager(pretrained_mlp, seed)[1])
@@ -238,7 +245,7 @@ def test_a_closed_over_rngs_drawn_from_is_built_one_by_one():
     """Each member advances the shared stream, as it does eagerly."""
     shared = nnx.Rngs(3)
     model_fn = counted(lambda rngs: MLP(rngs=shared))
-    _, state, _ = build_members(model_fn, init_opt(TX), SEEDS, {}, Members(len(SEEDS))).read()
+    _, state, _ = build_members(model_fn, step_of(TX), SEEDS, {}, Members(len(SEEDS))).read()
     assert model_fn.calls == 1 + len(SEEDS)
     expected = nnx.Rngs(3)
     for i in range(len(SEEDS)):
@@ -251,7 +258,7 @@ def test_hijax_variables_which_vmap_cannot_batch_are_built_one_by_one():
     under plain defaults, so this is build_members called in such a context)."""
     model_fn = counted(mlp)
     with nnx.var_defaults(hijax=True):
-        owner = build_members(model_fn, init_opt(TX), SEEDS, {}, Members(len(SEEDS)))
+        owner = build_members(model_fn, step_of(TX), SEEDS, {}, Members(len(SEEDS)))
         references = [nnx.with_vars(MLP(rngs=nnx.Rngs(seed)), hijax=False) for seed in SEEDS]
     assert model_fn.calls >= len(SEEDS)  # each member (the trace fails making its Rngs)
     for i, reference in enumerate(references):
@@ -278,23 +285,23 @@ def test_a_model_fns_own_error_is_raised_with_its_own_message():
         raise ValueError("this checkpoint has 3 layers, the config says 4")
 
     with pytest.raises(ValueError, match="3 layers, the config says 4"):
-        build_members(broken, init_opt(TX), SEEDS, {}, Members(len(SEEDS)))
+        build_members(broken, step_of(TX), SEEDS, {}, Members(len(SEEDS)))
     assert len(calls) == 1  # raised from the trace, not retried member by member
     with pytest.raises(TypeError, match=r"returned int, not an nnx\.Module"):
-        build_members(lambda rngs: 3, init_opt(TX), SEEDS, {}, Members(len(SEEDS)))
+        build_members(lambda rngs: 3, step_of(TX), SEEDS, {}, Members(len(SEEDS)))
 
 
 @pytest.mark.slow  # the fast lane's 5 minutes: a long run of its own
 def test_seeds_outside_int32_and_disable_jit_are_built_one_by_one():
     model_fn = counted(lambda rngs: MLP(rngs=rngs))
     seeds = (1, 2**31)
-    _, state, _ = build_members(model_fn, init_opt(TX), seeds, {}, Members(len(seeds))).read()
+    _, state, _ = build_members(model_fn, step_of(TX), seeds, {}, Members(len(seeds))).read()
     assert model_fn.calls == len(seeds)  # no trace
     for i, seed in enumerate(seeds):
         assert_member(state, i, eager(mlp, seed)[1], exact=True)
     model_fn.calls = 0
     with jax.disable_jit():  # debugging: everything eagerly, as before
-        build_members(model_fn, init_opt(TX), SEEDS, {}, Members(len(SEEDS)))
+        build_members(model_fn, step_of(TX), SEEDS, {}, Members(len(SEEDS)))
     assert model_fn.calls == len(SEEDS)
 
 
@@ -310,10 +317,10 @@ def test_building_members_compiles_one_program(compile_count, monkeypatch):
     monkeypatch.setattr(build, "_ONCE_WHERE_KNOWN", build._ONCE)
     model_fn = counted(lambda rngs: MLP(din=5, rngs=rngs))  # shapes no other test built
     tx = optax.adam(1e-3)
-    build_members(model_fn, init_opt(tx), (0, 1), {}, Members(2))  # anything eager compiles here
+    build_members(model_fn, step_of(tx), (0, 1), {}, Members(2))  # anything eager compiles here
     model_fn.calls = 0
     before = compile_count()
-    owner = build_members(model_fn, init_opt(tx), tuple(range(16)), {}, Members(16))
+    owner = build_members(model_fn, step_of(tx), tuple(range(16)), {}, Members(16))
     assert compile_count() - before == 1  # the build program (not 16 builds)
     assert model_fn.calls == 1
     assert owner.read()[1]["l1"]["kernel"].shape == (16, 5, 8)
@@ -324,7 +331,7 @@ def test_an_xla_that_refuses_the_compile_options_builds_with_those_it_knows(monk
 
     monkeypatch.setitem(build._ONCE_WHERE_KNOWN, "xla_no_such_option_here", True)
     _, state, _ = build_members(
-        lambda r: MLP(hidden=6, rngs=r), init_opt(TX), (0, 1), {}, Members(2)
+        lambda r: MLP(hidden=6, rngs=r), step_of(TX), (0, 1), {}, Members(2)
     ).read()
     for i, seed in enumerate((0, 1)):
         assert_member(state, i, eager(lambda r: MLP(hidden=6, rngs=r), seed)[1])
@@ -340,7 +347,7 @@ def test_a_build_drawing_many_entries_draws_them_through_the_unrolled_hash(monke
         members_module, "unrolled_threefry", lambda fn: wrapped.append(fn) or real(fn)
     )
     owner = build_members(
-        lambda r: BNDropout(hidden=6, rngs=r), init_opt(TX), SEEDS, {}, Members(len(SEEDS))
+        lambda r: BNDropout(hidden=6, rngs=r), step_of(TX), SEEDS, {}, Members(len(SEEDS))
     )
     assert len(wrapped) == (jax.default_backend() == "cpu")
     for i, seed in enumerate(SEEDS):
@@ -352,7 +359,7 @@ def test_a_build_drawing_many_entries_draws_them_through_the_unrolled_hash(monke
 def test_the_one_by_one_build_and_the_traced_build_agree():
     """The path kept for what cannot be traced gives the same owner (graphdefs, counters,
     states) as the traced one."""
-    args = (lambda r: BNDropout(rngs=r), init_opt(INJECTED), SEEDS, {"learning_rate": RATES},
+    args = (lambda r: BNDropout(rngs=r), step_of(INJECTED), SEEDS, {"learning_rate": RATES},
             Members(len(SEEDS)))  # fmt: skip
     traced, eager_owner = build_members(*args), build_members(*args, one_by_one=True)
     assert traced.graphdef == eager_owner.graphdef

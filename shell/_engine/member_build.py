@@ -7,7 +7,6 @@ engine trains.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import flax.errors
@@ -34,7 +33,7 @@ from nnxscan.shell._module_check import call_model_fn
 
 def build_members(
     model_fn: Any,
-    init_opt: Callable[[nnx.GraphDef, Any], Any],
+    step: Step,
     seeds: tuple[int, ...],
     hyperparams: dict[str, tuple],
     layout: Members,
@@ -44,8 +43,10 @@ def build_members(
     one_by_one: bool = False,
 ) -> StackedOwner:
     """Builds every member (``model_fn(nnx.Rngs(seed))``, its node with call-time Rngs and
-    metrics, its opt_state ``init_opt(graphdef, state)`` on its own split, with its
-    hyperparameters) and stacks them in an owner.
+    metrics, its opt_state ``step.init(graphdef, state)`` on its own split, with its
+    hyperparameters: ``vmap_members(step, hyperparams=...).init`` of the stacked states)
+    and stacks them in an owner. ``step`` is the one the members train with (its update
+    runs in the fit's program, vmapped by the run's layout).
 
     All members are built by ONE compiled program, ``model_fn`` traced once under a
     ``jax.vmap`` over the seeds (what population libraries do, and Flax's vmapped
@@ -78,7 +79,8 @@ def build_members(
     once per member (a function of a Python int: ``nnx.Rngs(100 + seed)`` cannot take a
     traced one), and its states go into the program as data.
     """
-    members_step = _members_step(init_opt, hyperparams)
+    # The one path for per-member hyperparameters: the members wrapper's own init.
+    members_step = vmap_members(step, hyperparams=hyperparams)
     built = None if one_by_one else _in_one_program(model_fn, members_step, seeds, rngs, metrics)
     if built is None:
         built = _one_by_one(model_fn, members_step, seeds, rngs, metrics)
@@ -112,18 +114,6 @@ def _one_by_one(
         states.append(state)
     states = stack_states(states)
     return graphdef, model_graphdef, states, members_step.init(graphdef, states)
-
-
-def _members_step(init_opt: Callable, hyperparams: dict[str, tuple]) -> Step:
-    """The members' step as far as building needs it: :func:`~nnxscan.pure.vmap_members`,
-    whose ``init`` vmaps each member's ``init_opt`` and writes its ``hyperparams`` (the one
-    place they are written). The members are trained by the program's step, vmapped by the
-    run's layout, on the :class:`~nnxscan.pure.MembersState` this ``init`` returns."""
-    return vmap_members(Step(init_opt, _trained_by_the_program), hyperparams=hyperparams)
-
-
-def _trained_by_the_program(*args: Any) -> Any:
-    raise AssertionError("a population's build only initializes its members")
 
 
 def _member_rngs(rngs: Any, seed: int) -> nnx.Rngs | None:
