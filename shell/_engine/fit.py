@@ -655,8 +655,8 @@ class FitLoop:
             return
         self._nonfinite = self._nonfinite + bad.sum(axis=0)
         if self._first_nonfinite is None:
-            members_axes = tuple(range(1, 1 + len(self.layout.shape)))  # the layout's, not bad's
-            self._first_nonfinite = (epoch, int(np.argmax(bad.any(axis=members_axes))))
+            member_axes = tuple(range(1, 1 + len(self.layout.shape)))  # the layout's, not bad's
+            self._first_nonfinite = (epoch, int(np.argmax(bad.any(axis=member_axes))))
 
     def _warn_nonfinite(self) -> None:
         """One warning after a fit whose losses were not all finite under "ignore"."""
