@@ -379,7 +379,7 @@ def test_a_damaged_run_log_falls_back_to_the_checkpoint_whose_lines_are_whole(co
     raw = log.read_bytes()
     lines = raw.splitlines(keepends=True)
     assert len(lines) == 3  # one line a save
-    if how == "torn":  # the last line cut short, and a line of another writer after it
+    if how == "torn":  # the last line cut short, and a line of another run after it
         log.write_bytes(b"".join(lines[:2]) + lines[2][:20] + b'{"losses": []}\n')
     else:  # another run's line (whole, its crc right) where this run's third line was
         log.write_bytes(b"".join(lines[:2]) + lines[1] + lines[2])
@@ -397,7 +397,7 @@ def test_a_damaged_run_log_falls_back_to_the_checkpoint_whose_lines_are_whole(co
 # -- one run per directory --------------------------------------------------------------------
 
 
-def test_a_second_writer_of_a_directory_is_refused_before_it_trains(tmp_path):
+def test_a_second_run_in_a_directory_is_refused_before_it_trains(tmp_path):
     import os
 
     directory = tmp_path / "busy"
