@@ -244,9 +244,7 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
                 said = str(error).split(" [tensorstore_spec=")[0]
                 raise CorruptCheckpointError(
                     f"checkpoint {where.parent} step {step}: its arrays in {where / 'arrays'} "
-                    f"(orbax's item) cannot be read: {type(error).__name__}: {said}. Restore "
-                    f"another checkpoint (resume=True and restore() without a step skip a "
-                    f"damaged one)."
+                    f"(orbax's item) cannot be read: {type(error).__name__}: {said}."
                 ) from None
     _check_shards(where, matched, arrays)
     for name, held in buffers.items():
@@ -283,8 +281,7 @@ def _check_shards(where: pathlib.Path, matched: list, arrays: dict[str, Any]) ->
     )  # fmt: skip
     raise CorruptCheckpointError(
         f"checkpoint {where.parent} step {where.name}: {what} does not match its crc32 "
-        f"(damaged on disk, or another checkpoint's arrays). Restore another checkpoint "
-        f"(resume=True and restore() without a step skip a damaged one)."
+        f"(damaged on disk, or another checkpoint's arrays)."
     )
 
 
