@@ -97,7 +97,7 @@ class Leaf:
     impl: str = ""  # PRNG implementation name, for keys
     name: str = ""  # the array's name in an orbax item, for arrays sharded over devices
     value: Any = None  # the value itself, for Python leaves
-    buffer: str = ""  # the buffer holding this array's elements (see checkpoint._layout)
+    buffer: str = ""  # the buffer of its elements (chosen by _checkpoint_packing._packing)
     offset: int = 0  # where in that buffer its elements start
     data_shape: tuple[int, ...] = ()  # the elements' shape (a key's raw data: + the impl's)
     # A sharded array's distinct shards: ((start, stop) per axis, crc32) (orbax's storage).

@@ -87,8 +87,8 @@ def check_fits(
     if problems[0][0].startswith(_OPT_STATE):
         raise ValueError(
             f"checkpoint {where} was saved with another optimizer: its optimizer state holds "
-            f"{_optimizer_layout(saved, wanted, saved)}, the optimizer given here holds "
-            f"{_optimizer_layout(saved, wanted, wanted)} (the model's variables fit; first "
+            f"{_optimizer_structure(saved, wanted, saved)}, the optimizer given here holds "
+            f"{_optimizer_structure(saved, wanted, wanted)} (the model's variables fit; first "
             f"difference at {first}{more}). Resume with the optax transform the checkpoint "
             f"was saved with (the same transforms, chained in the same order); to go on with "
             f"another optimizer, restore with the saved one, then build the new one on the "
@@ -106,7 +106,7 @@ def _owner(leaf: Leaf) -> str:
     return "this optimizer" if leaf.path.startswith(_OPT_STATE) else "the model"
 
 
-def _optimizer_layout(saved: list[Leaf], wanted: list[Leaf], side: list[Leaf]) -> str:
+def _optimizer_structure(saved: list[Leaf], wanted: list[Leaf], side: list[Leaf]) -> str:
     """The optimizer state's leaves of one side, each parameter tree shortened to ``[...]``:
     ``"[0].count, [0].mu[...], [0].nu[...]"`` for Adam, ``"no arrays"`` for plain SGD."""
     params = {
@@ -244,9 +244,7 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
                 said = str(error).split(" [tensorstore_spec=")[0]
                 raise CorruptCheckpointError(
                     f"checkpoint {where.parent} step {step}: its arrays in {where / 'arrays'} "
-                    f"(orbax's item) cannot be read: {type(error).__name__}: {said}. Restore "
-                    f"another checkpoint (resume=True and restore() without a step skip a "
-                    f"damaged one)."
+                    f"(orbax's item) cannot be read: {type(error).__name__}: {said}."
                 ) from None
     _check_shards(where, matched, arrays)
     for name, held in buffers.items():
@@ -283,8 +281,7 @@ def _check_shards(where: pathlib.Path, matched: list, arrays: dict[str, Any]) ->
     )  # fmt: skip
     raise CorruptCheckpointError(
         f"checkpoint {where.parent} step {where.name}: {what} does not match its crc32 "
-        f"(damaged on disk, or another checkpoint's arrays). Restore another checkpoint "
-        f"(resume=True and restore() without a step skip a damaged one)."
+        f"(damaged on disk, or another checkpoint's arrays)."
     )
 
 

@@ -101,9 +101,9 @@ from nnxscan.adapters import _checkpoint_manifest as _manifest
 from nnxscan.adapters import _checkpoint_packing as _packing
 from nnxscan.adapters import _checkpoint_read as _read
 from nnxscan.adapters import _checkpoint_shards as _shards
-from nnxscan.adapters import _checkpoint_writer as _writer
 from nnxscan.adapters._checkpoint_lock import CheckpointLockedError
 from nnxscan.adapters._checkpoint_manifest import CorruptCheckpointError
+from nnxscan.adapters._checkpoint_save_thread import SaveThread
 from nnxscan.pure.checks import check_count
 
 __all__ = [
@@ -142,10 +142,10 @@ class Checkpointer:
     With ``asynchronous`` (the default) a :meth:`save` returns once the arrays are copied
     from the devices to the host, and writes them to disk in a background thread: the next
     compiled call may donate the device buffers at once, and training goes on while the
-    checkpoint is written. Saves queue behind a write in progress and the writer takes
+    checkpoint is written. Saves queue behind a write in progress and the save thread takes
     everything queued at once (one wait for the disk for several saves; see
-    ``_checkpoint_writer.py``); a save waits only when the writer is more than one job
-    behind (a job: a save, or the saves of a :meth:`together` block, written as one
+    ``_checkpoint_save_thread.py``); a save waits only when the save thread is more than one
+    job behind (a job: a save, or the saves of a :meth:`together` block, written as one
     batch). Every other use of the directory waits for every queued save first —
     :meth:`latest_step`, :meth:`wait`, :meth:`close`, a ``replace`` — so a checkpoint is
     never read half-written and a run never ends before its last save is on disk, and a
@@ -192,7 +192,7 @@ class Checkpointer:
         self.asynchronous = bool(asynchronous)
         self.storage = storage
         self._manager: Any = None  # orbax's, opened by the first save that needs it
-        self._writer: Any = None  # the background writer of our own files (asynchronous)
+        self._save_thread: Any = None  # writes our own files in the background (asynchronous)
         self._cleaned = False  # leftovers of killed processes removed (at the first save)
         # The steps on disk or being written, newest last: read from the directory once,
         # then kept by this checkpointer, so asking "is step N saved?" never waits for a write.
@@ -253,8 +253,8 @@ class Checkpointer:
     @contextlib.contextmanager
     def together(self, *, last: bool = False) -> Iterator[None]:
         """Saves of nnxscan's own files made inside the block are written as one batch as
-        it ends (one wait for the disk for all; a save asks for no room in the writer's
-        queue meanwhile, the block's saves holding their host copies until then), in order;
+        it ends (one wait for the disk for all; a save asks for no room in the save
+        thread's queue meanwhile, the block's saves holding their host copies until then), in order;
         with ``asynchronous=False``, durable once the block ends. ``last``: the block holds
         the newest save this checkpointer makes, whose ``state/`` item (what :meth:`close`
         adds) then goes into the same batch, written on this thread as the block ends (the
@@ -281,9 +281,9 @@ class Checkpointer:
                 if self._item is not None and self._item[0] == group[-1][0]:
                     (_, item), self._item = self._item, None
                     group[-1] = (*group[-1][:4], item)
-                if self._writer is not None:
-                    self._writer_wait(self._writer.drain)  # in order: the queued ones first
-                self._writer_wait(lambda: self._write_batch(group))
+                if self._save_thread is not None:
+                    self._wait_for_saves(self._save_thread.drain)  # in order: queued ones first
+                self._wait_for_saves(lambda: self._write_batch(group))
             elif group:
                 self._submit(group)
 
@@ -294,19 +294,19 @@ class Checkpointer:
             self._submit(group)
 
     def _submit(self, saves: list) -> None:
-        """Writes saves of own files as one batch: queued for the background writer (one
-        job, once it is at most one job behind), or written now (``asynchronous=False``)."""
+        """Writes saves of own files as one batch: queued for the save thread (one job,
+        once it is at most one job behind), or written now (``asynchronous=False``)."""
         if not self.asynchronous:
             self._write_batch(saves)
             return
-        if self._writer is None:
-            self._writer = _writer.Writer(self._write_jobs, _weigh)
+        if self._save_thread is None:
+            self._save_thread = SaveThread(self._write_jobs, _weigh)
         else:
-            self._writer_wait(self._writer.make_room)
-        self._writer.submit(saves)
+            self._wait_for_saves(self._save_thread.make_room)
+        self._save_thread.submit(saves)
 
     def _write_jobs(self, jobs: list[list]) -> None:
-        """The background writer's batch: the saves of every job it took, in order."""
+        """The save thread's batch: the saves of every job it took, in order."""
         self._write_batch([save for job in jobs for save in job])
 
     def wait(self) -> None:
@@ -315,10 +315,12 @@ class Checkpointer:
         if self._manager is not None:
             with self._disk_errors("the checkpoint in flight was not written"):
                 self._manager.wait_until_finished()
-        if self._writer is not None:
-            self._writer_wait(self._writer.drain)
+        if self._save_thread is not None:
+            self._wait_for_saves(self._save_thread.drain)
 
-    def _writer_wait(self, until: Callable[[], None]) -> None:
+    def _wait_for_saves(self, until: Callable[[], None]) -> None:
+        """Runs ``until`` (a wait for the save thread, or a batch written here); a failed
+        save re-reads which steps are on disk before its error is raised."""
         try:
             until()
         except BaseException:
@@ -382,7 +384,7 @@ class Checkpointer:
         manifest = {"format": _manifest.FORMAT, "version": _manifest.VERSION, "leaves": entries}
         own_files = self.storage == "auto" and packing.held_whole
         self.lock()
-        # Writes in order. Our own files' writer may be behind (it writes what is queued
+        # Writes in order. Our own files' save thread may be behind (it writes what is queued
         # together, one wait for the disk); this save waits only when it is too far behind
         # (in _submit; a together() block's, as it ends). Anything else (orbax, replacing a
         # step) starts once every write is done.
@@ -544,7 +546,7 @@ class Checkpointer:
         more than the rest of the checkpoint. A failed save leaves no item to write."""
         try:
             self._flush_group()
-            if self._item is not None and self._writer is not None:
+            if self._item is not None and self._save_thread is not None:
                 # The newest save not yet written: its item goes with it, into its folder
                 # before the rename (one wait for the disk, not two).
                 step, item = self._item
@@ -553,7 +555,7 @@ class Checkpointer:
                     *older, (newest, *rest) = job
                     return [*older, (newest, *rest[:3], item)] if newest == step else None
 
-                if self._writer.amend_last(with_item):
+                if self._save_thread.amend_last(with_item):
                     self._item = None
             self.wait()
             if self._renamed:  # asynchronous saves' last renames, deletions
@@ -570,9 +572,9 @@ class Checkpointer:
             if self._manager is not None:
                 manager, self._manager = self._manager, None
                 manager.close()
-            if self._writer is not None:
-                writer, self._writer = self._writer, None
-                writer.close()
+            if self._save_thread is not None:
+                save_thread, self._save_thread = self._save_thread, None
+                save_thread.close()
             lock, self._lock, self._locked = self._lock, None, False
             _lock.unlock(lock)
 

@@ -55,7 +55,7 @@ def main(pid: str, port: str, models: str, phases: str, root: str, cache: str) -
 
     from run_record import save_run
 
-    enable_compilation_cache(cache)  # one folder per process index: no two writers
+    enable_compilation_cache(cache)  # one folder per process index: no two processes share one
 
     class BNDropout(nnx.Module):
         """tests/conftest.py's model: BatchNorm statistics (and Dropout RNG counts) move."""

@@ -2,7 +2,7 @@
 in the background; nothing a checkpoint promises is lost (the next save, the end of fit,
 a preemption and an exception wait for it); ``checkpoint_async=False`` opts out.
 
-The references: the tree that was saved (read back bitwise), the synchronous writer, and
+The references: the tree that was saved (read back bitwise), the synchronous checkpointer, and
 a fit without checkpoints (bitwise the same model).
 """
 
@@ -103,12 +103,12 @@ def test_checkpoint_async_false_makes_each_save_durable_before_training_goes_on(
         np.testing.assert_array_equal(a, b)
 
 
-# -- the writer's queue: several saves, one wait for the disk -------------------------------
+# -- the save thread's queue: several saves, one wait for the disk --------------------------
 
 
 def _gated_writes(monkeypatch):
-    """Holds the background writer's batches until ``gate`` is set (``taken`` is set once
-    the writer holds its first one); records each batch's steps and whether each carried
+    """Holds the save thread's batches until ``gate`` is set (``taken`` is set once the
+    save thread holds its first one); records each batch's steps and whether each carried
     the state/ item."""
     import threading
 
@@ -128,7 +128,7 @@ def _gated_writes(monkeypatch):
 
 
 def _save_first(checkpointer, taken) -> None:
-    """Saves step 1 and returns once the writer holds it: later saves queue behind it."""
+    """Saves step 1 and returns once the save thread holds it: later saves queue behind it."""
     checkpointer.save(1, _tree(1))
     assert taken.wait(timeout=60)
 
@@ -185,7 +185,7 @@ def test_queued_saves_that_max_to_keep_would_delete_at_once_are_not_written(tmp_
         ]  # fmt: skip
     a, b = (tmp_path / "queued" / "3" / "arrays.bin"), (tmp_path / "sync" / "3" / "arrays.bin")
     assert a.read_bytes() == b.read_bytes()
-    # 2 was never written (the synchronous writer wrote each, then deleted it).
+    # 2 was never written (the synchronous checkpointer wrote each, then deleted it).
     assert [[s for s, _ in batch] for batch in batches] == [[1], [3], [1], [2], [3]]
 
 

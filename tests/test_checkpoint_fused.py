@@ -235,7 +235,7 @@ def test_a_sigterm_during_a_fused_call_saves_once_after_it_and_the_resume_ends_t
 
 
 def test_together_writes_its_saves_as_one_batch_with_the_item_of_the_last(tmp_path, monkeypatch):
-    """``Checkpointer.together``: the block's saves reach the writer as one batch as it ends
+    """``Checkpointer.together``: the block's saves reach the save thread as one batch as it ends
     (the newest with its state/ item when ``last``); the reference is each tree read back."""
     import jax.numpy as jnp
 

@@ -47,9 +47,11 @@ def test_a_flipped_bit_in_a_shard_is_refused_naming_the_leaf_and_a_restore_falls
     for key in ("flipped_error", "flipped_error_other_mesh"):
         assert "step 2: leaf ['w'] (leaf_" in seen[key], seen[key]
         assert "its shard [[32, 64], [16, 32]] does not match its crc32" in seen[key]
+        assert "Restore another" not in seen[key]  # restore_checkpoint's advice is a note
     assert seen["fallback_step"] == 1 and seen["fallback_same"]
     assert len(seen["fallback_warnings"]) == 1
     assert "skipped checkpoint 2" in seen["fallback_warnings"][0]
+    assert "Restore another" not in seen["fallback_warnings"][0]  # it restored another
     assert seen["restores_wrote_nothing"]
 
 
@@ -68,6 +70,7 @@ def test_a_sharded_fit_resumes_past_a_damaged_checkpoint_as_the_uninterrupted_ru
     assert (
         "leaf " in seen["fit_warnings"][0] and "does not match its crc32" in seen["fit_warnings"][0]
     )
+    assert "Restore another" not in seen["fit_warnings"][0]  # it restored another
     assert seen["fit_same"]  # bitwise the 3 epochs straight
     assert seen["set_aside"] == [f"{seen['newest']}.nnxscan-corrupt"]
 

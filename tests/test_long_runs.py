@@ -197,10 +197,10 @@ def test_a_signal_finishes_the_call_saves_and_raises_then_resume_goes_on(
     assert_trees_close(again.model, ref_model, exact=True)
 
 
-def test_an_escaping_exception_keeps_the_history_and_closes_the_writers(tmp_path):
+def test_an_escaping_exception_keeps_the_history_and_closes_the_callbacks(tmp_path):
     closed = []
 
-    class Writer:
+    class ClosableCallback:  # as a log writer: fit closes it
         def on_epoch_end(self, trainer, epoch, logs):
             if epoch == 1:
                 raise RuntimeError("disk full")
@@ -210,7 +210,7 @@ def test_an_escaping_exception_keeps_the_history_and_closes_the_writers(tmp_path
 
     trainer = Trainer(BNDropout(rngs=nnx.Rngs(0)), TX, xent)
     with pytest.raises(RuntimeError, match="disk full") as err:
-        trainer.fit(DATA, epochs=4, batch_size=BS, progress=False, callbacks=[Writer()])
+        trainer.fit(DATA, epochs=4, batch_size=BS, progress=False, callbacks=[ClosableCallback()])
     assert [e["epoch"] for e in err.value.history.epochs] == [0, 1]
     assert closed == [True]
 

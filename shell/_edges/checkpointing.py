@@ -309,7 +309,7 @@ class RunLog:
                 if checked and record.get("at") != offset:
                     raise corrupt(
                         f"the run log {log} has a line written for byte {record.get('at')} at "
-                        f"byte {offset}: lines of two runs are interleaved (two writers on "
+                        f"byte {offset}: lines of two runs are interleaved (two runs wrote "
                         f"one directory)"
                     )
                 losses += list(record["losses"])

@@ -1,19 +1,19 @@
-"""The background writer of a checkpointer's asynchronous saves: a bounded queue, in order.
+"""The save thread of a checkpointer's asynchronous saves: a bounded queue, in order.
 
 Jobs (a save, or the saves a fused call made together) are queued as they come; one
 thread takes everything queued at once and writes it as one batch (the checkpointer's
 ``_write_jobs``: every file of the batch fsync'ed together, then each checkpoint renamed
-into place, in order), so that a writer that falls behind waits for the disk once for
-several saves instead of once for each. The training thread waits only when the writer is
-more than one job behind: when :data:`QUEUED` jobs already wait behind the batch being
+into place, in order), so that a save thread that falls behind waits for the disk once for
+several saves instead of once for each. The training thread waits only when the save thread
+is more than one job behind: when :data:`QUEUED` jobs already wait behind the batch being
 written, or one job of more than :data:`QUEUED_BYTES` does (a save's host copy is held
 until it is written). A process killed meanwhile loses what is not yet renamed into place:
 the batch being written and the jobs queued, at most ``2 * QUEUED`` jobs (the checkpoints
 before stay).
 
 A failed batch drops the saves queued behind it (they would follow a checkpoint that is
-not there) and its error is raised, once, by the next :meth:`Writer.make_room` or
-:meth:`Writer.drain`.
+not there) and its error is raised, once, by the next :meth:`SaveThread.make_room`
+or :meth:`SaveThread.drain`.
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-#: A job waits while this many jobs are queued, not yet taken by the writer ...
+#: A job waits while this many jobs are queued, not yet taken by the save thread ...
 QUEUED = 2
 #: ... or one job holding more bytes than this (large models keep one copy queued).
 QUEUED_BYTES = 64 * 2**20
 
 
-class Writer:
+class SaveThread:
     """Writes queued jobs in order, on one thread, several per ``write`` call when behind.
 
     Example:
-      >>> writer = Writer(lambda batch: print([job for job in batch]))
-      >>> writer.submit(1); writer.drain(); writer.close()
+      >>> save_thread = SaveThread(lambda batch: print([job for job in batch]))
+      >>> save_thread.submit(1); save_thread.drain(); save_thread.close()
       [1]
     """
 
@@ -76,7 +76,7 @@ class Writer:
             self._cond.notify_all()
 
     def amend_last(self, change: Callable[[Any], Any]) -> bool:
-        """Replaces the newest queued job (not yet taken by the writer) by ``change(job)``,
+        """Replaces the newest queued job (not yet taken by the save thread) by ``change(job)``,
         unless that is None; returns whether it did."""
         with self._cond:
             if not self._queued:
@@ -137,12 +137,12 @@ class Writer:
             thread.join()
 
 
-_LIVE: weakref.WeakSet[Writer] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[SaveThread] = weakref.WeakSet()
 
 
 def _drain_at_exit() -> None:
-    """At the interpreter's exit, writes what writers never closed still queue (as the
+    """At the interpreter's exit, writes what save threads never closed still queue (as the
     executor that wrote saves before did: its threads were joined at exit)."""
-    for writer in list(_LIVE):
+    for save_thread in list(_LIVE):
         with contextlib.suppress(BaseException):  # raised already, or the next run's to see
-            writer.drain()
+            save_thread.drain()
