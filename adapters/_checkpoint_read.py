@@ -235,9 +235,10 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
             restore_args[buffer] = ocp.RestoreArgs(restore_type=np.ndarray)
         arrays = {}
         if restore_args:
-            item = ocp.args.PyTreeRestore(restore_args=restore_args)
+            item = _partial_restore(ocp, records, buffers, restore_args)
             try:
                 arrays = manager.restore(step, args=ocp.args.Composite(arrays=item))["arrays"]
+                arrays = {name: arrays[name] for name in restore_args}
             except (ValueError, OSError, KeyError, FileNotFoundError) as error:
                 # The manifest was valid and the template fits: what orbax (tensorstore)
                 # cannot read is damaged ("DATA_LOSS: ... checksum verification failed").
@@ -261,6 +262,24 @@ def _read_orbax(where: pathlib.Path, template: Template) -> tuple:
                 f"checkpoint {where.parent} step {step}: {error}."
             ) from None
     return matched, arrays
+
+
+def _partial_restore(
+    ocp: Any, records: list[Leaf], buffers: dict[str, Any], restore_args: dict[str, Any]
+) -> Any:
+    """orbax's restore of the ``arrays/`` item reading only ``restore_args``'s arrays.
+
+    The item holds every packed buffer and every array written on its own; orbax requires
+    the restore's structure to be the saved one, key for key. A template of some entries
+    (the model state alone) needs some of them: the rest, named from the manifest, are
+    orbax's placeholders (not read). A key the manifest names and the item lacks, or the
+    other way round, is still a structure error (a damaged checkpoint)."""
+    saved = [*buffers, *(r.name for r in records if r.kind in ARRAY_KINDS and not r.buffer)]
+    skipped = dict.fromkeys(saved, ocp.PLACEHOLDER)
+    return ocp.args.PyTreeRestore(
+        item={**skipped, **restore_args},  # its other leaves give the structure only
+        restore_args={**dict.fromkeys(saved, ocp.RestoreArgs()), **restore_args},
+    )
 
 
 def _check_shards(where: pathlib.Path, matched: list, arrays: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from nnxscan.adapters.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
-from nnxscan.shell import Trainer
+from nnxscan.shell import Trainer, load_model
 
 MESH = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
 
@@ -223,6 +223,20 @@ def fit_cases(root: pathlib.Path) -> dict:
         )
     )
     out["set_aside"] = sorted(p.name for p in directory.iterdir() if "corrupt" in p.name)
+    # The model state alone (the optimizer's sharded moments and int32 counter unread),
+    # onto the default device, from the newest checkpoint: the resumed fit's last.
+    loaded = []
+    out["load_error"] = expect_corrupt(
+        lambda: loaded.append(load_model(directory, nnx.eval_shape(lambda: MLP(nnx.Rngs(0)))))
+    )
+    out["loaded_same"] = bool(loaded) and all(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(
+            jax.tree.leaves(nnx.state(straight.model)),
+            jax.tree.leaves(nnx.state(loaded[0])),
+            strict=True,
+        )
+    )
     return out
 
 

@@ -92,6 +92,57 @@ def test_both_storages_restore_the_same_bits(tmp_path):
     assert_same(through_orbax, saved)
 
 
+def with_optimizer(step: int) -> dict:
+    """A model state and an optimizer state beside it: an int32 counter (a dtype the model
+    state has none of) and float32 moments (packed with the model's float32 arrays)."""
+    state = every_kind(step)
+    moments = {"f32": state["f32"] * 2, "bf16": state["bf16"] * 2}
+    return {
+        "state": state,
+        "opt_state": {"count": jnp.asarray(step, jnp.int32), "mu": moments, "nu": moments},
+        "meta": {"epoch": step},
+    }
+
+
+def test_a_template_of_some_entries_restores_them_alone_from_both_storages(tmp_path):
+    """A template of the model state alone (what load_model restores) reads it alone, from
+    orbax's storage as from the own files, bitwise; so does one of the optimizer state
+    alone. orbax's reader refused the first as damaged (its packed buffers asked of orbax
+    were not all the saved ones), and with fallback=True every checkpoint was skipped."""
+    saved = with_optimizer(6)
+    save_checkpoint(tmp_path / "own", 6, saved)
+    save_checkpoint(tmp_path / "orbax", 6, saved, storage="orbax")
+    for like in ({"state": every_kind(0)}, {"opt_state": with_optimizer(0)["opt_state"]}):
+        want = {entry: saved[entry] for entry in like}
+        own, _ = restore_checkpoint(tmp_path / "own", like)
+        through_orbax, step = restore_checkpoint(tmp_path / "orbax", like, fallback=True)
+        assert step == 6
+        assert_same(own, want)
+        assert_same(through_orbax, want)
+        assert_same(through_orbax, own)
+
+
+def test_a_template_of_some_entries_still_finds_another_checkpoints_orbax_arrays(tmp_path):
+    import shutil
+
+    save_checkpoint(tmp_path, 1, with_optimizer(1), storage="orbax")
+    save_checkpoint(tmp_path, 2, with_optimizer(2), storage="orbax")
+    shutil.rmtree(tmp_path / "2" / "arrays")
+    shutil.copytree(tmp_path / "1" / "arrays", tmp_path / "2" / "arrays")
+    like = {"state": every_kind(0)}
+    with pytest.raises(CorruptCheckpointError, match=rf"step 2: buffer 'pack_\w+' in "
+                       rf"{tmp_path / '2' / 'arrays'} \(orbax's item\): its bytes do not "
+                       r"match their crc32"):  # fmt: skip
+        restore_checkpoint(tmp_path, like, step=2)
+    with pytest.warns(UserWarning, match="skipped checkpoint 2"):
+        tree, step = restore_checkpoint(tmp_path, like, fallback=True)
+    assert step == 1
+    assert_same(tree, {"state": with_optimizer(1)["state"]})
+    shutil.rmtree(tmp_path / "2" / "arrays")  # what orbax cannot read at all
+    with pytest.raises(CorruptCheckpointError, match=r"step 2: its arrays .* cannot be read"):
+        restore_checkpoint(tmp_path, like, step=2)
+
+
 def test_one_directory_may_hold_both_and_max_to_keep_counts_both(tmp_path):
     with Checkpointer(tmp_path, max_to_keep=3, storage="orbax") as checkpointer:
         for step in (1, 2):
