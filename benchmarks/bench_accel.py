@@ -278,7 +278,7 @@ def bench_workload(name: str, reps: int, only: set[str] | None = None) -> list[s
 # -- populations --------------------------------------------------------------------------------
 
 
-def population_rows(members: int, epochs: int) -> list[str]:
+def population_rows(num_members: int, epochs: int) -> list[str]:
     from _workloads import digits
 
     images, labels = digits(1792)
@@ -294,10 +294,10 @@ def population_rows(members: int, epochs: int) -> list[str]:
 
     build(1)  # the first build in a process compiles Flax's initialisers
     one = statistics.median(build(1) for _ in range(3))
-    many = statistics.median(build(members) for _ in range(3))
+    many = statistics.median(build(num_members) for _ in range(3))
 
     start = time.perf_counter()
-    population = Population(model_fn, TX, xent, seeds=range(members))
+    population = Population(model_fn, TX, xent, seeds=range(num_members))
     history = population.fit(data, epochs=epochs, batch_size=32, progress=False)
     whole = time.perf_counter() - start
     trainer = Trainer(model_fn(nnx.Rngs(0)), TX, xent)
@@ -318,10 +318,10 @@ def population_rows(members: int, epochs: int) -> list[str]:
         "| what | seconds | ratio |",
         "|---|---:|---:|",
         f"| build 1 member | {one:.3f} | 1.00 |",
-        f"| build {members} members | {many:.3f} | {many / one:.2f} |",
-        f"| whole run, {members} members x {epochs} epochs | {whole:.2f} | |",
-        f"| one warm Trainer.fit x {members} | {warm_fit * members:.2f} | "
-        f"{warm_fit * members / whole:.1f}x the population |",
+        f"| build {num_members} members | {many:.3f} | {many / one:.2f} |",
+        f"| whole run, {num_members} members x {epochs} epochs | {whole:.2f} | |",
+        f"| one warm Trainer.fit x {num_members} | {warm_fit * num_members:.2f} | "
+        f"{warm_fit * num_members / whole:.1f}x the population |",
         f"\nmembers 0-2 against their lone Trainer.fit, every step's loss: largest relative "
         f"difference {max(gaps):.2e}",
         f"\nlast epoch's loss over members: min {losses.min():.4f}, median "

@@ -24,7 +24,7 @@ built``: the nodes and their ``nnx.Optimizer`` built before the clock) it record
 
 and, inside fit's traces, nnxscan's own parts (timed by wrapping nnxscan's internals here,
 without changing them): the plan rule's probe (``plans.step_traits``: the step traced once,
-no compile, its trace kept by jit for the program) and the convolution layout rewrite
+no compile, its trace kept by jit for the program) and the convolution rewrite
 (``canonical_conv_dimensions``, around the runner's trace on the CPU). Beside the runs: the
 imports (each package's increment, in a new process), the model's construction (from
 empty caches: its initializers compile) and a first evaluation (``Trainer.evaluate``, a

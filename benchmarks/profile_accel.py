@@ -103,7 +103,7 @@ class _CompileLog(logging.Handler):
             self.lines.append(message.split("\n")[0][:160])
 
 
-def build_part(members: int) -> None:
+def build_part(num_members: int) -> None:
     model_fn = lambda rngs: MLP([64, 128, 128, 10], rngs=rngs)  # noqa: E731
     jax.block_until_ready(
         jax.tree.leaves(Population(model_fn, TX, xent, seeds=range(1))._owner.read()[1])
@@ -112,7 +112,7 @@ def build_part(members: int) -> None:
     jax.config.update("jax_log_compiles", True)
     logging.getLogger("jax").addHandler(handler)  # its modules' loggers propagate to it
     try:
-        for n in (1, members):
+        for n in (1, num_members):
             handler.lines.clear()
             profile = cProfile.Profile()
             start = time.perf_counter()
@@ -130,18 +130,18 @@ def build_part(members: int) -> None:
         jax.config.update("jax_log_compiles", False)
 
 
-def drift_part(members: int, epochs: int) -> None:
+def drift_part(num_members: int, epochs: int) -> None:
     from _workloads import digits
 
     images, labels = digits(1792)
     data = {"x": images.reshape(len(images), -1), "y": labels}
     model_fn = lambda rngs: MLP([64, 128, 128, 10], rngs=rngs)  # noqa: E731
-    print(f"\n### drift of members 0-2 from their lone Trainer.fit ({members} members)\n")
+    print(f"\n### drift of members 0-2 from their lone Trainer.fit ({num_members} members)\n")
     print("| matmul precision | largest relative difference, every step's loss |")
     print("|---|---:|")
     for precision in (None, "highest"):
         with jax.default_matmul_precision(precision):
-            history = Population(model_fn, TX, xent, seeds=range(members)).fit(
+            history = Population(model_fn, TX, xent, seeds=range(num_members)).fit(
                 data, epochs=epochs, batch_size=32, progress=False
             )
             gaps = []

@@ -43,8 +43,9 @@ from conftest import MLP, make_data, xent
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = tuple(os.path.join(ROOT, p) + os.sep for p in ("pure", "shell", "adapters"))
 
-#: The issue's bound.
-MOST_RETURNS = 5
+#: What the walk takes now (the issue's bound is 5; it was 5 before the data's path was
+#: shortened, so 5 would let it grow back unseen).
+MOST_RETURNS = 2
 
 
 def _is_ours(code: types.CodeType) -> bool:

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from nnxscan.pure import Step, init_opt_state, split_wrt
-from nnxscan.shell import EarlyStopping, Trainer
+from nnxscan.shell import EarlyStopping, Plan, Trainer
 
 from conftest import ACROSS_PROGRAMS, MLP, assert_trees_close, xent
 
@@ -164,6 +164,13 @@ def test_data_none_needs_steps_per_epoch_and_steps_per_epoch_needs_no_data(data)
     assert trainer.step == 0 and all(
         np.array_equal(a, b) for a, b in zip(before, after, strict=True)
     )
+
+
+def test_plan_for_without_data_is_the_plan_of_a_step_that_takes_no_batch():
+    # "auto" scans; an explicit plan is kept: plan_for(None, ...) asks for no data set.
+    assert Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER).plan_for(None, 1) == Plan("scan")
+    stepped = Trainer(MLP(rngs=nnx.Rngs(0)), train_step=SAMPLER, execution="step")
+    assert stepped.plan_for(None, 1).kind == "step"
 
 
 def test_the_step_is_traced_once_even_with_weakly_typed_state():

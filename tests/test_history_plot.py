@@ -139,14 +139,14 @@ def test_smoothing_window_follows_the_smooth_argument_and_spans_at_most_a_tenth_
             _smoothing_window(bad, 100)
 
 
-def _population_history(members: int) -> History:
+def _population_history(num_members: int) -> History:
     rng = np.random.default_rng(1)
-    history = History(losses=np.zeros((0, members), np.float32))
+    history = History(losses=np.zeros((0, num_members), np.float32))
     for epoch in range(4):
-        losses = np.exp(-np.arange(20)[:, None] / (10.0 * (1 + np.arange(members)))) + 0.1
-        losses = losses * (1 + 0.2 * rng.random((20, members))) / (epoch + 1)
+        losses = np.exp(-np.arange(20)[:, None] / (10.0 * (1 + np.arange(num_members)))) + 0.1
+        losses = losses * (1 + 0.2 * rng.random((20, num_members))) / (epoch + 1)
         logs = {"epoch": epoch, "steps": 20, "loss": losses.mean(axis=0),
-                "eval_accuracy": 0.5 + 0.1 * epoch + 0.01 * np.arange(members)}  # fmt: skip
+                "eval_accuracy": 0.5 + 0.1 * epoch + 0.01 * np.arange(num_members)}  # fmt: skip
         history._append(losses, logs)
     return history
 

@@ -292,10 +292,10 @@ class _Subject:
 
     ALLOWED = frozenset({"step", "num_members", "seeds", "hyperparams"})
 
-    def __init__(self, members: int | None):
-        self.step, self.num_members = 0, members
-        self.seeds = None if members is None else list(range(members))
-        self.hyperparams = None if members is None else {"lr": [0.1] * members}
+    def __init__(self, num_members: int | None):
+        self.step, self.num_members = 0, num_members
+        self.seeds = None if num_members is None else list(range(num_members))
+        self.hyperparams = None if num_members is None else {"lr": [0.1] * num_members}
 
     def __getattribute__(self, name: str):
         if name.startswith("__") or name in _Subject.ALLOWED:

@@ -113,8 +113,12 @@ class Engine:
         )
 
     def plan_for(self, data: Any, batch_size: int, member_batches: bool = False) -> Plan:
-        """The plan ``fit`` uses for this data set and batch size (traces, no compile)."""
+        """The plan ``fit`` uses for this data set and batch size (traces, no compile); for
+        ``data=None``, a step that takes no batch's. The data set is checked as ``fit``
+        checks it."""
         with self.bind().context():
+            if data is None:
+                return self.execution(None, self.run_layout("none", member_batches)).plan
             layout = self.run_layout("arrays", member_batches)
             return self.execution(layout.data_shapes(data, batch_size)[1], layout).plan
 

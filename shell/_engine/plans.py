@@ -10,13 +10,13 @@ Three plans:
 The ``"auto"`` rule is deterministic (every process picks the same plan): ``"scan"``, with
 consecutive epochs fused when nothing needs the host between them, for every backend and
 model: it minimizes the whole run, compile included. CNNs on the CPU scan too, as the
-compiled programs rewrite convolutions into the layout XLA:CPU gives only an entry
-computation (jax#12868; :func:`nnxscan.pure.canonical_conv_dimensions`). Unrolled chunks compile
-several times longer for the same per-step speed. A short run does not pick ``"step"``
-either: its per-step program compiles faster but runs its steps slower, and measured over
-short runs of five workloads it won steadily on none (a plan that changed with the epoch
-count would also break ``fit(2)`` + ``fit(2)`` being bitwise ``fit(4)``). Measurements:
-``docs/performance.md``.
+compiled programs rewrite convolutions into the dimension order XLA:CPU gives only an
+entry computation (jax#12868; :func:`nnxscan.pure.canonical_conv_dimensions`). Unrolled
+chunks compile several times longer for the same per-step speed. A short run does not
+pick ``"step"`` either: its per-step program compiles faster but runs its steps slower,
+and measured over short runs of five workloads it won steadily on none (a plan that
+changed with the epoch count would also break ``fit(2)`` + ``fit(2)`` being bitwise
+``fit(4)``). Measurements: ``docs/performance.md``.
 """
 
 from __future__ import annotations
