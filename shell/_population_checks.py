@@ -12,6 +12,7 @@ from flax import nnx
 from nnxscan.pure import Step, hyperparam_names, with_hyperparams
 from nnxscan.pure.checks import check_count, check_transform
 from nnxscan.shell._front_door import check_seed
+from nnxscan.shell._metric_direction import metric_direction
 from nnxscan.shell._module_check import call_model_fn
 from nnxscan.shell._user_steps import check_pure_step
 
@@ -156,10 +157,12 @@ def check_where(where: Any, num_members: int) -> Any:
     return where
 
 
-def check_best(metric: Any, mode: Any, latest: dict, num_members: int) -> np.ndarray:
-    """``best``'s values: one per member, given, or found by name in ``latest``."""
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode={mode!r}; use 'min' or 'max'.")
+def check_best(metric: Any, mode: Any, latest: dict, num_members: int) -> tuple[np.ndarray, str]:
+    """``best``'s values (one per member, given, or found by name in ``latest``) and its
+    mode, ``"auto"`` read off the name."""
+    if mode not in ("auto", "min", "max"):
+        raise ValueError(f"mode={mode!r}; use 'min', 'max' or 'auto'.")
+    name = metric if isinstance(metric, str) else None
     if isinstance(metric, str):
         if metric not in latest:
             raise ValueError(
@@ -175,4 +178,12 @@ def check_best(metric: Any, mode: Any, latest: dict, num_members: int) -> np.nda
         )
     if np.isnan(values).all():
         raise ValueError("every member's value is NaN: there is no best member.")
-    return values
+    if mode == "auto":
+        mode = None if name is None else metric_direction(name)
+        if mode is None:
+            said = "values given directly" if name is None else f"the name {name!r}"
+            raise ValueError(
+                f"best: mode='auto' cannot tell from {said} whether the best is the lowest "
+                f"or the highest; pass mode='min' or mode='max'."
+            )
+    return values, mode

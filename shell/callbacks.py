@@ -17,7 +17,6 @@ compiled call (or epoch), with the model written back. A ``Population`` passes i
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from nnxscan.adapters.distributed import is_primary
 from nnxscan.pure import select_members
 from nnxscan.shell._edges.stop_events import record_members, record_one_model
 from nnxscan.shell._edges.warn import warn
+from nnxscan.shell._metric_direction import metric_direction
 
 __all__ = ["EarlyStopping", "LambdaCallback"]
 
@@ -57,29 +57,6 @@ class LambdaCallback:
         for name, fn in zip(names, hooks, strict=True):
             if fn is not None:
                 setattr(self, name, fn)
-
-
-# Keras decides "auto" from the metric object's direction; nnxscan's metrics are plain dict
-# keys, so the direction is read off the name's words instead. Together these cover the
-# name of every Keras built-in metric (each maps to the direction Keras gives it).
-_MAX_WORDS = frozenset(
-    {"acc", "accuracy", "auc", "precision", "recall", "sensitivity", "specificity", "f1",
-     "fbeta", "iou", "r2", "correlation", "similarity"}
-)  # fmt: skip
-_MIN_WORDS = frozenset(
-    {"loss", "error", "mse", "mae", "mape", "msle", "rmse", "hinge", "crossentropy", "bce",
-     "xent", "nll", "divergence", "kld", "poisson", "logcosh", "perplexity"}
-)  # fmt: skip
-
-
-def _auto_mode(monitor: str) -> str | None:
-    """``"max"``, ``"min"`` or None (undecided) for a log key, as ``mode="auto"`` reads it."""
-    words = set(re.split(r"[^a-z0-9]+", monitor.lower().removeprefix("eval_")))
-    up = bool(words & _MAX_WORDS) or any(w.endswith(("acc", "accuracy")) for w in words)
-    down = bool(words & _MIN_WORDS)
-    if up == down:  # neither, or both ("acc_loss"): the user has to say
-        return None
-    return "max" if up else "min"
 
 
 class EarlyStopping:
@@ -154,7 +131,7 @@ class EarlyStopping:
                 raise ValueError(f"EarlyStopping: {name} must be an int >= 0, got {count!r}.")
         self.monitor = monitor
         # "auto" stays only when the name says nothing; the first checked epoch raises then.
-        self.mode = (_auto_mode(monitor) or "auto") if mode == "auto" else mode
+        self.mode = (metric_direction(monitor) or "auto") if mode == "auto" else mode
         self.patience, self.min_delta = patience, abs(float(min_delta))
         self.baseline = None if baseline is None else float(baseline)
         self.start_from_epoch = start_from_epoch

@@ -168,18 +168,20 @@ class Population(FrontDoor):
         """
         return self._owner.member(check_count(index, "index", 0, len(self) - 1))
 
-    def best(self, metric: str | Any, mode: str = "min") -> int:
+    def best(self, metric: str | Any, mode: str = "auto") -> int:
         """The index of the best member by ``metric``: one value per member (shape
         ``(N,)``), or the name of one (a metric of the latest :meth:`evaluate`, else a log
-        of the latest epoch, such as ``"loss"``). ``mode``: ``"min"`` or ``"max"``; NaN
-        values never win.
+        of the latest epoch, such as ``"loss"``). ``mode``: ``"min"``, ``"max"``, or
+        ``"auto"`` (the default): read off a name as ``EarlyStopping`` reads its monitor
+        (``"max"`` for accuracy-like names, ``"min"`` for loss-like ones); a name it cannot
+        tell, or values given directly, need ``"min"`` or ``"max"``. NaN values never win.
 
         Example:
           >>> pop.evaluate(test, accuracy, batch_size=256)
           >>> pop.best("accuracy", mode="max")
           2
         """
-        values = checks.check_best(metric, mode, self._latest, len(self))
+        values, mode = checks.check_best(metric, mode, self._latest, len(self))
         return int(np.nanargmin(values) if mode == "min" else np.nanargmax(values))
 
     @at_the_call

@@ -249,6 +249,11 @@ def test_evaluate_equals_each_members_trainer_evaluate(data):
     assert pop.best("xent") == int(np.argmin(values["xent"]))
     assert pop.best(values["accuracy"], mode="max") == int(np.argmax(values["accuracy"]))
     assert pop.best("loss") == int(np.argmin(history.epochs[-1]["loss"]))
+    # mode="auto" (the default) reads the name as EarlyStopping does: accuracy is maximized.
+    assert pop.best("accuracy") == int(np.argmax(values["accuracy"]))
+    assert pop.best("accuracy", mode="min") == int(np.argmin(values["accuracy"]))
+    with pytest.raises(ValueError, match="values given directly.*mode='min' or mode='max'"):
+        pop.best(values["accuracy"])
 
 
 @pytest.mark.slow
@@ -310,6 +315,8 @@ def test_errors_are_raised_before_anything_compiles(data, compile_count):
         pop.best("accuracy")
     with pytest.raises(ValueError, match=r"shape \(2,\)"):
         pop.best([0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="mode='min' or mode='max'"):
+        pop.best([0.1, 0.2])
     assert compile_count() == before
     assert (pop.epoch, pop.step) == (0, 0)
     assert_trees_close(pop.state, kept, exact=True)
