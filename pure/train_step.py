@@ -39,6 +39,15 @@ def split_wrt(state: nnx.State, wrt: nnx.filterlib.Filter) -> tuple[nnx.State, n
     Example:
       >>> params, rest = split_wrt(nnx.state(model), nnx.Param)
     """
+    if isinstance(state, tuple | list):
+        # The pieces of nnx.split(model, filter_a, filter_b, ...): Flax's own error, deep
+        # in its state code, names neither the argument nor the fix.
+        raise TypeError(
+            f"state must be one nnx.State (the module's whole state), got a "
+            f"{type(state).__name__} of {len(state)} pieces, as nnx.split(model, filter, "
+            f"...) returns them: merge them with nnx.merge_state(*pieces) (and split with "
+            f"one graphdef), or use nnx.split(model) / nnx.state(model)."
+        )
     params, rest = nnx.split_state(state, wrt, ...)
     if not jax.tree.leaves(params):
         raise ValueError(

@@ -89,7 +89,8 @@ class FrontDoor:
         self._config = dict(train_step=train_step, on_nonfinite=on_nonfinite)
         if self._step_kind != "loss":
             positional = [name for name, x in (("tx", tx), ("loss_fn", loss_fn)) if x is not None]
-            refuse_loss_options(positional + loss_options_given(options))
+            given = positional + loss_options_given(options)
+            refuse_loss_options(given, extras="extras" in options)  # a Population takes none
             self._config.update(loss_fn=None, has_aux=False, update_metrics=None, accumulate=1)
             return
         if tx is None or loss_fn is None:

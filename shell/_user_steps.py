@@ -23,15 +23,16 @@ from nnxscan.pure.checks import check_no_captured_nnx, globals_loaded
 _names = functools.lru_cache(maxsize=1024)(globals_loaded)
 
 
-def refuse_loss_options(given: list[str]) -> None:
-    """Options meant for the step built from a loss have no effect on a user's step."""
+def refuse_loss_options(given: list[str], *, extras: bool = True) -> None:
+    """Options meant for the step built from a loss have no effect on a user's step
+    (``extras``: whether the front door takes ``extras=``, which the advice then names)."""
     if given:
+        stateful = "; a stateful step takes its nnx.Rngs and metrics in extras=(...)"
         raise TypeError(
             f"train_step= replaces the step built from a loss, so {', '.join(given)} "
             f"{'has' if len(given) == 1 else 'have'} no effect: leave "
             f"{'it' if len(given) == 1 else 'them'} out (your step computes its loss, "
-            f"gradients and metrics itself; a stateful step takes its nnx.Rngs and metrics "
-            f"in extras=(...))."
+            f"gradients and metrics itself{stateful if extras else ''})."
         )
 
 

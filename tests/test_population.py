@@ -252,7 +252,7 @@ def test_evaluate_equals_each_members_trainer_evaluate(data):
     # mode="auto" (the default) reads the name as EarlyStopping does: accuracy is maximized.
     assert pop.best("accuracy") == int(np.argmax(values["accuracy"]))
     assert pop.best("accuracy", mode="min") == int(np.argmin(values["accuracy"]))
-    with pytest.raises(ValueError, match="values given directly.*mode='min' or mode='max'"):
+    with pytest.raises(ValueError, match=r"values given directly.*mode='min' or mode='max'"):
         pop.best(values["accuracy"])
 
 

@@ -302,8 +302,11 @@ def test_early_stopping_stops_each_member_as_its_own_trainer(data):
 
 
 def test_bad_arguments_are_refused_before_anything_compiles(data, compile_count):
-    with pytest.raises(TypeError, match="tx, loss_fn, has_aux have no effect"):
+    with pytest.raises(TypeError, match="tx, loss_fn, has_aux have no effect") as refused:
         Population(mlp, optax.adam(1e-3), xent, train_step=ADAMW, seeds=SEEDS, has_aux=True)
+    assert "extras" not in str(refused.value)  # a Population takes none: no advice to
+    with pytest.raises(TypeError, match=r"extras=\(\.\.\.\)"):  # a Trainer's advice has it
+        Trainer(mlp(nnx.Rngs(0)), train_step=ADAMW, has_aux=True)
     for options, name in (
         (dict(accumulate=2), "accumulate"),
         (dict(wrt=nnx.BatchStat), "wrt"),

@@ -284,6 +284,18 @@ def test_wrt_selecting_nothing_is_a_clear_error():
         init_opt_state(TX, state, wrt=nnx.BatchStat)
 
 
+def test_the_pieces_of_a_split_by_several_filters_are_a_clear_error(data):
+    # nnx.split(model, filter, ...) gives a state per filter; the step takes one state.
+    graphdef, params, rest = nnx.split(MLP(rngs=nnx.Rngs(0)), nnx.Param, ...)
+    step = make_train_step(xent, TX)
+    with pytest.raises(TypeError, match=r"one nnx\.State.*tuple of 2 pieces.*merge_state"):
+        step.init(graphdef, (params, rest))
+    with pytest.raises(TypeError, match=r"one nnx\.State.*merge_state"):
+        step.update(graphdef, (params, rest), None, data)
+    merged = nnx.merge_state(params, rest)  # what the message says works
+    jax.tree.leaves(step.update(graphdef, merged, step.init(graphdef, merged), data))
+
+
 def test_leading_sizes_that_differ_name_both_sizes():
     graphdef, state = _split()
     epoch = make_epoch(make_train_step(xent, TX), batch_size=4)
