@@ -56,9 +56,12 @@ class CSVWriter:
 
     Args:
       path: the CSV file; its folder is created if needed.
-      append: keep the rows of an existing file and add to them (its columns are kept);
-        by default an existing file is replaced on the first write. Either way, further
-        ``fit`` calls with the same writer continue the same file.
+      append: keep the rows of an existing file and add to them (its columns are kept).
+        By default the first write keeps only an existing file's rows of EARLIER epochs
+        than its own (a ``resume=True`` run continues its file: the epochs it restored
+        stay, and an epoch the killed run logged past its last checkpoint is written
+        again, once) and replaces the rest: a run from epoch 0 replaces the file. Either
+        way, further ``fit`` calls with the same writer continue the same file.
 
     Example:
       >>> trainer.fit(data, epochs=10, batch_size=32, eval_data=test, metric_fn=accuracy,
@@ -73,15 +76,19 @@ class CSVWriter:
         self._rows: list[dict[str, str]] = []
         self._started = False
 
-    def _start(self) -> None:
+    def _start(self, epoch: int) -> None:
         # Deferred to the first row so that building the callback list touches no files.
         self._started = True
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.append and self.path.exists() and self.path.stat().st_size > 0:
+        if (self.append or epoch > 0) and self.path.exists() and self.path.stat().st_size > 0:
             with self.path.open(newline="") as f:
                 reader = csv.DictReader(f)
                 self._columns = list(reader.fieldnames or [])
                 self._rows = [{k: v or "" for k, v in row.items() if k} for row in reader]
+            if not self.append:  # a resumed run: the epochs before its first stay
+                self._rows = [row for row in self._rows if _epoch_of(row) < epoch]
+                self._columns = self._columns if self._rows else []
+                self._rewrite()
         else:
             self._rewrite()
 
@@ -103,7 +110,7 @@ class CSVWriter:
     @_primary_only
     def on_epoch_end(self, trainer: Any, epoch: int, logs: dict[str, Any]) -> None:
         if not self._started:
-            self._start()
+            self._start(epoch)
         row = {key: ("" if v is None else str(_plain(v))) for key, v in spread(logs).items()}
         self._rows.append(row)
         new = [key for key in row if key not in self._columns]
@@ -115,6 +122,15 @@ class CSVWriter:
         # per epoch (not held open) so nothing leaks when fit raises before on_train_end.
         with self.path.open("a", newline="") as f:
             csv.DictWriter(f, self._columns, restval="").writerow(row)
+
+
+def _epoch_of(record: dict) -> float:
+    """A written row's (or line's) epoch; one without a readable epoch counts as after
+    every epoch (so a resumed run does not keep it)."""
+    try:
+        return int(record.get("epoch"))
+    except (TypeError, ValueError):
+        return math.inf
 
 
 def _json_value(value: Any) -> Any:
@@ -153,8 +169,10 @@ class JSONLinesWriter:
 
     Args:
       path: the ``.jsonl`` file; its folder is created if needed.
-      append: add to an existing file; by default it is replaced on the first write. Either
-        way, further ``fit`` calls with the same writer continue the same file.
+      append: add to an existing file. By default the first write keeps only an existing
+        file's lines of earlier epochs than its own (a ``resume=True`` run continues its
+        file, as :class:`CSVWriter`'s) and replaces the rest. Either way, further ``fit``
+        calls with the same writer continue the same file.
 
     Example:
       >>> trainer.fit(data, epochs=10, batch_size=32, callbacks=[JSONLinesWriter("logs.jsonl")])
@@ -172,7 +190,15 @@ class JSONLinesWriter:
             self._started = True
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not self.append:
-                self.path.write_text("")
+                kept = []
+                if epoch > 0 and self.path.exists():  # a resumed run: earlier epochs stay
+                    for line in self.path.read_text().splitlines():
+                        try:
+                            if _epoch_of(json.loads(line)) < epoch:
+                                kept.append(line + "\n")
+                        except (ValueError, AttributeError):
+                            pass  # a torn or foreign line: not an earlier epoch's
+                self.path.write_text("".join(kept))
         values = {key: _json_value(v) for key, v in logs.items()}
         try:
             line = json.dumps(values, allow_nan=False)

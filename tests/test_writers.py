@@ -151,6 +151,46 @@ def test_jsonl_replaces_by_default_and_appends_on_request(tmp_path):
     assert [_strict_loads(s)["epoch"] for s in path.read_text().splitlines()] == [0, 1, 2, 3]
 
 
+def test_a_resumed_run_continues_its_files_as_the_uninterrupted_runs(tmp_path):
+    # A run cut after 2 epochs, whose killed process also logged a third past its last
+    # checkpoint; resumed (a new process would build new writers) to 4 epochs. The files
+    # must hold the uninterrupted run's 4 epochs, the third once and as the resumed run
+    # trained it. The reference: one uninterrupted run writing its own files.
+    from nnxscan.shell import Trainer
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    data = {"x": x, "y": (x @ rng.normal(size=(4, 2))).astype(np.float32)}
+
+    def mse(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+    def fit(name, epochs, **options):
+        trainer = Trainer(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.adam(1e-2), mse)
+        files = tmp_path / f"{name}.csv", tmp_path / f"{name}.jsonl"
+        writers = [CSVWriter(files[0]), JSONLinesWriter(files[1])]
+        trainer.fit(data, epochs=epochs, batch_size=16, progress=False, callbacks=writers,
+                    **options)  # fmt: skip
+        return files
+
+    whole = fit("whole", 4)
+    cut = fit("cut", 2, checkpoint_dir=tmp_path / "ckpt")
+    with cut[0].open("a") as f:
+        f.write("2,9.9,4,1.0,0.1\n")  # logged by the killed process past its checkpoint
+    with cut[1].open("a") as f:
+        f.write('{"epoch": 2, "loss": 9.9}\n{"epoch": 3, "lo')  # and a torn line
+    resumed = fit("cut", 4, checkpoint_dir=tmp_path / "ckpt", resume=True)
+
+    def without_speed(rows):
+        return [{k: v for k, v in row.items() if k not in ("steps_per_sec", "wall_time", "compile_time")}
+                for row in rows]  # fmt: skip
+
+    assert without_speed(_read_csv(resumed[0])[1]) == without_speed(_read_csv(whole[0])[1])
+    lines = [without_speed([_strict_loads(s) for s in f.read_text().splitlines()])
+             for f in (resumed[1], whole[1])]  # fmt: skip
+    assert lines[0] == lines[1] and [line["epoch"] for line in lines[0]] == [0, 1, 2, 3]
+
+
 # -- TensorBoard ----------------------------------------------------------------------------------
 
 
