@@ -151,6 +151,17 @@ def test_jsonl_replaces_by_default_and_appends_on_request(tmp_path):
     assert [_strict_loads(s)["epoch"] for s in path.read_text().splitlines()] == [0, 1, 2, 3]
 
 
+def _regression() -> dict:
+    """A small linear regression's data set (for ``_mse``): the real fits' data."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    return {"x": x, "y": (x @ rng.normal(size=(4, 2))).astype(np.float32)}
+
+
+def _mse(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
 def test_a_resumed_run_continues_its_files_as_the_uninterrupted_runs(tmp_path):
     # A run cut after 2 epochs, whose killed process also logged a third past its last
     # checkpoint; resumed (a new process would build new writers) to 4 epochs. The files
@@ -158,15 +169,10 @@ def test_a_resumed_run_continues_its_files_as_the_uninterrupted_runs(tmp_path):
     # trained it. The reference: one uninterrupted run writing its own files.
     from nnxscan.shell import Trainer
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 4)).astype(np.float32)
-    data = {"x": x, "y": (x @ rng.normal(size=(4, 2))).astype(np.float32)}
-
-    def mse(model, batch):
-        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+    data = _regression()
 
     def fit(name, epochs, **options):
-        trainer = Trainer(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.adam(1e-2), mse)
+        trainer = Trainer(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.adam(1e-2), _mse)
         files = tmp_path / f"{name}.csv", tmp_path / f"{name}.jsonl"
         writers = [CSVWriter(files[0]), JSONLinesWriter(files[1])]
         trainer.fit(data, epochs=epochs, batch_size=16, progress=False, callbacks=writers,
@@ -290,19 +296,14 @@ def test_text_logger_every_n_epochs_and_always_the_last(tmp_path, capsys):
 def test_writers_in_a_real_fit(tmp_path):
     from nnxscan.shell import Trainer
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 4)).astype(np.float32)
-    data = {"x": x, "y": (x @ rng.normal(size=(4, 2))).astype(np.float32)}
-
-    def mse(model, batch):
-        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+    data = _regression()
 
     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     callbacks = [CSVWriter(tmp_path / "a.csv"), JSONLinesWriter(tmp_path / "a.jsonl")]
     have_tb = _importable("tensorboardX")
     if have_tb:
         callbacks.append(TensorBoardWriter(tmp_path / "tb"))
-    history = Trainer(model, optax.adam(1e-2), mse).fit(
+    history = Trainer(model, optax.adam(1e-2), _mse).fit(
         data, epochs=3, batch_size=8, callbacks=callbacks, progress=False
     )
     _, rows = _read_csv(tmp_path / "a.csv")
